@@ -1,0 +1,140 @@
+//! The node report: one cluster-scoped `TeeCapacity` (`teeguard.dev/v1alpha1`) per node, named after the
+//! node, written by that node's agent and read by the webhook.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use kube::core::crd::CustomResourceExt;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::tee::TeeKind;
+
+/// `spec` of a `TeeCapacity`: which node it describes (the object's name is the node's name too).
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "teeguard.dev",
+    version = "v1alpha1",
+    kind = "TeeCapacity",
+    plural = "teecapacities",
+    singular = "teecapacity",
+    shortname = "teecap",
+    category = "teeguard",
+    status = "TeeCapacityStatus",
+    derive = "PartialEq",
+    derive = "Default",
+    doc = "TEE key capacity and usage of one node, as its teeguard agent reads them from the kernel.",
+    printcolumn = r#"{"name": "TDX-Free", "type": "integer", "jsonPath": ".status.tdx.free", "description": "TDX keys free for new VMs"}"#,
+    printcolumn = r#"{"name": "TDX-Cap", "type": "integer", "jsonPath": ".status.tdx.capacity", "description": "TDX keys on the host", "priority": 1}"#,
+    printcolumn = r#"{"name": "SEV-Free", "type": "integer", "jsonPath": ".status.sev.free", "description": "SEV ASIDs free for new VMs"}"#,
+    printcolumn = r#"{"name": "SEV-ES-Free", "type": "integer", "jsonPath": ".status.sevEs.free", "description": "SEV-ES/SNP ASIDs free for new VMs"}"#,
+    printcolumn = r#"{"name": "External", "type": "integer", "jsonPath": ".status.tdx.external", "description": "TDX keys held outside Kubernetes pods that request them", "priority": 1}"#,
+    printcolumn = r#"{"name": "Heartbeat", "type": "date", "jsonPath": ".status.heartbeatTime", "description": "When the agent last published"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct TeeCapacitySpec {
+    /// The node this report describes.
+    pub node_name: String,
+}
+
+/// What the agent observed on its node.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TeeCapacityStatus {
+    /// Intel TDX keys (HKIDs); absent when the host has no TDX capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tdx: Option<KindStatus>,
+    /// AMD SEV ASIDs; absent when the host has no SEV capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sev: Option<KindStatus>,
+    /// AMD SEV-ES/SEV-SNP ASIDs; absent when the host has no SEV-ES capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sev_es: Option<KindStatus>,
+    /// When the agent last published this status; a report older than the webhook's
+    /// `admission.staleReportAfter` counts as unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_time: Option<Time>,
+    /// Version of the agent that wrote the report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_version: Option<String>,
+    /// `KernelReadable`, `TeeHardware`, `PerPodAccounting`, `Advertising`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// Capacity and usage of one kind of TEE key on one node.
+///
+/// `free = capacity − kernelUsed − pending` (never below zero); `external = kernelUsed − podsUsed`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KindStatus {
+    /// The extended resource pods request for this kind (`tdx.intel.com/keys`).
+    pub resource_name: String,
+    /// Keys the kernel can hand out (`misc.capacity`).
+    pub capacity: u64,
+    /// Keys the kernel has handed out (`misc.current` at the root).
+    pub kernel_used: u64,
+    /// Keys held by pods that request the resource (KubeVirt VMs, Kata pods).
+    pub pods_used: u64,
+    /// Keys held by anything that does not request the resource: other runtimes, VMs outside Kubernetes.
+    pub external: u64,
+    /// Keys requested by pods bound to the node that the kernel does not show yet.
+    pub pending: u64,
+    /// Keys a new VM can still get.
+    pub free: u64,
+    /// What the agent advertises as the node's capacity of the extended resource
+    /// (`capacity − external`); absent when it does not advertise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertised: Option<u64>,
+}
+
+impl TeeCapacityStatus {
+    /// The figures for one kind, if the host has it.
+    pub fn kind(&self, kind: TeeKind) -> Option<&KindStatus> {
+        match kind {
+            TeeKind::Tdx => self.tdx.as_ref(),
+            TeeKind::Sev => self.sev.as_ref(),
+            TeeKind::SevEs => self.sev_es.as_ref(),
+        }
+    }
+
+    /// Mutable slot for one kind.
+    pub fn kind_mut(&mut self, kind: TeeKind) -> &mut Option<KindStatus> {
+        match kind {
+            TeeKind::Tdx => &mut self.tdx,
+            TeeKind::Sev => &mut self.sev,
+            TeeKind::SevEs => &mut self.sev_es,
+        }
+    }
+
+    /// The kinds present, in [`TeeKind::ALL`] order.
+    pub fn kinds(&self) -> impl Iterator<Item = (TeeKind, &KindStatus)> {
+        TeeKind::ALL
+            .into_iter()
+            .filter_map(|k| self.kind(k).map(|s| (k, s)))
+    }
+
+    /// The condition of the given type, if present.
+    pub fn condition(&self, type_: &str) -> Option<&Condition> {
+        self.conditions.iter().find(|c| c.type_ == type_)
+    }
+}
+
+/// The `CustomResourceDefinition` for `TeeCapacity` as YAML, exactly as committed under
+/// `charts/teeguard/crds/`.
+pub fn crd_yaml() -> Result<String> {
+    let crd = TeeCapacity::crd();
+    let body = serde_yaml::to_string(&crd).map_err(|e| Error::Serialize {
+        what: "the TeeCapacity CustomResourceDefinition",
+        reason: e.to_string(),
+    })?;
+    Ok(format!(
+        "# Generated from the Rust type teeguard_shared::crd::TeeCapacity. Do not edit by hand:\n\
+         # run `TEEGUARD_REGENERATE=1 cargo test -p teeguard-shared --test crd_drift` to update.\n{body}"
+    ))
+}
+
+/// Path of the generated CRD inside the repository.
+pub const CRD_CHART_PATH: &str = "charts/teeguard/crds/teecapacities.teeguard.dev.yaml";
