@@ -1,0 +1,462 @@
+//! The AdmissionReview envelope (`admission.k8s.io/v1`): parse a request once, build a response.
+//!
+//! The request is parsed in one pass over the body; the embedded object is kept as raw JSON
+//! (borrowed from the body) and decoded into a typed object only by the handler that wants it.
+//! The response is written by hand rather than with kube's `AdmissionResponse`, whose `patch`
+//! serialises as an array of numbers (kube issue 1781): here it is base64, as documented.
+
+use std::collections::BTreeMap;
+
+use base64::prelude::{BASE64_STANDARD, Engine as _};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+use crate::error::{Error, Result};
+
+/// `apiVersion` of the reviews this webhook accepts and sends.
+pub const API_VERSION: &str = "admission.k8s.io/v1";
+/// `kind` of the reviews this webhook accepts and sends.
+pub const KIND: &str = "AdmissionReview";
+
+/// The operation of an admission request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Operation {
+    /// CREATE.
+    Create,
+    /// UPDATE.
+    Update,
+    /// DELETE.
+    Delete,
+    /// CONNECT.
+    Connect,
+}
+
+/// `group`/`version`/`kind` of the object under review.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct Gvk {
+    /// API group; empty for the core group.
+    #[serde(default)]
+    pub group: String,
+    /// API version.
+    #[serde(default)]
+    pub version: String,
+    /// Kind.
+    #[serde(default)]
+    pub kind: String,
+}
+
+/// `group`/`version`/`resource` of the object under review.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct Gvr {
+    /// API group; empty for the core group.
+    #[serde(default)]
+    pub group: String,
+    /// API version.
+    #[serde(default)]
+    pub version: String,
+    /// Resource (plural).
+    #[serde(default)]
+    pub resource: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawReview<'a> {
+    #[serde(default)]
+    api_version: Option<String>,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default, borrow)]
+    request: Option<RawRequest<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawRequest<'a> {
+    #[serde(default)]
+    uid: Option<String>,
+    #[serde(default)]
+    kind: Gvk,
+    #[serde(default)]
+    resource: Gvr,
+    #[serde(default)]
+    sub_resource: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+    operation: Option<Operation>,
+    #[serde(default)]
+    dry_run: Option<bool>,
+    #[serde(default, borrow)]
+    object: Option<&'a RawValue>,
+}
+
+/// One admission request, parsed from an AdmissionReview body. The object stays raw JSON borrowed
+/// from the body until [`ReviewRequest::object`] decodes it.
+#[derive(Debug)]
+pub struct ReviewRequest<'a> {
+    /// The request UID, echoed in the response.
+    pub uid: String,
+    /// Kind of the object.
+    pub kind: Gvk,
+    /// Resource of the object.
+    pub resource: Gvr,
+    /// Subresource (`binding`, `status`, ...), empty for the main resource.
+    pub sub_resource: String,
+    /// Object name; empty for a `generateName` CREATE.
+    pub name: String,
+    /// Namespace of the request; empty for cluster-scoped objects.
+    pub namespace: String,
+    /// The operation.
+    pub operation: Operation,
+    /// Dry run: the API server will not persist the object.
+    pub dry_run: bool,
+    raw_object: Option<&'a RawValue>,
+}
+
+impl<'a> ReviewRequest<'a> {
+    /// Parse an AdmissionReview body. Bad JSON, a wrong `apiVersion`/`kind`, a missing `request`,
+    /// `uid` or `operation` are [`Error::BadReview`] (HTTP 400).
+    pub fn parse(body: &'a [u8]) -> Result<Self> {
+        let raw: RawReview<'a> = serde_json::from_slice(body)
+            .map_err(|e| Error::BadReview(format!("invalid JSON: {e}")))?;
+        match raw.api_version.as_deref() {
+            Some(API_VERSION) => {}
+            Some(other) => {
+                return Err(Error::BadReview(format!(
+                    "apiVersion {other:?} is not supported: expected {API_VERSION:?} (set admissionReviewVersions: [v1])"
+                )));
+            }
+            None => {
+                return Err(Error::BadReview(format!(
+                    "apiVersion is missing: expected {API_VERSION:?}"
+                )));
+            }
+        }
+        if raw.kind.as_deref() != Some(KIND) {
+            return Err(Error::BadReview(format!(
+                "kind is {:?}: expected {KIND:?}",
+                raw.kind.unwrap_or_default()
+            )));
+        }
+        let req = raw
+            .request
+            .ok_or_else(|| Error::BadReview("request is missing".into()))?;
+        let uid = req
+            .uid
+            .filter(|u| !u.is_empty())
+            .ok_or_else(|| Error::BadReview("request.uid is missing".into()))?;
+        let operation = req
+            .operation
+            .ok_or_else(|| Error::BadReview("request.operation is missing".into()))?;
+        Ok(ReviewRequest {
+            uid,
+            kind: req.kind,
+            resource: req.resource,
+            sub_resource: req.sub_resource.unwrap_or_default(),
+            name: req.name.unwrap_or_default(),
+            namespace: req.namespace.unwrap_or_default(),
+            operation,
+            dry_run: req.dry_run.unwrap_or(false),
+            raw_object: req.object.filter(|o| o.get() != "null"),
+        })
+    }
+
+    /// True when the request is for `<group>/<resource>` itself (no subresource).
+    pub fn is_resource(&self, group: &str, resource: &str) -> bool {
+        self.resource.group == group
+            && self.resource.resource == resource
+            && self.sub_resource.is_empty()
+    }
+
+    /// The raw JSON of `request.object`, if present.
+    pub fn raw_object(&self) -> Option<&'a RawValue> {
+        self.raw_object
+    }
+
+    /// Decode `request.object` as `T`; a missing or undecodable object is [`Error::BadReview`].
+    pub fn object<T: DeserializeOwned>(&self) -> Result<T> {
+        let raw = self
+            .raw_object
+            .ok_or_else(|| Error::BadReview("request.object is missing".into()))?;
+        serde_json::from_str(raw.get()).map_err(|e| {
+            Error::BadReview(format!(
+                "request.object is not a valid {}: {e}",
+                if self.kind.kind.is_empty() {
+                    "object"
+                } else {
+                    &self.kind.kind
+                }
+            ))
+        })
+    }
+}
+
+/// `response.status` of a denial.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DenyStatus {
+    /// HTTP-like code the API server returns to its client (403 for policy denials).
+    pub code: u16,
+    /// The message the client sees.
+    pub message: String,
+    /// Machine-readable reason (`Forbidden`).
+    pub reason: &'static str,
+}
+
+/// An admission response, rendered by [`ReviewResponse::to_json`] as a full AdmissionReview.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReviewResponse {
+    /// The request UID.
+    pub uid: String,
+    /// Whether the request is allowed.
+    pub allowed: bool,
+    /// Set on a denial.
+    pub status: Option<DenyStatus>,
+    /// The RFC 6902 JSON Patch as JSON bytes; sent base64-encoded with `patchType: JSONPatch`.
+    pub patch: Option<Vec<u8>>,
+    /// Audit annotations (the API server prefixes each key with the webhook's name).
+    pub audit_annotations: BTreeMap<String, String>,
+    /// Warnings shown to the client (kubectl prints them).
+    pub warnings: Vec<String>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct OutReview<'a> {
+    api_version: &'static str,
+    kind: &'static str,
+    response: OutResponse<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct OutResponse<'a> {
+    uid: &'a str,
+    allowed: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<&'a DenyStatus>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch_type: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch: Option<String>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    audit_annotations: &'a BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    warnings: &'a [String],
+}
+
+impl ReviewResponse {
+    /// Allow, unchanged.
+    pub fn allow(uid: impl Into<String>) -> Self {
+        ReviewResponse {
+            uid: uid.into(),
+            allowed: true,
+            ..Default::default()
+        }
+    }
+
+    /// Deny with `code` (403 for policy denials) and a message for the client.
+    pub fn deny(uid: impl Into<String>, code: u16, message: impl Into<String>) -> Self {
+        ReviewResponse {
+            uid: uid.into(),
+            allowed: false,
+            status: Some(DenyStatus {
+                code,
+                message: message.into(),
+                reason: match code {
+                    400 | 422 => "Invalid",
+                    500..=599 => "InternalError",
+                    _ => "Forbidden",
+                },
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Attach a JSON Patch; an empty patch attaches nothing (never `patchType` without a patch).
+    pub fn with_patch(mut self, patch: &json_patch::Patch) -> Result<Self> {
+        if patch.0.is_empty() {
+            self.patch = None;
+            return Ok(self);
+        }
+        let bytes = serde_json::to_vec(patch).map_err(|e| Error::Serialize {
+            what: "the JSON patch",
+            reason: e.to_string(),
+        })?;
+        self.patch = Some(bytes);
+        Ok(self)
+    }
+
+    /// Add an audit annotation.
+    pub fn audit(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.audit_annotations.insert(key.into(), value.into());
+        self
+    }
+
+    /// Add a warning.
+    pub fn warn(mut self, warning: impl Into<String>) -> Self {
+        self.warnings.push(warning.into());
+        self
+    }
+
+    /// The full `admission.k8s.io/v1` AdmissionReview JSON carrying this response.
+    pub fn to_json(&self) -> Vec<u8> {
+        let patch = self
+            .patch
+            .as_ref()
+            .filter(|p| !p.is_empty())
+            .map(|p| BASE64_STANDARD.encode(p));
+        let out = OutReview {
+            api_version: API_VERSION,
+            kind: KIND,
+            response: OutResponse {
+                uid: &self.uid,
+                allowed: self.allowed,
+                status: self.status.as_ref(),
+                patch_type: patch.as_ref().map(|_| "JSONPatch"),
+                patch,
+                audit_annotations: &self.audit_annotations,
+                warnings: &self.warnings,
+            },
+        };
+        // Serialising these plain structs (strings, bools, a string map) cannot fail.
+        serde_json::to_vec(&out).unwrap_or_else(|_| b"{}".to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn review(request: serde_json::Value) -> Vec<u8> {
+        serde_json::to_vec(&json!({"apiVersion": API_VERSION, "kind": KIND, "request": request}))
+            .expect("json")
+    }
+
+    #[test]
+    fn parses_a_pod_create() {
+        let body = review(json!({
+            "uid": "u1",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "ns",
+            "operation": "CREATE",
+            "userInfo": {"username": "system:serviceaccount:kubevirt:kubevirt-controller"},
+            "object": {"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "virt-launcher-vm-"}},
+            "oldObject": null,
+            "dryRun": false
+        }));
+        let req = ReviewRequest::parse(&body).expect("parse");
+        assert_eq!(req.uid, "u1");
+        assert_eq!(req.operation, Operation::Create);
+        assert!(req.is_resource("", "pods"));
+        assert!(!req.is_resource("", "pods/binding"));
+        assert_eq!(req.namespace, "ns");
+        assert_eq!(req.name, "");
+        let pod: k8s_openapi::api::core::v1::Pod = req.object().expect("pod");
+        assert_eq!(
+            pod.metadata.generate_name.as_deref(),
+            Some("virt-launcher-vm-")
+        );
+    }
+
+    #[test]
+    fn malformed_reviews_are_bad_requests() {
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (b"{not json".to_vec(), "invalid JSON"),
+            (b"".to_vec(), "invalid JSON"),
+            (b"[]".to_vec(), "apiVersion is missing"),
+            (b"null".to_vec(), "invalid JSON"),
+            (
+                serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1beta1", "kind": KIND, "request": {"uid": "u", "operation": "CREATE"}})).expect("json"),
+                "v1beta1",
+            ),
+            (
+                serde_json::to_vec(&json!({"kind": KIND, "request": {"uid": "u", "operation": "CREATE"}})).expect("json"),
+                "apiVersion is missing",
+            ),
+            (
+                serde_json::to_vec(&json!({"apiVersion": API_VERSION, "kind": "Pod", "request": {"uid": "u", "operation": "CREATE"}})).expect("json"),
+                "kind is \"Pod\"",
+            ),
+            (
+                serde_json::to_vec(&json!({"apiVersion": API_VERSION, "kind": KIND})).expect("json"),
+                "request is missing",
+            ),
+            (review(json!({"operation": "CREATE"})), "uid is missing"),
+            (review(json!({"uid": "", "operation": "CREATE"})), "uid is missing"),
+            (review(json!({"uid": "u"})), "operation is missing"),
+            (review(json!({"uid": "u", "operation": "PATCH"})), "invalid JSON"),
+        ];
+        for (body, want) in cases {
+            let err = ReviewRequest::parse(&body).expect_err(want);
+            assert!(matches!(err, Error::BadReview(_)), "{err}");
+            assert!(err.to_string().contains(want), "{want:?} not in {err}");
+        }
+    }
+
+    #[test]
+    fn object_errors_name_the_kind() {
+        let body = review(json!({
+            "uid": "u", "operation": "CREATE",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "object": {"apiVersion": "v1", "kind": "Pod", "spec": {"containers": "nope"}}
+        }));
+        let req = ReviewRequest::parse(&body).expect("parse");
+        let err = req
+            .object::<k8s_openapi::api::core::v1::Pod>()
+            .expect_err("bad pod");
+        assert!(err.to_string().contains("not a valid Pod"), "{err}");
+        let body = review(json!({"uid": "u", "operation": "DELETE", "object": null}));
+        let req = ReviewRequest::parse(&body).expect("parse");
+        assert!(req.raw_object().is_none());
+    }
+
+    #[test]
+    fn response_patch_is_base64_with_type() {
+        let patch: json_patch::Patch =
+            serde_json::from_value(json!([{"op": "add", "path": "/a", "value": 1}]))
+                .expect("patch");
+        let resp = ReviewResponse::allow("u1")
+            .with_patch(&patch)
+            .expect("patch")
+            .audit("decision", "patched");
+        let v: serde_json::Value = serde_json::from_slice(&resp.to_json()).expect("json");
+        assert_eq!(v["apiVersion"], API_VERSION);
+        assert_eq!(v["kind"], KIND);
+        assert_eq!(v["response"]["uid"], "u1");
+        assert_eq!(v["response"]["allowed"], true);
+        assert_eq!(v["response"]["patchType"], "JSONPatch");
+        let decoded = BASE64_STANDARD
+            .decode(v["response"]["patch"].as_str().expect("string"))
+            .expect("base64");
+        let back: serde_json::Value = serde_json::from_slice(&decoded).expect("patch json");
+        assert_eq!(back, json!([{"op": "add", "path": "/a", "value": 1}]));
+        assert_eq!(v["response"]["auditAnnotations"]["decision"], "patched");
+    }
+
+    #[test]
+    fn no_patch_type_without_patch() {
+        let resp = ReviewResponse::allow("u")
+            .with_patch(&json_patch::Patch(vec![]))
+            .expect("empty patch");
+        let v: serde_json::Value = serde_json::from_slice(&resp.to_json()).expect("json");
+        let r = v["response"].as_object().expect("object");
+        assert!(
+            !r.contains_key("patch") && !r.contains_key("patchType"),
+            "{v}"
+        );
+        assert!(!r.contains_key("status"));
+
+        let deny = ReviewResponse::deny("u", 403, "no");
+        let v: serde_json::Value = serde_json::from_slice(&deny.to_json()).expect("json");
+        assert_eq!(v["response"]["allowed"], false);
+        assert_eq!(v["response"]["status"]["code"], 403);
+        assert_eq!(v["response"]["status"]["message"], "no");
+        assert_eq!(v["response"]["status"]["reason"], "Forbidden");
+    }
+}

@@ -1,0 +1,188 @@
+//! `serve`: wire configuration, TLS, caches, the admission router, the admin port and shutdown.
+//!
+//! Start-up order: configuration, then the certificate pair (a bad pair fails here, before any port is
+//! bound), then both ports, then caches and the servers. `/readyz` turns ready once every cache has
+//! synced (TLS is loaded by then) and not ready again as soon as shutdown starts.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use kube::Client;
+use prometheus_client::registry::Registry;
+use teeguard_shared::Config;
+use teeguard_shared::ops::{Readiness, admin_router, bind_admin, cancel_on_signal, serve_admin};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::caches::Caches;
+use crate::cli::ServeArgs;
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::server::{ServerSettings, serve_https};
+use crate::state::{AppState, RequestLimits};
+use crate::tls::{CertReloader, install_crypto_provider, server_config};
+
+/// Readiness check: every cache has synced.
+pub const READY_CACHES: &str = "caches";
+/// Readiness check: the serving certificate is loaded.
+pub const READY_TLS: &str = "tls";
+/// Readiness check: the server accepts connections (false once shutdown starts).
+pub const READY_ACCEPTING: &str = "accepting";
+
+/// A started webhook.
+#[derive(Debug)]
+pub struct Running {
+    /// The bound HTTPS address.
+    pub https_addr: SocketAddr,
+    /// The bound admin address.
+    pub admin_addr: SocketAddr,
+    /// Readiness, as `/readyz` reports it.
+    pub readiness: Readiness,
+    /// The caches.
+    pub caches: Caches,
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<()>>,
+}
+
+impl Running {
+    /// Start shutting down (what SIGTERM does).
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Wait until the webhook has stopped (after shutdown and drain).
+    pub async fn wait(self) -> Result<()> {
+        match self.task.await {
+            Ok(r) => r,
+            Err(e) => Err(Error::Task {
+                what: "webhook",
+                reason: e.to_string(),
+            }),
+        }
+    }
+}
+
+/// Start the webhook with `client` for the caches; it stops when `shutdown` is cancelled.
+pub async fn start(
+    args: &ServeArgs,
+    client: Client,
+    shutdown: CancellationToken,
+) -> Result<Running> {
+    install_crypto_provider();
+    let config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::new(&mut registry));
+
+    let (reloader, store) = CertReloader::load(&args.cert_dir, metrics.clone())?;
+    let tls = server_config(store)?;
+
+    let listener = crate::server::bind(args.listen).await?;
+    let https_addr = listener.local_addr().map_err(|source| Error::Bind {
+        addr: args.listen,
+        source,
+    })?;
+    let admin = bind_admin(args.admin_listen).await?;
+    let admin_addr = admin.local_addr().map_err(|source| Error::Bind {
+        addr: args.admin_listen,
+        source,
+    })?;
+
+    let readiness = Readiness::new(&[READY_CACHES, READY_TLS, READY_ACCEPTING]);
+    readiness.set(READY_TLS, true);
+    readiness.set(READY_ACCEPTING, true);
+
+    let (caches, cache_tasks) =
+        Caches::start(client, metrics.clone(), args.api_timeout, shutdown.clone());
+    {
+        let caches = caches.clone();
+        let readiness = readiness.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = caches.wait_synced() => {
+                    readiness.set(READY_CACHES, true);
+                    tracing::info!(vmis = caches.vmis.len(), namespaces = caches.namespaces.len(), "caches synced");
+                }
+                _ = shutdown.cancelled() => {}
+            }
+        });
+    }
+    {
+        let readiness = readiness.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            readiness.set(READY_ACCEPTING, false);
+        });
+    }
+    let reloader_task = tokio::spawn(reloader.run(args.cert_check_interval, shutdown.clone()));
+
+    let admin_shutdown = CancellationToken::new();
+    let admin_task = tokio::spawn(serve_admin(
+        admin,
+        admin_router(readiness.clone(), Arc::new(registry)),
+        admin_shutdown.clone(),
+    ));
+
+    let state = AppState {
+        config: Arc::new(config),
+        caches: caches.clone(),
+        metrics,
+        limits: RequestLimits {
+            max_body_bytes: args.max_body_bytes,
+            request_timeout: args.request_timeout,
+        },
+    };
+    let settings = ServerSettings {
+        handshake_timeout: args.handshake_timeout,
+        header_read_timeout: args.header_read_timeout,
+        drain_timeout: args.drain_timeout,
+        max_connections: args.max_connections,
+        ..ServerSettings::default()
+    };
+    let router = crate::handlers::router(state);
+    let https_shutdown = shutdown.clone();
+    let task = tokio::spawn(async move {
+        let served = serve_https(listener, tls, router, settings, https_shutdown).await;
+        // The admin port outlives the drain so probes see "not ready" rather than a refused port.
+        admin_shutdown.cancel();
+        let admin = admin_task.await;
+        cache_tasks.join().await;
+        let _ = reloader_task.await;
+        served?;
+        match admin {
+            Ok(r) => r.map_err(Error::from),
+            Err(e) => Err(Error::Task {
+                what: "admin server",
+                reason: e.to_string(),
+            }),
+        }
+    });
+    Ok(Running {
+        https_addr,
+        admin_addr,
+        readiness,
+        caches,
+        shutdown,
+        task,
+    })
+}
+
+/// `teeguard-webhook serve`: start with the in-cluster (or kubeconfig) client and run until SIGTERM.
+pub async fn run(args: ServeArgs) -> Result<()> {
+    install_crypto_provider();
+    // Fail on a bad configuration file or certificate before trying to reach the cluster.
+    if let Some(path) = &args.config {
+        Config::load(path)?;
+    }
+    crate::tls::load_pair(&args.cert_dir)?;
+    let client = Client::try_default().await.map_err(Error::KubeClient)?;
+    let shutdown = CancellationToken::new();
+    let running = start(&args, client, shutdown.clone()).await?;
+    tracing::info!(https = %running.https_addr, admin = %running.admin_addr, "teeguard-webhook started");
+    tokio::spawn(cancel_on_signal(shutdown));
+    running.wait().await
+}

@@ -1,0 +1,274 @@
+//! In-memory caches of the cluster objects reviews need, so the hot path makes no API call.
+//!
+//! Every cache is a kube reflector (`watcher` + `default_backoff` + `reflect`) started through
+//! [`CacheBuilder::watch`], which strips `managedFields` (and `kubectl`'s last-applied annotation),
+//! keeps an object-count gauge and registers the store for [`Caches::wait_synced`].
+//!
+//! Adding a cache (for example TeeCapacities for the validating webhook): add a `Store<K>` field to
+//! [`Caches`], create it in [`Caches::start`] with one `builder.watch(...)` call, and add a lookup
+//! method (cache first, one GET on a miss if a miss can be a race).
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::core::PartialObjectMeta;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use teeguard_shared::VirtualMachineInstance;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::{LookupResult, Metrics};
+use crate::mutation::{VmiLookup, VmiRef};
+
+/// Name of the VMI cache (metrics label).
+pub const VMI_CACHE: &str = "vmis";
+/// Name of the Namespace cache (metrics label).
+pub const NAMESPACE_CACHE: &str = "namespaces";
+
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Where a review looks up the objects it needs. The server answers from its caches (with one GET
+/// on a miss); the offline `review` command answers from files. Both run the same decision code.
+pub trait Lookups: Send + Sync {
+    /// Labels of a namespace: `Ok(None)` if it does not exist, `Err` if it could not be asked.
+    fn namespace_labels(
+        &self,
+        namespace: &str,
+    ) -> impl Future<Output = Result<Option<BTreeMap<String, String>>, String>> + Send;
+
+    /// The VMI a pod belongs to.
+    fn vmi(&self, vmi: &VmiRef) -> impl Future<Output = VmiLookup> + Send;
+}
+
+/// Spawns reflectors and collects what [`Caches::wait_synced`] waits for.
+pub struct CacheBuilder {
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+    tasks: JoinSet<()>,
+    ready: Vec<BoxFuture<'static, ()>>,
+}
+
+impl Debug for CacheBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheBuilder")
+            .field("caches", &self.ready.len())
+            .finish()
+    }
+}
+
+impl CacheBuilder {
+    /// A builder whose reflectors stop when `shutdown` is cancelled.
+    pub fn new(metrics: Arc<Metrics>, shutdown: CancellationToken) -> Self {
+        CacheBuilder {
+            metrics,
+            shutdown,
+            tasks: JoinSet::new(),
+            ready: Vec::new(),
+        }
+    }
+
+    /// Start a reflector over `api` and return its store. Use `Api<PartialObjectMeta<K>>` for a
+    /// metadata-only cache.
+    pub fn watch<K>(&mut self, name: &'static str, api: Api<K>, config: watcher::Config) -> Store<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+    {
+        let (reader, writer) = reflector::store::<K>();
+        let stream = watcher(api, config)
+            .default_backoff()
+            .modify(|o: &mut K| {
+                o.managed_fields_mut().clear();
+                o.annotations_mut().remove(LAST_APPLIED);
+            })
+            .reflect(writer);
+        let metrics = self.metrics.clone();
+        let shutdown = self.shutdown.clone();
+        let count = reader.clone();
+        self.tasks.spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    event = stream.next() => match event {
+                        Some(Ok(_)) => metrics.set_cache_objects(name, count.len()),
+                        Some(Err(e)) => tracing::warn!(cache = name, error = %e, "watch failed; retrying with backoff"),
+                        None => break,
+                    }
+                }
+            }
+        });
+        let ready = reader.clone();
+        self.ready.push(Box::pin(async move {
+            // Only fails if the writer is dropped, i.e. the cache is shutting down.
+            let _ = ready.wait_until_ready().await;
+        }));
+        reader
+    }
+
+    fn finish(self) -> (CacheTasks, Vec<BoxFuture<'static, ()>>) {
+        (CacheTasks { tasks: self.tasks }, self.ready)
+    }
+}
+
+/// The running reflector tasks; they end when the shutdown token is cancelled.
+#[derive(Debug)]
+pub struct CacheTasks {
+    tasks: JoinSet<()>,
+}
+
+impl CacheTasks {
+    /// Wait for every reflector task to end.
+    pub async fn join(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Every cache the webhook keeps, plus the client for GETs on a miss. Cheap to clone.
+#[derive(Clone)]
+pub struct Caches {
+    client: Client,
+    metrics: Arc<Metrics>,
+    api_timeout: Duration,
+    /// All VirtualMachineInstances (the few fields teeguard models).
+    pub vmis: Store<VirtualMachineInstance>,
+    /// All Namespaces, metadata only.
+    pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    synced: Arc<tokio::sync::watch::Receiver<bool>>,
+}
+
+impl Debug for Caches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Caches")
+            .field("vmis", &self.vmis.len())
+            .field("namespaces", &self.namespaces.len())
+            .field("synced", &self.is_synced())
+            .finish()
+    }
+}
+
+impl Caches {
+    /// Start every reflector. `api_timeout` bounds the GET made on a cache miss.
+    pub fn start(
+        client: Client,
+        metrics: Arc<Metrics>,
+        api_timeout: Duration,
+        shutdown: CancellationToken,
+    ) -> (Caches, CacheTasks) {
+        let mut b = CacheBuilder::new(metrics.clone(), shutdown);
+        let vmis = b.watch(
+            VMI_CACHE,
+            Api::<VirtualMachineInstance>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+        );
+        let namespaces = b.watch(
+            NAMESPACE_CACHE,
+            Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+        );
+        let (tasks, ready) = b.finish();
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            futures::future::join_all(ready).await;
+            let _ = tx.send(true);
+        });
+        let caches = Caches {
+            client,
+            metrics,
+            api_timeout,
+            vmis,
+            namespaces,
+            synced: Arc::new(rx),
+        };
+        (caches, tasks)
+    }
+
+    /// True once every cache has completed its initial list.
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// Wait until every cache has completed its initial list.
+    pub async fn wait_synced(&self) {
+        let mut rx = (*self.synced).clone();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    async fn get_with_timeout<K, F>(&self, fut: F) -> Result<Option<K>, String>
+    where
+        F: Future<Output = kube::Result<Option<K>>>,
+    {
+        match tokio::time::timeout(self.api_timeout, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "the API server did not answer within {:?}",
+                self.api_timeout
+            )),
+        }
+    }
+}
+
+impl Lookups for Caches {
+    async fn namespace_labels(
+        &self,
+        namespace: &str,
+    ) -> Result<Option<BTreeMap<String, String>>, String> {
+        let key = ObjectRef::<PartialObjectMeta<Namespace>>::new(namespace);
+        if let Some(ns) = self.namespaces.get(&key) {
+            self.metrics.lookup(NAMESPACE_CACHE, LookupResult::CacheHit);
+            return Ok(Some(ns.metadata.labels.clone().unwrap_or_default()));
+        }
+        let api = Api::<PartialObjectMeta<Namespace>>::all(self.client.clone());
+        let got = self.get_with_timeout(api.get_opt(namespace)).await;
+        let result = match &got {
+            Ok(Some(_)) => LookupResult::ApiFound,
+            Ok(None) => LookupResult::ApiNotFound,
+            Err(_) => LookupResult::ApiError,
+        };
+        self.metrics.lookup(NAMESPACE_CACHE, result);
+        if let Err(e) = &got {
+            tracing::warn!(namespace, error = %e, "namespace not cached and the GET failed");
+        }
+        got.map(|o| o.map(|ns| ns.metadata.labels.unwrap_or_default()))
+    }
+
+    async fn vmi(&self, vmi: &VmiRef) -> VmiLookup {
+        let key = ObjectRef::<VirtualMachineInstance>::new(&vmi.name).within(&vmi.namespace);
+        if let Some(found) = self.vmis.get(&key) {
+            let uid = found.metadata.uid.as_deref().unwrap_or("");
+            // A cached VMI of the same name but another UID may be a deleted predecessor: ask.
+            if vmi.uid.is_empty() || uid == vmi.uid {
+                self.metrics.lookup(VMI_CACHE, LookupResult::CacheHit);
+                return VmiLookup::Found(found);
+            }
+        }
+        let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), &vmi.namespace);
+        match self.get_with_timeout(api.get_opt(&vmi.name)).await {
+            Ok(Some(mut found)) => {
+                self.metrics.lookup(VMI_CACHE, LookupResult::ApiFound);
+                tracing::debug!(vmi = %vmi, "VMI not cached yet; found by GET");
+                found.managed_fields_mut().clear();
+                VmiLookup::Found(Arc::new(found))
+            }
+            Ok(None) => {
+                self.metrics.lookup(VMI_CACHE, LookupResult::ApiNotFound);
+                VmiLookup::NotFound
+            }
+            Err(e) => {
+                self.metrics.lookup(VMI_CACHE, LookupResult::ApiError);
+                tracing::warn!(vmi = %vmi, error = %e, "VMI not cached and the GET failed");
+                VmiLookup::Failed(e)
+            }
+        }
+    }
+}

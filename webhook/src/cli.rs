@@ -1,0 +1,184 @@
+//! Command line: `teeguard-webhook serve` (the HTTPS webhook) and `teeguard-webhook review` (decide
+//! one AdmissionReview offline). Every `serve` flag has a `TEEGUARD_*` environment variable.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use teeguard_shared::ops::LogFormat;
+
+use crate::error::Result;
+
+/// Default request body limit: 7 MiB (the API server sends at most 3 MiB objects, twice in an
+/// UPDATE review, plus the envelope).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 7 * 1024 * 1024;
+
+/// teeguard admission webhook.
+#[derive(Debug, Parser)]
+#[command(name = "teeguard-webhook", version, about)]
+pub struct Cli {
+    /// Log format (logs go to stderr; the filter comes from RUST_LOG, default info).
+    #[arg(long, global = true, env = "TEEGUARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the admission webhook over HTTPS, with /livez, /readyz and /metrics on a plain-HTTP port.
+    Serve(ServeArgs),
+    /// Decide one AdmissionReview (or bare Pod) offline, exactly as the server would, and print the
+    /// response, the decoded patch and the patched object.
+    Review(ReviewArgs),
+}
+
+fn duration(s: &str) -> std::result::Result<Duration, String> {
+    teeguard_shared::config::parse_duration(s)
+}
+
+/// `serve` flags.
+#[derive(Clone, Debug, Args)]
+pub struct ServeArgs {
+    /// HTTPS listen address.
+    #[arg(long, env = "TEEGUARD_LISTEN_ADDR", default_value = "0.0.0.0:8443")]
+    pub listen: SocketAddr,
+    /// Plain-HTTP address for /livez, /readyz and /metrics.
+    #[arg(long, env = "TEEGUARD_ADMIN_ADDR", default_value = "0.0.0.0:8080")]
+    pub admin_listen: SocketAddr,
+    /// Directory holding tls.crt and tls.key (a mounted kubernetes.io/tls Secret); watched for rotation.
+    #[arg(long, env = "TEEGUARD_CERT_DIR", default_value = "/etc/teeguard/tls")]
+    pub cert_dir: PathBuf,
+    /// The teeguard configuration file (YAML); defaults apply when absent.
+    #[arg(long, env = "TEEGUARD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// How often the certificate directory is re-checked in case a change notification was missed.
+    #[arg(long, env = "TEEGUARD_CERT_CHECK_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub cert_check_interval: Duration,
+    /// Largest request body accepted, in bytes; larger requests get 413.
+    #[arg(long, env = "TEEGUARD_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Time allowed for a TLS handshake.
+    #[arg(long, env = "TEEGUARD_TLS_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub handshake_timeout: Duration,
+    /// Time allowed to receive request headers.
+    #[arg(long, env = "TEEGUARD_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub header_read_timeout: Duration,
+    /// Time allowed to read a request and answer it.
+    #[arg(long, env = "TEEGUARD_REQUEST_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub request_timeout: Duration,
+    /// Time allowed for in-flight requests after SIGTERM before connections are closed.
+    #[arg(long, env = "TEEGUARD_DRAIN_TIMEOUT", default_value = "25s", value_parser = duration)]
+    pub drain_timeout: Duration,
+    /// Concurrent connections served; further clients wait in the listen backlog.
+    #[arg(long, env = "TEEGUARD_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Timeout of the GET made when an object is not cached yet.
+    #[arg(long, env = "TEEGUARD_API_TIMEOUT", default_value = "2s", value_parser = duration)]
+    pub api_timeout: Duration,
+}
+
+/// Output format of `review`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, ValueEnum)]
+pub enum OutputFormat {
+    /// YAML.
+    #[default]
+    Yaml,
+    /// JSON.
+    Json,
+}
+
+/// `review` flags.
+#[derive(Clone, Debug, Args)]
+pub struct ReviewArgs {
+    /// AdmissionReview or bare Pod, JSON or YAML (`-` reads stdin). A bare Pod is reviewed as a
+    /// CREATE in its namespace (default `default`).
+    pub input: PathBuf,
+    /// VirtualMachineInstance manifest(s): JSON, YAML (multi-document) or a List. Repeatable.
+    #[arg(long = "vmi", value_name = "FILE")]
+    pub vmis: Vec<PathBuf>,
+    /// Namespace manifest(s), for the teeguard.dev/exempt namespace label. Repeatable.
+    #[arg(long = "namespace-file", value_name = "FILE")]
+    pub namespaces: Vec<PathBuf>,
+    /// TeeCapacity manifest(s) (checked now; used by the validating review). Repeatable.
+    #[arg(long = "tee-capacity", value_name = "FILE")]
+    pub tee_capacities: Vec<PathBuf>,
+    /// The teeguard configuration file (YAML); defaults apply when absent.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = OutputFormat::Yaml)]
+    pub output: OutputFormat,
+}
+
+/// Run a parsed command line.
+pub fn run(cli: Cli) -> Result<()> {
+    teeguard_shared::ops::init_tracing(cli.log_format);
+    match cli.command {
+        Command::Serve(args) => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map_err(crate::error::Error::Runtime)?;
+            rt.block_on(crate::app::run(args))
+        }
+        Command::Review(args) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(crate::error::Error::Runtime)?;
+            let stdout = std::io::stdout();
+            rt.block_on(crate::review::run(&args, &mut stdout.lock()))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serve_defaults() {
+        let cli = Cli::try_parse_from(["teeguard-webhook", "serve"]).expect("parse");
+        let Command::Serve(a) = cli.command else {
+            panic!("serve expected");
+        };
+        assert_eq!(a.listen, "0.0.0.0:8443".parse().expect("addr"));
+        assert_eq!(a.admin_listen, "0.0.0.0:8080".parse().expect("addr"));
+        assert_eq!(a.cert_dir, PathBuf::from("/etc/teeguard/tls"));
+        assert_eq!(a.config, None);
+        assert_eq!(a.max_body_bytes, 7 * 1024 * 1024);
+        assert_eq!(a.cert_check_interval, Duration::from_secs(30));
+        assert_eq!(cli.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn review_flags_repeat() {
+        let cli = Cli::try_parse_from([
+            "teeguard-webhook",
+            "review",
+            "pod.yaml",
+            "--vmi",
+            "a.yaml",
+            "--vmi",
+            "b.yaml",
+            "-o",
+            "json",
+            "--log-format",
+            "json",
+        ])
+        .expect("parse");
+        let Command::Review(a) = cli.command else {
+            panic!("review expected");
+        };
+        assert_eq!(a.vmis.len(), 2);
+        assert_eq!(a.output, OutputFormat::Json);
+        assert_eq!(cli.log_format, LogFormat::Json);
+        assert!(
+            Cli::try_parse_from(["teeguard-webhook", "serve", "--drain-timeout", "soon"]).is_err()
+        );
+    }
+}

@@ -1,0 +1,115 @@
+//! The admission router and what every admission endpoint shares: body reading with a size limit,
+//! a request timeout, JSON errors, metrics and logs.
+//!
+//! Adding an endpoint (the validating webhook's `/validate`): write `handlers/validate.rs` with an
+//! axum handler that calls [`serve_review`] with its own review function, and add one `.route(...)`
+//! line in [`router`].
+
+pub mod mutate;
+
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::Request;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+
+use crate::admission::ReviewResponse;
+use crate::error::{Error, Result};
+use crate::metrics::Outcome;
+use crate::state::AppState;
+
+/// The HTTPS router: `POST /mutate`. Unknown paths get a JSON 404.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/mutate", post(mutate::handle))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn not_found(req: Request) -> Response {
+    let body =
+        serde_json::json!({"error": format!("no endpoint {}: use POST /mutate", req.uri().path())});
+    (
+        axum::http::StatusCode::NOT_FOUND,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// A review's answer and how it ended, for metrics.
+#[derive(Debug)]
+pub struct Reviewed {
+    /// The response to send.
+    pub response: ReviewResponse,
+    /// Allowed, patched or denied.
+    pub outcome: Outcome,
+}
+
+/// Read the whole body, refusing more than `limit` bytes (413) without buffering them.
+pub async fn read_body(body: Body, content_length: Option<u64>, limit: usize) -> Result<Bytes> {
+    if content_length.is_some_and(|len| len > limit as u64) {
+        return Err(Error::PayloadTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(Error::PayloadTooLarge { limit }),
+        Err(e) => Err(Error::ReadBody(e.to_string())),
+    }
+}
+
+/// Run one admission endpoint: read the body (size limit), call `review` (all within the request
+/// timeout), answer with the AdmissionReview JSON or a JSON error, and record metrics.
+pub async fn serve_review<F, Fut>(
+    state: &AppState,
+    endpoint: &'static str,
+    req: Request,
+    review: F,
+) -> Response
+where
+    F: FnOnce(Bytes) -> Fut,
+    Fut: Future<Output = Result<Reviewed>>,
+{
+    let start = Instant::now();
+    let content_length = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let limits = state.limits;
+    let work = async {
+        let body = read_body(req.into_body(), content_length, limits.max_body_bytes).await?;
+        review(body).await
+    };
+    let result = match tokio::time::timeout(limits.request_timeout, work).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Timeout(limits.request_timeout)),
+    };
+    match result {
+        Ok(reviewed) => {
+            state
+                .metrics
+                .observe_request(endpoint, reviewed.outcome, start.elapsed());
+            (
+                [(header::CONTENT_TYPE, "application/json")],
+                reviewed.response.to_json(),
+            )
+                .into_response()
+        }
+        Err(e) => {
+            state
+                .metrics
+                .observe_request(endpoint, Outcome::Error, start.elapsed());
+            if e.status().is_server_error() {
+                tracing::warn!(endpoint, error = %e, "admission request failed");
+            } else {
+                tracing::info!(endpoint, error = %e, "admission request rejected");
+            }
+            e.into_response()
+        }
+    }
+}

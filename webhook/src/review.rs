@@ -1,0 +1,413 @@
+//! `teeguard-webhook review`: decide one AdmissionReview (or bare Pod) offline, like `kyverno apply`
+//! or `gator test`, with the objects it needs read from files. It runs exactly the server's code
+//! ([`review_mutation`]) with file-backed [`Lookups`].
+//!
+//! Output (YAML or JSON), one object:
+//! - `review`: the AdmissionReview response as the server sends it (patch base64-encoded);
+//! - `patch`: the decoded JSON Patch (absent when there is none);
+//! - `patchedObject`: the object with the patch applied (absent when the request is denied).
+//!
+//! VMI manifests without `metadata.namespace` match a pod in any namespace. The exit status is 0
+//! whatever the decision; unreadable or invalid input is an error naming the file.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::path::Path;
+use std::sync::Arc;
+
+use base64::prelude::{BASE64_STANDARD, Engine as _};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use teeguard_shared::{Config, TeeCapacity, VirtualMachineInstance};
+
+use crate::caches::Lookups;
+use crate::cli::{OutputFormat, ReviewArgs};
+use crate::error::{Error, Result};
+use crate::handlers::mutate::review_mutation;
+use crate::mutation::{VmiLookup, VmiRef};
+
+/// UID given to the AdmissionReview built around a bare Pod.
+pub const OFFLINE_UID: &str = "teeguard-offline-review";
+
+/// Objects read from files, answering lookups like the server's caches.
+#[derive(Debug, Default)]
+pub struct FileLookups {
+    vmis: HashMap<(String, String), Arc<VirtualMachineInstance>>,
+    vmis_any_namespace: HashMap<String, Arc<VirtualMachineInstance>>,
+    namespaces: HashMap<String, BTreeMap<String, String>>,
+    /// TeeCapacity reports read (for the validating review).
+    pub tee_capacities: Vec<TeeCapacity>,
+}
+
+impl FileLookups {
+    /// Add a VMI.
+    pub fn add_vmi(&mut self, vmi: VirtualMachineInstance) {
+        let name = vmi.metadata.name.clone().unwrap_or_default();
+        match vmi.metadata.namespace.clone().filter(|n| !n.is_empty()) {
+            Some(ns) => {
+                self.vmis.insert((ns, name), Arc::new(vmi));
+            }
+            None => {
+                self.vmis_any_namespace.insert(name, Arc::new(vmi));
+            }
+        }
+    }
+
+    /// Add a namespace's labels.
+    pub fn add_namespace(&mut self, name: String, labels: BTreeMap<String, String>) {
+        self.namespaces.insert(name, labels);
+    }
+
+    /// Read every `--vmi`, `--namespace-file` and `--tee-capacity` file.
+    pub fn load(args: &ReviewArgs) -> Result<Self> {
+        let mut out = FileLookups::default();
+        for path in &args.vmis {
+            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
+                expect_kind(path, i, &doc, "VirtualMachineInstance")?;
+                let vmi = VirtualMachineInstance::from_json(doc).map_err(|e| Error::FileParse {
+                    path: path.clone(),
+                    reason: format!(
+                        "document {}: not a valid VirtualMachineInstance: {e}",
+                        i + 1
+                    ),
+                })?;
+                if vmi.metadata.name.as_deref().is_none_or(str::is_empty) {
+                    return Err(Error::FileParse {
+                        path: path.clone(),
+                        reason: format!(
+                            "document {}: VirtualMachineInstance has no metadata.name",
+                            i + 1
+                        ),
+                    });
+                }
+                if let Err(e) = vmi.tee_kind() {
+                    tracing::warn!(file = %path.display(), error = %e, "VMI sets more than one TEE kind");
+                }
+                out.add_vmi(vmi);
+            }
+        }
+        for path in &args.namespaces {
+            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
+                expect_kind(path, i, &doc, "Namespace")?;
+                let ns: k8s_openapi::api::core::v1::Namespace = serde_json::from_value(doc)
+                    .map_err(|e| Error::FileParse {
+                        path: path.clone(),
+                        reason: format!("document {}: not a valid Namespace: {e}", i + 1),
+                    })?;
+                let name = ns.metadata.name.clone().unwrap_or_default();
+                out.add_namespace(name, ns.metadata.labels.unwrap_or_default());
+            }
+        }
+        for path in &args.tee_capacities {
+            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
+                expect_kind(path, i, &doc, "TeeCapacity")?;
+                let cap: TeeCapacity =
+                    serde_json::from_value(doc).map_err(|e| Error::FileParse {
+                        path: path.clone(),
+                        reason: format!("document {}: not a valid TeeCapacity: {e}", i + 1),
+                    })?;
+                out.tee_capacities.push(cap);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Lookups for FileLookups {
+    async fn namespace_labels(
+        &self,
+        namespace: &str,
+    ) -> std::result::Result<Option<BTreeMap<String, String>>, String> {
+        Ok(self.namespaces.get(namespace).cloned())
+    }
+
+    async fn vmi(&self, vmi: &VmiRef) -> VmiLookup {
+        let key = (vmi.namespace.clone(), vmi.name.clone());
+        match self
+            .vmis
+            .get(&key)
+            .or_else(|| self.vmis_any_namespace.get(&vmi.name))
+        {
+            Some(v) => VmiLookup::Found(v.clone()),
+            None => VmiLookup::NotFound,
+        }
+    }
+}
+
+fn read_text(path: &Path) -> Result<String> {
+    if path == Path::new("-") {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .map_err(|source| Error::FileRead {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        return Ok(s);
+    }
+    std::fs::read_to_string(path).map_err(|source| Error::FileRead {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Parse a file's documents (JSON, or YAML with `---` separators); `List` kinds are flattened and
+/// empty documents skipped.
+pub fn parse_docs(path: &Path, text: &str) -> Result<Vec<Value>> {
+    let bad = |reason: String| Error::FileParse {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut docs = Vec::new();
+    let trimmed = text.trim_start();
+    if trimmed.starts_with('{') || trimmed.starts_with('[') {
+        let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+        docs.push(v);
+    } else {
+        for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
+            let v = Value::deserialize(de)
+                .map_err(|e| bad(format!("document {}: invalid YAML: {e}", i + 1)))?;
+            docs.push(v);
+        }
+    }
+    let mut out = Vec::with_capacity(docs.len());
+    for doc in docs {
+        match doc {
+            Value::Null => {}
+            Value::Array(items) => out.extend(items),
+            Value::Object(ref m)
+                if m.get("kind")
+                    .and_then(Value::as_str)
+                    .is_some_and(|k| k.ends_with("List"))
+                    && m.get("items").is_some_and(Value::is_array) =>
+            {
+                if let Some(Value::Array(items)) = doc.get("items").cloned() {
+                    out.extend(items);
+                }
+            }
+            other => out.push(other),
+        }
+    }
+    if out.is_empty() {
+        return Err(bad("no objects found (empty file?)".into()));
+    }
+    Ok(out)
+}
+
+fn read_docs(path: &Path) -> Result<Vec<Value>> {
+    parse_docs(path, &read_text(path)?)
+}
+
+fn expect_kind(path: &Path, index: usize, doc: &Value, kind: &str) -> Result<()> {
+    let found = doc.get("kind").and_then(Value::as_str).unwrap_or("");
+    if found == kind {
+        Ok(())
+    } else {
+        Err(Error::FileParse {
+            path: path.to_path_buf(),
+            reason: format!("document {}: kind is {found:?}, expected {kind}", index + 1),
+        })
+    }
+}
+
+/// Turn the input document into an AdmissionReview body: an AdmissionReview as is, a bare Pod
+/// wrapped as a CREATE.
+pub fn review_body(path: &Path, doc: Value) -> Result<Vec<u8>> {
+    let kind = doc.get("kind").and_then(Value::as_str).unwrap_or("");
+    let review = match kind {
+        "AdmissionReview" => doc,
+        "Pod" => {
+            let namespace = doc
+                .pointer("/metadata/namespace")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty())
+                .unwrap_or("default")
+                .to_string();
+            let name = doc
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string();
+            json!({
+                "apiVersion": crate::admission::API_VERSION,
+                "kind": crate::admission::KIND,
+                "request": {
+                    "uid": OFFLINE_UID,
+                    "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                    "resource": {"group": "", "version": "v1", "resource": "pods"},
+                    "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+                    "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+                    "name": name,
+                    "namespace": namespace,
+                    "operation": "CREATE",
+                    "userInfo": {"username": "teeguard-webhook-review"},
+                    "object": doc,
+                    "oldObject": null,
+                    "dryRun": false
+                }
+            })
+        }
+        other => {
+            return Err(Error::FileParse {
+                path: path.to_path_buf(),
+                reason: format!("kind is {other:?}: expected an AdmissionReview or a Pod"),
+            });
+        }
+    };
+    serde_json::to_vec(&review).map_err(|e| Error::Serialize {
+        what: "the AdmissionReview",
+        reason: e.to_string(),
+    })
+}
+
+/// Review the input against `lookups` and return the output document.
+pub async fn review_document(
+    path: &Path,
+    body: &[u8],
+    lookups: &FileLookups,
+    config: &Config,
+) -> Result<Value> {
+    let reviewed = review_mutation(body, lookups, config)
+        .await
+        .map_err(|e| Error::FileParse {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    let review: Value =
+        serde_json::from_slice(&reviewed.response.to_json()).map_err(|e| Error::Serialize {
+            what: "the AdmissionReview response",
+            reason: e.to_string(),
+        })?;
+    let mut out = serde_json::Map::new();
+    let patch = match review.pointer("/response/patch").and_then(Value::as_str) {
+        Some(b64) => {
+            let bytes = BASE64_STANDARD.decode(b64).map_err(|e| Error::Serialize {
+                what: "the patch (base64)",
+                reason: e.to_string(),
+            })?;
+            let patch: json_patch::Patch =
+                serde_json::from_slice(&bytes).map_err(|e| Error::Serialize {
+                    what: "the patch",
+                    reason: e.to_string(),
+                })?;
+            Some(patch)
+        }
+        None => None,
+    };
+    let allowed = review
+        .pointer("/response/allowed")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    if let Some(p) = &patch {
+        out.insert(
+            "patch".into(),
+            serde_json::to_value(p).map_err(|e| Error::Serialize {
+                what: "the patch",
+                reason: e.to_string(),
+            })?,
+        );
+    }
+    if allowed {
+        let request: Value = serde_json::from_slice(body).map_err(|e| Error::FileParse {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        if let Some(object) = request.pointer("/request/object").filter(|o| !o.is_null()) {
+            let mut object = object.clone();
+            if let Some(p) = &patch {
+                json_patch::patch(&mut object, &p.0).map_err(|e| Error::FileParse {
+                    path: path.to_path_buf(),
+                    reason: format!("the patch does not apply to the object: {e}"),
+                })?;
+            }
+            out.insert("patchedObject".into(), object);
+        }
+    }
+    let mut doc = serde_json::Map::new();
+    doc.insert("review".into(), review);
+    doc.extend(out);
+    Ok(Value::Object(doc))
+}
+
+/// `teeguard-webhook review`.
+pub async fn run(args: &ReviewArgs, out: &mut impl Write) -> Result<()> {
+    let config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    let mut docs = read_docs(&args.input)?;
+    if docs.len() != 1 {
+        return Err(Error::FileParse {
+            path: args.input.clone(),
+            reason: format!(
+                "holds {} objects: give exactly one AdmissionReview or Pod",
+                docs.len()
+            ),
+        });
+    }
+    let body = review_body(&args.input, docs.remove(0))?;
+    let lookups = FileLookups::load(args)?;
+    let doc = review_document(&args.input, &body, &lookups, &config).await?;
+    let text = match args.output {
+        OutputFormat::Json => serde_json::to_string_pretty(&doc)
+            .map(|s| s + "\n")
+            .map_err(|e| Error::Serialize {
+                what: "the review output",
+                reason: e.to_string(),
+            })?,
+        OutputFormat::Yaml => serde_yaml::to_string(&doc).map_err(|e| Error::Serialize {
+            what: "the review output",
+            reason: e.to_string(),
+        })?,
+    };
+    out.write_all(text.as_bytes()).map_err(Error::Output)?;
+    out.flush().map_err(Error::Output)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    #[test]
+    fn docs_yaml_json_lists() {
+        let p = PathBuf::from("x.yaml");
+        let docs = parse_docs(
+            &p,
+            "---\na: 1\n---\n---\nkind: List\nitems:\n- b: 2\n- c: 3\n",
+        )
+        .expect("docs");
+        assert_eq!(
+            docs,
+            vec![json!({"a": 1}), json!({"b": 2}), json!({"c": 3})]
+        );
+        let docs = parse_docs(&p, "{\"kind\": \"Pod\"}").expect("json");
+        assert_eq!(docs, vec![json!({"kind": "Pod"})]);
+        let err = parse_docs(&p, "a: [").expect_err("bad yaml").to_string();
+        assert!(err.starts_with("x.yaml: document 1: invalid YAML"), "{err}");
+        let err = parse_docs(&p, "{oops").expect_err("bad json").to_string();
+        assert!(err.starts_with("x.yaml: invalid JSON"), "{err}");
+        let err = parse_docs(&p, "\n").expect_err("empty").to_string();
+        assert!(err.contains("no objects"), "{err}");
+    }
+
+    #[test]
+    fn bare_pod_is_wrapped_as_a_create() {
+        let body = review_body(
+            Path::new("pod.yaml"),
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "p-"}}),
+        )
+        .expect("body");
+        let req = crate::admission::ReviewRequest::parse(&body).expect("review");
+        assert_eq!(req.uid, OFFLINE_UID);
+        assert_eq!(req.namespace, "default");
+        assert!(req.is_resource("", "pods"));
+        let err = review_body(Path::new("d.yaml"), json!({"kind": "Deployment"}))
+            .expect_err("deployment")
+            .to_string();
+        assert!(
+            err.contains("d.yaml") && err.contains("Deployment"),
+            "{err}"
+        );
+    }
+}

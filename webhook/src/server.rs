@@ -1,0 +1,162 @@
+//! The HTTPS server: a tokio `TcpListener`, a rustls `TlsAcceptor` and hyper-util's auto
+//! (HTTP/1.1 keep-alive + HTTP/2) connection builder serving the axum router, with graceful drain.
+//!
+//! Every connection runs in its own task, so a slow or failing TLS handshake never blocks the accept
+//! loop. Concurrent connections are capped with a semaphore (the accept loop waits for a free slot,
+//! leaving further clients in the kernel's backlog). On shutdown the listener is closed at once (new
+//! connections are refused), in-flight requests finish, idle keep-alive connections are closed, and
+//! whatever is still running after the drain timeout is aborted.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use rustls::ServerConfig;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{Error, Result};
+
+/// Connection-level limits of the HTTPS server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServerSettings {
+    /// Time allowed for the TLS handshake.
+    pub handshake_timeout: Duration,
+    /// Time allowed to receive a request's headers (HTTP/1.1).
+    pub header_read_timeout: Duration,
+    /// Time allowed for in-flight requests to finish after shutdown starts.
+    pub drain_timeout: Duration,
+    /// Connections served at once; further clients wait in the listen backlog.
+    pub max_connections: usize,
+    /// HTTP/2 streams per connection.
+    pub max_concurrent_streams: u32,
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        ServerSettings {
+            handshake_timeout: Duration::from_secs(10),
+            header_read_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(25),
+            max_connections: 1024,
+            max_concurrent_streams: 256,
+        }
+    }
+}
+
+/// Bind the HTTPS port.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Bind { addr, source })
+}
+
+fn connection_builder(settings: &ServerSettings) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .keep_alive(true)
+        .header_read_timeout(settings.header_read_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(settings.max_concurrent_streams)
+        .keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10));
+    builder
+}
+
+/// Serve `router` over TLS on `listener` until `shutdown` is cancelled, then drain.
+pub async fn serve_https(
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+    router: Router,
+    settings: ServerSettings,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let local = listener.local_addr().ok();
+    let acceptor = TlsAcceptor::from(tls);
+    let builder = connection_builder(&settings);
+    let slots = Arc::new(Semaphore::new(settings.max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    let mut conns = JoinSet::new();
+    tracing::info!(addr = ?local, "serving HTTPS");
+
+    loop {
+        while conns.try_join_next().is_some() {}
+        let permit = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let (stream, peer) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Typically EMFILE: back off briefly instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let builder = builder.clone();
+        let service = TowerToHyperService::new(router.clone());
+        let watcher = graceful.watcher();
+        let handshake_timeout = settings.handshake_timeout;
+        conns.spawn(async move {
+            let _permit = permit;
+            let tls = match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let conn = builder
+                .serve_connection(TokioIo::new(tls), service)
+                .into_owned();
+            if let Err(e) = watcher.watch(conn).await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+
+    drop(listener);
+    tracing::info!(
+        connections = conns.len(),
+        drain_timeout_s = settings.drain_timeout.as_secs_f64(),
+        "HTTPS listener closed; draining connections"
+    );
+    if tokio::time::timeout(settings.drain_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            connections = conns.len(),
+            "drain timeout reached; closing the remaining connections"
+        );
+        conns.abort_all();
+    }
+    while conns.join_next().await.is_some() {}
+    tracing::info!("HTTPS server stopped");
+    Ok(())
+}

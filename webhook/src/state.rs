@@ -1,0 +1,40 @@
+//! What every admission handler shares.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use teeguard_shared::Config;
+
+use crate::caches::Caches;
+use crate::metrics::Metrics;
+
+/// Per-request limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Largest request body accepted; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Time from the request head to the response (body read included).
+    pub request_timeout: Duration,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits {
+            max_body_bytes: crate::cli::DEFAULT_MAX_BODY_BYTES,
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// State of the admission router: configuration, caches, metrics and limits. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    /// The shared configuration (resource names, enforcement, admission policy).
+    pub config: Arc<Config>,
+    /// The object caches (and the client for GETs on a miss).
+    pub caches: Caches,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Body size and time limits.
+    pub limits: RequestLimits,
+}
