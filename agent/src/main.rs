@@ -1,1 +1,41 @@
-fn main() {}
+//! `teeguard-agent`: see the library crate for what it does.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use teeguard_agent::cli::{Cli, Command, run_command, scan_command};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Scan(args) => match scan_command(&args, &mut std::io::stdout().lock()) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(e) => {
+                eprintln!("teeguard-agent scan: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Run(args) => {
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("teeguard-agent: cannot start the async runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(run_command(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!(error = %e, "teeguard-agent stopped");
+                    eprintln!("teeguard-agent: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,635 @@
+//! Advertising the TEE extended resources on the agent's Node, the way Node Feature Discovery does.
+//!
+//! The agent sets `status.capacity/<resource>` **and** `status.allocatable/<resource>` with a JSON Patch
+//! on the Node's `status` subresource. NFD adds only `capacity` for a new resource and relies on the
+//! kubelet to copy it into `allocatable` on its next node-status sync, but it replaces and removes both;
+//! setting both at once makes the value schedulable immediately and agrees with what the kubelet
+//! computes (extended resources have no reservations). The value is `capacity − external`: the keys
+//! Kubernetes pods can really get.
+//!
+//! Ownership: the agent records the resources it added in the Node annotation
+//! `teeguard.dev/extended-resources` (comma-separated). It claims a resource in that annotation *before*
+//! writing the value and releases it *after* removing the value, so a crash in between never leaves a
+//! value nobody owns. It never touches a resource listed in NFD's
+//! `nfd.node.kubernetes.io/extended-resources`, nor one already present on the Node that it did not add
+//! (a device plugin or another tool manages it). It removes a resource only when that kind disappears
+//! from the host or advertising is switched off (`agent.advertise: false`), never on shutdown: running
+//! pods rely on it.
+//!
+//! [`plan`] is pure: (Node, desired values) → the writes needed (none when the Node already shows them).
+//! [`apply`] performs them.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch as JsonPatch, PatchOperation, RemoveOperation};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use serde_json::json;
+use teeguard_shared::TeeKind;
+use teeguard_shared::config::ResourcesConfig;
+use teeguard_shared::names::{
+    AGENT_EXTENDED_RESOURCES_ANNOTATION, NFD_EXTENDED_RESOURCES_ANNOTATION,
+};
+
+use crate::attribution::KindFigures;
+use crate::error::{Error, Result};
+
+/// NFD's default namespace for resource names listed without one in its annotation.
+const NFD_DEFAULT_NS: &str = "feature.node.kubernetes.io";
+
+/// What the agent wants the Node to show.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Desired {
+    /// `agent.advertise`.
+    pub enabled: bool,
+    /// Value per kind the host has (`capacity − external`); kinds absent from the host are absent here.
+    pub values: BTreeMap<TeeKind, u64>,
+}
+
+impl Desired {
+    /// The desired values for a set of figures.
+    pub fn from_figures(enabled: bool, figures: &BTreeMap<TeeKind, KindFigures>) -> Desired {
+        Desired {
+            enabled,
+            values: figures
+                .iter()
+                .map(|(k, f)| (*k, f.advertisable()))
+                .collect(),
+        }
+    }
+}
+
+/// How one kind the host has is advertised.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KindAdvert {
+    /// The agent advertises this value (or is about to).
+    Advertised(u64),
+    /// Advertising is switched off.
+    Disabled,
+    /// Another manager owns the resource on this Node; the agent leaves it alone.
+    OwnedByOther {
+        /// Who, as far as the agent can tell.
+        owner: String,
+    },
+}
+
+/// The advertising state for the report.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct AdvertiseOutcome {
+    /// `agent.advertise`.
+    pub enabled: bool,
+    /// Per kind the host has.
+    pub per_kind: BTreeMap<TeeKind, KindAdvert>,
+    /// The last failure writing the Node, if the latest attempt failed.
+    pub error: Option<String>,
+}
+
+impl AdvertiseOutcome {
+    /// The advertised value of a kind, if the agent advertises it.
+    pub fn advertised(&self, kind: TeeKind) -> Option<u64> {
+        match self.per_kind.get(&kind) {
+            Some(KindAdvert::Advertised(v)) => Some(*v),
+            _ => None,
+        }
+    }
+
+    /// The outcome when no Node is at hand (the `scan` subcommand): what the agent would advertise if
+    /// nobody else owned the resources.
+    pub fn without_node(desired: &Desired) -> AdvertiseOutcome {
+        AdvertiseOutcome {
+            enabled: desired.enabled,
+            per_kind: desired
+                .values
+                .iter()
+                .map(|(k, v)| {
+                    let a = if desired.enabled {
+                        KindAdvert::Advertised(*v)
+                    } else {
+                        KindAdvert::Disabled
+                    };
+                    (*k, a)
+                })
+                .collect(),
+            error: None,
+        }
+    }
+}
+
+/// One write to the Node, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NodeWrite {
+    /// Set (`Some`, comma-separated names) or remove (`None`) `teeguard.dev/extended-resources`.
+    Annotation(Option<String>),
+    /// JSON Patch on the `status` subresource.
+    Status(JsonPatch),
+}
+
+/// The writes that bring the Node to the desired state, and the resulting outcome.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// Writes to perform in order; empty when the Node is already right.
+    pub writes: Vec<NodeWrite>,
+    /// How each kind ends up advertised.
+    pub outcome: AdvertiseOutcome,
+}
+
+/// Compute the writes for `node` (pure).
+pub fn plan(node: &Node, desired: &Desired, resources: &ResourcesConfig) -> Plan {
+    let annotations = node.metadata.annotations.as_ref();
+    let ours_before = parse_list(
+        annotations.and_then(|a| a.get(AGENT_EXTENDED_RESOURCES_ANNOTATION)),
+        None,
+    );
+    let nfd = parse_list(
+        annotations.and_then(|a| a.get(NFD_EXTENDED_RESOURCES_ANNOTATION)),
+        Some(NFD_DEFAULT_NS),
+    );
+    let status = node.status.as_ref();
+    let capacity = status.and_then(|s| s.capacity.as_ref());
+    let allocatable = status.and_then(|s| s.allocatable.as_ref());
+
+    let mut claimed = ours_before.clone();
+    let mut ours_after = ours_before.clone();
+    let mut ops: Vec<PatchOperation> = Vec::new();
+    let mut capacity_map_added = false;
+    let mut allocatable_map_added = false;
+    let mut outcome = AdvertiseOutcome {
+        enabled: desired.enabled,
+        per_kind: BTreeMap::new(),
+        error: None,
+    };
+
+    for kind in TeeKind::ALL {
+        let name = resources.resource_name(kind);
+        let ours = ours_before.contains(name);
+        let want = desired.values.get(&kind).copied();
+        if nfd.contains(name) {
+            // NFD owns it: never write the value; stop claiming it if we ever did.
+            ours_after.remove(name);
+            claimed.remove(name);
+            if want.is_some() {
+                outcome.per_kind.insert(
+                    kind,
+                    KindAdvert::OwnedByOther {
+                        owner: format!(
+                            "node-feature-discovery (listed in the {NFD_EXTENDED_RESOURCES_ANNOTATION} annotation)"
+                        ),
+                    },
+                );
+            }
+            continue;
+        }
+        match want {
+            Some(value) if desired.enabled => {
+                let on_node = capacity.and_then(|c| c.get(name));
+                if on_node.is_some() && !ours {
+                    outcome.per_kind.insert(
+                        kind,
+                        KindAdvert::OwnedByOther {
+                            owner: "another manager (the Node already has it and teeguard did not add it)"
+                                .to_string(),
+                        },
+                    );
+                    continue;
+                }
+                claimed.insert(name.to_string());
+                ours_after.insert(name.to_string());
+                outcome.per_kind.insert(kind, KindAdvert::Advertised(value));
+                set_ops(
+                    &mut ops,
+                    "capacity",
+                    capacity.is_some() || capacity_map_added,
+                    capacity.and_then(|c| c.get(name)),
+                    name,
+                    value,
+                    &mut capacity_map_added,
+                );
+                set_ops(
+                    &mut ops,
+                    "allocatable",
+                    allocatable.is_some() || allocatable_map_added,
+                    allocatable.and_then(|c| c.get(name)),
+                    name,
+                    value,
+                    &mut allocatable_map_added,
+                );
+            }
+            _ => {
+                if want.is_some() {
+                    outcome.per_kind.insert(kind, KindAdvert::Disabled);
+                }
+                if ours {
+                    for (map, field) in [(capacity, "capacity"), (allocatable, "allocatable")] {
+                        if map.is_some_and(|m| m.contains_key(name)) {
+                            ops.push(PatchOperation::Remove(RemoveOperation {
+                                path: PointerBuf::from_tokens(["status", field, name]),
+                            }));
+                        }
+                    }
+                    ours_after.remove(name);
+                }
+            }
+        }
+    }
+
+    let mut writes = Vec::new();
+    if claimed != ours_before {
+        writes.push(NodeWrite::Annotation(join_list(&claimed)));
+    }
+    if !ops.is_empty() {
+        writes.push(NodeWrite::Status(JsonPatch(ops)));
+    }
+    if ours_after != claimed {
+        writes.push(NodeWrite::Annotation(join_list(&ours_after)));
+    }
+    Plan { writes, outcome }
+}
+
+/// The JSON Patch on the Node status alone (`None` when nothing needs to change).
+pub fn status_patch(
+    node: &Node,
+    desired: &Desired,
+    resources: &ResourcesConfig,
+) -> Option<JsonPatch> {
+    plan(node, desired, resources)
+        .writes
+        .into_iter()
+        .find_map(|w| match w {
+            NodeWrite::Status(p) => Some(p),
+            NodeWrite::Annotation(_) => None,
+        })
+}
+
+fn set_ops(
+    ops: &mut Vec<PatchOperation>,
+    field: &str,
+    map_exists: bool,
+    current: Option<&Quantity>,
+    name: &str,
+    value: u64,
+    map_added: &mut bool,
+) {
+    let current = current.and_then(|q| teeguard_shared::pod::parse_whole_quantity(&q.0));
+    if current == Some(value) {
+        return;
+    }
+    if map_exists {
+        // `add` on an existing member replaces it (RFC 6902 §4.1).
+        ops.push(PatchOperation::Add(AddOperation {
+            path: PointerBuf::from_tokens(["status", field, name]),
+            value: json!(value.to_string()),
+        }));
+    } else {
+        ops.push(PatchOperation::Add(AddOperation {
+            path: PointerBuf::from_tokens(["status", field]),
+            value: json!({ name: value.to_string() }),
+        }));
+        *map_added = true;
+    }
+}
+
+fn parse_list(value: Option<&String>, default_ns: Option<&str>) -> BTreeSet<String> {
+    value
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| match default_ns {
+                    Some(ns) if !s.contains('/') => format!("{ns}/{s}"),
+                    _ => s.to_string(),
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn join_list(names: &BTreeSet<String>) -> Option<String> {
+    if names.is_empty() {
+        None
+    } else {
+        Some(names.iter().cloned().collect::<Vec<_>>().join(","))
+    }
+}
+
+/// Perform the writes in order. Returns the Node as the API server returned it after the last write
+/// (newer than any watch cache), or `None` when there was nothing to do.
+pub async fn apply(api: &Api<Node>, node_name: &str, writes: &[NodeWrite]) -> Result<Option<Node>> {
+    let mut last = None;
+    for w in writes {
+        let node = match w {
+            NodeWrite::Annotation(value) => {
+                let patch = json!({"metadata": {"annotations": {AGENT_EXTENDED_RESOURCES_ANNOTATION: value}}});
+                api.patch(node_name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(|e| Error::kube("patch Node annotation", e))?
+            }
+            NodeWrite::Status(p) => api
+                .patch_status(
+                    node_name,
+                    &PatchParams::default(),
+                    &Patch::Json::<()>(p.clone()),
+                )
+                .await
+                .map_err(|e| Error::kube("patch Node status (extended resources)", e))?,
+        };
+        last = Some(node);
+    }
+    Ok(last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pretty_assertions::assert_eq;
+
+    const TDX_RES: &str = "tdx.intel.com/keys";
+    const ES_RES: &str = "sev-snp.amd.com/esids";
+
+    fn node(
+        annotations: serde_json::Value,
+        capacity: Option<serde_json::Value>,
+        allocatable: Option<serde_json::Value>,
+    ) -> Node {
+        let mut status = serde_json::Map::new();
+        if let Some(c) = capacity {
+            status.insert("capacity".into(), c);
+        }
+        if let Some(a) = allocatable {
+            status.insert("allocatable".into(), a);
+        }
+        serde_json::from_value(json!({
+            "metadata": {"name": "n1", "annotations": annotations},
+            "status": status,
+        }))
+        .expect("node")
+    }
+
+    fn desired(enabled: bool, values: &[(TeeKind, u64)]) -> Desired {
+        Desired {
+            enabled,
+            values: values.iter().copied().collect(),
+        }
+    }
+
+    fn patch(ops: serde_json::Value) -> NodeWrite {
+        NodeWrite::Status(serde_json::from_value(ops).expect("patch"))
+    }
+
+    fn ann(v: Option<&str>) -> NodeWrite {
+        NodeWrite::Annotation(v.map(str::to_string))
+    }
+
+    #[test]
+    fn table() {
+        let res = ResourcesConfig::default();
+        let cpu = json!({"cpu": "8"});
+        struct Case {
+            name: &'static str,
+            node: Node,
+            desired: Desired,
+            writes: Vec<NodeWrite>,
+            outcome: Vec<(TeeKind, KindAdvert)>,
+        }
+        let cases = vec![
+            Case {
+                name: "first advertisement: claim, then set capacity and allocatable",
+                node: node(json!({}), Some(cpu.clone()), Some(cpu.clone())),
+                desired: desired(true, &[(TeeKind::Tdx, 14)]),
+                writes: vec![
+                    ann(Some(TDX_RES)),
+                    patch(json!([
+                        {"op": "add", "path": "/status/capacity/tdx.intel.com~1keys", "value": "14"},
+                        {"op": "add", "path": "/status/allocatable/tdx.intel.com~1keys", "value": "14"},
+                    ])),
+                ],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Advertised(14))],
+            },
+            Case {
+                name: "already right: no writes",
+                node: node(
+                    json!({AGENT_EXTENDED_RESOURCES_ANNOTATION: TDX_RES}),
+                    Some(json!({"cpu": "8", TDX_RES: "14"})),
+                    Some(json!({"cpu": "8", TDX_RES: "14"})),
+                ),
+                desired: desired(true, &[(TeeKind::Tdx, 14)]),
+                writes: vec![],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Advertised(14))],
+            },
+            Case {
+                name: "value changed: replace both",
+                node: node(
+                    json!({AGENT_EXTENDED_RESOURCES_ANNOTATION: TDX_RES}),
+                    Some(json!({TDX_RES: "16"})),
+                    Some(json!({TDX_RES: "16"})),
+                ),
+                desired: desired(true, &[(TeeKind::Tdx, 14)]),
+                writes: vec![patch(json!([
+                    {"op": "add", "path": "/status/capacity/tdx.intel.com~1keys", "value": "14"},
+                    {"op": "add", "path": "/status/allocatable/tdx.intel.com~1keys", "value": "14"},
+                ]))],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Advertised(14))],
+            },
+            Case {
+                name: "kubelet has not copied allocatable yet: only allocatable",
+                node: node(
+                    json!({AGENT_EXTENDED_RESOURCES_ANNOTATION: TDX_RES}),
+                    Some(json!({TDX_RES: "14"})),
+                    Some(cpu.clone()),
+                ),
+                desired: desired(true, &[(TeeKind::Tdx, 14)]),
+                writes: vec![patch(json!([
+                    {"op": "add", "path": "/status/allocatable/tdx.intel.com~1keys", "value": "14"},
+                ]))],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Advertised(14))],
+            },
+            Case {
+                name: "node without status maps: add whole maps",
+                node: node(json!({}), None, None),
+                desired: desired(true, &[(TeeKind::Tdx, 3)]),
+                writes: vec![
+                    ann(Some(TDX_RES)),
+                    patch(json!([
+                        {"op": "add", "path": "/status/capacity", "value": {TDX_RES: "3"}},
+                        {"op": "add", "path": "/status/allocatable", "value": {TDX_RES: "3"}},
+                    ])),
+                ],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Advertised(3))],
+            },
+            Case {
+                name: "NFD owns it: untouched",
+                node: node(
+                    json!({NFD_EXTENDED_RESOURCES_ANNOTATION: TDX_RES}),
+                    Some(json!({TDX_RES: "16"})),
+                    Some(json!({TDX_RES: "16"})),
+                ),
+                desired: desired(true, &[(TeeKind::Tdx, 14)]),
+                writes: vec![],
+                outcome: vec![(
+                    TeeKind::Tdx,
+                    KindAdvert::OwnedByOther {
+                        owner: format!(
+                            "node-feature-discovery (listed in the {NFD_EXTENDED_RESOURCES_ANNOTATION} annotation)"
+                        ),
+                    },
+                )],
+            },
+            Case {
+                name: "NFD took over a resource we had: release our claim, leave the value",
+                node: node(
+                    json!({NFD_EXTENDED_RESOURCES_ANNOTATION: format!("{TDX_RES},other.example.com/x"), AGENT_EXTENDED_RESOURCES_ANNOTATION: TDX_RES}),
+                    Some(json!({TDX_RES: "16"})),
+                    Some(json!({TDX_RES: "16"})),
+                ),
+                desired: desired(true, &[(TeeKind::Tdx, 14)]),
+                writes: vec![ann(None)],
+                outcome: vec![(
+                    TeeKind::Tdx,
+                    KindAdvert::OwnedByOther {
+                        owner: format!(
+                            "node-feature-discovery (listed in the {NFD_EXTENDED_RESOURCES_ANNOTATION} annotation)"
+                        ),
+                    },
+                )],
+            },
+            Case {
+                name: "present but not ours and not NFD's: another manager, untouched",
+                node: node(
+                    json!({}),
+                    Some(json!({TDX_RES: "16"})),
+                    Some(json!({TDX_RES: "16"})),
+                ),
+                desired: desired(true, &[(TeeKind::Tdx, 14)]),
+                writes: vec![],
+                outcome: vec![(
+                    TeeKind::Tdx,
+                    KindAdvert::OwnedByOther {
+                        owner:
+                            "another manager (the Node already has it and teeguard did not add it)"
+                                .into(),
+                    },
+                )],
+            },
+            Case {
+                name: "advertising switched off: remove what we added, then release",
+                node: node(
+                    json!({AGENT_EXTENDED_RESOURCES_ANNOTATION: TDX_RES}),
+                    Some(json!({TDX_RES: "14"})),
+                    Some(json!({TDX_RES: "14"})),
+                ),
+                desired: desired(false, &[(TeeKind::Tdx, 14)]),
+                writes: vec![
+                    patch(json!([
+                        {"op": "remove", "path": "/status/capacity/tdx.intel.com~1keys"},
+                        {"op": "remove", "path": "/status/allocatable/tdx.intel.com~1keys"},
+                    ])),
+                    ann(None),
+                ],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Disabled)],
+            },
+            Case {
+                name: "disabled and never added: nothing",
+                node: node(json!({}), Some(json!({TDX_RES: "9"})), None),
+                desired: desired(false, &[(TeeKind::Tdx, 14)]),
+                writes: vec![],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Disabled)],
+            },
+            Case {
+                name: "kind disappeared from the host: remove only ours (allocatable already gone)",
+                node: node(
+                    json!({AGENT_EXTENDED_RESOURCES_ANNOTATION: format!("{ES_RES},{TDX_RES}")}),
+                    Some(json!({TDX_RES: "14", ES_RES: "400"})),
+                    Some(json!({TDX_RES: "14"})),
+                ),
+                desired: desired(true, &[(TeeKind::Tdx, 14)]),
+                writes: vec![
+                    patch(json!([
+                        {"op": "remove", "path": "/status/capacity/sev-snp.amd.com~1esids"},
+                    ])),
+                    ann(Some(TDX_RES)),
+                ],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Advertised(14))],
+            },
+            Case {
+                name: "unparsable value on the node is replaced",
+                node: node(
+                    json!({AGENT_EXTENDED_RESOURCES_ANNOTATION: TDX_RES}),
+                    Some(json!({TDX_RES: "14"})),
+                    Some(json!({TDX_RES: "500m"})),
+                ),
+                desired: desired(true, &[(TeeKind::Tdx, 14)]),
+                writes: vec![patch(json!([
+                    {"op": "add", "path": "/status/allocatable/tdx.intel.com~1keys", "value": "14"},
+                ]))],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Advertised(14))],
+            },
+            Case {
+                name: "NFD short names get NFD's default namespace (so they do not match ours)",
+                node: node(
+                    json!({NFD_EXTENDED_RESOURCES_ANNOTATION: "keys"}),
+                    Some(cpu.clone()),
+                    Some(cpu.clone()),
+                ),
+                desired: desired(true, &[(TeeKind::Tdx, 1)]),
+                writes: vec![
+                    ann(Some(TDX_RES)),
+                    patch(json!([
+                        {"op": "add", "path": "/status/capacity/tdx.intel.com~1keys", "value": "1"},
+                        {"op": "add", "path": "/status/allocatable/tdx.intel.com~1keys", "value": "1"},
+                    ])),
+                ],
+                outcome: vec![(TeeKind::Tdx, KindAdvert::Advertised(1))],
+            },
+        ];
+        for case in cases {
+            let p = plan(&case.node, &case.desired, &res);
+            assert_eq!(p.writes, case.writes, "case: {}", case.name);
+            assert_eq!(
+                p.outcome.per_kind,
+                case.outcome.into_iter().collect::<BTreeMap<_, _>>(),
+                "case: {}",
+                case.name
+            );
+        }
+    }
+
+    #[test]
+    fn plan_is_idempotent_once_applied() {
+        let res = ResourcesConfig::default();
+        let mut n = node(json!({}), Some(json!({"cpu": "8"})), None);
+        let d = desired(true, &[(TeeKind::Tdx, 14), (TeeKind::SevEs, 3)]);
+        for _ in 0..2 {
+            let p = plan(&n, &d, &res);
+            let mut doc = serde_json::to_value(&n).expect("node json");
+            for w in &p.writes {
+                match w {
+                    NodeWrite::Annotation(v) => {
+                        doc["metadata"]["annotations"][AGENT_EXTENDED_RESOURCES_ANNOTATION] =
+                            json!(v);
+                    }
+                    NodeWrite::Status(patch) => {
+                        json_patch::patch(&mut doc, patch).expect("applies")
+                    }
+                }
+            }
+            n = serde_json::from_value(doc).expect("node");
+        }
+        assert_eq!(plan(&n, &d, &res).writes, vec![]);
+        let s = n.status.expect("status");
+        assert_eq!(
+            s.capacity.expect("cap").get(ES_RES),
+            Some(&Quantity("3".into()))
+        );
+        assert_eq!(
+            s.allocatable.expect("alloc").get(TDX_RES),
+            Some(&Quantity("14".into()))
+        );
+        assert_eq!(
+            status_patch(&node(json!({}), None, None), &d, &res).map(|p| p.0.len()),
+            Some(4),
+            "whole maps for the first kind, members for the second"
+        );
+    }
+}

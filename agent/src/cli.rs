@@ -1,0 +1,569 @@
+//! Command line: `teeguard-agent run` (the DaemonSet) and `teeguard-agent scan` (one scan, printed).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use k8s_openapi::api::core::v1::Pod;
+use prometheus_client::registry::Registry;
+use serde::Serialize;
+use teeguard_shared::Config;
+use teeguard_shared::TeeKind;
+use teeguard_shared::crd::TeeCapacityStatus;
+use teeguard_shared::misc::CgroupLayout;
+use teeguard_shared::names::conditions as ct;
+use teeguard_shared::ops::{self, LogFormat, Readiness};
+use tokio_util::sync::CancellationToken;
+
+use crate::advertise::{AdvertiseOutcome, Desired};
+use crate::attribution::PodPhase;
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::pods::summarize;
+use crate::report::{self, KernelView, StatusInput};
+use crate::run::{AgentOptions, READY_PODS, READY_SCAN, run};
+use crate::scan::{Driver, HostState, Interest, Scanner};
+
+/// teeguard node agent: reads TEE key capacity and usage from the kernel's misc cgroup, attributes it
+/// to pods, publishes the node's TeeCapacity and advertises the keys pods can really get.
+#[derive(Debug, Parser)]
+#[command(name = "teeguard-agent", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent (DaemonSet): scan, publish the TeeCapacity, advertise extended resources.
+    Run(RunArgs),
+    /// Scan the host once and print the result, without a cluster.
+    Scan(ScanArgs),
+}
+
+/// Flags both subcommands take.
+#[derive(Debug, Args)]
+pub struct CommonArgs {
+    /// Where the host's /sys/fs/cgroup is mounted.
+    #[arg(long, env = "TEEGUARD_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
+    /// The teeguard configuration file (YAML); defaults apply without one.
+    #[arg(long, env = "TEEGUARD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Log format (logs go to stderr).
+    #[arg(long, env = "TEEGUARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// `teeguard-agent run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Shared flags.
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// This node's name (from spec.nodeName via the downward API).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// Address of the plain-HTTP admin port (/livez, /readyz, /metrics).
+    #[arg(long, env = "TEEGUARD_ADMIN_ADDR", default_value = "0.0.0.0:8081")]
+    pub admin_addr: SocketAddr,
+}
+
+/// Output format of `scan`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    /// Human-readable tables.
+    Table,
+    /// JSON.
+    Json,
+    /// YAML.
+    Yaml,
+}
+
+/// `teeguard-agent scan`.
+#[derive(Debug, Args)]
+pub struct ScanArgs {
+    /// Shared flags.
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// Pods to attribute usage to: a PodList, a list of pods, or pods as YAML documents (YAML or JSON).
+    #[arg(long)]
+    pub pods: Option<PathBuf>,
+    /// Only use pods bound to this node (`spec.nodeName`).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+}
+
+fn load_config(path: Option<&Path>) -> Result<Config> {
+    match path {
+        Some(p) => Ok(Config::load(p)?),
+        None => Ok(Config::default()),
+    }
+}
+
+/// `teeguard-agent run`: serve the admin port and run the agent until SIGTERM.
+pub async fn run_command(args: RunArgs) -> Result<()> {
+    ops::init_tracing(args.common.log_format);
+    let config = load_config(args.common.config.as_deref())?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| Error::kube("build the Kubernetes client (in-cluster or kubeconfig)", e))?;
+    let mut registry = Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let readiness = Readiness::new(&[READY_SCAN, READY_PODS]);
+    let shutdown = CancellationToken::new();
+    let listener = ops::bind_admin(args.admin_addr).await?;
+    let admin = tokio::spawn(ops::serve_admin(
+        listener,
+        ops::admin_router(readiness.clone(), Arc::new(registry)),
+        shutdown.clone(),
+    ));
+    tokio::spawn(ops::cancel_on_signal(shutdown.clone()));
+    let opts = AgentOptions::new(args.node_name, args.common.cgroup_root, config);
+    let result = run(client, opts, metrics, readiness, shutdown.clone()).await;
+    shutdown.cancel();
+    match admin.await {
+        Ok(Err(e)) => tracing::warn!(error = %e, "admin server"),
+        Err(e) => tracing::warn!(error = %e, "admin server task"),
+        Ok(Ok(())) => {}
+    }
+    result
+}
+
+/// One row of the pod table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodRow {
+    /// Pod UID (from the pods file or the cgroup name).
+    pub uid: String,
+    /// `namespace/name`, when the pod is in the pods file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Phase, when the pod is in the pods file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase: Option<PodPhase>,
+    /// Keys requested per kind.
+    pub requests: BTreeMap<TeeKind, u64>,
+    /// Keys its cgroup holds per kind.
+    pub holds: BTreeMap<TeeKind, u64>,
+}
+
+/// What `scan` prints.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ScanReport {
+    /// The cgroup root scanned.
+    pub cgroup_root: PathBuf,
+    /// Where the misc files were found.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub misc_dir: Option<PathBuf>,
+    /// `v1` or `v2`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cgroup_version: Option<&'static str>,
+    /// The kubepods cgroup.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubepods: Option<PathBuf>,
+    /// The kubelet's cgroup driver.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver: Option<Driver>,
+    /// The status the agent would publish (advertised values assume nobody else owns the resources).
+    pub status: TeeCapacityStatus,
+    /// Pods that request keys or whose cgroup holds keys.
+    pub pods: Vec<PodRow>,
+    /// Pod-like cgroup directories without a valid UID.
+    pub skipped_cgroups: Vec<String>,
+    /// Pod cgroups that could not be read.
+    pub unreadable_cgroups: Vec<String>,
+}
+
+impl ScanReport {
+    /// True when the kernel files were read.
+    pub fn kernel_readable(&self) -> bool {
+        self.status
+            .condition(ct::KERNEL_READABLE)
+            .is_some_and(|c| c.status == "True")
+    }
+}
+
+/// Read pods from a file: a `PodList` (or any object with `items`), a YAML/JSON list of pods, or one
+/// or more YAML documents each holding a pod or a list.
+pub fn read_pods_file(path: &Path) -> Result<Vec<Pod>> {
+    let err = |reason: String| Error::PodsFile {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let mut out = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
+        let value = <serde_yaml::Value as serde::Deserialize>::deserialize(doc)
+            .map_err(|e| err(format!("document {}: {e}", i + 1)))?;
+        let items: Vec<serde_yaml::Value> = match value {
+            serde_yaml::Value::Null => continue,
+            serde_yaml::Value::Sequence(s) => s,
+            serde_yaml::Value::Mapping(m) => match m.get("items") {
+                Some(serde_yaml::Value::Sequence(s)) => s.clone(),
+                Some(serde_yaml::Value::Null) => Vec::new(),
+                Some(_) => return Err(err(format!("document {}: `items` is not a list", i + 1))),
+                None => vec![serde_yaml::Value::Mapping(m)],
+            },
+            other => {
+                return Err(err(format!(
+                    "document {}: expected a PodList, a list of pods or a pod, found {other:?}",
+                    i + 1
+                )));
+            }
+        };
+        for (j, item) in items.into_iter().enumerate() {
+            let pod: Pod = serde_yaml::from_value(item)
+                .map_err(|e| err(format!("document {}, pod {}: {e}", i + 1, j + 1)))?;
+            out.push(pod);
+        }
+    }
+    Ok(out)
+}
+
+/// Scan once with the same code as `run` (scan, attribution, status) and build the report.
+pub fn scan_report(
+    cgroup_root: &Path,
+    config: &Config,
+    pods: &[Pod],
+    node_name: Option<&str>,
+) -> ScanReport {
+    let bound: Vec<&Pod> = pods
+        .iter()
+        .filter(|p| match node_name {
+            Some(n) => p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(n),
+            None => true,
+        })
+        .collect();
+    let view = summarize(bound.iter().copied(), &config.resources);
+    for (_, e) in &view.errors {
+        tracing::warn!(error = %e, "pod's TEE quantity is not a whole number; counting it as requesting none");
+    }
+    let mut scanner = Scanner::new(cgroup_root);
+    let mut kernel = KernelView::default();
+    kernel.record(scanner.scan(Interest::All));
+    if let Some(e) = &kernel.error {
+        tracing::error!(error = %e, "scan failed");
+    }
+    let figures = kernel.figures(&view.pods);
+    let desired = Desired::from_figures(config.agent.advertise, &figures);
+    let advertising = AdvertiseOutcome::without_node(&desired);
+    let status = report::build_status(&StatusInput {
+        kernel: &kernel,
+        figures: &figures,
+        advertising: &advertising,
+        resources: &config.resources,
+        previous: None,
+        now: jiff::Timestamp::now(),
+    });
+
+    let mut report = ScanReport {
+        cgroup_root: cgroup_root.to_path_buf(),
+        misc_dir: None,
+        cgroup_version: None,
+        kubepods: None,
+        driver: None,
+        status,
+        pods: Vec::new(),
+        skipped_cgroups: Vec::new(),
+        unreadable_cgroups: Vec::new(),
+    };
+    let mut uids = BTreeSet::new();
+    if let Some(HostState::Scanned(scan)) = &kernel.last_good {
+        report.misc_dir = Some(scan.misc_dir.clone());
+        report.cgroup_version = Some(match scan.layout {
+            CgroupLayout::V1 => "v1",
+            CgroupLayout::V2 => "v2",
+        });
+        if let Some(p) = &scan.pods {
+            report.kubepods = p.kubepods.clone();
+            report.driver = p.driver;
+            report.skipped_cgroups = p.skipped.clone();
+            report.unreadable_cgroups = p.problems.clone();
+            uids.extend(p.usage.keys().cloned());
+        }
+    }
+    uids.extend(
+        view.pods
+            .iter()
+            .filter(|p| p.requests_keys())
+            .map(|p| p.uid.clone()),
+    );
+    for uid in uids {
+        let pod = view.pods.iter().find(|p| p.uid == uid);
+        report.pods.push(PodRow {
+            name: pod.map(|p| p.name.clone()),
+            phase: pod.map(|p| p.phase),
+            requests: pod.map(|p| p.requests.to_map()).unwrap_or_default(),
+            holds: report::pod_usage(&kernel, &uid).to_map(),
+            uid,
+        });
+    }
+    report.pods.sort_by(|a, b| {
+        (a.name.is_none(), &a.name, &a.uid).cmp(&(b.name.is_none(), &b.name, &b.uid))
+    });
+    report
+}
+
+/// Render a report.
+pub fn render(report: &ScanReport, format: OutputFormat) -> Result<String> {
+    match format {
+        OutputFormat::Json => serde_json::to_string_pretty(report)
+            .map(|s| s + "\n")
+            .map_err(|e| Error::Render {
+                what: "the scan report as JSON",
+                reason: e.to_string(),
+            }),
+        OutputFormat::Yaml => serde_yaml::to_string(report).map_err(|e| Error::Render {
+            what: "the scan report as YAML",
+            reason: e.to_string(),
+        }),
+        OutputFormat::Table => Ok(render_table(report)),
+    }
+}
+
+fn render_table(r: &ScanReport) -> String {
+    let mut out = String::new();
+    let mut where_ = format!("cgroup root {}", r.cgroup_root.display());
+    if let (Some(dir), Some(v)) = (&r.misc_dir, r.cgroup_version) {
+        where_.push_str(&format!(": cgroup {v}, misc files in {}", dir.display()));
+    }
+    if let (Some(k), Some(d)) = (&r.kubepods, r.driver) {
+        let d = match d {
+            Driver::Systemd => "systemd",
+            Driver::Cgroupfs => "cgroupfs",
+        };
+        where_.push_str(&format!(", pods under {} ({d} driver)", k.display()));
+    }
+    out.push_str(&where_);
+    out.push_str("\n\n");
+
+    let kinds: Vec<_> = r.status.kinds().collect();
+    if kinds.is_empty() {
+        out.push_str("no TEE key capacity on this host\n");
+    } else {
+        let mut rows = vec![
+            [
+                "KIND",
+                "RESOURCE",
+                "CAPACITY",
+                "USED",
+                "PODS",
+                "EXTERNAL",
+                "PENDING",
+                "FREE",
+                "ADVERTISE",
+            ]
+            .map(String::from)
+            .to_vec(),
+        ];
+        for (kind, s) in kinds {
+            rows.push(vec![
+                kind.to_string(),
+                s.resource_name.clone(),
+                s.capacity.to_string(),
+                s.kernel_used.to_string(),
+                s.pods_used.to_string(),
+                s.external.to_string(),
+                s.pending.to_string(),
+                s.free.to_string(),
+                s.advertised
+                    .map_or_else(|| "-".to_string(), |v| v.to_string()),
+            ]);
+        }
+        out.push_str(&table(&rows));
+    }
+
+    if !r.pods.is_empty() {
+        out.push('\n');
+        let mut rows = vec![
+            ["POD", "UID", "PHASE", "REQUESTS", "HOLDS"]
+                .map(String::from)
+                .to_vec(),
+        ];
+        let counts = |m: &BTreeMap<TeeKind, u64>| {
+            if m.is_empty() {
+                "-".to_string()
+            } else {
+                m.iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            }
+        };
+        for p in &r.pods {
+            rows.push(vec![
+                p.name
+                    .clone()
+                    .unwrap_or_else(|| "(not in pods file)".into()),
+                p.uid.clone(),
+                p.phase
+                    .map_or_else(|| "-".to_string(), |ph| format!("{ph:?}")),
+                counts(&p.requests),
+                counts(&p.holds),
+            ]);
+        }
+        out.push_str(&table(&rows));
+    }
+
+    out.push('\n');
+    let mut rows = vec![
+        ["CONDITION", "STATUS", "REASON", "MESSAGE"]
+            .map(String::from)
+            .to_vec(),
+    ];
+    for c in &r.status.conditions {
+        rows.push(vec![
+            c.type_.clone(),
+            c.status.clone(),
+            c.reason.clone(),
+            c.message.clone(),
+        ]);
+    }
+    out.push_str(&table(&rows));
+    if !r.skipped_cgroups.is_empty() {
+        out.push_str(&format!(
+            "\npod cgroups without a valid UID (their keys count as external): {}\n",
+            r.skipped_cgroups.join(", ")
+        ));
+    }
+    if !r.unreadable_cgroups.is_empty() {
+        out.push_str("\nunreadable pod cgroups:\n");
+        for u in &r.unreadable_cgroups {
+            out.push_str(&format!("  {u}\n"));
+        }
+    }
+    out
+}
+
+fn table(rows: &[Vec<String>]) -> String {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|i| {
+            rows.iter()
+                .filter_map(|r| r.get(i))
+                .map(|c| c.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let mut line = String::new();
+        for (i, cell) in row.iter().enumerate() {
+            if i + 1 == row.len() {
+                line.push_str(cell);
+            } else {
+                line.push_str(cell);
+                line.push_str(&" ".repeat(widths[i] - cell.chars().count() + 2));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// `teeguard-agent scan`: print one scan. Returns whether the kernel files were readable (the exit
+/// status is 1 when they were not).
+pub fn scan_command(args: &ScanArgs, out: &mut impl Write) -> Result<bool> {
+    ops::init_tracing(args.common.log_format);
+    let config = load_config(args.common.config.as_deref())?;
+    let pods = match &args.pods {
+        Some(p) => read_pods_file(p)?,
+        None => Vec::new(),
+    };
+    let report = scan_report(
+        &args.common.cgroup_root,
+        &config,
+        &pods,
+        args.node_name.as_deref(),
+    );
+    let text = render(&report, args.output)?;
+    out.write_all(text.as_bytes()).map_err(|e| Error::Render {
+        what: "the scan report to stdout",
+        reason: e.to_string(),
+    })?;
+    Ok(report.kernel_readable())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_parses() {
+        let cli = Cli::try_parse_from([
+            "teeguard-agent",
+            "run",
+            "--node-name",
+            "n1",
+            "--cgroup-root",
+            "/host/sys/fs/cgroup",
+            "--admin-addr",
+            "127.0.0.1:9000",
+            "--log-format",
+            "json",
+        ])
+        .expect("parse");
+        match cli.command {
+            Command::Run(a) => {
+                assert_eq!(a.node_name, "n1");
+                assert_eq!(a.common.cgroup_root, PathBuf::from("/host/sys/fs/cgroup"));
+                assert_eq!(a.common.log_format, LogFormat::Json);
+            }
+            other => panic!("{other:?}"),
+        }
+        let cli = Cli::try_parse_from(["teeguard-agent", "scan", "-o", "json"]).expect("parse");
+        match cli.command {
+            Command::Scan(a) => {
+                assert_eq!(a.output, OutputFormat::Json);
+                assert_eq!(a.common.cgroup_root, PathBuf::from("/sys/fs/cgroup"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn pods_file_shapes() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let pod = |n: &str| {
+            format!(
+                "{{\"apiVersion\": \"v1\", \"kind\": \"Pod\", \"metadata\": {{\"name\": \"{n}\", \"uid\": \"{n}\"}}}}"
+            )
+        };
+        let cases = [
+            (
+                format!(
+                    "{{\"kind\": \"PodList\", \"items\": [{}, {}]}}",
+                    pod("a"),
+                    pod("b")
+                ),
+                2,
+            ),
+            (format!("[{}]", pod("a")), 1),
+            (format!("{}\n---\n{}\n---\n", pod("a"), pod("b")), 2),
+            ("kind: PodList\nitems: []\n".to_string(), 0),
+        ];
+        for (i, (text, n)) in cases.iter().enumerate() {
+            let p = d.path().join(format!("p{i}"));
+            std::fs::write(&p, text).expect("write");
+            assert_eq!(read_pods_file(&p).expect(text).len(), *n, "{text}");
+        }
+        for bad in ["42\n", "items: 3\n", "[1, 2]\n", "{"] {
+            let p = d.path().join("bad");
+            std::fs::write(&p, bad).expect("write");
+            let e = read_pods_file(&p).expect_err(bad);
+            assert!(e.to_string().starts_with("pods file"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! Prometheus metrics (OpenMetrics text on the admin port's `/metrics`).
+//!
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `teeguard_agent_capacity_keys` | gauge | `kind` |
+//! | `teeguard_agent_used_keys` (kernel) | gauge | `kind` |
+//! | `teeguard_agent_pods_used_keys` | gauge | `kind` |
+//! | `teeguard_agent_external_keys` | gauge | `kind` |
+//! | `teeguard_agent_pending_keys` | gauge | `kind` |
+//! | `teeguard_agent_free_keys` | gauge | `kind` |
+//! | `teeguard_agent_scan_duration_seconds` | histogram | |
+//! | `teeguard_agent_scan_errors_total` | counter | |
+//! | `teeguard_agent_pod_cgroup_errors_total` | counter | |
+//! | `teeguard_agent_events_rescans_total` | counter | |
+//! | `teeguard_agent_api_errors_total` | counter | `operation` |
+//! | `teeguard_agent_publishes_total` | counter | |
+//! | `teeguard_agent_node_patches_total` | counter | |
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use teeguard_shared::TeeKind;
+
+use crate::attribution::KindFigures;
+
+/// Label set `kind="tdx"`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// Kernel name of the TEE kind.
+    pub kind: String,
+}
+
+/// Label set `operation="apply TeeCapacity status"`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OperationLabel {
+    /// What the agent was doing.
+    pub operation: String,
+}
+
+/// The agent's metrics. Cheap to clone (all handles are shared).
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    capacity: Family<KindLabel, Gauge>,
+    used: Family<KindLabel, Gauge>,
+    pods_used: Family<KindLabel, Gauge>,
+    external: Family<KindLabel, Gauge>,
+    pending: Family<KindLabel, Gauge>,
+    free: Family<KindLabel, Gauge>,
+    scan_duration: Histogram,
+    /// Scans that failed (a root misc file unreadable or malformed).
+    pub scan_errors: Counter,
+    /// Pod cgroups that could not be read.
+    pub pod_cgroup_errors: Counter,
+    /// Re-scans triggered by a `misc.events` change.
+    pub events_rescans: Counter,
+    api_errors: Family<OperationLabel, Counter>,
+    /// Successful status publishes.
+    pub publishes: Counter,
+    /// Successful Node writes (annotation or extended resources).
+    pub node_patches: Counter,
+}
+
+impl Metrics {
+    /// Create the metrics and register them (prefix `teeguard_agent`).
+    pub fn new(registry: &mut Registry) -> Metrics {
+        let m = Metrics {
+            capacity: Family::default(),
+            used: Family::default(),
+            pods_used: Family::default(),
+            external: Family::default(),
+            pending: Family::default(),
+            free: Family::default(),
+            // 10 µs .. ~1.3 s
+            scan_duration: Histogram::new(exponential_buckets(1e-5, 4.0, 9)),
+            scan_errors: Counter::default(),
+            pod_cgroup_errors: Counter::default(),
+            events_rescans: Counter::default(),
+            api_errors: Family::default(),
+            publishes: Counter::default(),
+            node_patches: Counter::default(),
+        };
+        let r = registry.sub_registry_with_prefix("teeguard_agent");
+        r.register(
+            "capacity_keys",
+            "TEE keys the kernel can hand out (misc.capacity)",
+            m.capacity.clone(),
+        );
+        r.register(
+            "used_keys",
+            "TEE keys the kernel has handed out (root misc.current)",
+            m.used.clone(),
+        );
+        r.register(
+            "pods_used_keys",
+            "TEE keys held by pods that request the resource",
+            m.pods_used.clone(),
+        );
+        r.register(
+            "external_keys",
+            "TEE keys held by anything that does not request the resource",
+            m.external.clone(),
+        );
+        r.register(
+            "pending_keys",
+            "TEE keys requested by bound pods that the kernel does not show yet",
+            m.pending.clone(),
+        );
+        r.register(
+            "free_keys",
+            "TEE keys a new VM can still get",
+            m.free.clone(),
+        );
+        r.register(
+            "scan_duration_seconds",
+            "Wall time of one scan of the misc cgroup files",
+            m.scan_duration.clone(),
+        );
+        r.register(
+            "scan_errors",
+            "Scans that failed to read or parse a root misc file",
+            m.scan_errors.clone(),
+        );
+        r.register(
+            "pod_cgroup_errors",
+            "Pod cgroup misc files that could not be read or parsed",
+            m.pod_cgroup_errors.clone(),
+        );
+        r.register(
+            "events_rescans",
+            "Re-scans triggered by a misc.events change (a failed charge)",
+            m.events_rescans.clone(),
+        );
+        r.register(
+            "api_errors",
+            "Failed Kubernetes API calls by operation",
+            m.api_errors.clone(),
+        );
+        r.register(
+            "publishes",
+            "TeeCapacity status publishes",
+            m.publishes.clone(),
+        );
+        r.register(
+            "node_patches",
+            "Writes to the Node (extended resources and their annotation)",
+            m.node_patches.clone(),
+        );
+        m
+    }
+
+    /// Set the per-kind gauges; kinds no longer present are removed.
+    pub fn set_figures(&self, figures: &BTreeMap<TeeKind, KindFigures>) {
+        for kind in TeeKind::ALL {
+            let label = KindLabel {
+                kind: kind.kernel_name().to_string(),
+            };
+            let families = [
+                &self.capacity,
+                &self.used,
+                &self.pods_used,
+                &self.external,
+                &self.pending,
+                &self.free,
+            ];
+            match figures.get(&kind) {
+                Some(f) => {
+                    let values = [
+                        f.capacity,
+                        f.kernel_used,
+                        f.pods_used,
+                        f.external,
+                        f.pending,
+                        f.free,
+                    ];
+                    for (family, v) in families.into_iter().zip(values) {
+                        family
+                            .get_or_create(&label)
+                            .set(i64::try_from(v).unwrap_or(i64::MAX));
+                    }
+                }
+                None => {
+                    for family in families {
+                        family.remove(&label);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Record a scan's duration.
+    pub fn observe_scan(&self, d: Duration) {
+        self.scan_duration.observe(d.as_secs_f64());
+    }
+
+    /// Count a failed API call.
+    pub fn api_error(&self, operation: &str) {
+        self.api_errors
+            .get_or_create(&OperationLabel {
+                operation: operation.to_string(),
+            })
+            .inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodes_gauges_per_kind_and_removes_vanished_kinds() {
+        let mut reg = Registry::default();
+        let m = Metrics::new(&mut reg);
+        let mut figures = BTreeMap::new();
+        figures.insert(
+            TeeKind::Tdx,
+            KindFigures {
+                capacity: 16,
+                kernel_used: 6,
+                pods_used: 4,
+                external: 2,
+                pending: 0,
+                free: 10,
+            },
+        );
+        m.set_figures(&figures);
+        m.api_error("apply TeeCapacity status");
+        m.observe_scan(Duration::from_micros(50));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &reg).expect("encode");
+        for line in [
+            "teeguard_agent_capacity_keys{kind=\"tdx\"} 16",
+            "teeguard_agent_external_keys{kind=\"tdx\"} 2",
+            "teeguard_agent_free_keys{kind=\"tdx\"} 10",
+            "teeguard_agent_api_errors_total{operation=\"apply TeeCapacity status\"} 1",
+            "teeguard_agent_scan_duration_seconds_count 1",
+        ] {
+            assert!(out.contains(line), "missing {line:?} in\n{out}");
+        }
+        m.set_figures(&BTreeMap::new());
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &reg).expect("encode");
+        assert!(!out.contains("kind=\"tdx\""), "{out}");
+    }
+}

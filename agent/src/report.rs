@@ -1,0 +1,738 @@
+//! Building the node's `TeeCapacity` status from what the agent knows, and deciding when to publish
+//! it. Pure: no I/O, time is an input.
+//!
+//! Conditions:
+//!
+//! | type | True | False / Unknown |
+//! |---|---|---|
+//! | `KernelReadable` | `Scanned` | `ScanFailed` (the error; the figures are from the last good scan) |
+//! | `TeeHardware` | `TeeCapacityFound` | `NoTeeHardware` (empty `misc.capacity`, or no misc controller: the error) |
+//! | `PerPodAccounting` | `MiscControllerDelegated` | `MiscControllerNotDelegated` (running pods are counted) |
+//! | `Advertising` | `Advertised` | `AdvertisingDisabled`, `OwnedByAnotherManager`, `NoTeeHardware` |
+//!
+//! A condition's `lastTransitionTime` changes only when its status flips.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use teeguard_shared::TeeKind;
+use teeguard_shared::config::ResourcesConfig;
+use teeguard_shared::crd::{KindStatus, TeeCapacityStatus};
+use teeguard_shared::misc::CgroupLayout;
+use teeguard_shared::names::{conditions as ct, reasons};
+
+use crate::advertise::{AdvertiseOutcome, KindAdvert};
+use crate::attribution::{
+    Accounting, AttributionInput, KindCounts, KindFigures, PodSummary, attribute,
+};
+use crate::error::Error;
+use crate::scan::HostState;
+
+/// The agent's version, reported as `agentVersion`.
+pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// What the agent knows about the kernel: the last successful scan and the latest error.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KernelView {
+    /// The last scan that succeeded.
+    pub last_good: Option<HostState>,
+    /// The error of the latest scan, when it failed.
+    pub error: Option<String>,
+}
+
+impl KernelView {
+    /// Record the result of a scan: success replaces the figures, failure keeps them.
+    pub fn record(&mut self, result: Result<HostState, Error>) {
+        match result {
+            Ok(state) => {
+                self.last_good = Some(state);
+                self.error = None;
+            }
+            Err(e) => self.error = Some(e.to_string()),
+        }
+    }
+
+    /// Attribute the last good scan's usage to `pods`.
+    pub fn figures(&self, pods: &[PodSummary]) -> BTreeMap<TeeKind, KindFigures> {
+        let Some(HostState::Scanned(scan)) = &self.last_good else {
+            return BTreeMap::new();
+        };
+        let empty = HashMap::new();
+        let (accounting, usage) = match &scan.pods {
+            Some(p) => (&p.accounting, &p.usage),
+            None => (&Accounting::PerPod, &empty),
+        };
+        attribute(&AttributionInput {
+            capacity: &scan.capacity,
+            kernel_used: &scan.kernel_used,
+            accounting,
+            pod_usage: usage,
+            pods,
+        })
+    }
+}
+
+/// A condition before timestamps are applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConditionSpec {
+    /// Condition type.
+    pub type_: &'static str,
+    /// `True`, `False` or `Unknown`.
+    pub status: &'static str,
+    /// CamelCase reason.
+    pub reason: &'static str,
+    /// Human-readable message.
+    pub message: String,
+}
+
+fn cond(type_: &'static str, ok: bool, reason: &'static str, message: String) -> ConditionSpec {
+    ConditionSpec {
+        type_,
+        status: if ok { "True" } else { "False" },
+        reason,
+        message,
+    }
+}
+
+/// The conditions for the current state, in a fixed order.
+pub fn conditions(
+    kernel: &KernelView,
+    figures: &BTreeMap<TeeKind, KindFigures>,
+    advertising: &AdvertiseOutcome,
+    resources: &ResourcesConfig,
+) -> Vec<ConditionSpec> {
+    let mut out = Vec::with_capacity(4);
+    out.push(match (&kernel.error, &kernel.last_good) {
+        (Some(e), Some(_)) => cond(
+            ct::KERNEL_READABLE,
+            false,
+            reasons::SCAN_FAILED,
+            format!("{e}; the figures are from the last successful scan"),
+        ),
+        (Some(e), None) => cond(ct::KERNEL_READABLE, false, reasons::SCAN_FAILED, e.clone()),
+        (None, Some(HostState::NoController { .. })) => cond(
+            ct::KERNEL_READABLE,
+            true,
+            reasons::SCANNED,
+            "the cgroup root was read; it has no misc controller".into(),
+        ),
+        (None, Some(HostState::Scanned(scan))) => {
+            let layout = match scan.layout {
+                CgroupLayout::V2 => "cgroup v2",
+                CgroupLayout::V1 => "cgroup v1",
+            };
+            let mut msg = format!(
+                "read the misc files in {} ({layout})",
+                scan.misc_dir.display()
+            );
+            if let Some(p) = scan.pods.as_ref().filter(|p| p.problem_count > 0) {
+                msg.push_str(&format!(
+                    "; {} pod cgroup(s) could not be read and count as holding no key: {}",
+                    p.problem_count,
+                    p.problems.first().map(String::as_str).unwrap_or("")
+                ));
+            }
+            cond(ct::KERNEL_READABLE, true, reasons::SCANNED, msg)
+        }
+        (None, None) => ConditionSpec {
+            type_: ct::KERNEL_READABLE,
+            status: "Unknown",
+            reason: reasons::SCAN_FAILED,
+            message: "the misc files have not been read yet".into(),
+        },
+    });
+
+    out.push(match &kernel.last_good {
+        None => ConditionSpec {
+            type_: ct::TEE_HARDWARE,
+            status: "Unknown",
+            reason: reasons::SCAN_FAILED,
+            message: "the misc files have not been read successfully yet".into(),
+        },
+        Some(HostState::NoController { message }) => cond(
+            ct::TEE_HARDWARE,
+            false,
+            reasons::NO_TEE_HARDWARE,
+            message.clone(),
+        ),
+        Some(HostState::Scanned(scan)) if scan.capacity.is_zero() => cond(
+            ct::TEE_HARDWARE,
+            false,
+            reasons::NO_TEE_HARDWARE,
+            format!(
+                "{}/misc.capacity lists no tdx, sev or sev_es capacity",
+                scan.misc_dir.display()
+            ),
+        ),
+        Some(HostState::Scanned(scan)) => cond(
+            ct::TEE_HARDWARE,
+            true,
+            reasons::TEE_CAPACITY_FOUND,
+            scan.capacity
+                .nonzero()
+                .map(|(k, v)| format!("{k}: {v} keys"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
+    });
+
+    if let Some(HostState::Scanned(scan)) = &kernel.last_good
+        && let Some(pods) = &scan.pods
+    {
+        out.push(match pods.accounting {
+            Accounting::PerPod => cond(
+                ct::PER_POD_ACCOUNTING,
+                true,
+                reasons::MISC_DELEGATED,
+                pods.accounting_reason.clone(),
+            ),
+            Accounting::RunningPods => cond(
+                ct::PER_POD_ACCOUNTING,
+                false,
+                reasons::MISC_NOT_DELEGATED,
+                format!(
+                    "{}; counting Running pods that request the resources as holding them",
+                    pods.accounting_reason
+                ),
+            ),
+        });
+    }
+
+    out.push(advertising_condition(figures, advertising, resources));
+    out
+}
+
+fn advertising_condition(
+    figures: &BTreeMap<TeeKind, KindFigures>,
+    advertising: &AdvertiseOutcome,
+    resources: &ResourcesConfig,
+) -> ConditionSpec {
+    if !advertising.enabled {
+        return cond(
+            ct::ADVERTISING,
+            false,
+            reasons::ADVERTISING_DISABLED,
+            "agent.advertise is false: the agent does not advertise extended resources on the Node"
+                .into(),
+        );
+    }
+    if figures.is_empty() {
+        return cond(
+            ct::ADVERTISING,
+            false,
+            reasons::NO_TEE_HARDWARE,
+            "nothing to advertise: the host has no TEE key capacity".into(),
+        );
+    }
+    let mut advertised = Vec::new();
+    let mut foreign = Vec::new();
+    for (kind, a) in &advertising.per_kind {
+        let name = resources.resource_name(*kind);
+        match a {
+            KindAdvert::Advertised(v) => advertised.push(format!("{name}={v}")),
+            KindAdvert::OwnedByOther { owner } => {
+                foreign.push(format!("{name} is managed by {owner}; left alone"))
+            }
+            KindAdvert::Disabled => {}
+        }
+    }
+    let mut msg = if foreign.is_empty() {
+        format!("advertising {}", advertised.join(", "))
+    } else if advertised.is_empty() {
+        foreign.join("; ")
+    } else {
+        format!(
+            "{}; advertising {}",
+            foreign.join("; "),
+            advertised.join(", ")
+        )
+    };
+    if let Some(e) = &advertising.error {
+        msg.push_str(&format!(" (updating the Node failed, retrying: {e})"));
+    }
+    if foreign.is_empty() {
+        cond(ct::ADVERTISING, true, reasons::ADVERTISED, msg)
+    } else {
+        cond(ct::ADVERTISING, false, reasons::OWNED_BY_OTHER, msg)
+    }
+}
+
+/// Apply timestamps: keep a previous condition's `lastTransitionTime` when its status is unchanged.
+pub fn merge_conditions(
+    previous: &[Condition],
+    specs: Vec<ConditionSpec>,
+    now: Timestamp,
+) -> Vec<Condition> {
+    specs
+        .into_iter()
+        .map(|s| {
+            let last_transition_time = previous
+                .iter()
+                .find(|c| c.type_ == s.type_ && c.status == s.status)
+                .map(|c| c.last_transition_time.clone())
+                .unwrap_or_else(|| Time(now));
+            Condition {
+                type_: s.type_.to_string(),
+                status: s.status.to_string(),
+                reason: s.reason.to_string(),
+                message: s.message,
+                last_transition_time,
+                observed_generation: None,
+            }
+        })
+        .collect()
+}
+
+/// Everything [`build_status`] needs.
+#[derive(Clone, Copy, Debug)]
+pub struct StatusInput<'a> {
+    /// The kernel figures and scan error.
+    pub kernel: &'a KernelView,
+    /// Attributed figures per kind (from [`KernelView::figures`]).
+    pub figures: &'a BTreeMap<TeeKind, KindFigures>,
+    /// How each kind is advertised.
+    pub advertising: &'a AdvertiseOutcome,
+    /// Resource names per kind.
+    pub resources: &'a ResourcesConfig,
+    /// The status last published (for condition transition times).
+    pub previous: Option<&'a TeeCapacityStatus>,
+    /// The current time.
+    pub now: Timestamp,
+}
+
+/// Build the full status (figures, heartbeat, version, conditions). Times are whole seconds, as the
+/// API server stores them.
+pub fn build_status(input: &StatusInput<'_>) -> TeeCapacityStatus {
+    let now = whole_seconds(input.now);
+    let mut status = TeeCapacityStatus::default();
+    for (kind, f) in input.figures {
+        *status.kind_mut(*kind) = Some(KindStatus {
+            resource_name: input.resources.resource_name(*kind).to_string(),
+            capacity: f.capacity,
+            kernel_used: f.kernel_used,
+            pods_used: f.pods_used,
+            external: f.external,
+            pending: f.pending,
+            free: f.free,
+            advertised: input.advertising.advertised(*kind),
+        });
+    }
+    status.heartbeat_time = Some(Time(now));
+    status.agent_version = Some(AGENT_VERSION.to_string());
+    let specs = conditions(
+        input.kernel,
+        input.figures,
+        input.advertising,
+        input.resources,
+    );
+    let previous = input
+        .previous
+        .map(|p| p.conditions.as_slice())
+        .unwrap_or(&[]);
+    status.conditions = merge_conditions(previous, specs, now);
+    status
+}
+
+/// Truncate to whole seconds.
+pub fn whole_seconds(t: Timestamp) -> Timestamp {
+    Timestamp::from_second(t.as_second()).unwrap_or(t)
+}
+
+/// True when two statuses differ in anything but the heartbeat time.
+pub fn content_differs(a: &TeeCapacityStatus, b: &TeeCapacityStatus) -> bool {
+    let strip = |s: &TeeCapacityStatus| TeeCapacityStatus {
+        heartbeat_time: None,
+        ..s.clone()
+    };
+    strip(a) != strip(b)
+}
+
+/// Whether to publish `new`: always the first time, immediately when the content changed, otherwise
+/// once the heartbeat interval has passed since the last publish.
+pub fn needs_publish(
+    last: Option<(&TeeCapacityStatus, Instant)>,
+    new: &TeeCapacityStatus,
+    now: Instant,
+    heartbeat: Duration,
+) -> bool {
+    match last {
+        None => true,
+        Some((prev, at)) => {
+            content_differs(prev, new) || now.saturating_duration_since(at) >= heartbeat
+        }
+    }
+}
+
+/// The per-kind usage map's kinds, for logs.
+pub fn describe(figures: &BTreeMap<TeeKind, KindFigures>) -> String {
+    if figures.is_empty() {
+        return "no TEE capacity".into();
+    }
+    figures
+        .iter()
+        .map(|(k, f)| {
+            format!(
+                "{k}: capacity={} used={} pods={} external={} pending={} free={}",
+                f.capacity, f.kernel_used, f.pods_used, f.external, f.pending, f.free
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Usage a pod's cgroup showed, for tables: zero when the pod was not read or holds nothing.
+pub fn pod_usage(kernel: &KernelView, uid: &str) -> KindCounts {
+    match &kernel.last_good {
+        Some(HostState::Scanned(scan)) => scan
+            .pods
+            .as_ref()
+            .and_then(|p| p.usage.get(uid))
+            .copied()
+            .unwrap_or_default(),
+        _ => KindCounts::ZERO,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attribution::PodPhase;
+    use crate::scan::{HostScan, PodScan};
+    use pretty_assertions::assert_eq;
+    use std::path::PathBuf;
+
+    fn scan(
+        capacity: &[(TeeKind, u64)],
+        kernel: &[(TeeKind, u64)],
+        accounting: Accounting,
+    ) -> HostState {
+        HostState::Scanned(HostScan {
+            misc_dir: PathBuf::from("/host/sys/fs/cgroup"),
+            layout: CgroupLayout::V2,
+            capacity: KindCounts::from_pairs(capacity.iter().copied()),
+            kernel_used: KindCounts::from_pairs(kernel.iter().copied()),
+            pods: Some(PodScan {
+                kubepods: Some(PathBuf::from("/host/sys/fs/cgroup/kubepods.slice")),
+                driver: Some(crate::scan::Driver::Systemd),
+                accounting_reason: match accounting {
+                    Accounting::PerPod => "pod cgroups carry misc.current".into(),
+                    Accounting::RunningPods => "kubepods.slice/misc.current does not exist".into(),
+                },
+                accounting,
+                usage: HashMap::from([(
+                    "vm1".to_string(),
+                    KindCounts::from_pairs([(TeeKind::Tdx, 1)]),
+                )]),
+                pods_read: 1,
+                skipped: vec![],
+                skipped_count: 0,
+                problems: vec![],
+                problem_count: 0,
+            }),
+        })
+    }
+
+    fn ts(s: i64) -> Timestamp {
+        Timestamp::from_second(s).expect("ts")
+    }
+
+    fn outcome(per_kind: &[(TeeKind, KindAdvert)]) -> AdvertiseOutcome {
+        AdvertiseOutcome {
+            enabled: true,
+            per_kind: per_kind.iter().cloned().collect(),
+            error: None,
+        }
+    }
+
+    fn find<'a>(s: &'a [ConditionSpec], t: &str) -> Option<&'a ConditionSpec> {
+        s.iter().find(|c| c.type_ == t)
+    }
+
+    #[test]
+    fn conditions_table() {
+        let res = ResourcesConfig::default();
+        let pods = vec![PodSummary {
+            uid: "vm1".into(),
+            name: "ns/vm1".into(),
+            phase: PodPhase::Running,
+            requests: KindCounts::from_pairs([(TeeKind::Tdx, 1)]),
+        }];
+        struct Case {
+            name: &'static str,
+            kernel: KernelView,
+            advertising: AdvertiseOutcome,
+            want: Vec<(&'static str, &'static str, &'static str)>,
+            message_contains: Vec<(&'static str, &'static str)>,
+        }
+        let tdx_adv = outcome(&[(TeeKind::Tdx, KindAdvert::Advertised(15))]);
+        let cases = vec![
+            Case {
+                name: "healthy TDX host",
+                kernel: KernelView {
+                    last_good: Some(scan(
+                        &[(TeeKind::Tdx, 16)],
+                        &[(TeeKind::Tdx, 1)],
+                        Accounting::PerPod,
+                    )),
+                    error: None,
+                },
+                advertising: tdx_adv.clone(),
+                want: vec![
+                    (ct::KERNEL_READABLE, "True", reasons::SCANNED),
+                    (ct::TEE_HARDWARE, "True", reasons::TEE_CAPACITY_FOUND),
+                    (ct::PER_POD_ACCOUNTING, "True", reasons::MISC_DELEGATED),
+                    (ct::ADVERTISING, "True", reasons::ADVERTISED),
+                ],
+                message_contains: vec![
+                    (ct::TEE_HARDWARE, "tdx: 16 keys"),
+                    (ct::ADVERTISING, "tdx.intel.com/keys=15"),
+                ],
+            },
+            Case {
+                name: "no misc controller",
+                kernel: KernelView {
+                    last_good: Some(HostState::NoController {
+                        message: "no misc cgroup controller under /x".into(),
+                    }),
+                    error: None,
+                },
+                advertising: outcome(&[]),
+                want: vec![
+                    (ct::KERNEL_READABLE, "True", reasons::SCANNED),
+                    (ct::TEE_HARDWARE, "False", reasons::NO_TEE_HARDWARE),
+                    (ct::ADVERTISING, "False", reasons::NO_TEE_HARDWARE),
+                ],
+                message_contains: vec![(ct::TEE_HARDWARE, "no misc cgroup controller under /x")],
+            },
+            Case {
+                name: "empty capacity",
+                kernel: KernelView {
+                    last_good: Some(HostState::Scanned(HostScan {
+                        misc_dir: "/r".into(),
+                        layout: CgroupLayout::V1,
+                        capacity: KindCounts::ZERO,
+                        kernel_used: KindCounts::ZERO,
+                        pods: None,
+                    })),
+                    error: None,
+                },
+                advertising: outcome(&[]),
+                want: vec![
+                    (ct::KERNEL_READABLE, "True", reasons::SCANNED),
+                    (ct::TEE_HARDWARE, "False", reasons::NO_TEE_HARDWARE),
+                    (ct::ADVERTISING, "False", reasons::NO_TEE_HARDWARE),
+                ],
+                message_contains: vec![(ct::TEE_HARDWARE, "/r/misc.capacity lists no")],
+            },
+            Case {
+                name: "scan failed after a good one",
+                kernel: KernelView {
+                    last_good: Some(scan(&[(TeeKind::Tdx, 16)], &[], Accounting::PerPod)),
+                    error: Some("/r/misc.current:1: bad".into()),
+                },
+                advertising: tdx_adv.clone(),
+                want: vec![
+                    (ct::KERNEL_READABLE, "False", reasons::SCAN_FAILED),
+                    (ct::TEE_HARDWARE, "True", reasons::TEE_CAPACITY_FOUND),
+                    (ct::PER_POD_ACCOUNTING, "True", reasons::MISC_DELEGATED),
+                    (ct::ADVERTISING, "True", reasons::ADVERTISED),
+                ],
+                message_contains: vec![(
+                    ct::KERNEL_READABLE,
+                    "/r/misc.current:1: bad; the figures are from the last successful scan",
+                )],
+            },
+            Case {
+                name: "scan never succeeded",
+                kernel: KernelView {
+                    last_good: None,
+                    error: Some("boom".into()),
+                },
+                advertising: outcome(&[]),
+                want: vec![
+                    (ct::KERNEL_READABLE, "False", reasons::SCAN_FAILED),
+                    (ct::TEE_HARDWARE, "Unknown", reasons::SCAN_FAILED),
+                    (ct::ADVERTISING, "False", reasons::NO_TEE_HARDWARE),
+                ],
+                message_contains: vec![(ct::KERNEL_READABLE, "boom")],
+            },
+            Case {
+                name: "not delegated, NFD owns the resource",
+                kernel: KernelView {
+                    last_good: Some(scan(&[(TeeKind::Tdx, 16)], &[], Accounting::RunningPods)),
+                    error: None,
+                },
+                advertising: outcome(&[(
+                    TeeKind::Tdx,
+                    KindAdvert::OwnedByOther {
+                        owner: "node-feature-discovery".into(),
+                    },
+                )]),
+                want: vec![
+                    (ct::KERNEL_READABLE, "True", reasons::SCANNED),
+                    (ct::TEE_HARDWARE, "True", reasons::TEE_CAPACITY_FOUND),
+                    (ct::PER_POD_ACCOUNTING, "False", reasons::MISC_NOT_DELEGATED),
+                    (ct::ADVERTISING, "False", reasons::OWNED_BY_OTHER),
+                ],
+                message_contains: vec![
+                    (ct::PER_POD_ACCOUNTING, "counting Running pods"),
+                    (
+                        ct::ADVERTISING,
+                        "tdx.intel.com/keys is managed by node-feature-discovery",
+                    ),
+                ],
+            },
+            Case {
+                name: "advertising disabled",
+                kernel: KernelView {
+                    last_good: Some(scan(&[(TeeKind::Tdx, 16)], &[], Accounting::PerPod)),
+                    error: None,
+                },
+                advertising: AdvertiseOutcome {
+                    enabled: false,
+                    per_kind: [(TeeKind::Tdx, KindAdvert::Disabled)].into_iter().collect(),
+                    error: None,
+                },
+                want: vec![
+                    (ct::KERNEL_READABLE, "True", reasons::SCANNED),
+                    (ct::TEE_HARDWARE, "True", reasons::TEE_CAPACITY_FOUND),
+                    (ct::PER_POD_ACCOUNTING, "True", reasons::MISC_DELEGATED),
+                    (ct::ADVERTISING, "False", reasons::ADVERTISING_DISABLED),
+                ],
+                message_contains: vec![],
+            },
+        ];
+        for case in cases {
+            let figures = case.kernel.figures(&pods);
+            let specs = conditions(&case.kernel, &figures, &case.advertising, &res);
+            let got: Vec<_> = specs
+                .iter()
+                .map(|c| (c.type_, c.status, c.reason))
+                .collect();
+            assert_eq!(got, case.want, "case: {}", case.name);
+            for (t, m) in case.message_contains {
+                let c = find(&specs, t).expect("condition");
+                assert!(
+                    c.message.contains(m),
+                    "case {}: {t} message {:?} lacks {m:?}",
+                    case.name,
+                    c.message
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn status_figures_and_transition_times() {
+        let res = ResourcesConfig::default();
+        let pods = vec![PodSummary {
+            uid: "vm1".into(),
+            name: "ns/vm1".into(),
+            phase: PodPhase::Running,
+            requests: KindCounts::from_pairs([(TeeKind::Tdx, 1)]),
+        }];
+        let mut kernel = KernelView {
+            last_good: Some(scan(
+                &[(TeeKind::Tdx, 16)],
+                &[(TeeKind::Tdx, 3)],
+                Accounting::PerPod,
+            )),
+            error: None,
+        };
+        let adv = outcome(&[(TeeKind::Tdx, KindAdvert::Advertised(14))]);
+        let figures = kernel.figures(&pods);
+        let s1 = build_status(&StatusInput {
+            kernel: &kernel,
+            figures: &figures,
+            advertising: &adv,
+            resources: &res,
+            previous: None,
+            now: Timestamp::from_millisecond(100_500).expect("ts"),
+        });
+        let tdx = s1.tdx.clone().expect("tdx");
+        assert_eq!(
+            tdx,
+            KindStatus {
+                resource_name: "tdx.intel.com/keys".into(),
+                capacity: 16,
+                kernel_used: 3,
+                pods_used: 1,
+                external: 2,
+                pending: 0,
+                free: 13,
+                advertised: Some(14),
+            }
+        );
+        assert_eq!(s1.heartbeat_time, Some(Time(ts(100))));
+        assert_eq!(s1.agent_version.as_deref(), Some(AGENT_VERSION));
+        assert!(
+            s1.conditions
+                .iter()
+                .all(|c| c.last_transition_time == Time(ts(100)))
+        );
+
+        // Same state later: only the heartbeat moves; not a content change.
+        let s2 = build_status(&StatusInput {
+            kernel: &kernel,
+            figures: &figures,
+            advertising: &adv,
+            resources: &res,
+            previous: Some(&s1),
+            now: ts(130),
+        });
+        assert_eq!(s2.heartbeat_time, Some(Time(ts(130))));
+        assert!(!content_differs(&s1, &s2));
+        assert!(
+            s2.conditions
+                .iter()
+                .all(|c| c.last_transition_time == Time(ts(100)))
+        );
+
+        // A scan fails: KernelReadable flips (new time), the others keep theirs, figures stay.
+        kernel.record(Err(Error::Task("disk on fire".into())));
+        let s3 = build_status(&StatusInput {
+            kernel: &kernel,
+            figures: &kernel.figures(&pods),
+            advertising: &adv,
+            resources: &res,
+            previous: Some(&s2),
+            now: ts(140),
+        });
+        assert!(content_differs(&s2, &s3));
+        assert_eq!(s3.tdx, s2.tdx);
+        let kr = s3.condition(ct::KERNEL_READABLE).expect("kr");
+        assert_eq!(
+            (kr.status.as_str(), kr.last_transition_time.clone()),
+            ("False", Time(ts(140)))
+        );
+        let hw = s3.condition(ct::TEE_HARDWARE).expect("hw");
+        assert_eq!(hw.last_transition_time, Time(ts(100)));
+    }
+
+    #[test]
+    fn publish_decision() {
+        let t0 = Instant::now();
+        let hb = Duration::from_secs(30);
+        let a = TeeCapacityStatus {
+            heartbeat_time: Some(Time(ts(1))),
+            ..Default::default()
+        };
+        let b = TeeCapacityStatus {
+            heartbeat_time: Some(Time(ts(2))),
+            ..Default::default()
+        };
+        let mut c = b.clone();
+        c.agent_version = Some("other".into());
+        assert!(needs_publish(None, &a, t0, hb));
+        assert!(!needs_publish(
+            Some((&a, t0)),
+            &b,
+            t0 + Duration::from_secs(29),
+            hb
+        ));
+        assert!(needs_publish(Some((&a, t0)), &b, t0 + hb, hb));
+        assert!(needs_publish(Some((&a, t0)), &c, t0, hb));
+    }
+}

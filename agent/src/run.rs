@@ -1,0 +1,556 @@
+//! The agent's loops: one task that scans, attributes, advertises and publishes, woken by the poll
+//! tick, `misc.events` changes (a failed charge), pod and Node cache changes, heartbeat and retry
+//! deadlines, and shutdown. API calls happen inline, bounded by a timeout, so a shutdown request lets
+//! the in-flight publish finish.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::{Api, Client, ResourceExt};
+use notify::Watcher;
+use teeguard_shared::Config;
+use teeguard_shared::crd::TeeCapacityStatus;
+use teeguard_shared::ops::Readiness;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::advertise::{self, AdvertiseOutcome, Desired};
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::pods::{self, Backoff, PodsView, Watched};
+use crate::publish::Publisher;
+use crate::report::{self, KernelView, StatusInput};
+use crate::scan::{HostState, Interest, Scanner};
+
+/// Readiness check: the first scan succeeded.
+pub const READY_SCAN: &str = "scan";
+/// Readiness check: the pod cache is synced.
+pub const READY_PODS: &str = "pods";
+
+/// Settings of [`run`].
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    /// The Kubernetes node this agent runs on.
+    pub node_name: String,
+    /// Where the host's cgroup tree is mounted.
+    pub cgroup_root: PathBuf,
+    /// The shared configuration (`agent` and `resources` sections are used).
+    pub config: Config,
+    /// First retry delay after a failed API call.
+    pub backoff_initial: Duration,
+    /// Longest retry delay.
+    pub backoff_max: Duration,
+    /// Time limit of one API call.
+    pub api_timeout: Duration,
+    /// How often the set of watched `misc.events` files is refreshed.
+    pub events_refresh: Duration,
+}
+
+impl AgentOptions {
+    /// Options with production defaults (retry 500 ms doubling to 30 s, 10 s API timeout).
+    pub fn new(
+        node_name: impl Into<String>,
+        cgroup_root: impl Into<PathBuf>,
+        config: Config,
+    ) -> Self {
+        AgentOptions {
+            node_name: node_name.into(),
+            cgroup_root: cgroup_root.into(),
+            config,
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(30),
+            api_timeout: Duration::from_secs(10),
+            events_refresh: Duration::from_secs(30),
+        }
+    }
+
+    fn backoff(&self) -> Backoff {
+        Backoff::new(self.backoff_initial, self.backoff_max)
+    }
+}
+
+/// Run the agent until `shutdown` is cancelled. Returns an error only for set-up failures; everything
+/// at run time (unreadable files, API outages) is logged, counted, reported and retried.
+pub async fn run(
+    client: Client,
+    opts: AgentOptions,
+    metrics: Metrics,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let pods = pods::watch_pods(
+        client.clone(),
+        &opts.node_name,
+        opts.backoff(),
+        metrics.clone(),
+        shutdown.clone(),
+    );
+    let node = pods::watch_node(
+        client.clone(),
+        &opts.node_name,
+        opts.backoff(),
+        metrics.clone(),
+        shutdown.clone(),
+    );
+    let events = EventsWatch::new();
+    let mut agent = Agent {
+        publisher: Publisher::new(client.clone(), opts.node_name.clone()),
+        nodes: Api::all(client),
+        scanner: Some(Scanner::new(opts.cgroup_root.clone())),
+        kernel: KernelView::default(),
+        pods_view: PodsView::default(),
+        patched_node: None,
+        last_published: None,
+        seeded_previous: None,
+        publish_backoff: opts.backoff(),
+        publish_retry_at: None,
+        node_backoff: opts.backoff(),
+        node_retry_at: None,
+        advertise_error: None,
+        warned_pods: HashSet::new(),
+        events_refresh_at: Instant::now(),
+        opts,
+        metrics,
+        readiness,
+        pods,
+        node,
+        events,
+    };
+    agent.readiness.set(READY_SCAN, false);
+    agent.readiness.set(READY_PODS, false);
+    agent.run(shutdown).await
+}
+
+struct Agent {
+    opts: AgentOptions,
+    metrics: Metrics,
+    readiness: Readiness,
+    publisher: Publisher,
+    nodes: Api<Node>,
+    scanner: Option<Scanner>,
+    kernel: KernelView,
+    pods: Watched<Pod>,
+    node: Watched<Node>,
+    pods_view: PodsView,
+    patched_node: Option<Node>,
+    last_published: Option<(TeeCapacityStatus, Instant)>,
+    seeded_previous: Option<TeeCapacityStatus>,
+    publish_backoff: Backoff,
+    publish_retry_at: Option<Instant>,
+    node_backoff: Backoff,
+    node_retry_at: Option<Instant>,
+    advertise_error: Option<String>,
+    warned_pods: HashSet<String>,
+    events: EventsWatch,
+    events_refresh_at: Instant,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wake {
+    Tick,
+    Events,
+    Pods,
+    Node,
+    Deadline,
+}
+
+impl Agent {
+    async fn run(&mut self, shutdown: CancellationToken) -> Result<()> {
+        let poll = self.opts.config.agent.poll_interval;
+        let mut ticker = tokio::time::interval(poll);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tracing::info!(
+            node = %self.opts.node_name,
+            cgroup_root = %self.opts.cgroup_root.display(),
+            poll_interval = ?poll,
+            heartbeat_interval = ?self.opts.config.agent.heartbeat_interval,
+            advertise = self.opts.config.agent.advertise,
+            "agent started"
+        );
+        let pods_changed = self.pods.changed.clone();
+        let node_changed = self.node.changed.clone();
+        let events_changed = self.events.notify.clone();
+        loop {
+            let deadline = self.next_deadline();
+            let wake = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = events_changed.notified() => Wake::Events,
+                _ = ticker.tick() => Wake::Tick,
+                _ = pods_changed.notified() => Wake::Pods,
+                _ = node_changed.notified() => Wake::Node,
+                _ = tokio::time::sleep_until(deadline.into()) => Wake::Deadline,
+            };
+            self.step(wake).await;
+        }
+        tracing::info!("shutting down: loops stopped, the last publish has completed");
+        for task in [&mut self.pods.task, &mut self.node.task] {
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+        Ok(())
+    }
+
+    fn next_deadline(&self) -> Instant {
+        let now = Instant::now();
+        let mut d = now + Duration::from_secs(3600);
+        if let Some((_, at)) = &self.last_published {
+            d = d.min(*at + self.opts.config.agent.heartbeat_interval);
+        }
+        for t in [self.publish_retry_at, self.node_retry_at]
+            .into_iter()
+            .flatten()
+        {
+            d = d.min(t);
+        }
+        d.min(self.events_refresh_at).max(now)
+    }
+
+    async fn step(&mut self, wake: Wake) {
+        if self.pods.is_synced() {
+            self.readiness.set(READY_PODS, true);
+        }
+        let mut scan = matches!(wake, Wake::Tick | Wake::Events);
+        if wake == Wake::Events {
+            self.metrics.events_rescans.inc();
+            tracing::debug!("misc.events changed (a failed charge): re-scanning now");
+        }
+        if matches!(wake, Wake::Pods | Wake::Tick | Wake::Events) || self.kernel.last_good.is_none()
+        {
+            let view = pods::summarize(
+                self.pods.store.state().iter().map(|p| p.as_ref()),
+                &self.opts.config.resources,
+            );
+            for (uid, err) in &view.errors {
+                if self.warned_pods.insert(uid.clone()) {
+                    tracing::warn!(error = %err, "pod's TEE resource quantity is not a whole number; counting it as requesting none");
+                }
+            }
+            // A new pod that requests keys must be read now, not at the next tick.
+            scan |= view.interest != self.pods_view.interest;
+            self.pods_view = view;
+        }
+        if scan || self.kernel.last_good.is_none() && self.kernel.error.is_none() {
+            self.scan().await;
+        }
+        self.reconcile().await;
+    }
+
+    async fn scan(&mut self) {
+        let Some(mut scanner) = self.scanner.take() else {
+            return;
+        };
+        let interest = self.pods_view.interest.clone();
+        let refresh_events = Instant::now() >= self.events_refresh_at
+            || self.events.dirty.swap(false, Ordering::AcqRel);
+        let joined = tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let result = scanner.scan(Interest::Only(&interest));
+            let took = started.elapsed();
+            let dirs = refresh_events.then(|| scanner.events_dirs());
+            (scanner, result, took, dirs)
+        })
+        .await;
+        let (scanner, result, took, dirs) = match joined {
+            Ok(v) => v,
+            Err(e) => {
+                // The scanner is lost with the panicked task: start a fresh one.
+                self.scanner = Some(Scanner::new(self.opts.cgroup_root.clone()));
+                self.kernel.record(Err(Error::Task(e.to_string())));
+                self.metrics.scan_errors.inc();
+                return;
+            }
+        };
+        self.scanner = Some(scanner);
+        self.metrics.observe_scan(took);
+        if let Some(dirs) = dirs {
+            self.events.refresh(dirs);
+            self.events_refresh_at = Instant::now() + self.opts.events_refresh;
+        }
+        match &result {
+            Ok(state) => {
+                if let HostState::Scanned(s) = state
+                    && let Some(p) = &s.pods
+                    && p.problem_count > 0
+                {
+                    self.metrics
+                        .pod_cgroup_errors
+                        .inc_by(p.problem_count as u64);
+                }
+                if self.kernel.error.is_some() {
+                    tracing::info!("the misc files are readable again");
+                }
+                self.readiness.set(READY_SCAN, true);
+            }
+            Err(e) => {
+                self.metrics.scan_errors.inc();
+                if self.kernel.error.as_deref() != Some(&e.to_string()) {
+                    tracing::error!(error = %e, "scan failed; keeping the figures of the last successful scan");
+                }
+            }
+        }
+        self.kernel.record(result);
+    }
+
+    fn current_node(&self) -> Option<Node> {
+        let cached = self
+            .node
+            .store
+            .state()
+            .into_iter()
+            .find(|n| n.name_any() == self.opts.node_name)
+            .map(|n| n.as_ref().clone());
+        match (cached, &self.patched_node) {
+            (Some(c), Some(p)) if rv(p) > rv(&c) => Some(p.clone()),
+            (Some(c), _) => Some(c),
+            (None, p) => p.clone(),
+        }
+    }
+
+    async fn reconcile(&mut self) {
+        let figures = self.kernel.figures(&self.pods_view.pods);
+        self.metrics.set_figures(&figures);
+        let node = self.current_node();
+        let desired = Desired::from_figures(self.opts.config.agent.advertise, &figures);
+        let ready_to_write = self.pods.is_synced() && self.kernel.last_good.is_some();
+
+        let mut outcome = AdvertiseOutcome::without_node(&desired);
+        if let (Some(node), true) = (&node, ready_to_write) {
+            let plan = advertise::plan(node, &desired, &self.opts.config.resources);
+            outcome = plan.outcome;
+            if !plan.writes.is_empty() && due(self.node_retry_at) {
+                let result = with_timeout(
+                    self.opts.api_timeout,
+                    "patch Node",
+                    advertise::apply(&self.nodes, &self.opts.node_name, &plan.writes),
+                )
+                .await;
+                match result {
+                    Ok(updated) => {
+                        self.metrics.node_patches.inc_by(plan.writes.len() as u64);
+                        tracing::info!(node = %self.opts.node_name, writes = ?plan.writes, "updated the Node's extended resources");
+                        if updated.is_some() {
+                            self.patched_node = updated;
+                        }
+                        self.advertise_error = None;
+                        self.node_retry_at = None;
+                        self.node_backoff.reset();
+                    }
+                    Err(e) => {
+                        self.api_failed(&e);
+                        let delay = self.node_backoff.next_delay();
+                        tracing::warn!(error = %e, retry_in = ?delay, "cannot update the Node's extended resources");
+                        self.advertise_error = Some(e.to_string());
+                        self.node_retry_at = Some(Instant::now() + delay);
+                    }
+                }
+            }
+        }
+        outcome.error = self.advertise_error.clone();
+
+        let Some(node) = node.filter(|_| self.pods.is_synced()) else {
+            return;
+        };
+        let mut status = self.build(&figures, &outcome);
+        let now = Instant::now();
+        let last = self.last_published.as_ref().map(|(s, at)| (s, *at));
+        if !report::needs_publish(
+            last,
+            &status,
+            now,
+            self.opts.config.agent.heartbeat_interval,
+        ) || !due(self.publish_retry_at)
+        {
+            return;
+        }
+        let changed = last.is_none_or(|(prev, _)| report::content_differs(prev, &status));
+        if !self.publisher.is_ensured() {
+            match with_timeout(
+                self.opts.api_timeout,
+                "apply TeeCapacity",
+                self.publisher.ensure(&node),
+            )
+            .await
+            {
+                Ok(existing) => {
+                    if self.last_published.is_none() && existing.is_some() {
+                        self.seeded_previous = existing;
+                        status = self.build(&figures, &outcome);
+                    }
+                }
+                Err(e) => {
+                    self.publish_failed(&e);
+                    return;
+                }
+            }
+        }
+        match with_timeout(
+            self.opts.api_timeout,
+            "apply TeeCapacity status",
+            self.publisher.publish(&status),
+        )
+        .await
+        {
+            Ok(()) => {
+                self.metrics.publishes.inc();
+                if changed {
+                    tracing::info!(node = %self.opts.node_name, figures = %report::describe(&figures), "published TeeCapacity");
+                } else {
+                    tracing::debug!(node = %self.opts.node_name, "heartbeat published");
+                }
+                self.last_published = Some((status, Instant::now()));
+                self.publish_retry_at = None;
+                self.publish_backoff.reset();
+            }
+            Err(e) => self.publish_failed(&e),
+        }
+    }
+
+    fn build(
+        &self,
+        figures: &std::collections::BTreeMap<
+            teeguard_shared::TeeKind,
+            crate::attribution::KindFigures,
+        >,
+        outcome: &AdvertiseOutcome,
+    ) -> TeeCapacityStatus {
+        let previous = self
+            .last_published
+            .as_ref()
+            .map(|(s, _)| s)
+            .or(self.seeded_previous.as_ref());
+        report::build_status(&StatusInput {
+            kernel: &self.kernel,
+            figures,
+            advertising: outcome,
+            resources: &self.opts.config.resources,
+            previous,
+            now: jiff::Timestamp::now(),
+        })
+    }
+
+    fn api_failed(&self, e: &Error) {
+        let op = match e {
+            Error::Kube { operation, .. } | Error::KubeTimeout { operation, .. } => operation,
+            _ => "other",
+        };
+        self.metrics.api_error(op);
+    }
+
+    fn publish_failed(&mut self, e: &Error) {
+        self.api_failed(e);
+        let delay = self.publish_backoff.next_delay();
+        tracing::warn!(error = %e, retry_in = ?delay, "cannot publish TeeCapacity; scanning goes on");
+        self.publish_retry_at = Some(Instant::now() + delay);
+    }
+}
+
+fn due(retry_at: Option<Instant>) -> bool {
+    retry_at.is_none_or(|t| Instant::now() >= t)
+}
+
+fn rv(n: &Node) -> u64 {
+    n.metadata
+        .resource_version
+        .as_deref()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn with_timeout<T>(
+    limit: Duration,
+    operation: &'static str,
+    fut: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::KubeTimeout {
+            operation,
+            after: limit,
+        }),
+    }
+}
+
+/// inotify watches on the directories holding `misc.events` files.
+struct EventsWatch {
+    watcher: Option<notify::RecommendedWatcher>,
+    dirs: Vec<PathBuf>,
+    notify: Arc<Notify>,
+    dirty: Arc<AtomicBool>,
+}
+
+impl EventsWatch {
+    fn new() -> Self {
+        let notify = Arc::new(Notify::new());
+        let dirty = Arc::new(AtomicBool::new(false));
+        let watcher = {
+            let notify = notify.clone();
+            let dirty = dirty.clone();
+            notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+                let Ok(ev) = res else { return };
+                use notify::EventKind;
+                use notify::event::{AccessKind, AccessMode};
+                let is_events = ev
+                    .paths
+                    .iter()
+                    .any(|p| p.file_name().is_some_and(|n| n == "misc.events"));
+                match ev.kind {
+                    EventKind::Modify(_)
+                    | EventKind::Create(_)
+                    | EventKind::Access(AccessKind::Close(AccessMode::Write))
+                        if is_events =>
+                    {
+                        notify.notify_one()
+                    }
+                    EventKind::Remove(_) => dirty.store(true, Ordering::Release),
+                    _ => {}
+                }
+            })
+        };
+        let watcher = match watcher {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %Error::Watch(e), "misc.events changes will only be noticed by polling");
+                None
+            }
+        };
+        EventsWatch {
+            watcher,
+            dirs: Vec::new(),
+            notify,
+            dirty,
+        }
+    }
+
+    fn refresh(&mut self, dirs: Vec<PathBuf>) {
+        let Some(w) = self.watcher.as_mut() else {
+            return;
+        };
+        if dirs == self.dirs {
+            return;
+        }
+        for old in &self.dirs {
+            if !dirs.contains(old) {
+                let _ = w.unwatch(old);
+            }
+        }
+        let mut watched = Vec::with_capacity(dirs.len());
+        for d in dirs {
+            if self.dirs.contains(&d) {
+                watched.push(d);
+                continue;
+            }
+            match w.watch(&d, notify::RecursiveMode::NonRecursive) {
+                Ok(()) => watched.push(d),
+                Err(e) => {
+                    tracing::debug!(dir = %d.display(), error = %e, "cannot watch misc.events")
+                }
+            }
+        }
+        tracing::debug!(dirs = ?watched, "watching misc.events");
+        self.dirs = watched;
+    }
+}
