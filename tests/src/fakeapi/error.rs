@@ -1,0 +1,229 @@
+//! Errors: [`ApiStatus`] (a `metav1.Status` failure, what the HTTP side answers) and [`FakeApiError`]
+//! (what the programmatic API returns).
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+/// A failed API call as the real API server reports it: a `metav1.Status` with an HTTP code and reason.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiStatus {
+    /// HTTP status code (404, 409, 410, 422, ...).
+    pub code: u16,
+    /// Machine-readable reason (`NotFound`, `AlreadyExists`, `Conflict`, `Expired`, `Invalid`, ...).
+    pub reason: String,
+    /// Human-readable message.
+    pub message: String,
+    /// `details.name`: the object concerned, if any.
+    pub name: Option<String>,
+    /// `details.group`.
+    pub group: Option<String>,
+    /// `details.kind`: the resource (plural) concerned, as the real server reports it.
+    pub kind: Option<String>,
+    /// `details.causes`: `(reason, message, field)` triples.
+    pub causes: Vec<(String, String, String)>,
+}
+
+/// The reason string the real API server uses for an HTTP status code.
+pub fn reason_for_code(code: u16) -> &'static str {
+    match code {
+        400 => "BadRequest",
+        401 => "Unauthorized",
+        403 => "Forbidden",
+        404 => "NotFound",
+        405 => "MethodNotAllowed",
+        406 => "NotAcceptable",
+        409 => "Conflict",
+        410 => "Expired",
+        413 => "RequestEntityTooLarge",
+        415 => "UnsupportedMediaType",
+        422 => "Invalid",
+        429 => "TooManyRequests",
+        500 => "InternalError",
+        503 => "ServiceUnavailable",
+        504 => "Timeout",
+        _ => "Unknown",
+    }
+}
+
+impl ApiStatus {
+    /// A failure with the standard reason for `code`.
+    pub fn new(code: u16, message: impl Into<String>) -> Self {
+        Self::with_reason(code, reason_for_code(code), message)
+    }
+
+    /// A failure with an explicit reason (e.g. 409 `AlreadyExists`).
+    pub fn with_reason(code: u16, reason: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            reason: reason.into(),
+            message: message.into(),
+            name: None,
+            group: None,
+            kind: None,
+            causes: Vec::new(),
+        }
+    }
+
+    /// Sets `details` (name, group, resource plural).
+    pub fn details(mut self, name: &str, group: &str, resource: &str) -> Self {
+        self.name = Some(name.to_string());
+        self.group = Some(group.to_string());
+        self.kind = Some(resource.to_string());
+        self
+    }
+
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(400, message)
+    }
+
+    pub(crate) fn not_found(group: &str, resource: &str, name: &str) -> Self {
+        Self::new(
+            404,
+            format!("{} \"{name}\" not found", qualified(group, resource)),
+        )
+        .details(name, group, resource)
+    }
+
+    pub(crate) fn already_exists(group: &str, resource: &str, name: &str) -> Self {
+        Self::with_reason(
+            409,
+            "AlreadyExists",
+            format!("{} \"{name}\" already exists", qualified(group, resource)),
+        )
+        .details(name, group, resource)
+    }
+
+    pub(crate) fn conflict(group: &str, resource: &str, name: &str, why: &str) -> Self {
+        Self::with_reason(
+            409,
+            "Conflict",
+            format!(
+                "Operation cannot be fulfilled on {} \"{name}\": {why}",
+                qualified(group, resource)
+            ),
+        )
+        .details(name, group, resource)
+    }
+
+    pub(crate) fn invalid(group: &str, kind: &str, name: &str, field: &str, why: &str) -> Self {
+        let what = if group.is_empty() {
+            kind.to_string()
+        } else {
+            format!("{kind}.{group}")
+        };
+        let mut s = Self::with_reason(
+            422,
+            "Invalid",
+            format!("{what} \"{name}\" is invalid: {field}: {why}"),
+        )
+        .details(name, group, kind);
+        s.causes.push((
+            "FieldValueInvalid".into(),
+            why.to_string(),
+            field.to_string(),
+        ));
+        s
+    }
+
+    pub(crate) fn gone(message: impl Into<String>) -> Self {
+        Self::with_reason(410, "Expired", message)
+    }
+
+    /// The `metav1.Status` JSON body.
+    pub fn to_json(&self) -> Value {
+        let mut v = json!({
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        });
+        let mut details = serde_json::Map::new();
+        if let Some(n) = &self.name {
+            details.insert("name".into(), json!(n));
+        }
+        if let Some(g) = self.group.as_ref().filter(|g| !g.is_empty()) {
+            details.insert("group".into(), json!(g));
+        }
+        if let Some(k) = &self.kind {
+            details.insert("kind".into(), json!(k));
+        }
+        if !self.causes.is_empty() {
+            let causes: Vec<Value> = self
+                .causes
+                .iter()
+                .map(|(reason, message, field)| json!({"reason": reason, "message": message, "field": field}))
+                .collect();
+            details.insert("causes".into(), Value::Array(causes));
+        }
+        if !details.is_empty() {
+            v["details"] = Value::Object(details);
+        }
+        v
+    }
+}
+
+impl std::fmt::Display for ApiStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({}, HTTP {})", self.message, self.reason, self.code)
+    }
+}
+
+/// `pods` or `teecapacities.teeguard.dev`, as the real server names resources in messages.
+pub(crate) fn qualified(group: &str, resource: &str) -> String {
+    if group.is_empty() {
+        resource.to_string()
+    } else {
+        format!("{resource}.{group}")
+    }
+}
+
+/// Errors of the fake API server's programmatic API.
+#[derive(Debug, thiserror::Error)]
+pub enum FakeApiError {
+    /// The operation failed the way the real API server would fail it.
+    #[error("fake API server refused the operation: {0}")]
+    Api(ApiStatus),
+    /// The resource name is not in the resource table; register it with
+    /// [`FakeApiServer::register_resource`](super::FakeApiServer::register_resource).
+    #[error(
+        "unknown resource {0:?}: use a registered plural such as \"pods\" or \"events.events.k8s.io\", or register it"
+    )]
+    UnknownResource(String),
+    /// The object could not be turned into JSON or lacks `apiVersion`/`kind`.
+    #[error("invalid object: {0}")]
+    InvalidObject(String),
+    /// A `wait_for*` helper ran out of time.
+    #[error("timed out after {0:?} waiting for {1}")]
+    Timeout(Duration, String),
+    /// Binding or serving the TCP listener failed.
+    #[error("serving the fake API server on {addr}: {source}; is the port free?")]
+    Serve {
+        /// The address being bound.
+        addr: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Writing a kubeconfig or building a client from it failed.
+    #[error("kubeconfig for the fake API server: {0}")]
+    Kubeconfig(String),
+}
+
+impl FakeApiError {
+    /// The HTTP code of an [`FakeApiError::Api`] error.
+    pub fn code(&self) -> Option<u16> {
+        match self {
+            Self::Api(s) => Some(s.code),
+            _ => None,
+        }
+    }
+}
+
+impl From<ApiStatus> for FakeApiError {
+    fn from(s: ApiStatus) -> Self {
+        Self::Api(s)
+    }
+}
