@@ -1,0 +1,199 @@
+//! Shared helpers of the Helm chart tests (`tests/tests/chart_*.rs`): run the real `helm` and
+//! `kubernetes-validate` binaries that `scripts/chart-tools.sh` installs, and pick objects out of the
+//! rendered manifests.
+
+#![allow(dead_code)] // each chart test binary uses a different subset
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Release name every test renders with.
+pub const RELEASE: &str = "teeguard";
+/// Release namespace every test renders into.
+pub const NAMESPACE: &str = "teeguard";
+/// Kubernetes version the manifests are rendered for and validated against.
+pub const KUBE_VERSION: &str = "1.33.0";
+/// The value sets under `tests/chart/`, by file stem.
+pub const VALUES_FILES: [&str; 6] = [
+    "default",
+    "cert-manager",
+    "user-certs",
+    "existing-secret",
+    "advertising-disabled",
+    "custom",
+];
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// `charts/teeguard`.
+pub fn chart_dir() -> PathBuf {
+    repo_root().join("charts").join("teeguard")
+}
+
+/// `tests/chart/<stem>.yaml`.
+pub fn values_file(stem: &str) -> PathBuf {
+    repo_root()
+        .join("tests")
+        .join("chart")
+        .join(format!("{stem}.yaml"))
+}
+
+fn tool(var: &str, what: &str) -> PathBuf {
+    let Some(path) = std::env::var_os(var) else {
+        panic!(
+            "{var} is not set: the chart tests need {what}. Run scripts/test.sh, which installs helm and \
+             kubernetes-validate into ./.tools, or `source scripts/chart-tools.sh` before cargo test."
+        );
+    };
+    let path = PathBuf::from(path);
+    assert!(
+        path.is_file(),
+        "{var}={} does not exist: re-run `source scripts/chart-tools.sh` (scripts/test.sh does)",
+        path.display()
+    );
+    path
+}
+
+/// The helm binary (`TEEGUARD_HELM`); panics with instructions when it is not set.
+pub fn helm() -> PathBuf {
+    tool("TEEGUARD_HELM", "a real helm binary")
+}
+
+/// The kubernetes-validate binary (`TEEGUARD_KUBERNETES_VALIDATE`); panics with instructions when unset.
+pub fn kubernetes_validate() -> PathBuf {
+    tool("TEEGUARD_KUBERNETES_VALIDATE", "kubernetes-validate (PyPI)")
+}
+
+/// Output of one tool run.
+#[derive(Debug)]
+pub struct Run {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Run a tool with arguments, in the repository root, with a private HOME-like cache so helm writes
+/// nothing outside a temporary directory.
+pub fn run(program: &Path, args: &[String]) -> Run {
+    let scratch = tempfile::tempdir().expect("scratch dir for helm caches");
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(repo_root())
+        .env("HELM_CACHE_HOME", scratch.path().join("cache"))
+        .env("HELM_CONFIG_HOME", scratch.path().join("config"))
+        .env("HELM_DATA_HOME", scratch.path().join("data"))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", program.display()));
+    Run {
+        success: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// `helm template` of the chart with the given values files and extra arguments.
+pub fn helm_template(values: &[&str], extra: &[&str]) -> Run {
+    helm_template_in(NAMESPACE, values, extra)
+}
+
+/// `helm template` into another namespace.
+pub fn helm_template_in(namespace: &str, values: &[&str], extra: &[&str]) -> Run {
+    let mut args: Vec<String> = vec![
+        "template".into(),
+        RELEASE.into(),
+        chart_dir().display().to_string(),
+        "--namespace".into(),
+        namespace.into(),
+        "--kube-version".into(),
+        KUBE_VERSION.into(),
+    ];
+    for v in values {
+        args.push("--values".into());
+        args.push(values_file(v).display().to_string());
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    run(&helm(), &args)
+}
+
+/// Render the chart with one values file (and extra arguments) and parse every object.
+pub fn render(values: &str, extra: &[&str]) -> Vec<Value> {
+    let out = helm_template(&[values], extra);
+    assert!(
+        out.success,
+        "helm template with tests/chart/{values}.yaml {extra:?} failed:\n{}",
+        out.stderr
+    );
+    parse_documents(&out.stdout)
+}
+
+/// Parse a multi-document YAML stream into JSON values, skipping empty documents.
+pub fn parse_documents(text: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .map(|doc| Value::deserialize(doc).expect("helm rendered valid YAML"))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// Every object of a kind.
+pub fn all<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+/// The one object of a kind and name; panics naming what was rendered when it is missing.
+pub fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| {
+            let rendered: Vec<String> = docs
+                .iter()
+                .map(|d| format!("{}/{}", d["kind"], d["metadata"]["name"]))
+                .collect();
+            panic!("no {kind} named {name} in the rendered chart; rendered: {rendered:?}")
+        })
+}
+
+/// The one object of a kind; panics when there is none or more than one.
+pub fn only<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    let found = all(docs, kind);
+    assert_eq!(
+        found.len(),
+        1,
+        "expected exactly one {kind}, found {}",
+        found.len()
+    );
+    found[0]
+}
+
+/// A string field, panicking with the path when it is absent.
+pub fn str_at<'a>(v: &'a Value, pointer: &str) -> &'a str {
+    v.pointer(pointer)
+        .and_then(Value::as_str)
+        .unwrap_or_else(|| panic!("no string at {pointer} in {v}"))
+}
+
+/// Decode a base64 field of a Secret or a webhook's caBundle.
+pub fn b64(s: &str) -> Vec<u8> {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .unwrap_or_else(|e| panic!("not base64 ({e}): {s}"))
+}
+
+/// The DNS names the webhook's serving certificate must carry for a namespace.
+pub fn service_dns_names(service: &str, namespace: &str) -> Vec<String> {
+    vec![
+        service.to_string(),
+        format!("{service}.{namespace}"),
+        format!("{service}.{namespace}.svc"),
+        format!("{service}.{namespace}.svc.cluster.local"),
+    ]
+}
