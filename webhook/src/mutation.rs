@@ -947,7 +947,8 @@ mod tests {
     #[test]
     fn pod_skip_rules() {
         let cfg = Config::default();
-        let cases: Vec<(Box<dyn Fn(&mut Value)>, SkipReason)> = vec![
+        type Edit = Box<dyn Fn(&mut Value)>;
+        let cases: Vec<(Edit, SkipReason)> = vec![
             (
                 Box::new(|p| p["metadata"]["labels"]["teeguard.dev/exempt"] = json!("true")),
                 SkipReason::ExemptPod,

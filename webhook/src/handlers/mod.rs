@@ -15,7 +15,7 @@ use axum::extract::Request;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 
 use crate::admission::ReviewResponse;
 use crate::error::{Error, Result};
@@ -50,16 +50,41 @@ pub struct Reviewed {
     pub outcome: Outcome,
 }
 
-/// Read the whole body, refusing more than `limit` bytes (413) without buffering them.
-pub async fn read_body(body: Body, content_length: Option<u64>, limit: usize) -> Result<Bytes> {
-    if content_length.is_some_and(|len| len > limit as u64) {
+/// Read the whole body, refusing more than `limit` bytes with [`Error::PayloadTooLarge`] (413).
+///
+/// An oversized body is read and discarded up to twice the limit before answering, so an HTTP/1.1
+/// client that is still sending sees the 413 instead of a reset connection; beyond that the
+/// connection is dropped. Nothing past the limit is buffered.
+pub async fn read_body(mut body: Body, content_length: Option<u64>, limit: usize) -> Result<Bytes> {
+    let drain_cap = limit.saturating_mul(2);
+    let mut too_large = content_length.is_some_and(|len| len > limit as u64);
+    if content_length.is_some_and(|len| len > drain_cap as u64) {
         return Err(Error::PayloadTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<LengthLimitError>() => Err(Error::PayloadTooLarge { limit }),
-        Err(e) => Err(Error::ReadBody(e.to_string())),
+    let capacity = content_length.map_or(0, |len| (len as usize).min(limit));
+    let mut buf = Vec::with_capacity(capacity);
+    let mut total = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| Error::ReadBody(e.to_string()))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        total = total.saturating_add(data.len());
+        if total > limit {
+            too_large = true;
+        }
+        if too_large {
+            if total > drain_cap {
+                break;
+            }
+            continue;
+        }
+        buf.extend_from_slice(&data);
     }
+    if too_large {
+        return Err(Error::PayloadTooLarge { limit });
+    }
+    Ok(Bytes::from(buf))
 }
 
 /// Run one admission endpoint: read the body (size limit), call `review` (all within the request

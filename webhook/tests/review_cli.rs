@@ -1,0 +1,274 @@
+//! `teeguard-webhook review` run as a binary on fixture files.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::{Value, json};
+use teeguard_tests::fixtures::{self, Tee, VirtLauncherPod};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_teeguard-webhook"))
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write fixture");
+    p
+}
+
+fn run(args: &[&std::ffi::OsStr]) -> Output {
+    bin().arg("review").args(args).output().expect("run review")
+}
+
+fn stdout_json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "exit {:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+#[test]
+fn reviews_an_admission_review_with_a_vmi() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let review = fixtures::pod_create(&fixtures::virt_launcher_pod(Tee::Tdx));
+    let input = write(
+        dir.path(),
+        "review.json",
+        &fixtures::to_pretty_json(&review),
+    );
+    // Multi-document VMI file: the pod's VMI and another.
+    let vmis = write(
+        dir.path(),
+        "vmis.yaml",
+        &format!(
+            "{}---\n{}",
+            fixtures::to_yaml(&fixtures::vmi(Tee::Tdx)),
+            fixtures::to_yaml(&fixtures::vmi(Tee::Snp))
+        ),
+    );
+    let out = run(&[
+        input.as_os_str(),
+        "--vmi".as_ref(),
+        vmis.as_os_str(),
+        "-o".as_ref(),
+        "json".as_ref(),
+    ]);
+    let doc = stdout_json(&out);
+    let resp = &doc["review"]["response"];
+    assert_eq!(doc["review"]["apiVersion"], "admission.k8s.io/v1");
+    assert_eq!(resp["uid"], review["request"]["uid"]);
+    assert_eq!(resp["allowed"], true);
+    assert_eq!(resp["patchType"], "JSONPatch");
+    assert!(resp["patch"].is_string(), "base64 patch: {resp}");
+    assert!(doc["patch"].as_array().is_some_and(|p| !p.is_empty()));
+    let pod: k8s_openapi::api::core::v1::Pod =
+        serde_json::from_value(doc["patchedObject"].clone()).expect("patched pod");
+    let compute = pod
+        .spec
+        .as_ref()
+        .expect("spec")
+        .containers
+        .iter()
+        .find(|c| c.name == "compute")
+        .expect("compute");
+    let res = compute.resources.as_ref().expect("resources");
+    assert_eq!(
+        res.requests.as_ref().expect("requests")["tdx.intel.com/keys"].0,
+        "1"
+    );
+    assert_eq!(
+        res.limits.as_ref().expect("limits")["tdx.intel.com/keys"].0,
+        "1"
+    );
+    assert_eq!(
+        pod.metadata.annotations.expect("annotations")["misc-max.teeguard.dev/compute"],
+        "tdx 1"
+    );
+}
+
+#[test]
+fn bare_pod_yaml_output_config_namespace_and_tee_capacity() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pod = VirtLauncherPod::for_tee("snp-vm", Tee::Snp).build();
+    let input = write(
+        dir.path(),
+        "pod.yaml",
+        &fixtures::to_yaml(&fixtures::to_value(&pod)),
+    );
+    let vmi = write(
+        dir.path(),
+        "vmi.yaml",
+        &fixtures::to_yaml(&fixtures::vmi(Tee::Snp)),
+    );
+    let config = write(
+        dir.path(),
+        "config.yaml",
+        "enforcement:\n  crioAnnotation: current\n",
+    );
+    let cap = write(
+        dir.path(),
+        "cap.yaml",
+        "apiVersion: teeguard.dev/v1alpha1\nkind: TeeCapacity\nmetadata:\n  name: node01\nspec:\n  nodeName: node01\n",
+    );
+    let out = run(&[
+        input.as_os_str(),
+        "--vmi".as_ref(),
+        vmi.as_os_str(),
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--tee-capacity".as_ref(),
+        cap.as_os_str(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_yaml::from_slice(&out.stdout).expect("YAML output");
+    assert_eq!(doc["review"]["response"]["allowed"], true);
+    assert_eq!(
+        doc["patchedObject"]["metadata"]["annotations"]["unified-cgroup.crio.io/compute"],
+        "misc.max=sev_es 1"
+    );
+    assert_eq!(
+        doc["patchedObject"]["spec"]["containers"][0]["resources"]["limits"]["sev-snp.amd.com/esids"],
+        "1"
+    );
+
+    // The same pod in a namespace labelled exempt: left alone.
+    let ns = write(
+        dir.path(),
+        "ns.yaml",
+        &fixtures::to_yaml(&json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "default", "labels": {"teeguard.dev/exempt": "true"}}
+        })),
+    );
+    let out = run(&[
+        input.as_os_str(),
+        "--vmi".as_ref(),
+        vmi.as_os_str(),
+        "--namespace-file".as_ref(),
+        ns.as_os_str(),
+        "-o".as_ref(),
+        "json".as_ref(),
+    ]);
+    let doc = stdout_json(&out);
+    assert_eq!(doc["review"]["response"]["allowed"], true);
+    assert_eq!(
+        doc["review"]["response"]["auditAnnotations"]["reason"],
+        "exempt-namespace"
+    );
+    assert!(doc.get("patch").is_none());
+    assert_eq!(doc["patchedObject"], fixtures::to_value(&pod));
+}
+
+#[test]
+fn missing_vmi_is_a_denial_not_an_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = write(
+        dir.path(),
+        "review.json",
+        &fixtures::to_pretty_json(&fixtures::pod_create(&fixtures::virt_launcher_pod(
+            Tee::Tdx,
+        ))),
+    );
+    let doc = stdout_json(&run(&[input.as_os_str(), "-o".as_ref(), "json".as_ref()]));
+    assert_eq!(doc["review"]["response"]["allowed"], false);
+    assert!(
+        doc["review"]["response"]["status"]["message"]
+            .as_str()
+            .expect("message")
+            .contains("not found yet")
+    );
+    assert!(doc.get("patchedObject").is_none());
+}
+
+#[test]
+fn bad_input_files_are_named() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let review = write(
+        dir.path(),
+        "review.json",
+        &fixtures::to_pretty_json(&fixtures::pod_create(&fixtures::virt_launcher_pod(
+            Tee::Tdx,
+        ))),
+    );
+    let pod_as_vmi = write(
+        dir.path(),
+        "wrong-kind.yaml",
+        &fixtures::to_yaml(&fixtures::to_value(&fixtures::virt_launcher_pod(Tee::Tdx))),
+    );
+    let broken = write(dir.path(), "broken.yaml", "kind: [unclosed\n");
+    let bad_cap = write(
+        dir.path(),
+        "bad-cap.yaml",
+        "apiVersion: teeguard.dev/v1alpha1\nkind: TeeCapacity\nmetadata:\n  name: n\nspec:\n  nodeName: 7\n",
+    );
+    let bad_config = write(
+        dir.path(),
+        "config.yaml",
+        "enforcement:\n  crioAnnotation: sometimes\n",
+    );
+    let missing = dir.path().join("nope.json");
+    let deployment = write(
+        dir.path(),
+        "deploy.yaml",
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: d\n",
+    );
+    let cases: Vec<(Vec<&std::ffi::OsStr>, &Path, &str)> = vec![
+        (vec![missing.as_os_str()], &missing, "cannot read"),
+        (vec![broken.as_os_str()], &broken, "invalid YAML"),
+        (
+            vec![deployment.as_os_str()],
+            &deployment,
+            "expected an AdmissionReview or a Pod",
+        ),
+        (
+            vec![review.as_os_str(), "--vmi".as_ref(), pod_as_vmi.as_os_str()],
+            &pod_as_vmi,
+            "expected VirtualMachineInstance",
+        ),
+        (
+            vec![review.as_os_str(), "--vmi".as_ref(), broken.as_os_str()],
+            &broken,
+            "invalid YAML",
+        ),
+        (
+            vec![
+                review.as_os_str(),
+                "--tee-capacity".as_ref(),
+                bad_cap.as_os_str(),
+            ],
+            &bad_cap,
+            "not a valid TeeCapacity",
+        ),
+        (
+            vec![
+                review.as_os_str(),
+                "--config".as_ref(),
+                bad_config.as_os_str(),
+            ],
+            &bad_config,
+            "enforcement.crioAnnotation",
+        ),
+    ];
+    for (args, file, want) in cases {
+        let out = run(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+        assert!(
+            stderr.contains(&file.display().to_string()) && stderr.contains(want),
+            "{args:?}: expected {file:?} and {want:?} in {stderr}"
+        );
+    }
+}
