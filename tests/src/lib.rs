@@ -1,1 +1,7 @@
-//! placeholder
+//! teeguard test kit: an in-process, stateful Kubernetes API server ([`fakeapi`]), a simulated host
+//! cgroup tree ([`host`]) and builders for realistic objects ([`fixtures`]). Every crate's tests use it so
+//! that kube clients, watches, patches and file reads run through the real protocol.
+
+pub mod fakeapi;
+pub mod fixtures;
+pub mod host;
