@@ -64,7 +64,8 @@ pub struct ServeArgs {
     /// Time allowed for a TLS handshake.
     #[arg(long, env = "TEEGUARD_TLS_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub handshake_timeout: Duration,
-    /// Time allowed to receive request headers.
+    /// Time allowed to receive request headers (HTTP/1.1). hyper starts this timer when a keep-alive
+    /// connection goes idle, so it also closes idle connections after this long.
     #[arg(long, env = "TEEGUARD_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub header_read_timeout: Duration,
     /// Time allowed to read a request and answer it.
