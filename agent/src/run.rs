@@ -103,7 +103,9 @@ pub async fn run(
         scanner: Some(Scanner::new(opts.cgroup_root.clone())),
         kernel: KernelView::default(),
         pods_view: PodsView::default(),
+        pods_view_synced: false,
         patched_node: None,
+        interest: Arc::new(HashSet::new()),
         last_published: None,
         seeded_previous: None,
         publish_backoff: opts.backoff(),
@@ -136,7 +138,10 @@ struct Agent {
     pods: Watched<Pod>,
     node: Watched<Node>,
     pods_view: PodsView,
-    patched_node: Option<Node>,
+    /// The pods view was computed from a synced cache (before that, nothing is written).
+    pods_view_synced: bool,
+    patched_node: Option<Arc<Node>>,
+    interest: Arc<HashSet<String>>,
     last_published: Option<(TeeCapacityStatus, Instant)>,
     seeded_previous: Option<TeeCapacityStatus>,
     publish_backoff: Backoff,
@@ -194,32 +199,32 @@ impl Agent {
         Ok(())
     }
 
+    /// The next heartbeat or retry time still ahead. Times already passed are not waited for (the
+    /// poll tick re-evaluates them), so a blocked publish never turns into a busy loop.
     fn next_deadline(&self) -> Instant {
         let now = Instant::now();
-        let mut d = now + Duration::from_secs(3600);
-        if let Some((_, at)) = &self.last_published {
-            d = d.min(*at + self.opts.config.agent.heartbeat_interval);
-        }
-        for t in [self.publish_retry_at, self.node_retry_at]
+        let heartbeat = self
+            .last_published
+            .as_ref()
+            .map(|(_, at)| *at + self.opts.config.agent.heartbeat_interval);
+        [heartbeat, self.publish_retry_at, self.node_retry_at]
             .into_iter()
             .flatten()
-        {
-            d = d.min(t);
-        }
-        d.min(self.events_refresh_at).max(now)
+            .filter(|t| *t > now)
+            .min()
+            .unwrap_or(now + Duration::from_secs(3600))
     }
 
     async fn step(&mut self, wake: Wake) {
-        if self.pods.is_synced() {
-            self.readiness.set(READY_PODS, true);
-        }
+        tracing::trace!(?wake, "woken");
         let mut scan = matches!(wake, Wake::Tick | Wake::Events);
         if wake == Wake::Events {
             self.metrics.events_rescans.inc();
             tracing::debug!("misc.events changed (a failed charge): re-scanning now");
         }
-        if matches!(wake, Wake::Pods | Wake::Tick | Wake::Events) || self.kernel.last_good.is_none()
-        {
+        if wake == Wake::Pods {
+            // Read the flag before the store: once it is set, the store holds the full initial list.
+            let synced = self.pods.is_synced();
             let view = pods::summarize(
                 self.pods.store.state().iter().map(|p| p.as_ref()),
                 &self.opts.config.resources,
@@ -230,8 +235,15 @@ impl Agent {
                 }
             }
             // A new pod that requests keys must be read now, not at the next tick.
-            scan |= view.interest != self.pods_view.interest;
+            if view.interest != *self.interest {
+                self.interest = Arc::new(view.interest.clone());
+                scan = true;
+            }
             self.pods_view = view;
+            self.pods_view_synced = synced;
+            if synced {
+                self.readiness.set(READY_PODS, true);
+            }
         }
         if scan || self.kernel.last_good.is_none() && self.kernel.error.is_none() {
             self.scan().await;
@@ -243,7 +255,7 @@ impl Agent {
         let Some(mut scanner) = self.scanner.take() else {
             return;
         };
-        let interest = self.pods_view.interest.clone();
+        let interest = self.interest.clone();
         let refresh_events = Instant::now() >= self.events_refresh_at
             || self.events.dirty.swap(false, Ordering::AcqRel);
         let joined = tokio::task::spawn_blocking(move || {
@@ -295,14 +307,13 @@ impl Agent {
         self.kernel.record(result);
     }
 
-    fn current_node(&self) -> Option<Node> {
+    /// The freshest view of the Node: the watch cache, or the API server's answer to our last patch
+    /// when the cache has not caught up with it yet.
+    fn current_node(&self) -> Option<Arc<Node>> {
         let cached = self
             .node
             .store
-            .state()
-            .into_iter()
-            .find(|n| n.name_any() == self.opts.node_name)
-            .map(|n| n.as_ref().clone());
+            .find(|n| n.name_any() == self.opts.node_name);
         match (cached, &self.patched_node) {
             (Some(c), Some(p)) if rv(p) > rv(&c) => Some(p.clone()),
             (Some(c), _) => Some(c),
@@ -315,7 +326,7 @@ impl Agent {
         self.metrics.set_figures(&figures);
         let node = self.current_node();
         let desired = Desired::from_figures(self.opts.config.agent.advertise, &figures);
-        let ready_to_write = self.pods.is_synced() && self.kernel.last_good.is_some();
+        let ready_to_write = self.pods_view_synced && self.kernel.last_good.is_some();
 
         let mut outcome = AdvertiseOutcome::without_node(&desired);
         if let (Some(node), true) = (&node, ready_to_write) {
@@ -332,8 +343,8 @@ impl Agent {
                     Ok(updated) => {
                         self.metrics.node_patches.inc_by(plan.writes.len() as u64);
                         tracing::info!(node = %self.opts.node_name, writes = ?plan.writes, "updated the Node's extended resources");
-                        if updated.is_some() {
-                            self.patched_node = updated;
+                        if let Some(n) = updated {
+                            self.patched_node = Some(Arc::new(n));
                         }
                         self.advertise_error = None;
                         self.node_retry_at = None;
@@ -351,7 +362,7 @@ impl Agent {
         }
         outcome.error = self.advertise_error.clone();
 
-        let Some(node) = node.filter(|_| self.pods.is_synced()) else {
+        let Some(node) = node.filter(|_| self.pods_view_synced) else {
             return;
         };
         let mut status = self.build(&figures, &outcome);

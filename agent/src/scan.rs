@@ -4,11 +4,18 @@
 //!
 //! 1. `misc.capacity` at the root (cgroup v2 `<root>/misc.capacity`, v1 `<root>/misc/misc.capacity`);
 //!    a host without TEE capacity stops here;
-//! 2. the kubepods subtree, only as deep as needed: `kubepods[.slice]/misc.current` (if the whole subtree
-//!    holds no key, no pod is read), then the QoS level (`burstable`, `besteffort`, skipped when they hold
-//!    nothing), then `misc.current` of the pod cgroups of interest (pod-level only, never containers);
-//! 3. the root `misc.current` last, so that a VM starting during the scan is counted twice (pending and
-//!    used) rather than not at all.
+//! 2. the root `misc.current`;
+//! 3. the kubepods subtree, only as deep as needed: `kubepods[.slice]/misc.current` (if the whole subtree
+//!    holds no key, no pod is read) and the QoS levels (`burstable`, `besteffort`; their
+//!    `cgroup.subtree_control` too, to tell whether pod cgroups get misc files at all); then pod-level
+//!    `misc.current` only, never containers:
+//!    - agent mode ([`Interest::Only`]): only the pods that request keys, opened by constructed path
+//!      (the place found first is remembered), without listing any directory;
+//!    - walk mode ([`Interest::All`], the `scan` subcommand): every pod directory, by listing the
+//!      kubepods and QoS directories (QoS levels holding nothing are skipped);
+//! 4. the root `misc.current` again: when it moved while the pods were read (a VM started or stopped),
+//!    the pods are read again (up to 3 attempts), so keys do not shift between "pods" and "external"
+//!    for a poll interval.
 //!
 //! Pod cgroup names understood: systemd driver `kubepods-<qos>-pod<uid_with_underscores>.slice` and
 //! `kubepods-pod<uid>.slice` (guaranteed), cgroupfs driver `pod<uid>`. Directories that look like pods but
@@ -16,8 +23,8 @@
 //! recorded as a problem and treated as holding nothing (its request then counts as pending and its real
 //! usage as external: conservative in both directions).
 //!
-//! The scan reuses its path and content buffers and allocates only for directory entries it lists and
-//! for pods that hold keys.
+//! The scan reuses its path and content buffers, reads files with a plain read loop (no stat/seek), and
+//! in agent mode allocates only for pods that hold keys.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -30,6 +37,9 @@ use teeguard_shared::misc::{CgroupLayout, MiscController};
 
 use crate::attribution::{Accounting, KindCounts};
 use crate::error::{Error, Result};
+
+/// Attempts at a consistent snapshot (root usage unchanged while the pods were read).
+const MAX_SNAPSHOT_ATTEMPTS: u32 = 3;
 
 /// At most this many skipped names and problems are kept per scan (the counts are exact).
 const MAX_LISTED: usize = 16;
@@ -49,13 +59,6 @@ impl Interest<'_> {
         match self {
             Interest::All => true,
             Interest::Only(set) => set.contains(uid),
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        match self {
-            Interest::All => false,
-            Interest::Only(set) => set.is_empty(),
         }
     }
 }
@@ -169,8 +172,10 @@ impl PodScan {
 pub struct Scanner {
     root: PathBuf,
     path: PathBuf,
-    buf: String,
+    buf: Vec<u8>,
     uid: String,
+    /// Where each pod of interest's cgroup was found last time (agent mode), to open it directly.
+    locations: HashMap<String, PathBuf>,
 }
 
 impl Scanner {
@@ -179,8 +184,9 @@ impl Scanner {
         Scanner {
             root: cgroup_root.into(),
             path: PathBuf::with_capacity(256),
-            buf: String::with_capacity(128),
+            buf: Vec::with_capacity(512),
             uid: String::with_capacity(40),
+            locations: HashMap::new(),
         }
     }
 
@@ -202,15 +208,28 @@ impl Scanner {
             Err(e) => return Err(e.into()),
         };
         let capacity = KindCounts::from_misc(&controller.capacity()?);
-        let pods = if capacity.is_zero() {
-            None
-        } else {
-            Some(self.scan_pods(controller.dir(), interest))
-        };
-        let kernel_used = if capacity.is_zero() {
-            KindCounts::ZERO
-        } else {
-            KindCounts::from_misc(&controller.current()?)
+        if capacity.is_zero() {
+            return Ok(HostState::Scanned(HostScan {
+                misc_dir: controller.dir().to_path_buf(),
+                layout: controller.layout(),
+                capacity,
+                kernel_used: KindCounts::ZERO,
+                pods: None,
+            }));
+        }
+        // The pod files and the root file are read at different instants. Read the root before and
+        // after the pods and retry when it moved, so a VM starting or stopping mid-scan does not
+        // shift keys between "pods" and "external" for a poll interval.
+        let mut before = KindCounts::from_misc(&controller.current()?);
+        let mut attempts = 1;
+        let (pods, kernel_used) = loop {
+            let pods = self.scan_pods(controller.dir(), interest);
+            let after = KindCounts::from_misc(&controller.current()?);
+            if after == before || attempts == MAX_SNAPSHOT_ATTEMPTS {
+                break (Some(pods), after);
+            }
+            before = after;
+            attempts += 1;
         };
         Ok(HostState::Scanned(HostScan {
             misc_dir: controller.dir().to_path_buf(),
@@ -266,33 +285,45 @@ impl Scanner {
         scan.driver = Some(driver);
 
         // cgroup v2 lists the controllers available in a cgroup; v1 hierarchies have no such file.
-        self.set_path(&kubepods, Some("cgroup.controllers"));
-        match read_into(&self.path, &mut self.buf) {
-            Ok(()) if !self.buf.split_ascii_whitespace().any(|c| c == "misc") => {
-                scan.not_delegated(format!(
-                    "{} does not list the misc controller",
-                    self.path.display()
-                ));
+        if self.file_lacks_misc(&kubepods, "cgroup.controllers") {
+            scan.not_delegated(format!(
+                "{}/cgroup.controllers does not list the misc controller",
+                kubepods.display()
+            ));
+            return scan;
+        }
+        let top = match self.level(&kubepods) {
+            Ok(u) => u,
+            Err(reason) => {
+                scan.not_delegated(reason);
                 return scan;
             }
-            _ => {}
+        };
+        let qos_names = match driver {
+            Driver::Systemd => ["kubepods-burstable.slice", "kubepods-besteffort.slice"],
+            Driver::Cgroupfs => ["burstable", "besteffort"],
+        };
+        if let Interest::Only(set) = interest {
+            self.locations.retain(|uid, _| set.contains(uid));
         }
-
-        match self.level_usage(&kubepods) {
-            LevelUsage::Missing => {
-                scan.not_delegated(format!(
-                    "{}/misc.current does not exist",
-                    kubepods.display()
-                ));
-                return scan;
+        if top == LevelUsage::Zero || !matches!(interest, Interest::All) {
+            // The answer must not depend on usage: check the QoS levels too.
+            for q in qos_names {
+                let qos = kubepods.join(q);
+                if qos.is_dir()
+                    && let Err(reason) = self.level(&qos)
+                {
+                    scan.not_delegated(reason);
+                    return scan;
+                }
             }
-            LevelUsage::Zero => return scan,
-            LevelUsage::Unreadable(msg) => {
-                tracing::debug!(error = %msg, "kubepods misc.current unreadable; reading pods anyway");
+            if let (Interest::Only(set), false) = (interest, top == LevelUsage::Zero) {
+                for uid in set {
+                    if !self.direct_pod(&mut scan, &kubepods, driver, uid) {
+                        return scan;
+                    }
+                }
             }
-            LevelUsage::Held => {}
-        }
-        if interest.is_empty() {
             return scan;
         }
 
@@ -307,20 +338,13 @@ impl Scanner {
             match classify(&entry) {
                 CgroupName::Qos => {
                     let qos = kubepods.join(&entry);
-                    match self.level_usage(&qos) {
-                        LevelUsage::Missing => {
-                            scan.not_delegated(format!(
-                                "{}/misc.current does not exist: the misc controller is not enabled \
-                                 below kubepods",
-                                qos.display()
-                            ));
+                    match self.level(&qos) {
+                        Err(reason) => {
+                            scan.not_delegated(reason);
                             return scan;
                         }
-                        LevelUsage::Zero => continue,
-                        LevelUsage::Unreadable(msg) => {
-                            tracing::debug!(error = %msg, "QoS misc.current unreadable; reading pods anyway");
-                        }
-                        LevelUsage::Held => {}
+                        Ok(LevelUsage::Zero) => continue,
+                        Ok(LevelUsage::Held | LevelUsage::Unknown) => {}
                     }
                     let pods = match list_dirs(&qos) {
                         Ok(p) => p,
@@ -330,13 +354,10 @@ impl Scanner {
                         }
                     };
                     for pod in pods {
-                        match classify(&pod) {
-                            CgroupName::Pod { uid, systemd } => {
-                                if !self.pod(&mut scan, &qos, &pod, uid, systemd, interest) {
-                                    return scan;
-                                }
-                            }
-                            CgroupName::Qos | CgroupName::Other => {}
+                        if let CgroupName::Pod { uid, systemd } = classify(&pod)
+                            && !self.pod(&mut scan, &qos, &pod, uid, systemd, interest)
+                        {
+                            return scan;
                         }
                     }
                 }
@@ -351,7 +372,116 @@ impl Scanner {
         scan
     }
 
-    /// Read one pod cgroup. Returns false when it showed the controller is not delegated (stop).
+    /// Agent mode: read a pod's cgroup by constructing its path (no directory listing). The QoS class is
+    /// not known from the UID, so the three possible places are tried once and the hit remembered.
+    /// Returns false when the pod showed the controller is not delegated (stop).
+    fn direct_pod(
+        &mut self,
+        scan: &mut PodScan,
+        kubepods: &Path,
+        driver: Driver,
+        uid: &str,
+    ) -> bool {
+        if !is_valid_uid(uid) {
+            // UIDs come from the API server; never build paths from anything else.
+            tracing::debug!(uid, "pod UID is not a UUID; its cgroup is not read");
+            return true;
+        }
+        if let Some(dir) = self.locations.get(uid) {
+            self.path.clear();
+            self.path.push(dir);
+            match self.read_pod_file(scan, uid) {
+                PodRead::Done => return true,
+                PodRead::NotDelegated => return false,
+                PodRead::Gone => {
+                    self.locations.remove(uid);
+                }
+            }
+        }
+        let places = match driver {
+            Driver::Systemd => &SYSTEMD_PLACES,
+            Driver::Cgroupfs => &CGROUPFS_PLACES,
+        };
+        for (qos, prefix) in places {
+            self.uid.clear();
+            self.uid.push_str(prefix);
+            match driver {
+                Driver::Systemd => {
+                    self.uid
+                        .extend(uid.chars().map(|c| if c == '-' { '_' } else { c }));
+                    self.uid.push_str(".slice");
+                }
+                Driver::Cgroupfs => self.uid.push_str(uid),
+            }
+            self.path.clear();
+            self.path.push(kubepods);
+            if let Some(q) = qos {
+                self.path.push(q);
+            }
+            self.path.push(&self.uid);
+            match self.read_pod_file(scan, uid) {
+                PodRead::Done => {
+                    self.locations.insert(uid.to_string(), self.path.clone());
+                    return true;
+                }
+                PodRead::NotDelegated => return false,
+                PodRead::Gone => {}
+            }
+        }
+        // No cgroup yet: the kubelet has not started the pod. It holds nothing.
+        true
+    }
+
+    /// Read `misc.current` in the pod directory `self.path` (left pointing at the directory).
+    fn read_pod_file(&mut self, scan: &mut PodScan, uid: &str) -> PodRead {
+        self.path.push("misc.current");
+        let result = match read_text(&self.path, &mut self.buf) {
+            Ok(text) => {
+                scan.pods_read += 1;
+                match parse_counts(&self.path, text) {
+                    Ok(c) => {
+                        if !c.is_zero() {
+                            scan.usage.insert(uid.to_string(), c);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "pod cgroup misc.current is malformed; treating the pod as holding no key");
+                        scan.problem(e.to_string());
+                    }
+                }
+                PodRead::Done
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                self.path.pop();
+                let read = if self.path.is_dir() {
+                    scan.not_delegated(format!(
+                        "pod cgroup {} has no misc.current",
+                        self.path.display()
+                    ));
+                    PodRead::NotDelegated
+                } else {
+                    PodRead::Gone
+                };
+                self.path.push("misc.current");
+                read
+            }
+            Err(source) => {
+                scan.pods_read += 1;
+                let e = Error::PodCgroupRead {
+                    path: self.path.clone(),
+                    source,
+                };
+                tracing::warn!(error = %e, "cannot read a pod cgroup; treating the pod as holding no key");
+                scan.problem(e.to_string());
+                PodRead::Done
+            }
+        };
+        self.path.pop();
+        result
+    }
+
+    /// Walk mode: read one pod cgroup found by listing. Returns false when it showed the controller is
+    /// not delegated (stop).
     fn pod(
         &mut self,
         scan: &mut PodScan,
@@ -374,8 +504,8 @@ impl Scanner {
         self.path.push(dir_name);
         self.path.push("misc.current");
         scan.pods_read += 1;
-        match read_into(&self.path, &mut self.buf) {
-            Ok(()) => match parse_counts(&self.path, &self.buf) {
+        match read_text(&self.path, &mut self.buf) {
+            Ok(text) => match parse_counts(&self.path, text) {
                 Ok(c) => {
                     if !c.is_zero() {
                         scan.usage.insert(self.uid.clone(), c);
@@ -421,30 +551,98 @@ impl Scanner {
         }
     }
 
-    fn level_usage(&mut self, dir: &Path) -> LevelUsage {
+    /// True when `dir/file` exists and does not list `misc` (a missing file says nothing).
+    fn file_lacks_misc(&mut self, dir: &Path, file: &str) -> bool {
+        self.set_path(dir, Some(file));
+        read_text(&self.path, &mut self.buf)
+            .is_ok_and(|text| !text.split_ascii_whitespace().any(|c| c == "misc"))
+    }
+
+    /// Usage of an intermediate level (kubepods or a QoS class), or why its children get no misc
+    /// files: its `misc.current` is missing or its `cgroup.subtree_control` lacks `misc`.
+    fn level(&mut self, dir: &Path) -> std::result::Result<LevelUsage, String> {
         self.set_path(dir, Some("misc.current"));
-        match read_into(&self.path, &mut self.buf) {
-            Ok(()) => match parse_counts(&self.path, &self.buf) {
+        let usage = match read_text(&self.path, &mut self.buf) {
+            Ok(text) => match parse_counts(&self.path, text) {
                 Ok(c) if c.is_zero() => LevelUsage::Zero,
                 Ok(_) => LevelUsage::Held,
-                Err(e) => LevelUsage::Unreadable(e.to_string()),
+                Err(e) => {
+                    tracing::debug!(error = %e, "intermediate misc.current is malformed; reading below it anyway");
+                    LevelUsage::Unknown
+                }
             },
-            Err(e) if e.kind() == ErrorKind::NotFound => LevelUsage::Missing,
-            Err(e) => LevelUsage::Unreadable(format!("{}: {e}", self.path.display())),
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                return Err(format!(
+                    "{}/misc.current does not exist: the misc controller is not enabled there",
+                    dir.display()
+                ));
+            }
+            Err(e) => {
+                tracing::debug!(dir = %dir.display(), error = %e, "intermediate misc.current unreadable; reading below it anyway");
+                LevelUsage::Unknown
+            }
+        };
+        if self.file_lacks_misc(dir, "cgroup.subtree_control") {
+            return Err(format!(
+                "{}/cgroup.subtree_control does not enable the misc controller for the cgroups below it",
+                dir.display()
+            ));
         }
+        Ok(usage)
     }
 }
 
-enum LevelUsage {
-    Missing,
-    Zero,
-    Held,
-    Unreadable(String),
+/// Where a pod's cgroup can be, by QoS class: (QoS directory under kubepods, name prefix).
+const SYSTEMD_PLACES: [(Option<&str>, &str); 3] = [
+    (None, "kubepods-pod"),
+    (Some("kubepods-burstable.slice"), "kubepods-burstable-pod"),
+    (Some("kubepods-besteffort.slice"), "kubepods-besteffort-pod"),
+];
+const CGROUPFS_PLACES: [(Option<&str>, &str); 3] = [
+    (None, "pod"),
+    (Some("burstable"), "pod"),
+    (Some("besteffort"), "pod"),
+];
+
+enum PodRead {
+    Done,
+    NotDelegated,
+    Gone,
 }
 
-fn read_into(path: &Path, buf: &mut String) -> std::io::Result<()> {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LevelUsage {
+    Zero,
+    Held,
+    Unknown,
+}
+
+/// Largest misc/cgroup control file read (real ones are a few lines).
+const MAX_FILE_BYTES: usize = 64 * 1024;
+
+/// Read a small file into `buf` and return it as text. A plain read loop: `File::read_to_string` would
+/// first stat and seek the file to size its buffer (two extra syscalls per file, per pod, per poll).
+fn read_text<'b>(path: &Path, buf: &'b mut Vec<u8>) -> std::io::Result<&'b str> {
     buf.clear();
-    File::open(path)?.read_to_string(buf).map(|_| ())
+    let mut file = File::open(path)?;
+    let mut chunk = [0u8; 512];
+    loop {
+        match file.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => {
+                if buf.len() + n > MAX_FILE_BYTES {
+                    return Err(std::io::Error::new(
+                        ErrorKind::InvalidData,
+                        format!("larger than {MAX_FILE_BYTES} bytes: not a misc cgroup file"),
+                    ));
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    std::str::from_utf8(buf).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))
 }
 
 fn list_dirs(dir: &Path) -> Result<Vec<String>> {
