@@ -158,11 +158,11 @@ fn collect(
     }
 }
 
-fn is_item(p: &FieldPath) -> bool {
+fn is_item(p: &[Pe]) -> bool {
     matches!(p.last(), Some(Pe::Key(_) | Pe::Val(_)))
 }
 
-fn find_item<'a>(items: &'a [Value], e: &Pe) -> Option<usize> {
+fn find_item(items: &[Value], e: &Pe) -> Option<usize> {
     match e {
         Pe::Key(k) => {
             let probe: Value = serde_json::from_str(k).ok()?;
@@ -171,7 +171,9 @@ fn find_item<'a>(items: &'a [Value], e: &Pe) -> Option<usize> {
                 .iter()
                 .position(|i| pm.iter().all(|(pk, pv)| i.get(pk) == Some(pv)))
         }
-        Pe::Val(j) => items.iter().position(|i| i.to_string() == *j),
+        Pe::Val(j) => items
+            .iter()
+            .position(|i| i.to_string().as_str() == j.as_str()),
         Pe::Index(n) => (*n < items.len()).then_some(*n),
         Pe::Field(_) => None,
     }
@@ -619,14 +621,14 @@ pub(crate) fn apply(
             )
             .details(name, &def.group, &def.plural);
             for (i, p) in &conflicts {
-                s.causes.push((
-                    "FieldManagerConflict".into(),
-                    format!(
+                s = s.cause(
+                    "FieldManagerConflict",
+                    &format!(
                         "conflict with \"{}\" using {}",
                         entries[*i].manager, entries[*i].api_version
                     ),
-                    path_string(p),
-                ));
+                    &path_string(p),
+                );
             }
             return Err(s);
         }
@@ -653,8 +655,7 @@ pub(crate) fn apply(
                 .range((*p).clone()..)
                 .take_while(|q| q.starts_with(p))
                 .any(|_| true)
-                && !(1..p.len())
-                    .any(|n| others.contains(&p[..n].to_vec()) && !is_item(&p[..n].to_vec()))
+                && !(1..p.len()).any(|n| others.contains(&p[..n]) && !is_item(&p[..n]))
         })
         .collect();
     // Shallowest first: a list item goes as a whole (its fields then no longer resolve).
@@ -666,10 +667,7 @@ pub(crate) fn apply(
             let parent = &p[..n];
             let empty =
                 get_at(&base, parent).is_some_and(|v| v.as_object().is_some_and(Map::is_empty));
-            if empty
-                && !others.contains(&parent.to_vec())
-                && !applied_set.contains(&parent.to_vec())
-            {
+            if empty && !others.contains(parent) && !applied_set.contains(parent) {
                 remove_at(&mut base, parent);
             } else {
                 break;
@@ -797,7 +795,7 @@ mod tests {
             "{}",
             e.message
         );
-        assert_eq!(e.causes[0].2, ".status.tdx.free");
+        assert_eq!(e.causes()[0].field, ".status.tdx.free");
         let same = json!({"apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity", "metadata": {"name": "n"},
             "status": {"tdx": {"free": 2}}});
         apply(

@@ -14,14 +14,32 @@ pub struct ApiStatus {
     pub reason: String,
     /// Human-readable message.
     pub message: String,
-    /// `details.name`: the object concerned, if any.
-    pub name: Option<String>,
-    /// `details.group`.
-    pub group: Option<String>,
-    /// `details.kind`: the resource (plural) concerned, as the real server reports it.
-    pub kind: Option<String>,
-    /// `details.causes`: `(reason, message, field)` triples.
-    pub causes: Vec<(String, String, String)>,
+    /// `details`, when the failure concerns an object.
+    pub details: Option<Box<StatusDetails>>,
+}
+
+/// `metav1.StatusDetails`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StatusDetails {
+    /// The object concerned.
+    pub name: String,
+    /// Its API group.
+    pub group: String,
+    /// The resource (plural) concerned, as the real server reports it (`Invalid` reports the kind).
+    pub kind: String,
+    /// Field-level causes.
+    pub causes: Vec<StatusCause>,
+}
+
+/// `metav1.StatusCause`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StatusCause {
+    /// `FieldValueInvalid`, `FieldManagerConflict`, ...
+    pub reason: String,
+    /// Human-readable message.
+    pub message: String,
+    /// The field (`.status.tdx.free`, `metadata.name`).
+    pub field: String,
 }
 
 /// The reason string the real API server uses for an HTTP status code.
@@ -58,19 +76,38 @@ impl ApiStatus {
             code,
             reason: reason.into(),
             message: message.into(),
-            name: None,
-            group: None,
-            kind: None,
-            causes: Vec::new(),
+            details: None,
         }
     }
 
     /// Sets `details` (name, group, resource plural).
     pub fn details(mut self, name: &str, group: &str, resource: &str) -> Self {
-        self.name = Some(name.to_string());
-        self.group = Some(group.to_string());
-        self.kind = Some(resource.to_string());
+        let d = self.details.get_or_insert_with(Default::default);
+        d.name = name.to_string();
+        d.group = group.to_string();
+        d.kind = resource.to_string();
         self
+    }
+
+    /// Adds a `details.causes` entry.
+    pub fn cause(mut self, reason: &str, message: &str, field: &str) -> Self {
+        self.details
+            .get_or_insert_with(Default::default)
+            .causes
+            .push(StatusCause {
+                reason: reason.to_string(),
+                message: message.to_string(),
+                field: field.to_string(),
+            });
+        self
+    }
+
+    /// The causes in `details` (empty if none).
+    pub fn causes(&self) -> &[StatusCause] {
+        self.details
+            .as_ref()
+            .map(|d| d.causes.as_slice())
+            .unwrap_or_default()
     }
 
     pub(crate) fn bad_request(message: impl Into<String>) -> Self {
@@ -112,18 +149,13 @@ impl ApiStatus {
         } else {
             format!("{kind}.{group}")
         };
-        let mut s = Self::with_reason(
+        Self::with_reason(
             422,
             "Invalid",
             format!("{what} \"{name}\" is invalid: {field}: {why}"),
         )
-        .details(name, group, kind);
-        s.causes.push((
-            "FieldValueInvalid".into(),
-            why.to_string(),
-            field.to_string(),
-        ));
-        s
+        .details(name, group, kind)
+        .cause("FieldValueInvalid", why, field)
     }
 
     pub(crate) fn gone(message: impl Into<String>) -> Self {
@@ -141,25 +173,21 @@ impl ApiStatus {
             "reason": self.reason,
             "code": self.code,
         });
-        let mut details = serde_json::Map::new();
-        if let Some(n) = &self.name {
-            details.insert("name".into(), json!(n));
-        }
-        if let Some(g) = self.group.as_ref().filter(|g| !g.is_empty()) {
-            details.insert("group".into(), json!(g));
-        }
-        if let Some(k) = &self.kind {
-            details.insert("kind".into(), json!(k));
-        }
-        if !self.causes.is_empty() {
-            let causes: Vec<Value> = self
-                .causes
-                .iter()
-                .map(|(reason, message, field)| json!({"reason": reason, "message": message, "field": field}))
-                .collect();
-            details.insert("causes".into(), Value::Array(causes));
-        }
-        if !details.is_empty() {
+        if let Some(d) = &self.details {
+            let mut details = serde_json::Map::new();
+            details.insert("name".into(), json!(d.name));
+            if !d.group.is_empty() {
+                details.insert("group".into(), json!(d.group));
+            }
+            details.insert("kind".into(), json!(d.kind));
+            if !d.causes.is_empty() {
+                let causes: Vec<Value> = d
+                    .causes
+                    .iter()
+                    .map(|c| json!({"reason": c.reason, "message": c.message, "field": c.field}))
+                    .collect();
+                details.insert("causes".into(), Value::Array(causes));
+            }
             v["details"] = Value::Object(details);
         }
         v

@@ -85,7 +85,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tokio::sync::watch as tokio_watch;
 
-pub use error::{ApiStatus, FakeApiError, reason_for_code};
+pub use error::{ApiStatus, FakeApiError, StatusCause, StatusDetails, reason_for_code};
 pub use faults::{FaultAction, FaultId, FaultRule, FaultTimes, Verb};
 pub use patch::PatchType;
 pub use record::{RecordedRequest, RequestFilter};
@@ -594,7 +594,8 @@ impl FakeApiServer {
             .unwrap_or_default()
     }
 
-    /// Objects matching a label selector and a field selector (`""` = everything).
+    /// Objects matching a label selector and a field selector (`""` = everything). Unlike HTTP lists,
+    /// the field selector may use any dotted path.
     pub fn list_selected(
         &self,
         resource: &str,

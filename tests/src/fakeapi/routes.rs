@@ -620,7 +620,11 @@ fn resource(
         }
         (Verb::Watch, None) => {
             let sel = ctx.selectors(&reg)?;
-            let timeout = match ctx.q("timeoutSeconds").filter(|s| !s.is_empty()) {
+            // timeoutSeconds=0 (or absent) means the server's default, like the real server.
+            let timeout = match ctx
+                .q("timeoutSeconds")
+                .filter(|s| !s.is_empty() && *s != "0")
+            {
                 Some(t) => Duration::from_secs(t.parse::<u64>().map_err(|_| {
                     ApiStatus::bad_request(format!("timeoutSeconds: Invalid value: {t:?}"))
                 })?),
