@@ -8,12 +8,13 @@ use std::time::Duration;
 use common::{Harness, bounded, client_config, tls_connect};
 use http::StatusCode;
 use teeguard_tests::fakeapi::FakeApiServer;
-use teeguard_tests::fixtures::{self, AdmissionRequest};
+use teeguard_tests::fixtures::{self, AdmissionReviewBuilder};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn review_body() -> Vec<u8> {
     let pod = fixtures::kata_pod("kata", fixtures::KataTee::Tdx);
-    serde_json::to_vec(&AdmissionRequest::create(fixtures::to_value(&pod)).build()).expect("json")
+    serde_json::to_vec(&AdmissionReviewBuilder::create(fixtures::to_value(&pod)).build())
+        .expect("json")
 }
 
 /// Start a raw HTTP/1.1 request over TLS: headers and the first half of the body.

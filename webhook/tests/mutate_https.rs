@@ -14,7 +14,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::{Value, json};
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, RecordedRequest, Verb};
 use teeguard_tests::fixtures::{
-    self, AdmissionRequest, DEFAULT_NAMESPACE, DEFAULT_NODE, Tee, VirtLauncherPod, Vmi,
+    self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, DEFAULT_NODE, Tee, VirtLauncherPod, Vmi,
 };
 
 /// Create the VMI in the fake API server; returns its (server-assigned) UID.
@@ -43,7 +43,7 @@ fn owned_by(pod: &Pod, uid: &str) -> Value {
 }
 
 fn create_review(pod: Value) -> Value {
-    AdmissionRequest::create(pod).build()
+    AdmissionReviewBuilder::create(pod).build()
 }
 
 fn vmi_gets(api: &FakeApiServer) -> Vec<RecordedRequest> {
@@ -199,7 +199,7 @@ async fn each_tee_kind_gets_its_key_and_annotation() {
         Some(&Quantity("1".into()))
     );
     let tdx = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx).build();
-    let review = AdmissionRequest::create(owned_by(&tdx, &uids[0]))
+    let review = AdmissionReviewBuilder::create(owned_by(&tdx, &uids[0]))
         .dry_run(true)
         .build();
     let (status, resp) = h.review(&review).await;

@@ -19,7 +19,7 @@ use rcgen::{
 };
 use rustls::pki_types::CertificateDer;
 use teeguard_certs::ServingCertRequest;
-use teeguard_tests::fixtures::{self, AdmissionRequest};
+use teeguard_tests::fixtures::{self, AdmissionReviewBuilder};
 use teeguard_webhook::metrics::Metrics;
 use teeguard_webhook::server::{ServerSettings, serve_https};
 use teeguard_webhook::tls::{CertReloader, install_crypto_provider, server_config};
@@ -73,7 +73,8 @@ async fn wait_for_metric(h: &Harness, line: &str) {
 
 fn kata_review() -> Vec<u8> {
     let pod = fixtures::kata_pod("kata", fixtures::KataTee::Tdx);
-    serde_json::to_vec(&AdmissionRequest::create(fixtures::to_value(&pod)).build()).expect("json")
+    serde_json::to_vec(&AdmissionReviewBuilder::create(fixtures::to_value(&pod)).build())
+        .expect("json")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
