@@ -272,3 +272,75 @@ fn bad_input_files_are_named() {
         );
     }
 }
+
+/// The committed sample files of the test kit (`tests/fixtures/`), each reviewed with every sample VMI.
+#[test]
+fn committed_sample_files() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    let mut vmi_args: Vec<std::ffi::OsString> = Vec::new();
+    for entry in std::fs::read_dir(root.join("vmis")).expect("vmis dir") {
+        vmi_args.push("--vmi".into());
+        vmi_args.push(entry.expect("entry").path().into_os_string());
+    }
+    // (file, expected audit decision, expected reason or key resource)
+    let cases = [
+        ("mutate-tdx-pod", "patched", "tdx.intel.com/keys"),
+        ("mutate-sev-pod", "patched", "sev.amd.com/asids"),
+        ("mutate-sev-es-pod", "patched", "sev-snp.amd.com/esids"),
+        ("mutate-snp-pod", "patched", "sev-snp.amd.com/esids"),
+        ("mutate-tdx-pod-dry-run", "patched", "tdx.intel.com/keys"),
+        (
+            "mutate-tdx-pod-with-node-name",
+            "patched",
+            "tdx.intel.com/keys",
+        ),
+        ("mutate-tdx-pod-with-keys", "patched", "tdx.intel.com/keys"),
+        (
+            "mutate-tdx-migration-target-pod",
+            "patched",
+            "tdx.intel.com/keys",
+        ),
+        ("mutate-plain-pod", "skipped", "not-tee"),
+        ("mutate-tdx-pod-exempt", "skipped", "exempt-pod"),
+        (
+            "mutate-storage-binding-pod",
+            "skipped",
+            "storage-binding-pod",
+        ),
+        ("mutate-hotplug-pod", "skipped", "hotplug-pod"),
+        ("mutate-export-pod", "skipped", "export-pod"),
+        ("mutate-kata-tdx-pod", "skipped", "not-kubevirt"),
+        ("mutate-kata-snp-pod", "skipped", "not-kubevirt"),
+        ("validate-binding", "skipped", "not-pod-create"),
+        ("validate-pod-update", "skipped", "not-pod-create"),
+        ("validate-pod-delete", "skipped", "not-pod-create"),
+    ];
+    for (name, decision, detail) in cases {
+        let file = root.join(format!("admission/{name}.json"));
+        let mut args: Vec<&std::ffi::OsStr> =
+            vec![file.as_os_str(), "-o".as_ref(), "json".as_ref()];
+        args.extend(vmi_args.iter().map(|a| a.as_os_str()));
+        let doc = stdout_json(&run(&args));
+        let resp = &doc["review"]["response"];
+        assert_eq!(resp["allowed"], true, "{name}: {resp}");
+        assert_eq!(
+            resp["auditAnnotations"]["decision"], decision,
+            "{name}: {resp}"
+        );
+        if decision == "patched" {
+            assert_eq!(resp["auditAnnotations"]["resource"], detail, "{name}");
+            let compute = doc["patchedObject"]["spec"]["containers"]
+                .as_array()
+                .expect("containers")
+                .iter()
+                .find(|c| c["name"] == "compute")
+                .expect("compute")
+                .clone();
+            assert_eq!(compute["resources"]["requests"][detail], "1", "{name}");
+            assert_eq!(compute["resources"]["limits"][detail], "1", "{name}");
+        } else {
+            assert_eq!(resp["auditAnnotations"]["reason"], detail, "{name}");
+            assert!(doc.get("patch").is_none(), "{name}");
+        }
+    }
+}
