@@ -1247,6 +1247,24 @@ async fn programmatic_api_and_registered_resources() {
         v["metadata"]["resourceVersion"], replaced["metadata"]["resourceVersion"],
         "no-op update keeps the version"
     );
+    let v = server
+        .patch_status(
+            "nodes",
+            None,
+            "n1",
+            &json!({"status": {"capacity": {"tdx.intel.com/keys": "31"}}}),
+        )
+        .expect("patch_status");
+    assert_eq!(
+        v["status"]["capacity"],
+        json!({"cpu": "64", "tdx.intel.com/keys": "31"})
+    );
+    assert!(
+        server
+            .patch_status("nodes", None, "n1", &json!({"capacity": {}}))
+            .is_err(),
+        "needs a status key"
+    );
     assert!(
         server.create(&json!({"kind": "Node"})).is_err(),
         "objects need apiVersion and kind"

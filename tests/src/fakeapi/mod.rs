@@ -461,7 +461,12 @@ impl FakeApiServer {
         patch: &Value,
     ) -> Result<Value, FakeApiError> {
         let rid = self.rid(resource)?;
-        let patch = json!({"status": patch.get("status").cloned().unwrap_or(Value::Null)});
+        let Some(status) = patch.get("status") else {
+            return Err(FakeApiError::InvalidObject(
+                "patch_status takes a whole-object merge patch: {\"status\": {...}}".into(),
+            ));
+        };
+        let patch = json!({ "status": status });
         Ok(self.inner.store.write(|st| {
             st.patch(
                 rid,
