@@ -200,7 +200,16 @@ pub fn conditions(
         });
     }
 
-    out.push(advertising_condition(figures, advertising, resources));
+    out.push(if kernel.last_good.is_none() {
+        ConditionSpec {
+            type_: ct::ADVERTISING,
+            status: "Unknown",
+            reason: reasons::SCAN_FAILED,
+            message: "nothing is advertised or removed until the misc files have been read".into(),
+        }
+    } else {
+        advertising_condition(figures, advertising, resources)
+    });
     out
 }
 
@@ -554,7 +563,7 @@ mod tests {
                 want: vec![
                     (ct::KERNEL_READABLE, "False", reasons::SCAN_FAILED),
                     (ct::TEE_HARDWARE, "Unknown", reasons::SCAN_FAILED),
-                    (ct::ADVERTISING, "False", reasons::NO_TEE_HARDWARE),
+                    (ct::ADVERTISING, "Unknown", reasons::SCAN_FAILED),
                 ],
                 message_contains: vec![(ct::KERNEL_READABLE, "boom")],
             },

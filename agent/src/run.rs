@@ -114,6 +114,7 @@ pub async fn run(
         node_retry_at: None,
         advertise_error: None,
         warned_pods: HashSet::new(),
+        warned_node_missing: false,
         events_refresh_at: Instant::now(),
         opts,
         metrics,
@@ -150,6 +151,7 @@ struct Agent {
     node_retry_at: Option<Instant>,
     advertise_error: Option<String>,
     warned_pods: HashSet<String>,
+    warned_node_missing: bool,
     events: EventsWatch,
     events_refresh_at: Instant,
 }
@@ -166,7 +168,9 @@ enum Wake {
 impl Agent {
     async fn run(&mut self, shutdown: CancellationToken) -> Result<()> {
         let poll = self.opts.config.agent.poll_interval;
-        let mut ticker = tokio::time::interval(poll);
+        // Scan once now; the ticker then fires every poll interval from here.
+        self.scan().await;
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + poll, poll);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tracing::info!(
             node = %self.opts.node_name,
@@ -245,7 +249,7 @@ impl Agent {
                 self.readiness.set(READY_PODS, true);
             }
         }
-        if scan || self.kernel.last_good.is_none() && self.kernel.error.is_none() {
+        if scan {
             self.scan().await;
         }
         self.reconcile().await;
@@ -362,9 +366,15 @@ impl Agent {
         }
         outcome.error = self.advertise_error.clone();
 
+        let node_missing = node.is_none();
         let Some(node) = node.filter(|_| self.pods_view_synced) else {
+            if self.node.is_synced() && node_missing && !self.warned_node_missing {
+                self.warned_node_missing = true;
+                tracing::warn!(error = %Error::NodeNotFound { node: self.opts.node_name.clone() }, "nothing is published until the Node exists");
+            }
             return;
         };
+        self.warned_node_missing = false;
         let mut status = self.build(&figures, &outcome);
         let now = Instant::now();
         let last = self.last_published.as_ref().map(|(s, at)| (s, *at));

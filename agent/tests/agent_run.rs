@@ -717,3 +717,49 @@ async fn shutdown_finishes_the_in_flight_publish() {
         .expect("status");
     assert_eq!(s.tdx.expect("tdx").kernel_used, 5);
 }
+
+#[tokio::test]
+async fn a_wiped_extended_resource_is_restored() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_node(NODE, 16, false)).expect("node");
+    let (host, _) = busy_host(&api);
+    let agent = Agent::start(&api, host.root(), config(""));
+    agent
+        .wait_node("advertised", |n| {
+            node_capacity(n, TDX_KEYS).as_deref() == Some("14")
+        })
+        .await;
+    // The kubelet re-registers the node and drops extended resources it does not manage.
+    api.modify("nodes", None, NODE, |n| {
+        for field in ["capacity", "allocatable"] {
+            if let Some(m) = n["status"][field].as_object_mut() {
+                m.remove(TDX_KEYS);
+            }
+        }
+    })
+    .expect("wipe");
+    agent
+        .wait_node("restored", |n| {
+            node_capacity(n, TDX_KEYS).as_deref() == Some("14")
+                && node_allocatable(n, TDX_KEYS).as_deref() == Some("14")
+        })
+        .await;
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn nothing_is_published_for_a_missing_node_until_it_appears() {
+    let api = FakeApiServer::new();
+    let (host, _) = busy_host(&api);
+    let agent = Agent::start(&api, host.root(), config(""));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(agent.status().is_none());
+    assert_eq!(api.count("teecapacities"), 0);
+    api.create(&tdx_node(NODE, 16, false)).expect("node");
+    agent
+        .wait_status("published once the Node exists", |s| {
+            tdx_is(s, |t| t.free == 10)
+        })
+        .await;
+    agent.stop().await;
+}
