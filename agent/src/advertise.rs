@@ -31,7 +31,7 @@ use serde_json::json;
 use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::{
-    AGENT_EXTENDED_RESOURCES_ANNOTATION, NFD_EXTENDED_RESOURCES_ANNOTATION,
+    AGENT_EXTENDED_RESOURCES_ANNOTATION, AGENT_FIELD_MANAGER, NFD_EXTENDED_RESOURCES_ANNOTATION,
 };
 
 use crate::attribution::KindFigures;
@@ -317,21 +317,21 @@ fn join_list(names: &BTreeSet<String>) -> Option<String> {
 /// Perform the writes in order. Returns the Node as the API server returned it after the last write
 /// (newer than any watch cache), or `None` when there was nothing to do.
 pub async fn apply(api: &Api<Node>, node_name: &str, writes: &[NodeWrite]) -> Result<Option<Node>> {
+    let pp = PatchParams {
+        field_manager: Some(AGENT_FIELD_MANAGER.to_string()),
+        ..PatchParams::default()
+    };
     let mut last = None;
     for w in writes {
         let node = match w {
             NodeWrite::Annotation(value) => {
                 let patch = json!({"metadata": {"annotations": {AGENT_EXTENDED_RESOURCES_ANNOTATION: value}}});
-                api.patch(node_name, &PatchParams::default(), &Patch::Merge(&patch))
+                api.patch(node_name, &pp, &Patch::Merge(&patch))
                     .await
                     .map_err(|e| Error::kube("patch Node annotation", e))?
             }
             NodeWrite::Status(p) => api
-                .patch_status(
-                    node_name,
-                    &PatchParams::default(),
-                    &Patch::Json::<()>(p.clone()),
-                )
+                .patch_status(node_name, &pp, &Patch::Json::<()>(p.clone()))
                 .await
                 .map_err(|e| Error::kube("patch Node status (extended resources)", e))?,
         };

@@ -123,9 +123,11 @@ async fn publishes_report_and_advertises_capacity_minus_external() {
             .subresource("status"),
     );
     assert!(
-        node_patches
-            .iter()
-            .all(|r| r.content_type.as_deref() == Some("application/json-patch+json")),
+        !node_patches.is_empty()
+            && node_patches.iter().all(|r| {
+                r.content_type.as_deref() == Some("application/json-patch+json")
+                    && r.field_manager.as_deref() == Some(AGENT_FIELD_MANAGER)
+            }),
         "{node_patches:?}"
     );
 
