@@ -92,6 +92,8 @@ struct RawRequest<'a> {
     dry_run: Option<bool>,
     #[serde(default, borrow)]
     object: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    old_object: Option<&'a RawValue>,
 }
 
 /// One admission request, parsed from an AdmissionReview body. The object stays raw JSON borrowed
@@ -115,6 +117,7 @@ pub struct ReviewRequest<'a> {
     /// Dry run: the API server will not persist the object.
     pub dry_run: bool,
     raw_object: Option<&'a RawValue>,
+    raw_old_object: Option<&'a RawValue>,
 }
 
 impl<'a> ReviewRequest<'a> {
@@ -162,6 +165,7 @@ impl<'a> ReviewRequest<'a> {
             operation,
             dry_run: req.dry_run.unwrap_or(false),
             raw_object: req.object.filter(|o| o.get() != "null"),
+            raw_old_object: req.old_object.filter(|o| o.get() != "null"),
         })
     }
 
@@ -179,12 +183,20 @@ impl<'a> ReviewRequest<'a> {
 
     /// Decode `request.object` as `T`; a missing or undecodable object is [`Error::BadReview`].
     pub fn object<T: DeserializeOwned>(&self) -> Result<T> {
-        let raw = self
-            .raw_object
-            .ok_or_else(|| Error::BadReview("request.object is missing".into()))?;
+        self.decode("object", self.raw_object)
+    }
+
+    /// Decode `request.oldObject` (UPDATE, DELETE) as `T`; missing or undecodable is
+    /// [`Error::BadReview`].
+    pub fn old_object<T: DeserializeOwned>(&self) -> Result<T> {
+        self.decode("oldObject", self.raw_old_object)
+    }
+
+    fn decode<T: DeserializeOwned>(&self, field: &str, raw: Option<&RawValue>) -> Result<T> {
+        let raw = raw.ok_or_else(|| Error::BadReview(format!("request.{field} is missing")))?;
         serde_json::from_str(raw.get()).map_err(|e| {
             Error::BadReview(format!(
-                "request.object is not a valid {}: {e}",
+                "request.{field} is not a valid {}: {e}",
                 if self.kind.kind.is_empty() {
                     "object"
                 } else {
@@ -414,6 +426,19 @@ mod tests {
         let body = review(json!({"uid": "u", "operation": "DELETE", "object": null}));
         let req = ReviewRequest::parse(&body).expect("parse");
         assert!(req.raw_object().is_none());
+        let err = req
+            .old_object::<k8s_openapi::api::core::v1::Pod>()
+            .expect_err("no old object");
+        assert!(
+            err.to_string().contains("request.oldObject is missing"),
+            "{err}"
+        );
+        let body = review(json!({"uid": "u", "operation": "UPDATE",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "object": {"metadata": {"name": "new"}}, "oldObject": {"metadata": {"name": "old"}}}));
+        let req = ReviewRequest::parse(&body).expect("parse");
+        let old: k8s_openapi::api::core::v1::Pod = req.old_object().expect("old");
+        assert_eq!(old.metadata.name.as_deref(), Some("old"));
     }
 
     #[test]

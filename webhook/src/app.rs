@@ -17,9 +17,11 @@ use tokio_util::sync::CancellationToken;
 use crate::caches::Caches;
 use crate::cli::ServeArgs;
 use crate::error::{Error, Result};
+use crate::events::EventSink;
+use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::server::{ServerSettings, serve_https};
-use crate::state::{AppState, RequestLimits};
+use crate::state::{AppState, RequestLimits, ValidationState};
 use crate::tls::{CertReloader, install_crypto_provider, server_config};
 
 /// Readiness check: every cache has synced.
@@ -94,8 +96,25 @@ pub async fn start(
     readiness.set(READY_TLS, true);
     readiness.set(READY_ACCEPTING, true);
 
-    let (caches, cache_tasks) =
-        Caches::start(client, metrics.clone(), args.api_timeout, shutdown.clone());
+    let (caches, cache_tasks) = Caches::start(
+        client.clone(),
+        metrics.clone(),
+        args.api_timeout,
+        shutdown.clone(),
+    );
+    let (events, events_task) = EventSink::start(
+        client,
+        std::env::var("POD_NAME").ok().filter(|n| !n.is_empty()),
+        metrics.clone(),
+        args.api_timeout,
+        shutdown.clone(),
+    );
+    let ledger = Arc::new(Ledger::new(config.admission.ledger_ttl));
+    let sweep_task = tokio::spawn(sweep_ledger(
+        ledger.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ));
     {
         let caches = caches.clone();
         let readiness = readiness.clone();
@@ -104,7 +123,14 @@ pub async fn start(
             tokio::select! {
                 _ = caches.wait_synced() => {
                     readiness.set(READY_CACHES, true);
-                    tracing::info!(vmis = caches.vmis.len(), namespaces = caches.namespaces.len(), "caches synced");
+                    tracing::info!(
+                        vmis = caches.vmis.len(),
+                        namespaces = caches.namespaces.len(),
+                        tee_capacities = caches.tee_capacities.len(),
+                        nodes = caches.nodes.len(),
+                        launcher_pods = caches.launcher_pods.len(),
+                        "caches synced"
+                    );
                 }
                 _ = shutdown.cancelled() => {}
             }
@@ -135,6 +161,10 @@ pub async fn start(
             max_body_bytes: args.max_body_bytes,
             request_timeout: args.request_timeout,
         },
+        validation: ValidationState {
+            ledger,
+            events: Some(events),
+        },
     };
     let settings = ServerSettings {
         handshake_timeout: args.handshake_timeout,
@@ -152,6 +182,8 @@ pub async fn start(
         let admin = admin_task.await;
         cache_tasks.join().await;
         let _ = reloader_task.await;
+        let _ = events_task.await;
+        let _ = sweep_task.await;
         served?;
         match admin {
             Ok(r) => r.map_err(Error::from),
@@ -169,6 +201,21 @@ pub async fn start(
         shutdown,
         task,
     })
+}
+
+/// Drop expired ledger reservations every second and publish the ledger's size.
+async fn sweep_ledger(ledger: Arc<Ledger>, metrics: Arc<Metrics>, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {
+                let left = ledger.prune_expired(std::time::Instant::now());
+                metrics.set_ledger_reservations(left);
+            }
+        }
+    }
 }
 
 /// `teeguard-webhook serve`: start with the in-cluster (or kubeconfig) client and run until SIGTERM.

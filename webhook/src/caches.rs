@@ -4,9 +4,13 @@
 //! [`CacheBuilder::watch`], which strips `managedFields` (and `kubectl`'s last-applied annotation),
 //! keeps an object-count gauge and registers the store for [`Caches::wait_synced`].
 //!
-//! Adding a cache (for example TeeCapacities for the validating webhook): add a `Store<K>` field to
-//! [`Caches`], create it in [`Caches::start`] with one `builder.watch(...)` call, and add a lookup
-//! method (cache first, one GET on a miss if a miss can be a race).
+//! Caches: VMIs and Namespace metadata (mutation and validation), TeeCapacity reports, Node metadata
+//! (node selection for pod CREATE) and virt-launcher pods (label `kubevirt.io=virt-launcher`, reduced to
+//! [`LauncherPod`], for bindings).
+//!
+//! Adding a cache: add a `Store<K>` field to [`Caches`], create it in [`Caches::start`] with one
+//! `builder.watch(...)` call, and add a lookup method (cache first, one GET on a miss if a miss can be a
+//! race).
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -16,23 +20,44 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
-use teeguard_shared::VirtualMachineInstance;
+use teeguard_shared::{TeeCapacity, VirtualMachineInstance, names};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{LookupResult, Metrics};
 use crate::mutation::{VmiLookup, VmiRef};
+use crate::pods::{LauncherPod, slim_annotations};
 
 /// Name of the VMI cache (metrics label).
 pub const VMI_CACHE: &str = "vmis";
 /// Name of the Namespace cache (metrics label).
 pub const NAMESPACE_CACHE: &str = "namespaces";
+/// Name of the TeeCapacity cache (metrics label).
+pub const TEE_CAPACITY_CACHE: &str = "teecapacities";
+/// Name of the Node metadata cache (metrics label).
+pub const NODE_CACHE: &str = "nodes";
+/// Name of the virt-launcher pod cache (metrics label).
+pub const LAUNCHER_POD_CACHE: &str = "virt_launcher_pods";
+
+/// What looking a pod up gave.
+#[derive(Clone, Debug)]
+pub enum PodLookup {
+    /// Found (in the cache or by a GET); only metadata and container resources are filled in.
+    Found(Arc<Pod>),
+    /// Not cached and the API server says 404 (or the pod of that name has another UID now).
+    NotFound,
+    /// The API server could not be asked (the message says why).
+    Failed(String),
+}
+
+/// A node-selection predicate: node name and labels.
+pub type NodeFilter<'a> = &'a (dyn Fn(&str, &BTreeMap<String, String>) -> bool + Sync);
 
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
@@ -47,6 +72,21 @@ pub trait Lookups: Send + Sync {
 
     /// The VMI a pod belongs to.
     fn vmi(&self, vmi: &VmiRef) -> impl Future<Output = VmiLookup> + Send;
+
+    /// A pod by name for a binding (`uid`: the Binding's, empty if unknown): cache first, one GET on a
+    /// miss or when the cached pod has another UID.
+    fn launcher_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> impl Future<Output = PodLookup> + Send;
+
+    /// The node's `TeeCapacity` report, if any (cache only: reports are cluster-scoped and cached).
+    fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>>;
+
+    /// Names of the known nodes for which `filter(name, labels)` holds.
+    fn matching_nodes(&self, filter: NodeFilter<'_>) -> Vec<String>;
 }
 
 /// Spawns reflectors and collects what [`Caches::wait_synced`] waits for.
@@ -83,12 +123,28 @@ impl CacheBuilder {
         K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
         K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
     {
+        self.watch_with(name, api, config, |_| {})
+    }
+
+    /// [`CacheBuilder::watch`], also applying `slim` to every object before it is stored.
+    pub fn watch_with<K>(
+        &mut self,
+        name: &'static str,
+        api: Api<K>,
+        config: watcher::Config,
+        slim: impl Fn(&mut K) + Send + Sync + 'static,
+    ) -> Store<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+    {
         let (reader, writer) = reflector::store::<K>();
         let stream = watcher(api, config)
             .default_backoff()
-            .modify(|o: &mut K| {
+            .modify(move |o: &mut K| {
                 o.managed_fields_mut().clear();
                 o.annotations_mut().remove(LAST_APPLIED);
+                slim(o);
             })
             .reflect(writer);
         let metrics = self.metrics.clone();
@@ -143,6 +199,12 @@ pub struct Caches {
     pub vmis: Store<VirtualMachineInstance>,
     /// All Namespaces, metadata only.
     pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// All TeeCapacity reports (named after their node).
+    pub tee_capacities: Store<TeeCapacity>,
+    /// All Nodes, metadata only (labels for node selection).
+    pub nodes: Store<PartialObjectMeta<Node>>,
+    /// Pods labelled `kubevirt.io=virt-launcher`, reduced to what a binding decision reads.
+    pub launcher_pods: Store<LauncherPod>,
     synced: Arc<tokio::sync::watch::Receiver<bool>>,
 }
 
@@ -151,6 +213,9 @@ impl Debug for Caches {
         f.debug_struct("Caches")
             .field("vmis", &self.vmis.len())
             .field("namespaces", &self.namespaces.len())
+            .field("tee_capacities", &self.tee_capacities.len())
+            .field("nodes", &self.nodes.len())
+            .field("launcher_pods", &self.launcher_pods.len())
             .field("synced", &self.is_synced())
             .finish()
     }
@@ -175,6 +240,28 @@ impl Caches {
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
         );
+        let tee_capacities = b.watch(
+            TEE_CAPACITY_CACHE,
+            Api::<TeeCapacity>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+        );
+        let nodes = b.watch(
+            NODE_CACHE,
+            Api::<PartialObjectMeta<Node>>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+        );
+        let launcher_pods = b.watch_with(
+            LAUNCHER_POD_CACHE,
+            Api::<LauncherPod>::all(client.clone()),
+            watcher::Config::default()
+                .labels(&format!(
+                    "{}={}",
+                    names::KUBEVIRT_LABEL,
+                    names::VIRT_LAUNCHER
+                ))
+                .any_semantic(),
+            |p: &mut LauncherPod| slim_annotations(&mut p.metadata),
+        );
         let (tasks, ready) = b.finish();
         let (tx, rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
@@ -187,6 +274,9 @@ impl Caches {
             api_timeout,
             vmis,
             namespaces,
+            tee_capacities,
+            nodes,
+            launcher_pods,
             synced: Arc::new(rx),
         };
         (caches, tasks)
@@ -270,5 +360,54 @@ impl Lookups for Caches {
                 VmiLookup::Failed(e)
             }
         }
+    }
+
+    async fn launcher_pod(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {
+        let key = ObjectRef::<LauncherPod>::new(name).within(namespace);
+        if let Some(found) = self.launcher_pods.get(&key) {
+            // A cached pod of the same name but another UID is a deleted predecessor: ask.
+            if uid.is_empty() || found.metadata.uid.as_deref() == Some(uid) {
+                self.metrics
+                    .lookup(LAUNCHER_POD_CACHE, LookupResult::CacheHit);
+                return PodLookup::Found(Arc::new(found.to_pod()));
+            }
+        }
+        let api = Api::<LauncherPod>::namespaced(self.client.clone(), namespace);
+        match self.get_with_timeout(api.get_opt(name)).await {
+            Ok(Some(found)) if uid.is_empty() || found.metadata.uid.as_deref() == Some(uid) => {
+                self.metrics
+                    .lookup(LAUNCHER_POD_CACHE, LookupResult::ApiFound);
+                tracing::debug!(namespace, name, "pod not cached yet; found by GET");
+                PodLookup::Found(Arc::new(found.to_pod()))
+            }
+            Ok(_) => {
+                self.metrics
+                    .lookup(LAUNCHER_POD_CACHE, LookupResult::ApiNotFound);
+                PodLookup::NotFound
+            }
+            Err(e) => {
+                self.metrics
+                    .lookup(LAUNCHER_POD_CACHE, LookupResult::ApiError);
+                tracing::warn!(namespace, name, error = %e, "pod not cached and the GET failed");
+                PodLookup::Failed(e)
+            }
+        }
+    }
+
+    fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>> {
+        self.tee_capacities.get(&ObjectRef::new(node))
+    }
+
+    fn matching_nodes(&self, filter: NodeFilter<'_>) -> Vec<String> {
+        let empty = BTreeMap::new();
+        self.nodes
+            .state()
+            .iter()
+            .filter_map(|n| {
+                let name = n.metadata.name.as_deref()?;
+                let labels = n.metadata.labels.as_ref().unwrap_or(&empty);
+                filter(name, labels).then(|| name.to_string())
+            })
+            .collect()
     }
 }

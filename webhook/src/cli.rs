@@ -104,9 +104,17 @@ pub struct ReviewArgs {
     /// Namespace manifest(s), for the teeguard.dev/exempt namespace label. Repeatable.
     #[arg(long = "namespace-file", value_name = "FILE")]
     pub namespaces: Vec<PathBuf>,
-    /// TeeCapacity manifest(s) (checked now; used by the validating review). Repeatable.
+    /// TeeCapacity manifest(s): node reports for the validating review. Repeatable. With any of
+    /// --tee-capacity, --node or --pod the validating response is printed too.
     #[arg(long = "tee-capacity", value_name = "FILE")]
     pub tee_capacities: Vec<PathBuf>,
+    /// Node manifest(s), for node selection (labels) in the validating review of a pod without
+    /// spec.nodeName. Without any, every node with a TeeCapacity report is a candidate. Repeatable.
+    #[arg(long = "node", value_name = "FILE")]
+    pub nodes: Vec<PathBuf>,
+    /// Pod manifest(s): the pods a pods/binding review refers to. Repeatable.
+    #[arg(long = "pod", value_name = "FILE")]
+    pub pods: Vec<PathBuf>,
     /// The teeguard configuration file (YAML); defaults apply when absent.
     #[arg(long)]
     pub config: Option<PathBuf>,

@@ -44,6 +44,32 @@ pub enum LookupResult {
     ApiError,
 }
 
+/// How a validating review ended.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum ValidationOutcome {
+    /// Allowed: enough keys (or nothing to check).
+    Admitted,
+    /// Allowed with a warning (warn mode, or an unknown report allowed by policy).
+    Warned,
+    /// Denied.
+    Denied,
+    /// Not ours: left alone without a decision (not a TEE pod, exempt, other kinds).
+    Skipped,
+}
+
+/// What happened to an `InsufficientTEEKeys` Event on a VMI.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum EventResult {
+    /// Written to the API server.
+    Recorded,
+    /// The API server refused it or did not answer.
+    Failed,
+    /// The queue was full; not sent.
+    Dropped,
+    /// The same VMI got an Event recently; not sent.
+    Suppressed,
+}
+
 /// Label values are the lower-case names used in dashboards (`patched`, `cache_hit`, ...).
 macro_rules! label_values {
     ($ty:ty { $($variant:ident => $value:literal),+ $(,)? }) => {
@@ -62,6 +88,18 @@ macro_rules! label_values {
 }
 
 label_values!(Outcome { Allowed => "allowed", Patched => "patched", Denied => "denied", Error => "error" });
+label_values!(ValidationOutcome {
+    Admitted => "admitted",
+    Warned => "warned",
+    Denied => "denied",
+    Skipped => "skipped",
+});
+label_values!(EventResult {
+    Recorded => "recorded",
+    Failed => "failed",
+    Dropped => "dropped",
+    Suppressed => "suppressed",
+});
 label_values!(ReloadResult { Ok => "ok", Failed => "failed" });
 label_values!(LookupResult {
     CacheHit => "cache_hit",
@@ -79,6 +117,18 @@ struct RequestLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CacheLabels {
     cache: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ValidationLabels {
+    request: &'static str,
+    kind: &'static str,
+    outcome: ValidationOutcome,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    result: EventResult,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -112,6 +162,9 @@ pub struct Metrics {
     lookups: Family<LookupLabels, Counter>,
     cert_reloads: Family<ReloadLabels, Counter>,
     cert_expiry: Gauge,
+    validations: Family<ValidationLabels, Counter>,
+    ledger_reservations: Gauge,
+    vmi_events: Family<EventLabels, Counter>,
 }
 
 impl Metrics {
@@ -124,6 +177,9 @@ impl Metrics {
             lookups: Family::default(),
             cert_reloads: Family::default(),
             cert_expiry: Gauge::default(),
+            validations: Family::default(),
+            ledger_reservations: Gauge::default(),
+            vmi_events: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_webhook");
         r.register(
@@ -156,7 +212,50 @@ impl Metrics {
             "Expiry (notAfter, Unix seconds) of the serving certificate in use",
             m.cert_expiry.clone(),
         );
+        r.register(
+            "validations",
+            "Validating decisions, by request (pod_create, pod_update, binding, other), TEE kind and outcome",
+            m.validations.clone(),
+        );
+        r.register(
+            "ledger_reservations",
+            "Keys reservations held in this replica's admission ledger (admitted, not in a node report yet)",
+            m.ledger_reservations.clone(),
+        );
+        r.register(
+            "vmi_events",
+            "InsufficientTEEKeys Events on VMIs, by result",
+            m.vmi_events.clone(),
+        );
         m
+    }
+
+    /// Count one validating decision. `request` is `pod_create`, `pod_update`, `binding` or `other`;
+    /// `kind` a kernel name (`tdx`) or `none`.
+    pub fn validation(
+        &self,
+        request: &'static str,
+        kind: &'static str,
+        outcome: ValidationOutcome,
+    ) {
+        self.validations
+            .get_or_create(&ValidationLabels {
+                request,
+                kind,
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Set the number of ledger reservations.
+    pub fn set_ledger_reservations(&self, n: usize) {
+        self.ledger_reservations
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Count an Event outcome.
+    pub fn vmi_event(&self, result: EventResult) {
+        self.vmi_events.get_or_create(&EventLabels { result }).inc();
     }
 
     /// Record one answered request.
@@ -208,6 +307,9 @@ mod tests {
         m.lookup("vmis", LookupResult::CacheHit);
         m.cert_reload(ReloadResult::Failed);
         m.set_cert_expiry(1_900_000_000);
+        m.validation("binding", "tdx", ValidationOutcome::Denied);
+        m.set_ledger_reservations(2);
+        m.vmi_event(EventResult::Suppressed);
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &registry).expect("encode");
         for want in [
@@ -217,6 +319,9 @@ mod tests {
             r#"teeguard_webhook_cache_lookups_total{cache="vmis",result="cache_hit"} 1"#,
             r#"teeguard_webhook_cert_reloads_total{result="failed"} 1"#,
             "teeguard_webhook_cert_expiry_timestamp_seconds 1900000000",
+            r#"teeguard_webhook_validations_total{request="binding",kind="tdx",outcome="denied"} 1"#,
+            "teeguard_webhook_ledger_reservations 2",
+            r#"teeguard_webhook_vmi_events_total{result="suppressed"} 1"#,
         ] {
             assert!(out.contains(want), "{want} missing from\n{out}");
         }

@@ -357,9 +357,10 @@ pub fn misc_max_value(kind: TeeKind, keys: u32) -> String {
     format!("{} {keys}", kind.kernel_name())
 }
 
-/// The annotations a TEE pod's `compute` container must carry under `config`.
-/// The CRI-O value keeps any other `key=value` entries already in `existing`.
-fn wanted_annotations(
+/// The annotations a TEE pod's `compute` container must carry under `config` (the validating webhook
+/// compares a pod's cgroup-limit annotations with these). The CRI-O value keeps any other `key=value`
+/// entries already in the pod's annotation.
+pub fn wanted_annotations(
     pod: &Pod,
     kind: TeeKind,
     keys: u32,

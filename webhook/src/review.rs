@@ -1,14 +1,18 @@
 //! `teeguard-webhook review`: decide one AdmissionReview (or bare Pod) offline, like `kyverno apply`
 //! or `gator test`, with the objects it needs read from files. It runs exactly the server's code
-//! ([`review_mutation`]) with file-backed [`Lookups`].
+//! ([`review_mutation`], [`review_validation`]) with file-backed [`Lookups`].
 //!
 //! Output (YAML or JSON), one object:
-//! - `review`: the AdmissionReview response as the server sends it (patch base64-encoded);
+//! - `review`: the mutating AdmissionReview response as the server sends it (patch base64-encoded);
 //! - `patch`: the decoded JSON Patch (absent when there is none);
-//! - `patchedObject`: the object with the patch applied (absent when the request is denied).
+//! - `patchedObject`: the object with the patch applied (absent when the request is denied);
+//! - `validation`: with `--tee-capacity`, `--node` or `--pod`, the validating AdmissionReview response
+//!   for the request as the validating webhook sees it (a pod CREATE after the patch; nothing when the
+//!   mutation denied it). The ledger starts empty and no Event is recorded.
 //!
-//! VMI manifests without `metadata.namespace` match a pod in any namespace. The exit status is 0
-//! whatever the decision; unreadable or invalid input is an error naming the file.
+//! VMI manifests without `metadata.namespace` match a pod in any namespace, and so do Pod manifests
+//! without one for a binding. Without `--node` files every node with a report is a candidate node. The
+//! exit status is 0 whatever the decision; unreadable or invalid input is an error naming the file.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
@@ -16,14 +20,17 @@ use std::path::Path;
 use std::sync::Arc;
 
 use base64::prelude::{BASE64_STANDARD, Engine as _};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use teeguard_shared::{Config, TeeCapacity, VirtualMachineInstance};
 
-use crate::caches::Lookups;
+use crate::caches::{Lookups, NodeFilter, PodLookup};
 use crate::cli::{OutputFormat, ReviewArgs};
 use crate::error::{Error, Result};
 use crate::handlers::mutate::review_mutation;
+use crate::handlers::validate::{ValidationContext, review_validation};
+use crate::ledger::Ledger;
 use crate::mutation::{VmiLookup, VmiRef};
 
 /// UID given to the AdmissionReview built around a bare Pod.
@@ -35,8 +42,11 @@ pub struct FileLookups {
     vmis: HashMap<(String, String), Arc<VirtualMachineInstance>>,
     vmis_any_namespace: HashMap<String, Arc<VirtualMachineInstance>>,
     namespaces: HashMap<String, BTreeMap<String, String>>,
-    /// TeeCapacity reports read (for the validating review).
-    pub tee_capacities: Vec<TeeCapacity>,
+    tee_capacities: BTreeMap<String, Arc<TeeCapacity>>,
+    nodes: BTreeMap<String, BTreeMap<String, String>>,
+    pods: HashMap<(String, String), Arc<Pod>>,
+    pods_any_namespace: HashMap<String, Arc<Pod>>,
+    validate: bool,
 }
 
 impl FileLookups {
@@ -58,9 +68,43 @@ impl FileLookups {
         self.namespaces.insert(name, labels);
     }
 
-    /// Read every `--vmi`, `--namespace-file` and `--tee-capacity` file.
+    /// Add a node report (keyed by its name, the node's name).
+    pub fn add_tee_capacity(&mut self, cap: TeeCapacity) {
+        let name = cap.metadata.name.clone().unwrap_or_default();
+        self.tee_capacities.insert(name, Arc::new(cap));
+    }
+
+    /// Add a node's labels.
+    pub fn add_node(&mut self, name: String, labels: BTreeMap<String, String>) {
+        self.nodes.insert(name, labels);
+    }
+
+    /// Add a pod (bindings refer to it by name).
+    pub fn add_pod(&mut self, pod: Pod) {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        match pod.metadata.namespace.clone().filter(|n| !n.is_empty()) {
+            Some(ns) => {
+                self.pods.insert((ns, name), Arc::new(pod));
+            }
+            None => {
+                self.pods_any_namespace.insert(name, Arc::new(pod));
+            }
+        }
+    }
+
+    /// Whether the validating review is wanted (reports, nodes or pods were given).
+    pub fn validate(&self) -> bool {
+        self.validate
+    }
+
+    /// Read every `--vmi`, `--namespace-file`, `--tee-capacity`, `--node` and `--pod` file.
     pub fn load(args: &ReviewArgs) -> Result<Self> {
-        let mut out = FileLookups::default();
+        let mut out = FileLookups {
+            validate: !(args.tee_capacities.is_empty()
+                && args.nodes.is_empty()
+                && args.pods.is_empty()),
+            ..FileLookups::default()
+        };
         for path in &args.vmis {
             for (i, doc) in read_docs(path)?.into_iter().enumerate() {
                 expect_kind(path, i, &doc, "VirtualMachineInstance")?;
@@ -106,7 +150,28 @@ impl FileLookups {
                         path: path.clone(),
                         reason: format!("document {}: not a valid TeeCapacity: {e}", i + 1),
                     })?;
-                out.tee_capacities.push(cap);
+                out.add_tee_capacity(cap);
+            }
+        }
+        for path in &args.nodes {
+            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
+                expect_kind(path, i, &doc, "Node")?;
+                let node: Node = serde_json::from_value(doc).map_err(|e| Error::FileParse {
+                    path: path.clone(),
+                    reason: format!("document {}: not a valid Node: {e}", i + 1),
+                })?;
+                let name = node.metadata.name.clone().unwrap_or_default();
+                out.add_node(name, node.metadata.labels.unwrap_or_default());
+            }
+        }
+        for path in &args.pods {
+            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
+                expect_kind(path, i, &doc, "Pod")?;
+                let pod: Pod = serde_json::from_value(doc).map_err(|e| Error::FileParse {
+                    path: path.clone(),
+                    reason: format!("document {}: not a valid Pod: {e}", i + 1),
+                })?;
+                out.add_pod(pod);
             }
         }
         Ok(out)
@@ -131,6 +196,36 @@ impl Lookups for FileLookups {
             Some(v) => VmiLookup::Found(v.clone()),
             None => VmiLookup::NotFound,
         }
+    }
+
+    async fn launcher_pod(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {
+        let key = (namespace.to_string(), name.to_string());
+        match self
+            .pods
+            .get(&key)
+            .or_else(|| self.pods_any_namespace.get(name))
+        {
+            Some(p) if uid.is_empty() || p.metadata.uid.as_deref() == Some(uid) => {
+                PodLookup::Found(p.clone())
+            }
+            _ => PodLookup::NotFound,
+        }
+    }
+
+    fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>> {
+        self.tee_capacities.get(node).cloned()
+    }
+
+    fn matching_nodes(&self, filter: NodeFilter<'_>) -> Vec<String> {
+        if self.nodes.is_empty() {
+            // No node files: every reported node is a candidate (labels unknown).
+            return self.tee_capacities.keys().cloned().collect();
+        }
+        self.nodes
+            .iter()
+            .filter(|(name, labels)| filter(name, labels))
+            .map(|(name, _)| name.clone())
+            .collect()
     }
 }
 
@@ -321,6 +416,49 @@ pub async fn review_document(
                 })?;
             }
             out.insert("patchedObject".into(), object);
+        }
+    }
+    if lookups.validate() {
+        // The validating webhook sees a pod CREATE after the mutation; a denied CREATE never gets there.
+        let validating_body = match out.get("patchedObject") {
+            Some(object) => {
+                let mut request: Value =
+                    serde_json::from_slice(body).map_err(|e| Error::FileParse {
+                        path: path.to_path_buf(),
+                        reason: e.to_string(),
+                    })?;
+                if let Some(slot) = request.pointer_mut("/request/object") {
+                    *slot = object.clone();
+                }
+                Some(serde_json::to_vec(&request).map_err(|e| Error::Serialize {
+                    what: "the validating AdmissionReview",
+                    reason: e.to_string(),
+                })?)
+            }
+            None if allowed => Some(body.to_vec()),
+            None => None,
+        };
+        if let Some(vbody) = validating_body {
+            let ledger = Ledger::new(config.admission.ledger_ttl);
+            let ctx = ValidationContext {
+                config,
+                ledger: &ledger,
+                events: None,
+                metrics: None,
+            };
+            let validated = review_validation(&vbody, lookups, &ctx)
+                .await
+                .map_err(|e| Error::FileParse {
+                    path: path.to_path_buf(),
+                    reason: e.to_string(),
+                })?;
+            let v: Value = serde_json::from_slice(&validated.response.to_json()).map_err(|e| {
+                Error::Serialize {
+                    what: "the validating AdmissionReview response",
+                    reason: e.to_string(),
+                }
+            })?;
+            out.insert("validation".into(), v);
         }
     }
     let mut doc = serde_json::Map::new();

@@ -6,6 +6,8 @@ use std::time::Duration;
 use teeguard_shared::Config;
 
 use crate::caches::Caches;
+use crate::events::EventSink;
+use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 
 /// Per-request limits.
@@ -37,4 +39,15 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Body size and time limits.
     pub limits: RequestLimits,
+    /// The validating webhook's ledger and Event sink.
+    pub validation: ValidationState,
+}
+
+/// What the validating webhook keeps between requests. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ValidationState {
+    /// Keys admitted onto nodes and not in their reports yet (this replica only).
+    pub ledger: Arc<Ledger>,
+    /// Where `InsufficientTEEKeys` Events go (`None`: none are recorded).
+    pub events: Option<EventSink>,
 }

@@ -1,11 +1,11 @@
 //! The admission router and what every admission endpoint shares: body reading with a size limit,
 //! a request timeout, JSON errors, metrics and logs.
 //!
-//! Adding an endpoint (the validating webhook's `/validate`): write `handlers/validate.rs` with an
-//! axum handler that calls [`serve_review`] with its own review function, and add one `.route(...)`
-//! line in [`router`].
+//! Adding an endpoint: write `handlers/<name>.rs` with an axum handler that calls [`serve_review`]
+//! with its own review function, and add one `.route(...)` line in [`router`].
 
 pub mod mutate;
+pub mod validate;
 
 use std::time::Instant;
 
@@ -22,17 +22,17 @@ use crate::error::{Error, Result};
 use crate::metrics::Outcome;
 use crate::state::AppState;
 
-/// The HTTPS router: `POST /mutate`. Unknown paths get a JSON 404.
+/// The HTTPS router: `POST /mutate`, `POST /validate`. Unknown paths get a JSON 404.
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/mutate", post(mutate::handle))
+        .route("/validate", post(validate::handle))
         .fallback(not_found)
         .with_state(state)
 }
 
 async fn not_found(req: Request) -> Response {
-    let body =
-        serde_json::json!({"error": format!("no endpoint {}: use POST /mutate", req.uri().path())});
+    let body = serde_json::json!({"error": format!("no endpoint {}: use POST /mutate or POST /validate", req.uri().path())});
     (
         axum::http::StatusCode::NOT_FOUND,
         [(header::CONTENT_TYPE, "application/json")],

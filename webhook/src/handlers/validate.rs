@@ -1,0 +1,583 @@
+//! `POST /validate`: the validating webhook for pod CREATE and UPDATE and the scheduler's
+//! `CREATE pods/binding`.
+//!
+//! Envelope and lookups only; the decisions are the pure functions of [`crate::validation`],
+//! [`crate::affinity`] and [`crate::ledger`].
+//!
+//! - **pods/binding**: only bindings of pods named `virt-launcher-*` are ours; any other is allowed at
+//!   once, without an API call. The pod is looked up in the virt-launcher pod cache, else by one GET
+//!   (the binding follows the pod's creation within milliseconds, usually before the watch has it). The
+//!   target node's report, minus this replica's ledger, must have the keys; check and reservation are
+//!   atomic.
+//! - **pod CREATE**: first the cgroup-limit annotations (only exactly what the mutating webhook writes
+//!   is accepted; denied in every mode). Then, for a virt-launcher pod requesting keys: with
+//!   `spec.nodeName` the same check and reservation as a binding; otherwise some node matching its node
+//!   selector and required affinity must have the keys (nothing is reserved: no node is chosen yet).
+//! - **pod UPDATE**: cgroup-limit annotations must not change. Everything else, DELETE, other kinds and
+//!   subresources are allowed untouched.
+//!
+//! Exemptions (`teeguard.dev/exempt: "true"`): a namespace exempts everything; a pod or VMI exempts the
+//! capacity check but not the annotation check (a pod's and a VMI's labels are in the user's hands, and
+//! teeguard writes no limit annotation on exempt pods anyway). Dry-run requests are decided normally but
+//! reserve nothing and record no Event. Denials for lack of keys in enforce mode record an
+//! `InsufficientTEEKeys` Event on the VMI (off the hot path, see [`crate::events`]).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use axum::extract::{Request, State};
+use axum::response::Response;
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
+use teeguard_shared::config::{Mode, StalePolicy};
+use teeguard_shared::pod::{KeyRequests, key_requests, pod_display_name};
+use teeguard_shared::{Config, names};
+
+use super::{Reviewed, serve_review};
+use crate::admission::{Operation, ReviewRequest, ReviewResponse};
+use crate::affinity::node_matches;
+use crate::caches::{Lookups, PodLookup};
+use crate::error::Result;
+use crate::events::{EventSink, VmiEvent};
+use crate::ledger::{Ledger, ReportMark, Reservation};
+use crate::metrics::{Metrics, Outcome, ValidationOutcome};
+use crate::mutation::{
+    MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation,
+    namespace_exempt,
+};
+use crate::state::AppState;
+use crate::validation::{
+    Decision, NodeAssessment, Trigger, apply_mode, check_created_limits, check_updated_limits,
+    decide_candidates, decide_on_node, expected_limits, limit_annotations, mode_name,
+    namespace_mode, reason,
+};
+
+/// Endpoint name in metrics and logs.
+pub const ENDPOINT: &str = "validate";
+
+/// Audit annotation keys (the API server prefixes them with the webhook's name).
+pub mod audit {
+    /// `admitted`, `warned`, `denied` or `skipped`.
+    pub const DECISION: &str = "decision";
+    /// Why (a reason code).
+    pub const REASON: &str = "reason";
+    /// The TEE kind requested (`tdx`, `sev`, `sev_es`).
+    pub const TEE_KIND: &str = "tee-kind";
+    /// The node checked (bindings and pods created with `spec.nodeName`).
+    pub const NODE: &str = "node";
+    /// The mode applied (`enforce` or `warn`).
+    pub const MODE: &str = "mode";
+}
+
+/// Everything a validating review uses besides the lookups.
+#[derive(Clone, Copy, Debug)]
+pub struct ValidationContext<'a> {
+    /// The configuration.
+    pub config: &'a Config,
+    /// This replica's admission ledger.
+    pub ledger: &'a Ledger,
+    /// Where to put Events (`None`: record none, as in the offline `review`).
+    pub events: Option<&'a EventSink>,
+    /// Metrics (`None` offline).
+    pub metrics: Option<&'a Metrics>,
+}
+
+/// The axum handler.
+pub async fn handle(State(state): State<AppState>, req: Request) -> Response {
+    let s = &state;
+    serve_review(s, ENDPOINT, req, |body| async move {
+        let ctx = ValidationContext {
+            config: &s.config,
+            ledger: &s.validation.ledger,
+            events: s.validation.events.as_ref(),
+            metrics: Some(&s.metrics),
+        };
+        review_validation(&body, &s.caches, &ctx).await
+    })
+    .await
+}
+
+/// The answer to one review, before it is rendered.
+#[derive(Debug)]
+struct Answer {
+    request: &'static str,
+    kind: &'static str,
+    outcome: ValidationOutcome,
+    reason: &'static str,
+    message: Option<String>,
+    warnings: Vec<String>,
+    node: Option<String>,
+    mode: Option<Mode>,
+}
+
+impl Answer {
+    fn skip(request: &'static str, reason: &'static str) -> Self {
+        Answer {
+            request,
+            kind: "none",
+            outcome: ValidationOutcome::Skipped,
+            reason,
+            message: None,
+            warnings: Vec::new(),
+            node: None,
+            mode: None,
+        }
+    }
+
+    fn deny(request: &'static str, kind: &'static str, reason: &'static str, msg: String) -> Self {
+        Answer {
+            request,
+            kind,
+            outcome: ValidationOutcome::Denied,
+            reason,
+            message: Some(msg),
+            warnings: Vec::new(),
+            node: None,
+            mode: None,
+        }
+    }
+
+    fn from_decision(
+        request: &'static str,
+        kind: &'static str,
+        d: Decision,
+        node: Option<String>,
+        mode: Mode,
+    ) -> Self {
+        Answer {
+            request,
+            kind,
+            outcome: d.outcome,
+            reason: d.reason,
+            message: if d.allowed { None } else { d.message },
+            warnings: d.warnings,
+            node,
+            mode: Some(mode),
+        }
+    }
+
+    fn with_warnings(mut self, mut warnings: Vec<String>) -> Self {
+        warnings.append(&mut self.warnings);
+        self.warnings = warnings;
+        self
+    }
+}
+
+fn primary_kind(requests: &KeyRequests) -> &'static str {
+    requests.keys().next().map_or("none", |k| k.kernel_name())
+}
+
+/// Decide one validating review from its raw body: the same code serves HTTPS and the offline
+/// `review` command. Errors are malformed reviews (HTTP 400).
+pub async fn review_validation<L: Lookups>(
+    body: &[u8],
+    lookups: &L,
+    ctx: &ValidationContext<'_>,
+) -> Result<Reviewed> {
+    let req = ReviewRequest::parse(body)?;
+    let pods = req.resource.group.is_empty() && req.resource.resource == "pods";
+    let answer = match (pods, req.sub_resource.as_str(), req.operation) {
+        (true, "", Operation::Create) => pod_create(&req, lookups, ctx).await?,
+        (true, "", Operation::Update) => pod_update(&req, lookups).await?,
+        (true, "binding", Operation::Create) => binding(&req, lookups, ctx).await?,
+        (true, "", Operation::Delete) => Answer::skip("other", "pod-delete"),
+        _ => Answer::skip("other", "not-validated"),
+    };
+    if let Some(m) = ctx.metrics {
+        m.validation(answer.request, answer.kind, answer.outcome);
+    }
+    Ok(respond(req.uid, answer))
+}
+
+fn respond(uid: String, a: Answer) -> Reviewed {
+    let (mut response, outcome) = match a.message {
+        Some(msg) => (ReviewResponse::deny(uid, 403, msg), Outcome::Denied),
+        None => (ReviewResponse::allow(uid), Outcome::Allowed),
+    };
+    response = response
+        .audit(audit::DECISION, a.outcome.as_str())
+        .audit(audit::REASON, a.reason);
+    if a.kind != "none" {
+        response = response.audit(audit::TEE_KIND, a.kind);
+    }
+    if let Some(node) = a.node {
+        response = response.audit(audit::NODE, node);
+    }
+    if let Some(mode) = a.mode {
+        response = response.audit(audit::MODE, mode_name(mode));
+    }
+    for w in a.warnings {
+        response = response.warn(w);
+    }
+    Reviewed { response, outcome }
+}
+
+/// Namespace labels; a failed lookup is treated as an unlabelled namespace, with a warning.
+async fn namespace<L: Lookups>(
+    lookups: &L,
+    namespace: &str,
+) -> (Option<BTreeMap<String, String>>, Vec<String>) {
+    match lookups.namespace_labels(namespace).await {
+        Ok(labels) => (labels, Vec::new()),
+        Err(e) => (
+            None,
+            vec![format!(
+                "teeguard could not read namespace {namespace} ({e}); its {} and {} labels were not applied",
+                names::EXEMPT_LABEL,
+                names::MODE_LABEL
+            )],
+        ),
+    }
+}
+
+async fn pod_create<L: Lookups>(
+    req: &ReviewRequest<'_>,
+    lookups: &L,
+    ctx: &ValidationContext<'_>,
+) -> Result<Answer> {
+    const REQ: &str = "pod_create";
+    let mut pod: Pod = req.object()?;
+    if pod.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
+        pod.metadata.namespace = Some(req.namespace.clone());
+    }
+    if pod.metadata.name.as_deref().is_none_or(str::is_empty) && !req.name.is_empty() {
+        pod.metadata.name = Some(req.name.clone());
+    }
+    let ns = pod.metadata.namespace.clone().unwrap_or_default();
+    let (ns_labels, mut warnings) = namespace(lookups, &ns).await;
+    if namespace_exempt(ns_labels.as_ref()) {
+        return Ok(Answer::skip(REQ, "exempt-namespace"));
+    }
+    let config = ctx.config;
+    let class = classify_pod(&pod);
+    let vmi = match &class {
+        Ok(r) => Some(lookups.vmi(r).await),
+        Err(_) => None,
+    };
+    let mutation = decide_mutation(&pod, vmi.as_ref(), ns_labels.as_ref(), config);
+
+    let forged = if limit_annotations(&pod).is_empty() {
+        None
+    } else {
+        check_created_limits(&pod, &expected_limits(&pod, &mutation, config))
+    };
+    if let Some(msg) = forged {
+        tracing::info!(
+            pod = pod_display_name(&pod),
+            message = msg,
+            "pod denied: cgroup-limit annotation"
+        );
+        let kind = match &mutation {
+            MutationDecision::Inject(i) => i.kind.kernel_name(),
+            _ => "none",
+        };
+        return Ok(Answer::deny(
+            REQ,
+            kind,
+            reason::FORGED_LIMIT_ANNOTATION,
+            msg,
+        ));
+    }
+
+    let vmi_ref = match class {
+        Ok(r) => r,
+        Err(skip) => return Ok(Answer::skip(REQ, skip.code())),
+    };
+    if matches!(mutation, MutationDecision::Skip(SkipReason::ExemptVmi)) {
+        return Ok(Answer::skip(REQ, SkipReason::ExemptVmi.code()));
+    }
+    let requests = match key_requests(&pod, &config.resources) {
+        Ok(r) => r,
+        Err(e) => {
+            return Ok(Answer::deny(REQ, "none", "bad-quantity", e.to_string()));
+        }
+    };
+    if requests.is_empty() {
+        return Ok(Answer::skip(REQ, "no-key-request"));
+    }
+    let kind = primary_kind(&requests);
+    let (mode, mode_warning) = namespace_mode(config.admission.mode, ns_labels.as_ref());
+    warnings.extend(mode_warning);
+    let pod_name = pod_display_name(&pod);
+    let uid = pod.metadata.uid.clone().unwrap_or_else(|| pod_name.clone());
+    let policy = Trigger::PodCreate.stale_policy(&config.admission);
+    let spec = pod.spec.clone().unwrap_or_default();
+
+    let answer = match spec.node_name.as_deref().filter(|n| !n.is_empty()) {
+        Some(node) => {
+            let d = check_node(
+                Trigger::PodCreate,
+                node,
+                &requests,
+                NodeCheck {
+                    uid: &uid,
+                    pod: &pod_name,
+                    mode,
+                    policy,
+                    dry_run: req.dry_run,
+                },
+                lookups,
+                ctx,
+            );
+            Answer::from_decision(REQ, kind, d, Some(node.to_string()), mode)
+        }
+        None => {
+            let now = Timestamp::now();
+            let mono = Instant::now();
+            let filter =
+                |name: &str, labels: &BTreeMap<String, String>| node_matches(&spec, name, labels);
+            let candidates: Vec<NodeAssessment> = lookups
+                .matching_nodes(&filter)
+                .into_iter()
+                .map(|node| {
+                    let cap = lookups.tee_capacity(&node);
+                    let status = cap.as_ref().and_then(|c| c.status.as_ref());
+                    let held = ctx.ledger.held(&node, mark(cap.as_deref()), mono, &uid);
+                    NodeAssessment::new(
+                        &node,
+                        &requests,
+                        status,
+                        &held,
+                        now,
+                        config.admission.stale_report_after,
+                    )
+                })
+                .collect();
+            let d = apply_mode(decide_candidates(&requests, candidates, policy), mode);
+            Answer::from_decision(REQ, kind, d, None, mode)
+        }
+    };
+    record_event(&answer, &vmi_ref, req.dry_run, ctx);
+    log_decision(&answer, &pod_name);
+    Ok(answer.with_warnings(warnings))
+}
+
+/// The identity of the node report, for the ledger.
+fn mark(cap: Option<&teeguard_shared::TeeCapacity>) -> ReportMark<'_> {
+    ReportMark {
+        resource_version: cap.and_then(|c| c.metadata.resource_version.as_deref()),
+        heartbeat: cap
+            .and_then(|c| c.status.as_ref())
+            .and_then(|s| s.heartbeat_time.as_ref())
+            .map(|t| t.0),
+    }
+}
+
+/// The pod-specific inputs of [`check_node`].
+#[derive(Clone, Copy, Debug)]
+struct NodeCheck<'a> {
+    uid: &'a str,
+    pod: &'a str,
+    mode: Mode,
+    policy: StalePolicy,
+    dry_run: bool,
+}
+
+/// Check one node for the pod and, when admitted (and not a dry run), reserve its keys: one atomic
+/// ledger step.
+fn check_node<L: Lookups>(
+    trigger: Trigger,
+    node: &str,
+    requests: &KeyRequests,
+    p: NodeCheck<'_>,
+    lookups: &L,
+    ctx: &ValidationContext<'_>,
+) -> Decision {
+    let now = Timestamp::now();
+    let mono = Instant::now();
+    let cap = lookups.tee_capacity(node);
+    let status = cap.as_ref().and_then(|c| c.status.as_ref());
+    let m = mark(cap.as_deref());
+    let candidate = Reservation {
+        pod_uid: p.uid.to_string(),
+        pod: p.pod.to_string(),
+        keys: requests.clone(),
+        admitted_at: now,
+        admitted: mono,
+        report_version: m.resource_version.map(str::to_string),
+    };
+    let stale_after = ctx.config.admission.stale_report_after;
+    let (decision, reserved) = ctx
+        .ledger
+        .check_and_reserve(node, m, mono, candidate, |held| {
+            let a = NodeAssessment::new(node, requests, status, held, now, stale_after);
+            let d = apply_mode(decide_on_node(trigger, requests, &a, p.policy), p.mode);
+            let reserve = d.reserve && !p.dry_run;
+            (d, reserve)
+        });
+    if let Some(metrics) = ctx.metrics {
+        metrics.set_ledger_reservations(ctx.ledger.len());
+    }
+    tracing::debug!(pod = p.pod, node, ?reserved, "ledger");
+    decision
+}
+
+/// In enforce mode, a refusal for lack of keys (not a dry run) puts an Event on the VMI.
+fn record_event(answer: &Answer, vmi: &VmiRef, dry_run: bool, ctx: &ValidationContext<'_>) {
+    let capacity_reason = matches!(
+        answer.reason,
+        reason::INSUFFICIENT_KEYS | reason::REPORT_UNKNOWN | reason::NO_CANDIDATE_NODES
+    );
+    let (Some(events), Some(message)) = (ctx.events, answer.message.as_ref()) else {
+        return;
+    };
+    if dry_run || !capacity_reason {
+        return;
+    }
+    events.record(VmiEvent {
+        vmi: ObjectReference {
+            api_version: Some("kubevirt.io/v1".into()),
+            kind: Some("VirtualMachineInstance".into()),
+            namespace: Some(vmi.namespace.clone()),
+            name: Some(vmi.name.clone()),
+            uid: (!vmi.uid.is_empty()).then(|| vmi.uid.clone()),
+            ..ObjectReference::default()
+        },
+        message: message.clone(),
+    });
+}
+
+fn log_decision(answer: &Answer, pod: &str) {
+    match answer.outcome {
+        ValidationOutcome::Denied => tracing::info!(
+            pod,
+            request = answer.request,
+            reason = answer.reason,
+            node = answer.node.as_deref(),
+            message = answer.message.as_deref(),
+            "denied"
+        ),
+        ValidationOutcome::Warned => tracing::info!(
+            pod,
+            request = answer.request,
+            reason = answer.reason,
+            node = answer.node.as_deref(),
+            warnings = ?answer.warnings,
+            "allowed with a warning"
+        ),
+        _ => tracing::debug!(
+            pod,
+            request = answer.request,
+            reason = answer.reason,
+            node = answer.node.as_deref(),
+            "admitted"
+        ),
+    }
+}
+
+async fn binding<L: Lookups>(
+    req: &ReviewRequest<'_>,
+    lookups: &L,
+    ctx: &ValidationContext<'_>,
+) -> Result<Answer> {
+    const REQ: &str = "binding";
+    // The chart's matchConditions already narrow calls to these names; anything else is not ours.
+    if !req.name.starts_with(names::VIRT_LAUNCHER_NAME_PREFIX) {
+        return Ok(Answer::skip(REQ, "not-virt-launcher"));
+    }
+    let b: Binding = req.object()?;
+    let Some(node) = b.target.name.as_deref().filter(|n| !n.is_empty()) else {
+        return Err(crate::error::Error::BadReview(
+            "the Binding has no target.name".into(),
+        ));
+    };
+    let ns = if req.namespace.is_empty() {
+        b.metadata.namespace.clone().unwrap_or_default()
+    } else {
+        req.namespace.clone()
+    };
+    let uid = b.metadata.uid.clone().unwrap_or_default();
+    let pod = match lookups.launcher_pod(&ns, &req.name, &uid).await {
+        PodLookup::Found(p) => p,
+        PodLookup::NotFound => return Ok(Answer::skip(REQ, "pod-not-found")),
+        PodLookup::Failed(e) => {
+            // Fail open, like the binding webhook's failurePolicy Ignore: the scheduler's own
+            // accounting still applies.
+            let mut a = Answer::skip(REQ, "pod-lookup-failed");
+            a.outcome = ValidationOutcome::Warned;
+            a.node = Some(node.to_string());
+            a.warnings.push(format!(
+                "teeguard could not look up pod {ns}/{} to check free TEE keys on node {node} ({e})",
+                req.name
+            ));
+            return Ok(a);
+        }
+    };
+    let vmi_ref = match classify_pod(&pod) {
+        Ok(r) => r,
+        Err(skip) => return Ok(Answer::skip(REQ, skip.code())),
+    };
+    let (ns_labels, mut warnings) = namespace(lookups, &ns).await;
+    if namespace_exempt(ns_labels.as_ref()) {
+        return Ok(Answer::skip(REQ, "exempt-namespace"));
+    }
+    if let VmiLookup::Found(v) = lookups.vmi(&vmi_ref).await
+        && namespace_exempt(v.metadata.labels.as_ref())
+    {
+        return Ok(Answer::skip(REQ, SkipReason::ExemptVmi.code()));
+    }
+    let config = ctx.config;
+    let requests = match key_requests(&pod, &config.resources) {
+        Ok(r) => r,
+        Err(e) => return Ok(Answer::deny(REQ, "none", "bad-quantity", e.to_string())),
+    };
+    if requests.is_empty() {
+        return Ok(Answer::skip(REQ, "no-key-request"));
+    }
+    let (mode, mode_warning) = namespace_mode(config.admission.mode, ns_labels.as_ref());
+    warnings.extend(mode_warning);
+    let pod_name = format!("{ns}/{}", req.name);
+    let uid = pod.metadata.uid.clone().unwrap_or_else(|| pod_name.clone());
+    let d = check_node(
+        Trigger::Binding,
+        node,
+        &requests,
+        NodeCheck {
+            uid: &uid,
+            pod: &pod_name,
+            mode,
+            policy: Trigger::Binding.stale_policy(&config.admission),
+            dry_run: req.dry_run,
+        },
+        lookups,
+        ctx,
+    );
+    let answer = Answer::from_decision(
+        REQ,
+        primary_kind(&requests),
+        d,
+        Some(node.to_string()),
+        mode,
+    );
+    record_event(&answer, &vmi_ref, req.dry_run, ctx);
+    log_decision(&answer, &pod_name);
+    Ok(answer.with_warnings(warnings))
+}
+
+async fn pod_update<L: Lookups>(req: &ReviewRequest<'_>, lookups: &L) -> Result<Answer> {
+    const REQ: &str = "pod_update";
+    let mut new: Pod = req.object()?;
+    let old: Pod = req.old_object()?;
+    if new.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
+        new.metadata.namespace = Some(req.namespace.clone());
+    }
+    let Some(msg) = check_updated_limits(&old, &new) else {
+        return Ok(Answer::skip(REQ, "limits-unchanged"));
+    };
+    let ns = new.metadata.namespace.clone().unwrap_or_default();
+    let (ns_labels, _) = namespace(lookups, &ns).await;
+    if namespace_exempt(ns_labels.as_ref()) {
+        return Ok(Answer::skip(REQ, "exempt-namespace"));
+    }
+    tracing::info!(
+        pod = pod_display_name(&new),
+        message = msg,
+        "pod update denied: cgroup-limit annotation"
+    );
+    Ok(Answer::deny(
+        REQ,
+        "none",
+        reason::FORGED_LIMIT_ANNOTATION,
+        msg,
+    ))
+}

@@ -1,0 +1,469 @@
+//! The admission ledger: keys this webhook replica admitted onto a node that the node's `TeeCapacity`
+//! report does not show yet.
+//!
+//! Between the admission of a binding and the node agent's next report there is a window (the API
+//! server persists the binding, the agent's pod watch sees it, the agent polls and publishes: typically
+//! about a second) in which the report still counts the key as free. Without a ledger, two bindings in
+//! that window can both take the last key. With it, a binding is admitted only when
+//! `report.free − keys reserved here by other pods ≥ requested`, and the check and the reservation are
+//! one atomic step ([`Ledger::check_and_reserve`]: a mutex held only across the pure check and the
+//! insert, never across an `await`).
+//!
+//! A reservation ends when
+//! - the report catches up ([`Reservation::caught_up`]): the cached report changed since the admission
+//!   (another `resourceVersion`) **and** its `heartbeatTime` is at least [`REPORT_SETTLE`] after the
+//!   admission instant, so the agent computed it after it could see the binding (the agent writes
+//!   whole-second heartbeats and its pod watch lags by milliseconds; the margin also absorbs modest clock
+//!   skew between the webhook and the node); or
+//! - `admission.ledgerTtl` has passed since the admission (the pod was deleted, the bind failed, or the
+//!   agent is not reporting).
+//!
+//! Reservations are keyed by pod UID: a retried binding of the same pod does not reserve twice; a
+//! binding of the same pod to another node moves the reservation.
+//!
+//! # Guarantee and its limits
+//! Within one replica, concurrent admissions against one node never admit more keys than the report's
+//! `free` (minus what this replica already reserved). Each replica has its own ledger: with N replicas
+//! behind the Service, up to N concurrent admissions (one per replica) may pass against one last key.
+//! The backstops are the scheduler's own accounting of the extended resource (the agent advertises
+//! `capacity − external`, so the scheduler never binds more requesting pods than that) and, last, the
+//! kernel, which refuses the key to the VM that comes too late (its QEMU fails to start). A reservation
+//! can also end early if the node's clock runs ahead of the webhook's by more than [`REPORT_SETTLE`], or
+//! late (a node looks fuller than it is, at most until the TTL) when the agent publishes rarely.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use jiff::{SignedDuration, Timestamp};
+use teeguard_shared::pod::KeyRequests;
+
+/// How long after an admission a report's heartbeat must be to count as having seen it.
+pub const REPORT_SETTLE: Duration = Duration::from_secs(2);
+
+/// One admitted pod's keys on one node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    /// The pod's UID (or `namespace/name` when it has none).
+    pub pod_uid: String,
+    /// `namespace/name`, for logs.
+    pub pod: String,
+    /// Keys per kind.
+    pub keys: KeyRequests,
+    /// Wall-clock admission time, compared with report heartbeats.
+    pub admitted_at: Timestamp,
+    /// Monotonic admission time, for the TTL.
+    pub admitted: Instant,
+    /// `resourceVersion` of the node's report when the pod was admitted (`None`: no report).
+    pub report_version: Option<String>,
+}
+
+/// What identifies the node's report as the webhook sees it now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReportMark<'a> {
+    /// `metadata.resourceVersion` of the cached report.
+    pub resource_version: Option<&'a str>,
+    /// `status.heartbeatTime`.
+    pub heartbeat: Option<Timestamp>,
+}
+
+impl Reservation {
+    /// Whether the TTL has passed.
+    pub fn expired(&self, now: Instant, ttl: Duration) -> bool {
+        now.saturating_duration_since(self.admitted) >= ttl
+    }
+
+    /// Whether the report `mark` accounts for this admission (see the module docs).
+    pub fn caught_up(&self, mark: ReportMark<'_>) -> bool {
+        let changed = mark
+            .resource_version
+            .is_some_and(|rv| Some(rv) != self.report_version.as_deref());
+        let settle = SignedDuration::try_from(REPORT_SETTLE).unwrap_or(SignedDuration::MAX);
+        let later = mark
+            .heartbeat
+            .is_some_and(|hb| hb.duration_since(self.admitted_at) >= settle);
+        changed && later
+    }
+}
+
+/// What [`Ledger::check_and_reserve`] did with the candidate reservation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reserved {
+    /// The decision did not ask for a reservation.
+    No,
+    /// A new reservation was added.
+    Added,
+    /// The pod already held a reservation on this node; it was kept as is.
+    AlreadyHeld,
+    /// The pod's reservation on another node moved here.
+    Moved {
+        /// The node it was on.
+        from: String,
+    },
+}
+
+#[derive(Debug, Default)]
+struct State {
+    nodes: HashMap<String, Vec<Reservation>>,
+    pods: HashMap<String, String>,
+    len: usize,
+}
+
+impl State {
+    fn retain_node(&mut self, node: &str, mut keep: impl FnMut(&Reservation) -> bool) {
+        let Some(list) = self.nodes.get_mut(node) else {
+            return;
+        };
+        let before = list.len();
+        let pods = &mut self.pods;
+        list.retain(|r| {
+            let k = keep(r);
+            if !k {
+                pods.remove(&r.pod_uid);
+            }
+            k
+        });
+        self.len -= before - list.len();
+        if list.is_empty() {
+            self.nodes.remove(node);
+        }
+    }
+
+    fn held_except(&self, node: &str, except_uid: &str) -> KeyRequests {
+        let mut held = KeyRequests::new();
+        for r in self.nodes.get(node).into_iter().flatten() {
+            if r.pod_uid == except_uid {
+                continue;
+            }
+            for (kind, n) in &r.keys {
+                let slot = held.entry(*kind).or_insert(0);
+                *slot = slot.saturating_add(*n);
+            }
+        }
+        held
+    }
+}
+
+/// The ledger of one webhook replica. Cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub struct Ledger {
+    ttl: Duration,
+    state: Mutex<State>,
+}
+
+impl Ledger {
+    /// An empty ledger whose reservations last at most `ttl`.
+    pub fn new(ttl: Duration) -> Self {
+        Ledger {
+            ttl,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// The TTL.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The critical sections never panic half-way through a change; a poisoned lock still holds a
+        // consistent state.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keys reserved on `node` by pods other than `except_uid`, after dropping the node's expired and
+    /// caught-up reservations.
+    pub fn held(
+        &self,
+        node: &str,
+        mark: ReportMark<'_>,
+        now: Instant,
+        except_uid: &str,
+    ) -> KeyRequests {
+        let mut st = self.lock();
+        let ttl = self.ttl;
+        st.retain_node(node, |r| !r.expired(now, ttl) && !r.caught_up(mark));
+        st.held_except(node, except_uid)
+    }
+
+    /// Atomically: drop the node's expired and caught-up reservations, compute the keys held by other
+    /// pods, call `decide` with them (pure, quick: the lock is held), and when it returns `true` reserve
+    /// `candidate` on `node`. A pod that already holds a reservation here keeps it (no double
+    /// reservation); one held on another node moves here.
+    pub fn check_and_reserve<T>(
+        &self,
+        node: &str,
+        mark: ReportMark<'_>,
+        now: Instant,
+        candidate: Reservation,
+        decide: impl FnOnce(&KeyRequests) -> (T, bool),
+    ) -> (T, Reserved) {
+        let mut st = self.lock();
+        let ttl = self.ttl;
+        st.retain_node(node, |r| !r.expired(now, ttl) && !r.caught_up(mark));
+        let held = st.held_except(node, &candidate.pod_uid);
+        let (out, reserve) = decide(&held);
+        if !reserve {
+            return (out, Reserved::No);
+        }
+        let reserved = match st.pods.get(&candidate.pod_uid).cloned() {
+            Some(existing) if existing == node => Reserved::AlreadyHeld,
+            Some(other) => {
+                let uid = candidate.pod_uid.clone();
+                st.retain_node(&other, |r| r.pod_uid != uid);
+                Reserved::Moved { from: other }
+            }
+            None => Reserved::Added,
+        };
+        if reserved != Reserved::AlreadyHeld {
+            st.pods.insert(candidate.pod_uid.clone(), node.to_string());
+            st.nodes
+                .entry(node.to_string())
+                .or_default()
+                .push(candidate);
+            st.len += 1;
+        }
+        (out, reserved)
+    }
+
+    /// Drop every reservation past the TTL (the periodic sweep; reports are checked per node on use).
+    /// Returns how many remain.
+    pub fn prune_expired(&self, now: Instant) -> usize {
+        let mut st = self.lock();
+        let ttl = self.ttl;
+        let nodes: Vec<String> = st.nodes.keys().cloned().collect();
+        for node in nodes {
+            st.retain_node(&node, |r| !r.expired(now, ttl));
+        }
+        st.len
+    }
+
+    /// Reservations held.
+    pub fn len(&self) -> usize {
+        self.lock().len
+    }
+
+    /// True when nothing is reserved.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The reservations on one node (for tests and diagnostics).
+    pub fn reservations(&self, node: &str) -> Vec<Reservation> {
+        self.lock().nodes.get(node).cloned().unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use teeguard_shared::TeeKind;
+
+    const TTL: Duration = Duration::from_secs(30);
+
+    fn ts(s: i64) -> Timestamp {
+        Timestamp::from_second(1_750_000_000 + s).expect("timestamp")
+    }
+
+    fn res(uid: &str, keys: u64, at: i64, mono: Instant, rv: Option<&str>) -> Reservation {
+        Reservation {
+            pod_uid: uid.into(),
+            pod: format!("ns/{uid}"),
+            keys: KeyRequests::from([(TeeKind::Tdx, keys)]),
+            admitted_at: ts(at),
+            admitted: mono,
+            report_version: rv.map(str::to_string),
+        }
+    }
+
+    fn mark(rv: &str, hb: i64) -> ReportMark<'_> {
+        ReportMark {
+            resource_version: Some(rv),
+            heartbeat: Some(ts(hb)),
+        }
+    }
+
+    /// Admit when `free − held ≥ 1` (the shape of the real decision).
+    fn admit_if_free(free: u64) -> impl FnOnce(&KeyRequests) -> (bool, bool) {
+        move |held| {
+            let ok = free.saturating_sub(held.get(&TeeKind::Tdx).copied().unwrap_or(0)) >= 1;
+            (ok, ok)
+        }
+    }
+
+    #[test]
+    fn catch_up_needs_a_newer_report_and_a_later_heartbeat() {
+        let r = res("a", 1, 100, Instant::now(), Some("5"));
+        // (mark, caught up)
+        let cases = [
+            (mark("5", 200), false), // same report version, however late its heartbeat claims
+            (mark("6", 100), false), // newer report, but computed at the admission instant
+            (mark("6", 101), false), // ... or within the settle margin
+            (mark("6", 102), true),  // newer and at least REPORT_SETTLE later
+            (mark("6", 500), true),
+            (mark("6", 50), false), // heartbeat before the admission
+            (ReportMark::default(), false),
+            (
+                ReportMark {
+                    resource_version: Some("6"),
+                    heartbeat: None,
+                },
+                false,
+            ),
+        ];
+        for (m, want) in cases {
+            assert_eq!(r.caught_up(m), want, "{m:?}");
+        }
+        // Admitted when there was no report: any report counts as newer.
+        let r = res("a", 1, 100, Instant::now(), None);
+        assert!(r.caught_up(mark("1", 103)));
+    }
+
+    #[test]
+    fn reserve_blocks_the_last_key_and_expires() {
+        let ledger = Ledger::new(TTL);
+        let t0 = Instant::now();
+        let m = mark("5", 99);
+        let (ok, r) = ledger.check_and_reserve(
+            "n1",
+            m,
+            t0,
+            res("a", 1, 100, t0, Some("5")),
+            admit_if_free(1),
+        );
+        assert!(ok);
+        assert_eq!(r, Reserved::Added);
+        assert_eq!(ledger.len(), 1);
+        // A second pod sees the key held.
+        let (ok, r) = ledger.check_and_reserve(
+            "n1",
+            m,
+            t0,
+            res("b", 1, 100, t0, Some("5")),
+            admit_if_free(1),
+        );
+        assert!(!ok);
+        assert_eq!(r, Reserved::No);
+        assert_eq!(ledger.len(), 1);
+        // Another node is unaffected.
+        assert!(ledger.held("n2", m, t0, "").is_empty());
+        assert_eq!(
+            ledger.held("n1", m, t0, ""),
+            KeyRequests::from([(TeeKind::Tdx, 1)])
+        );
+        assert!(
+            ledger.held("n1", m, t0, "a").is_empty(),
+            "own reservation excluded"
+        );
+        // Just before the TTL still held; at the TTL gone.
+        let later = t0 + TTL - Duration::from_millis(1);
+        assert_eq!(ledger.held("n1", m, later, "").len(), 1);
+        assert_eq!(ledger.prune_expired(later), 1);
+        assert_eq!(ledger.prune_expired(t0 + TTL), 0);
+        assert!(ledger.is_empty());
+        let (ok, _) = ledger.check_and_reserve(
+            "n1",
+            m,
+            t0 + TTL,
+            res("b", 1, 130, t0 + TTL, Some("5")),
+            admit_if_free(1),
+        );
+        assert!(ok);
+    }
+
+    #[test]
+    fn report_catch_up_releases() {
+        let ledger = Ledger::new(TTL);
+        let t0 = Instant::now();
+        ledger.check_and_reserve(
+            "n1",
+            mark("5", 99),
+            t0,
+            res("a", 1, 100, t0, Some("5")),
+            admit_if_free(3),
+        );
+        // A newer report computed too early keeps it.
+        assert_eq!(ledger.held("n1", mark("6", 100), t0, "").len(), 1);
+        // The report that accounts for it releases it; its `free` now includes the pod.
+        assert!(ledger.held("n1", mark("7", 103), t0, "").is_empty());
+        assert!(ledger.is_empty());
+    }
+
+    #[test]
+    fn idempotent_per_pod_and_moves_between_nodes() {
+        let ledger = Ledger::new(TTL);
+        let t0 = Instant::now();
+        let m = mark("5", 99);
+        let first = res("a", 1, 100, t0, Some("5"));
+        let (_, r) = ledger.check_and_reserve("n1", m, t0, first.clone(), admit_if_free(1));
+        assert_eq!(r, Reserved::Added);
+        // The scheduler retries the same pod: its own key does not count against it, nothing doubles.
+        let retry = res("a", 1, 105, t0 + Duration::from_secs(5), Some("5"));
+        let (ok, r) = ledger.check_and_reserve("n1", m, t0, retry, admit_if_free(1));
+        assert!(ok);
+        assert_eq!(r, Reserved::AlreadyHeld);
+        assert_eq!(
+            ledger.reservations("n1"),
+            vec![first],
+            "the original is kept"
+        );
+        // The same pod bound to another node: moved.
+        let (ok, r) = ledger.check_and_reserve(
+            "n2",
+            m,
+            t0,
+            res("a", 1, 106, t0, Some("5")),
+            admit_if_free(1),
+        );
+        assert!(ok);
+        assert_eq!(r, Reserved::Moved { from: "n1".into() });
+        assert!(ledger.reservations("n1").is_empty());
+        assert_eq!(ledger.reservations("n2").len(), 1);
+        assert_eq!(ledger.len(), 1);
+    }
+
+    #[test]
+    fn keys_sum_per_kind() {
+        let ledger = Ledger::new(TTL);
+        let t0 = Instant::now();
+        let m = ReportMark::default();
+        for (uid, kind, n) in [
+            ("a", TeeKind::Tdx, 2),
+            ("b", TeeKind::Tdx, 1),
+            ("c", TeeKind::SevEs, 1),
+        ] {
+            let mut r = res(uid, 0, 100, t0, None);
+            r.keys = KeyRequests::from([(kind, n)]);
+            ledger.check_and_reserve("n", m, t0, r, |_| ((), true));
+        }
+        assert_eq!(
+            ledger.held("n", m, t0, "b"),
+            KeyRequests::from([(TeeKind::Tdx, 2), (TeeKind::SevEs, 1)])
+        );
+    }
+
+    #[test]
+    fn concurrent_reservations_take_the_last_key_once() {
+        let ledger = Arc::new(Ledger::new(TTL));
+        let t0 = Instant::now();
+        let handles: Vec<_> = (0..16)
+            .map(|i| {
+                let ledger = ledger.clone();
+                std::thread::spawn(move || {
+                    let r = res(&format!("p{i}"), 1, 100, t0, Some("5"));
+                    ledger
+                        .check_and_reserve("n1", mark("5", 99), t0, r, admit_if_free(1))
+                        .0
+                })
+            })
+            .collect();
+        let admitted = handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .filter(|ok| *ok)
+            .count();
+        assert_eq!(admitted, 1);
+        assert_eq!(ledger.len(), 1);
+    }
+}
