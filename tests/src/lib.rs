@@ -2,6 +2,8 @@
 //! cgroup tree ([`host`]) and builders for realistic objects ([`fixtures`]). Every crate's tests use it so
 //! that kube clients, watches, patches and file reads run through the real protocol.
 
+pub mod e2e;
 pub mod fakeapi;
 pub mod fixtures;
 pub mod host;
+pub mod standalone;

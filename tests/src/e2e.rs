@@ -1,0 +1,838 @@
+//! Process harness for end-to-end tests: the real `teeguard-webhook` and `teeguard-agent` binaries run
+//! as child processes against the fake API server served on 127.0.0.1 (`KUBECONFIG` points them at it)
+//! and a simulated host, and the test plays the rest of the cluster with
+//! [`ApiServerDriver`](crate::standalone::ApiServerDriver).
+//!
+//! - [`binaries`] finds the two binaries next to the running test executable (`target/<profile>/`)
+//!   and builds them once (`cargo build -p teeguard-webhook -p teeguard-agent --bins`, same profile and
+//!   target directory) when they are missing or older than any source file of webhook, agent or shared,
+//!   so a stale binary never makes a test pass or fail for the wrong reason.
+//! - [`ChildProcess`] captures stdout and stderr in a log file and kills the process when dropped.
+//! - [`E2eEnv`] owns one test's temporary directory, fake API server, kubeconfig, configuration file
+//!   and certificate directory (laid out like a mounted Secret, rotated like the kubelet does), starts
+//!   [`WebhookProcess`]es and [`AgentProcess`]es, and prints every process's log if the test panics.
+//!
+//! Every wait has a deadline; the webhook's ports are chosen by the OS (`127.0.0.1:0`) and read back
+//! from its start-up log line.
+
+use std::fs::File;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use rustls::pki_types::{CertificateDer, ServerName};
+use serde_json::Value;
+use teeguard_certs::{CertificateAuthority, ServingCert, ServingCertRequest};
+use teeguard_shared::Config;
+use teeguard_shared::crd::{TeeCapacity, TeeCapacityStatus};
+
+use crate::fakeapi::{FakeApiError, FakeApiServer, ServedFakeApi};
+use crate::host::SimHost;
+use crate::standalone::{ApiServerDriver, WebhookClient};
+
+/// Longest a binary build may take.
+pub const BUILD_DEADLINE: Duration = Duration::from_secs(20 * 60);
+/// Longest a process may take to start (log line, readiness, first report).
+pub const START_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Errors of the harness. Messages say what failed and include the process log where there is one.
+#[derive(Debug, thiserror::Error)]
+pub enum E2eError {
+    /// The binaries could not be found or built.
+    #[error("teeguard binaries: {0}")]
+    Binaries(String),
+    /// A process could not be started.
+    #[error("cannot start {name} ({program}): {source}")]
+    Spawn {
+        /// Process name.
+        name: String,
+        /// Program path.
+        program: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A process exited while it was expected to run.
+    #[error("{name} exited ({status}) before {what}; its log:\n{log}")]
+    Exited {
+        /// Process name.
+        name: String,
+        /// Exit status.
+        status: String,
+        /// What was awaited.
+        what: String,
+        /// Its output.
+        log: String,
+    },
+    /// A wait passed its deadline.
+    #[error("timed out after {after:?} waiting for {what}{}", log.as_ref().map(|l| format!("; log:\n{l}")).unwrap_or_default())]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// Deadline.
+        after: Duration,
+        /// The log of the process concerned, if any.
+        log: Option<String>,
+    },
+    /// A file operation failed.
+    #[error("cannot {op} {path}: {source}")]
+    Io {
+        /// What.
+        op: &'static str,
+        /// Which file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The fake API server failed.
+    #[error(transparent)]
+    Api(#[from] FakeApiError),
+    /// Certificates could not be made.
+    #[error(transparent)]
+    Certs(#[from] teeguard_certs::Error),
+    /// The webhook client could not be set up.
+    #[error(transparent)]
+    Standalone(#[from] crate::standalone::StandaloneError),
+    /// The configuration is invalid.
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+/// Result alias of this module.
+pub type Result<T, E = E2eError> = std::result::Result<T, E>;
+
+fn io_err(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> E2eError {
+    let path = path.to_path_buf();
+    move |source| E2eError::Io { op, path, source }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Binaries
+// ------------------------------------------------------------------------------------------------
+
+/// Paths of the two binaries under test.
+#[derive(Clone, Debug)]
+pub struct Binaries {
+    /// `teeguard-webhook`.
+    pub webhook: PathBuf,
+    /// `teeguard-agent`.
+    pub agent: PathBuf,
+}
+
+/// The repository root (the workspace directory).
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// Where cargo put the running executable's profile: `target/<profile>` (the parent of `deps/` for
+/// test executables).
+fn profile_dir() -> Result<PathBuf> {
+    let exe = std::env::current_exe()
+        .map_err(|e| E2eError::Binaries(format!("cannot locate the test executable: {e}")))?;
+    let mut dir = exe
+        .parent()
+        .ok_or_else(|| E2eError::Binaries(format!("{} has no parent", exe.display())))?
+        .to_path_buf();
+    if dir
+        .file_name()
+        .is_some_and(|n| n == "deps" || n == "examples")
+    {
+        dir.pop();
+    }
+    Ok(dir)
+}
+
+fn exe_name(name: &str) -> String {
+    format!("{name}{}", std::env::consts::EXE_SUFFIX)
+}
+
+fn mtime(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// The newest modification time of the files the binaries are built from.
+fn newest_source(root: &Path) -> Option<(SystemTime, PathBuf)> {
+    let mut newest: Option<(SystemTime, PathBuf)> = None;
+    let mut consider = |p: PathBuf| {
+        if let Some(t) = mtime(&p)
+            && newest.as_ref().is_none_or(|(n, _)| t > *n)
+        {
+            newest = Some((t, p));
+        }
+    };
+    for krate in ["webhook", "agent", "shared"] {
+        consider(root.join(krate).join("Cargo.toml"));
+        let mut stack = vec![root.join(krate).join("src")];
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    consider(p);
+                }
+            }
+        }
+    }
+    consider(root.join("Cargo.lock"));
+    newest
+}
+
+/// Why the binaries must be (re)built, if they must.
+fn stale_reason(bins: &Binaries, root: &Path) -> Option<String> {
+    let newest = newest_source(root);
+    for bin in [&bins.webhook, &bins.agent] {
+        let Some(built) = mtime(bin) else {
+            return Some(format!("{} does not exist", bin.display()));
+        };
+        if let Some((t, src)) = &newest
+            && *t > built
+        {
+            return Some(format!("{} is older than {}", bin.display(), src.display()));
+        }
+    }
+    None
+}
+
+fn build(profile_dir: &Path, reason: &str) -> Result<()> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let profile = profile_dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("debug")
+        .to_string();
+    let mut target_dir = profile_dir
+        .parent()
+        .ok_or_else(|| E2eError::Binaries(format!("{} has no parent", profile_dir.display())))?
+        .to_path_buf();
+    // `target/<triple>/<profile>` when cross-compiling: the triple directory has no CACHEDIR.TAG.
+    let mut target_triple = None;
+    if !target_dir.join("CACHEDIR.TAG").exists()
+        && let (Some(triple), Some(parent)) = (
+            target_dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .map(str::to_string),
+            target_dir.parent().map(Path::to_path_buf),
+        )
+        && parent.join("CACHEDIR.TAG").exists()
+    {
+        target_triple = Some(triple);
+        target_dir = parent;
+    }
+    let mut cmd = Command::new(&cargo);
+    cmd.current_dir(workspace_root())
+        .args([
+            "build",
+            "-p",
+            "teeguard-webhook",
+            "-p",
+            "teeguard-agent",
+            "--bins",
+        ])
+        .arg("--target-dir")
+        .arg(&target_dir);
+    match profile.as_str() {
+        "debug" => {}
+        "release" => {
+            cmd.arg("--release");
+        }
+        other => {
+            cmd.args(["--profile", other]);
+        }
+    }
+    if let Some(t) = &target_triple {
+        cmd.args(["--target", t]);
+    }
+    eprintln!("e2e: building the teeguard binaries ({reason}): {:?}", cmd);
+    let log = profile_dir.join("teeguard-e2e-build.log");
+    let out = File::create(&log).map_err(io_err("create", &log))?;
+    let err = out.try_clone().map_err(io_err("open", &log))?;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
+        .spawn()
+        .map_err(|e| E2eError::Binaries(format!("cannot run {cargo:?}: {e}")))?;
+    let started = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => return Ok(()),
+            Ok(Some(status)) => {
+                return Err(E2eError::Binaries(format!(
+                    "`cargo build` failed ({status}):\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )));
+            }
+            Ok(None) if started.elapsed() > BUILD_DEADLINE => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(E2eError::Binaries(format!(
+                    "`cargo build` did not finish within {BUILD_DEADLINE:?}:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(200)),
+            Err(e) => return Err(E2eError::Binaries(format!("waiting for cargo: {e}"))),
+        }
+    }
+}
+
+/// The webhook and agent binaries, fresh: built once per test process (and serialised across test
+/// processes by a lock file) when missing or older than their sources.
+pub fn binaries() -> Result<&'static Binaries> {
+    static BINARIES: OnceLock<std::result::Result<Binaries, String>> = OnceLock::new();
+    BINARIES
+        .get_or_init(|| locate_or_build().map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| E2eError::Binaries(e.clone()))
+}
+
+fn locate_or_build() -> Result<Binaries> {
+    let dir = profile_dir()?;
+    let bins = Binaries {
+        webhook: dir.join(exe_name("teeguard-webhook")),
+        agent: dir.join(exe_name("teeguard-agent")),
+    };
+    let root = workspace_root();
+    if stale_reason(&bins, &root).is_none() {
+        return Ok(bins);
+    }
+    // Another test process may be building: take the lock, then look again.
+    let lock_path = dir.join(".teeguard-e2e-build.lock");
+    let lock = File::create(&lock_path).map_err(io_err("create", &lock_path))?;
+    lock.lock().map_err(io_err("lock", &lock_path))?;
+    if let Some(reason) = stale_reason(&bins, &root) {
+        build(&dir, &reason)?;
+        if let Some(still) = stale_reason(&bins, &root) {
+            // cargo decided nothing needed rebuilding (e.g. a touched file with unchanged content):
+            // its fingerprints are authoritative.
+            eprintln!("e2e: cargo considers the binaries fresh although {still}");
+        }
+    }
+    let _ = lock.unlock();
+    Ok(bins)
+}
+
+// ------------------------------------------------------------------------------------------------
+// Child processes
+// ------------------------------------------------------------------------------------------------
+
+/// A child process whose stdout and stderr go to a log file; killed (and reaped) when dropped.
+#[derive(Debug)]
+pub struct ChildProcess {
+    name: String,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl ChildProcess {
+    /// Start `program` with `args` and extra environment `envs`, logging to `log`.
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        envs: &[(&str, String)],
+        log: &Path,
+    ) -> Result<ChildProcess> {
+        let out = File::create(log).map_err(io_err("create", log))?;
+        let err = out.try_clone().map_err(io_err("open", log))?;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err))
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("KUBERNETES_SERVICE_PORT");
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().map_err(|source| E2eError::Spawn {
+            name: name.to_string(),
+            program: program.to_path_buf(),
+            source,
+        })?;
+        Ok(ChildProcess {
+            name: name.to_string(),
+            child: Some(child),
+            log: log.to_path_buf(),
+        })
+    }
+
+    /// The process's name in messages.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its OS process id, while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The log file.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// `None` while running, else how it ended.
+    pub fn exit_status(&mut self) -> Option<String> {
+        match self.child.as_mut().map(Child::try_wait) {
+            None => Some("killed by the test".into()),
+            Some(Ok(Some(s))) => Some(s.to_string()),
+            Some(Ok(None)) => None,
+            Some(Err(e)) => Some(format!("unknown: {e}")),
+        }
+    }
+
+    /// Kill it (SIGKILL, like a crash or an OOM kill) and reap it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Poll the log (and the process) until `find` returns a value, the process exits, or `timeout`.
+    pub async fn wait_for_log<T>(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        mut find: impl FnMut(&str) -> Option<T>,
+    ) -> Result<T> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let log = self.log();
+            if let Some(v) = log.lines().find_map(&mut find) {
+                return Ok(v);
+            }
+            if let Some(status) = self.exit_status() {
+                return Err(E2eError::Exited {
+                    name: self.name.clone(),
+                    status,
+                    what: what.to_string(),
+                    log: self.log(),
+                });
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(E2eError::Timeout {
+                    what: format!("{} to log {what}", self.name),
+                    after: timeout,
+                    log: Some(log),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Parse a JSON log line and return it when its `message` is `message`.
+pub fn json_log_line(line: &str, message: &str) -> Option<Value> {
+    let v: Value = serde_json::from_str(line).ok()?;
+    let m = v
+        .get("message")
+        .or_else(|| v.pointer("/fields/message"))
+        .and_then(Value::as_str)?;
+    (m == message).then_some(v)
+}
+
+// ------------------------------------------------------------------------------------------------
+// Certificates laid out like a mounted Secret
+// ------------------------------------------------------------------------------------------------
+
+/// A directory laid out like a kubelet-mounted Secret volume: `..<timestamp>/{tls.crt,tls.key}`,
+/// `..data -> ..<timestamp>`, `tls.crt -> ..data/tls.crt`, `tls.key -> ..data/tls.key`.
+#[derive(Debug)]
+pub struct SecretDir {
+    dir: PathBuf,
+    current: String,
+    generation: u32,
+}
+
+impl SecretDir {
+    /// Create it in `dir` with a first certificate pair.
+    pub fn new(dir: &Path, cert_pem: &str, key_pem: &str) -> Result<SecretDir> {
+        std::fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+        let current = Self::write_generation(dir, 0, cert_pem, key_pem)?;
+        let link = |target: &str, name: &str| {
+            let p = dir.join(name);
+            std::os::unix::fs::symlink(target, &p).map_err(io_err("symlink", &p))
+        };
+        link(&current, "..data")?;
+        link("..data/tls.crt", "tls.crt")?;
+        link("..data/tls.key", "tls.key")?;
+        Ok(SecretDir {
+            dir: dir.to_path_buf(),
+            current,
+            generation: 0,
+        })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    fn write_generation(root: &Path, generation: u32, cert: &str, key: &str) -> Result<String> {
+        let name = format!("..2026_01_01_00_00_{generation:02}.{:09}", 100 + generation);
+        let d = root.join(&name);
+        std::fs::create_dir(&d).map_err(io_err("create", &d))?;
+        for (f, c) in [("tls.crt", cert), ("tls.key", key)] {
+            let p = d.join(f);
+            std::fs::write(&p, c).map_err(io_err("write", &p))?;
+        }
+        Ok(name)
+    }
+
+    /// Rotate like the kubelet's atomic writer: a new timestamped directory, a `..data_tmp` symlink
+    /// renamed over `..data`, the old directory removed.
+    pub fn rotate(&mut self, cert_pem: &str, key_pem: &str) -> Result<()> {
+        self.generation += 1;
+        let new = Self::write_generation(&self.dir, self.generation, cert_pem, key_pem)?;
+        let tmp = self.dir.join("..data_tmp");
+        std::os::unix::fs::symlink(&new, &tmp).map_err(io_err("symlink", &tmp))?;
+        let data = self.dir.join("..data");
+        std::fs::rename(&tmp, &data).map_err(io_err("rename over", &data))?;
+        let old = self.dir.join(&self.current);
+        std::fs::remove_dir_all(&old).map_err(io_err("remove", &old))?;
+        self.current = new;
+        Ok(())
+    }
+}
+
+/// The certificate a TLS server at `addr` presents (trusting only `ca`, SNI `localhost`).
+pub async fn peer_certificate(
+    addr: SocketAddr,
+    ca: CertificateDer<'static>,
+) -> Result<CertificateDer<'static>> {
+    let cfg = crate::standalone::client::client_config(ca)?;
+    let work = async {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let name = ServerName::try_from("localhost")
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let tls = tokio_rustls::TlsConnector::from(cfg)
+            .connect(name, tcp)
+            .await?;
+        let (_, session) = tls.get_ref();
+        session
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| c.clone().into_owned())
+            .ok_or_else(|| std::io::Error::other("no peer certificate"))
+    };
+    match tokio::time::timeout(Duration::from_secs(5), work).await {
+        Ok(r) => r.map_err(io_err("handshake with", Path::new(&addr.to_string()))),
+        Err(_) => Err(E2eError::Timeout {
+            what: format!("a TLS handshake with {addr}"),
+            after: Duration::from_secs(5),
+            log: None,
+        }),
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The environment
+// ------------------------------------------------------------------------------------------------
+
+/// One end-to-end test's world: temporary directory, served fake API server, kubeconfig, configuration
+/// file and webhook certificates. Prints the logs of every process it started when the test panics.
+pub struct E2eEnv {
+    dir: tempfile::TempDir,
+    /// The fake API server's state (the test's programmatic handle).
+    pub api: FakeApiServer,
+    /// The served fake API server (stop/restart to simulate an outage).
+    pub served: ServedFakeApi,
+    /// The kubeconfig the processes use.
+    pub kubeconfig: PathBuf,
+    /// The configuration file both processes read.
+    pub config_path: PathBuf,
+    /// The parsed configuration.
+    pub config: Config,
+    /// The webhook's certificate directory.
+    pub certs: SecretDir,
+    /// The CA the webhook's certificates chain to.
+    pub ca: CertificateAuthority,
+    logs: Arc<Mutex<Vec<(String, PathBuf)>>>,
+    counter: Mutex<u32>,
+}
+
+impl std::fmt::Debug for E2eEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("E2eEnv")
+            .field("dir", &self.dir.path())
+            .field("api", &self.served.url())
+            .finish_non_exhaustive()
+    }
+}
+
+impl E2eEnv {
+    /// A new world with configuration `config_yaml` (validated here, as the binaries would).
+    pub async fn new(config_yaml: &str) -> Result<E2eEnv> {
+        let config = Config::from_yaml(config_yaml).map_err(|e| E2eError::Config(e.to_string()))?;
+        let dir = tempfile::Builder::new()
+            .prefix("teeguard-e2e-")
+            .tempdir()
+            .map_err(io_err(
+                "create a temporary directory in",
+                &std::env::temp_dir(),
+            ))?;
+        let api = FakeApiServer::new();
+        let served = api.serve().await?;
+        let kubeconfig = dir.path().join("kubeconfig");
+        served.write_kubeconfig(&kubeconfig)?;
+        let config_path = dir.path().join("config.yaml");
+        std::fs::write(&config_path, config_yaml).map_err(io_err("write", &config_path))?;
+        let ca = CertificateAuthority::generate("teeguard-e2e-ca", 30)?;
+        let leaf = ca.issue(&ServingCertRequest::localhost())?;
+        let certs = SecretDir::new(&dir.path().join("certs"), leaf.cert_pem(), leaf.key_pem())?;
+        Ok(E2eEnv {
+            dir,
+            api,
+            served,
+            kubeconfig,
+            config_path,
+            config,
+            certs,
+            ca,
+            logs: Arc::new(Mutex::new(Vec::new())),
+            counter: Mutex::new(0),
+        })
+    }
+
+    /// The temporary directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn log_path(&self, name: &str) -> PathBuf {
+        let mut n = self.counter.lock().unwrap_or_else(|e| e.into_inner());
+        *n += 1;
+        let p = self.dir.path().join(format!("{:02}-{name}.log", *n));
+        self.logs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((name.to_string(), p.clone()));
+        p
+    }
+
+    fn envs(&self) -> Vec<(&'static str, String)> {
+        vec![("KUBECONFIG", self.kubeconfig.display().to_string())]
+    }
+
+    /// A new serving certificate from the same CA (for rotation).
+    pub fn issue_leaf(&self) -> Result<ServingCert> {
+        Ok(self.ca.issue(&ServingCertRequest::localhost())?)
+    }
+
+    /// Start `teeguard-webhook serve` on ephemeral ports with this world's certificates and
+    /// configuration, plus `extra` flags; wait until it logs its addresses and `/readyz` answers 200.
+    pub async fn start_webhook(&self, extra: &[&str]) -> Result<WebhookProcess> {
+        let bins = binaries()?;
+        let mut args: Vec<String> = [
+            "--log-format",
+            "json",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--cert-dir",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push(self.certs.path().display().to_string());
+        args.push("--config".into());
+        args.push(self.config_path.display().to_string());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let log = self.log_path("webhook");
+        let mut proc =
+            ChildProcess::spawn("teeguard-webhook", &bins.webhook, &args, &self.envs(), &log)?;
+        let (https, admin) = proc
+            .wait_for_log("its listen addresses", START_DEADLINE, |line| {
+                let v = json_log_line(line, "teeguard-webhook started")?;
+                let get = |k: &str| {
+                    v.get(k)
+                        .or_else(|| v.pointer(&format!("/fields/{k}")))
+                        .and_then(Value::as_str)
+                        .and_then(|s| s.parse::<SocketAddr>().ok())
+                };
+                Some((get("https")?, get("admin")?))
+            })
+            .await?;
+        let mut w = WebhookProcess {
+            proc,
+            https,
+            admin,
+            ca: self.ca.cert_der(),
+        };
+        w.wait_ready(START_DEADLINE).await?;
+        Ok(w)
+    }
+
+    /// Start `teeguard-agent run` for `node` reading `host`'s cgroup tree; wait until it has
+    /// published a report for the node that agrees with the host's kernel usage.
+    pub async fn start_agent(&self, node: &str, host: &SimHost) -> Result<AgentProcess> {
+        let bins = binaries()?;
+        let args: Vec<String> = vec![
+            "run".into(),
+            "--node-name".into(),
+            node.into(),
+            "--cgroup-root".into(),
+            host.root().display().to_string(),
+            "--config".into(),
+            self.config_path.display().to_string(),
+            "--admin-addr".into(),
+            "127.0.0.1:0".into(),
+            "--log-format".into(),
+            "json".into(),
+        ];
+        let log = self.log_path(&format!("agent-{node}"));
+        let proc = ChildProcess::spawn(
+            &format!("teeguard-agent ({node})"),
+            &bins.agent,
+            &args,
+            &self.envs(),
+            &log,
+        )?;
+        let mut agent = AgentProcess {
+            proc,
+            node: node.to_string(),
+        };
+        // A fresh process logs its first successful publish at info level.
+        agent
+            .proc
+            .wait_for_log(
+                &format!("publishing the TeeCapacity of {node}"),
+                START_DEADLINE,
+                |line| json_log_line(line, "published TeeCapacity"),
+            )
+            .await?;
+        Ok(agent)
+    }
+
+    /// A driver sending reviews to `webhook` and storing objects in this world's API server.
+    pub fn driver(&self, webhook: &WebhookProcess) -> Result<ApiServerDriver> {
+        Ok(ApiServerDriver::new(
+            self.api.clone(),
+            webhook.client()?,
+            self.config.resources.clone(),
+        ))
+    }
+
+    /// The `TeeCapacity` status of `node`, if published.
+    pub fn report(&self, node: &str) -> Option<TeeCapacityStatus> {
+        self.api
+            .get_typed::<TeeCapacity>(None, node)
+            .ok()
+            .flatten()
+            .and_then(|t| t.status)
+    }
+
+    /// Every log so far, for failure messages.
+    pub fn all_logs(&self) -> String {
+        let mut out = String::new();
+        for (name, path) in self.logs.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            out.push_str(&format!(
+                "----- {name} ({}) -----\n{}\n",
+                path.display(),
+                std::fs::read_to_string(path).unwrap_or_default()
+            ));
+        }
+        out
+    }
+}
+
+impl Drop for E2eEnv {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "e2e: the test failed; logs of the processes it started:\n{}",
+                self.all_logs()
+            );
+        }
+    }
+}
+
+/// A running `teeguard-webhook serve`.
+#[derive(Debug)]
+pub struct WebhookProcess {
+    /// The process.
+    pub proc: ChildProcess,
+    /// Its HTTPS address.
+    pub https: SocketAddr,
+    /// Its admin address.
+    pub admin: SocketAddr,
+    ca: CertificateDer<'static>,
+}
+
+impl WebhookProcess {
+    /// A new client for it (trusting the world's CA).
+    pub fn client(&self) -> Result<WebhookClient> {
+        Ok(WebhookClient::new(self.https, self.ca.clone())?)
+    }
+
+    /// Wait until `/readyz` answers 200.
+    pub async fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let got = crate::standalone::cluster::http_get(self.admin, "/readyz").await;
+            if matches!(got, Ok((200, _))) {
+                return Ok(());
+            }
+            if let Some(status) = self.proc.exit_status() {
+                return Err(E2eError::Exited {
+                    name: self.proc.name.clone(),
+                    status,
+                    what: "getting ready".into(),
+                    log: self.proc.log(),
+                });
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(E2eError::Timeout {
+                    what: format!("the webhook's /readyz ({got:?})"),
+                    after: timeout,
+                    log: Some(self.proc.log()),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// `/metrics` of the admin port.
+    pub async fn metrics(&self) -> String {
+        crate::standalone::cluster::http_get(self.admin, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    }
+}
+
+/// A running `teeguard-agent run`.
+#[derive(Debug)]
+pub struct AgentProcess {
+    /// The process.
+    pub proc: ChildProcess,
+    /// Its node.
+    pub node: String,
+}
