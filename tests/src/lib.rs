@@ -5,5 +5,6 @@
 pub mod e2e;
 pub mod fakeapi;
 pub mod fixtures;
+pub mod fuzzing;
 pub mod host;
 pub mod standalone;

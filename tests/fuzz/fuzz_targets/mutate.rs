@@ -1,0 +1,6 @@
+//! `/mutate` (`review_mutation`) on arbitrary bytes. Seeds: `tests/fixtures/admission/*.json`.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    teeguard_fuzz::mutate(data);
+});

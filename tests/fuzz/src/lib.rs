@@ -1,0 +1,282 @@
+//! Fuzz bodies shared by the cargo-fuzz targets (`tests/fuzz/fuzz_targets/*.rs`, nightly) and the
+//! bounded stable fuzz test (`tests/tests/robust_fuzz.rs`, which includes this file as a module).
+//!
+//! Each body runs one input through the code the server runs and checks the properties that must
+//! hold for ANY input; a violated property panics with a message naming it.
+//! - [`mutate`]: `review_mutation` (the `/mutate` handler body) answers either an AdmissionReview
+//!   response echoing the request uid, whose patch (if any) is base64 JSON Patch that applies cleanly
+//!   to the request's object and leaves a valid Pod, or a client (4xx) error.
+//! - [`misc`]: the misc cgroup file parsers return a value or a typed `MiscParse` error, and what
+//!   they accept re-parses identically when rendered back.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::OnceLock;
+
+use base64::prelude::{BASE64_STANDARD, Engine as _};
+use serde_json::{Value, json};
+use teeguard_shared::{Config, VirtualMachineInstance};
+use teeguard_webhook::review::FileLookups;
+
+/// What a body observed (for statistics in the bounded test).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Seen {
+    /// A review answered with `allowed: true` and a patch.
+    Patched,
+    /// A review answered with `allowed: true`, no patch.
+    Allowed,
+    /// A review answered with `allowed: false`.
+    Denied,
+    /// A clean client error (HTTP 4xx).
+    Rejected,
+    /// Parsed successfully (misc parsers).
+    Parsed,
+}
+
+/// The VMIs and namespaces the sample reviews refer to (`<slug>-vm` in `default`), plus a namespace
+/// labelled exempt.
+pub fn lookups() -> &'static FileLookups {
+    static L: OnceLock<FileLookups> = OnceLock::new();
+    L.get_or_init(|| {
+        let mut l = FileLookups::default();
+        let kinds: [(&str, Value); 6] = [
+            ("tdx-vm", json!({"tdx": {}})),
+            ("sev-vm", json!({"sev": {}})),
+            (
+                "sev-es-vm",
+                json!({"sev": {"policy": {"encryptedState": true}}}),
+            ),
+            ("snp-vm", json!({"snp": {}})),
+            ("secure-execution-vm", json!({})),
+            ("invalid-tdx-and-snp-vm", json!({"tdx": {}, "snp": {}})),
+        ];
+        for (name, ls) in kinds {
+            l.add_vmi(vmi(name, Some(ls)));
+        }
+        l.add_vmi(vmi("plain-vm", None));
+        l.add_namespace("default".into(), BTreeMap::new());
+        l.add_namespace(
+            "exempt".into(),
+            BTreeMap::from([("teeguard.dev/exempt".to_string(), "true".to_string())]),
+        );
+        l
+    })
+}
+
+fn vmi(name: &str, launch_security: Option<Value>) -> VirtualMachineInstance {
+    let mut v = json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachineInstance",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"domain": {}}
+    });
+    if let Some(ls) = launch_security {
+        v["spec"]["domain"]["launchSecurity"] = ls;
+    }
+    match serde_json::from_value(v) {
+        Ok(vmi) => vmi,
+        Err(e) => panic!("fuzz VMI {name} does not deserialise: {e}"),
+    }
+}
+
+fn config() -> &'static Config {
+    static C: OnceLock<Config> = OnceLock::new();
+    C.get_or_init(Config::default)
+}
+
+/// Poll a future that never waits (file-backed lookups answer at once) to completion.
+fn run_now<F: Future>(fut: F) -> F::Output {
+    futures::executor::block_on(fut)
+}
+
+/// `/mutate` on arbitrary bytes; panics if a property is violated.
+pub fn mutate(data: &[u8]) -> Seen {
+    let result = run_now(teeguard_webhook::handlers::mutate::review_mutation(
+        data,
+        lookups(),
+        config(),
+    ));
+    match result {
+        Err(e) => {
+            let status = e.status();
+            assert!(
+                status.is_client_error(),
+                "review_mutation answered {status} (not 4xx) for a bad request: {e}"
+            );
+            Seen::Rejected
+        }
+        Ok(reviewed) => check_response(data, &reviewed.response.to_json()),
+    }
+}
+
+/// Check an AdmissionReview response body against the request it answers.
+pub fn check_response(request: &[u8], response: &[u8]) -> Seen {
+    let resp: Value = match serde_json::from_slice(response) {
+        Ok(v) => v,
+        Err(e) => panic!(
+            "the response is not JSON ({e}): {}",
+            String::from_utf8_lossy(response)
+        ),
+    };
+    assert_eq!(resp["apiVersion"], "admission.k8s.io/v1", "{resp}");
+    assert_eq!(resp["kind"], "AdmissionReview", "{resp}");
+    // The request was accepted, so it is JSON with a request.uid: the response must echo it. Read it
+    // like the webhook does (the object kept raw): serde_json's recursion limit would refuse deeply
+    // nested fields the webhook legitimately skips.
+    #[derive(serde::Deserialize)]
+    struct Req<'a> {
+        #[serde(borrow)]
+        request: ReqInner<'a>,
+    }
+    #[derive(serde::Deserialize)]
+    struct ReqInner<'a> {
+        uid: String,
+        #[serde(borrow, default)]
+        object: Option<&'a serde_json::value::RawValue>,
+    }
+    let req: Req<'_> = match serde_json::from_slice(request) {
+        Ok(v) => v,
+        Err(e) => panic!("a request the handler accepted has no request.uid string: {e}"),
+    };
+    let uid = req.request.uid.as_str();
+    assert!(!uid.is_empty(), "accepted a request without uid");
+    assert_eq!(
+        resp["response"]["uid"], uid,
+        "response uid differs from the request's"
+    );
+    let allowed = match resp["response"]["allowed"].as_bool() {
+        Some(a) => a,
+        None => panic!("response.allowed is not a bool: {resp}"),
+    };
+    let patch = resp["response"].get("patch");
+    let patch_type = resp["response"].get("patchType");
+    assert_eq!(
+        patch.is_some(),
+        patch_type.is_some(),
+        "patch and patchType must come together: {resp}"
+    );
+    if !allowed {
+        assert!(patch.is_none(), "a denial carries a patch: {resp}");
+        let code = resp["response"]["status"]["code"].as_u64().unwrap_or(0);
+        assert!(
+            (400..600).contains(&code),
+            "denial without an error code: {resp}"
+        );
+        let message = resp["response"]["status"]["message"].as_str().unwrap_or("");
+        assert!(!message.is_empty(), "denial without a message: {resp}");
+        return Seen::Denied;
+    }
+    let Some(patch) = patch else {
+        return Seen::Allowed;
+    };
+    assert_eq!(patch_type, Some(&json!("JSONPatch")), "{resp}");
+    let bytes = match BASE64_STANDARD.decode(patch.as_str().unwrap_or("!")) {
+        Ok(b) => b,
+        Err(e) => panic!("patch is not base64 ({e}): {resp}"),
+    };
+    let ops: json_patch::Patch = match serde_json::from_slice(&bytes) {
+        Ok(p) => p,
+        Err(e) => panic!(
+            "patch is not an RFC 6902 JSON Patch ({e}): {}",
+            String::from_utf8_lossy(&bytes)
+        ),
+    };
+    assert!(!ops.0.is_empty(), "an empty patch was sent");
+    let mut object: Value = match req.request.object.map(|o| serde_json::from_str(o.get())) {
+        Some(Ok(v)) => v,
+        // Nesting deeper than serde_json's Value limit (128) in fields the webhook skips without
+        // recursion: the webhook may accept it (so does the API server up to its own limit); this
+        // checker cannot load it, so only the patch's shape was checked.
+        Some(Err(e)) if e.to_string().contains("recursion limit") => return Seen::Patched,
+        Some(Err(e)) => panic!("the patched request's object does not parse: {e}"),
+        None => panic!("a patch was sent for a request without an object"),
+    };
+    if let Err(e) = json_patch::patch(&mut object, &ops.0) {
+        panic!(
+            "the patch does not apply to the request's object ({e}); patch {}",
+            String::from_utf8_lossy(&bytes)
+        );
+    }
+    if let Err(e) = serde_json::from_value::<k8s_openapi::api::core::v1::Pod>(object) {
+        panic!("the patched object is not a valid Pod: {e}");
+    }
+    Seen::Patched
+}
+
+/// The misc-file parsers on arbitrary bytes; panics if a property is violated.
+pub fn misc(data: &[u8]) -> Seen {
+    use teeguard_shared::misc::{MiscLimit, parse_events, parse_max, parse_values};
+    let Ok(text) = std::str::from_utf8(data) else {
+        return Seen::Rejected;
+    };
+    let path = Path::new("/sys/fs/cgroup/fuzz/misc.file");
+    let typed = |e: &teeguard_shared::Error| {
+        assert!(
+            matches!(e, teeguard_shared::Error::MiscParse { .. }),
+            "misc parser returned an untyped error: {e}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("/sys/fs/cgroup/fuzz/misc.file:"),
+            "error does not name the file: {msg}"
+        );
+        assert!(
+            msg.len() < 1024,
+            "error message is unbounded ({} bytes)",
+            msg.len()
+        );
+    };
+    let mut parsed = false;
+    match parse_values(path, text) {
+        Ok(values) => {
+            parsed = true;
+            let rendered: String = values
+                .entries()
+                .map(|(n, v)| format!("{n} {v}\n"))
+                .collect();
+            match parse_values(path, &rendered) {
+                Ok(again) => assert_eq!(again, values, "parse_values does not round-trip"),
+                Err(e) => panic!("parse_values rejects its own rendering: {e}"),
+            }
+        }
+        Err(e) => typed(&e),
+    }
+    match parse_max(path, text) {
+        Ok(limits) => {
+            parsed = true;
+            let rendered: String = limits
+                .iter()
+                .map(|(n, l)| match l {
+                    MiscLimit::Max => format!("{n} max\n"),
+                    MiscLimit::Value(v) => format!("{n} {v}\n"),
+                })
+                .collect();
+            match parse_max(path, &rendered) {
+                Ok(again) => assert_eq!(again, limits, "parse_max does not round-trip"),
+                Err(e) => panic!("parse_max rejects its own rendering: {e}"),
+            }
+        }
+        Err(e) => typed(&e),
+    }
+    match parse_events(path, text) {
+        Ok(events) => {
+            parsed = true;
+            assert!(
+                events.keys().all(|k| !k.is_empty()),
+                "empty resource name accepted"
+            );
+            let rendered: String = events
+                .iter()
+                .map(|(n, c)| format!("{n}.max {c}\n"))
+                .collect();
+            match parse_events(path, &rendered) {
+                Ok(again) => assert_eq!(again, events, "parse_events does not round-trip"),
+                Err(e) => panic!("parse_events rejects its own rendering: {e}"),
+            }
+        }
+        Err(e) => typed(&e),
+    }
+    if parsed { Seen::Parsed } else { Seen::Rejected }
+}
