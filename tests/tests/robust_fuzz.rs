@@ -2,8 +2,9 @@
 //! the committed AdmissionReview samples and misc-file samples, run through the same bodies as the
 //! cargo-fuzz targets (`tests/fuzz`). Properties checked for every input: no panic; `/mutate` answers
 //! a well-formed AdmissionReview (uid echoed, patch base64 JSON Patch that applies to the object and
-//! leaves a valid Pod) or a 4xx error; the misc parsers return a value that round-trips or a typed
-//! error naming the file.
+//! leaves a valid Pod) or a 4xx error; `/validate` answers a well-formed AdmissionReview without a
+//! patch or a 4xx error; the misc parsers return a value that round-trips or a typed error naming
+//! the file.
 //!
 //! A failure prints the seed, iteration and the input (also written to `target/robust-fuzz-failure-*`)
 //! so it can be replayed; crashes found this way become named tests below with the input in
@@ -20,7 +21,7 @@ use serde_json::Value;
 use teeguard_tests::fuzzing::{Mutator, admission_corpus, misc_corpus};
 
 /// Iterations per target: a few seconds in a debug build on 2 cores.
-const ADMISSION_ITERATIONS: usize = 2_000;
+const ADMISSION_ITERATIONS: usize = 1_500;
 const MISC_ITERATIONS: usize = 20_000;
 const SEED: u64 = 0x7ee9_0a2d_f022_2026;
 
@@ -64,6 +65,7 @@ fn corpus_itself_passes() {
     for (name, bytes) in &corpus {
         let s = run_one(name, 0, bytes, bodies::mutate);
         *seen.entry(s).or_insert(0) += 1;
+        run_one(name, 0, bytes, bodies::validate);
     }
     // The samples include TEE pods (patched), non-TEE and exempt pods (allowed) and a VMI with two
     // TEE kinds (denied): each body path is exercised before any mutation.
@@ -77,12 +79,21 @@ fn corpus_itself_passes() {
 
 #[test]
 fn admission_mutate_bounded() {
+    admission_bounded("mutate", SEED, bodies::mutate);
+}
+
+#[test]
+fn admission_validate_bounded() {
+    admission_bounded("validate", SEED ^ 0xa11d, bodies::validate);
+}
+
+fn admission_bounded(target: &str, seed: u64, body: fn(&[u8]) -> Seen) {
     let corpus = admission_corpus().expect("admission samples");
     let docs: Vec<Value> = corpus
         .iter()
         .map(|(name, b)| serde_json::from_slice(b).unwrap_or_else(|e| panic!("{name}: {e}")))
         .collect();
-    let mut m = Mutator::new(SEED);
+    let mut m = Mutator::new(seed);
     let mut seen: BTreeMap<Seen, usize> = BTreeMap::new();
     for i in 0..ADMISSION_ITERATIONS {
         let a = m.rng().below(corpus.len());
@@ -93,11 +104,22 @@ fn admission_mutate_bounded() {
             let doc = m.mutate_json(&docs[a]);
             serde_json::to_vec(&doc).expect("a Value serialises")
         };
-        let s = run_one("mutate", i, &input, bodies::mutate);
+        let s = run_one(target, i, &input, body);
         *seen.entry(s).or_insert(0) += 1;
     }
-    println!("mutate: {seen:?}");
+    println!("{target}: {seen:?}");
     // The mix must reach both the rejection path and the decision paths, or the mutator is useless.
+    if target == "validate" {
+        assert!(
+            seen.get(&Seen::Rejected).copied().unwrap_or(0) > ADMISSION_ITERATIONS / 10,
+            "{seen:?}"
+        );
+        assert!(
+            seen.get(&Seen::Allowed).copied().unwrap_or(0) > ADMISSION_ITERATIONS / 20,
+            "{seen:?}"
+        );
+        return;
+    }
     assert!(
         seen.get(&Seen::Rejected).copied().unwrap_or(0) > ADMISSION_ITERATIONS / 10,
         "{seen:?}"
@@ -176,6 +198,7 @@ fn pathological_inputs() {
     ];
     for (name, input) in &inputs {
         run_one(name, 0, input, bodies::mutate);
+        run_one(name, 0, input, bodies::validate);
     }
     let long_line = format!("tdx {}\n", "9".repeat(1_000_000));
     // parse_values is quadratic in the number of distinct names (MiscValues::set scans the list):

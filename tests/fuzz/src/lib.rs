@@ -6,6 +6,8 @@
 //! - [`mutate`]: `review_mutation` (the `/mutate` handler body) answers either an AdmissionReview
 //!   response echoing the request uid, whose patch (if any) is base64 JSON Patch that applies cleanly
 //!   to the request's object and leaves a valid Pod, or a client (4xx) error.
+//! - [`validate`]: `review_validation` (the `/validate` handler body, with a ledger) answers either an
+//!   AdmissionReview response echoing the uid, never carrying a patch, or a client (4xx) error.
 //! - [`misc`]: the misc cgroup file parsers return a value or a typed `MiscParse` error, and what
 //!   they accept re-parses identically when rendered back.
 
@@ -56,6 +58,17 @@ pub fn lookups() -> &'static FileLookups {
             l.add_vmi(vmi(name, Some(ls)));
         }
         l.add_vmi(vmi("plain-vm", None));
+        // A TDX node with free keys (its report is fresh for the whole session) and a stale one.
+        for (node, age_secs) in [("node01", 0), ("node02", 3_600)] {
+            l.add_node(
+                node.into(),
+                BTreeMap::from([
+                    ("kubevirt.io/tdx".to_string(), "true".to_string()),
+                    ("kubernetes.io/hostname".to_string(), node.to_string()),
+                ]),
+            );
+            l.add_tee_capacity(report(node, age_secs));
+        }
         l.add_namespace("default".into(), BTreeMap::new());
         l.add_namespace(
             "exempt".into(),
@@ -79,6 +92,32 @@ fn vmi(name: &str, launch_security: Option<Value>) -> VirtualMachineInstance {
         Ok(vmi) => vmi,
         Err(e) => panic!("fuzz VMI {name} does not deserialise: {e}"),
     }
+}
+
+fn report(node: &str, age_secs: i64) -> teeguard_shared::TeeCapacity {
+    let heartbeat = jiff::Timestamp::now()
+        .checked_sub(jiff::SignedDuration::from_secs(age_secs))
+        .unwrap_or_else(|_| jiff::Timestamp::now());
+    let v = json!({
+        "apiVersion": "teeguard.dev/v1alpha1",
+        "kind": "TeeCapacity",
+        "metadata": {"name": node, "resourceVersion": "7"},
+        "spec": {"nodeName": node},
+        "status": {
+            "tdx": {"resourceName": "tdx.intel.com/keys", "capacity": 64, "kernelUsed": 8,
+                    "podsUsed": 6, "external": 2, "pending": 0, "free": 56},
+            "heartbeatTime": heartbeat.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+        }
+    });
+    match serde_json::from_value(v) {
+        Ok(c) => c,
+        Err(e) => panic!("fuzz TeeCapacity {node} does not deserialise: {e}"),
+    }
+}
+
+fn ledger() -> &'static teeguard_webhook::ledger::Ledger {
+    static L: OnceLock<teeguard_webhook::ledger::Ledger> = OnceLock::new();
+    L.get_or_init(|| teeguard_webhook::ledger::Ledger::new(std::time::Duration::from_secs(30)))
 }
 
 fn config() -> &'static Config {
@@ -108,6 +147,36 @@ pub fn mutate(data: &[u8]) -> Seen {
             Seen::Rejected
         }
         Ok(reviewed) => check_response(data, &reviewed.response.to_json()),
+    }
+}
+
+/// `/validate` on arbitrary bytes; panics if a property is violated.
+pub fn validate(data: &[u8]) -> Seen {
+    let ctx = teeguard_webhook::handlers::validate::ValidationContext {
+        config: config(),
+        ledger: ledger(),
+        events: None,
+        metrics: None,
+    };
+    let result = run_now(teeguard_webhook::handlers::validate::review_validation(
+        data,
+        lookups(),
+        &ctx,
+    ));
+    match result {
+        Err(e) => {
+            let status = e.status();
+            assert!(
+                status.is_client_error(),
+                "review_validation answered {status} (not 4xx) for a bad request: {e}"
+            );
+            Seen::Rejected
+        }
+        Ok(reviewed) => {
+            let seen = check_response(data, &reviewed.response.to_json());
+            assert_ne!(seen, Seen::Patched, "the validating webhook sent a patch");
+            seen
+        }
     }
 }
 

@@ -1,0 +1,6 @@
+//! `/validate` (`review_validation`, with a ledger) on arbitrary bytes. Seeds: `tests/fixtures/admission/*.json`.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    teeguard_fuzz::validate(data);
+});
