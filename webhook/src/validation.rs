@@ -357,19 +357,19 @@ pub fn decide_on_node(
             StalePolicy::Allow => Verdict::Admit {
                 reason: reason::REPORT_UNKNOWN,
                 warnings: vec![format!(
-                    "teeguard could not check free {} keys on node {}: its {}; allowed by {}",
+                    "teeguard could not check free {} keys on node {}: {}; allowed by {}",
                     kinds_label(requests),
                     node.node,
-                    node.figures(),
+                    node.describe(),
                     trigger.policy_field()
                 )],
             },
             StalePolicy::Deny => Verdict::Refuse {
                 reason: reason::REPORT_UNKNOWN,
                 message: format!(
-                    "teeguard cannot tell whether node {} can host {vm}: its {} ({} denies unknown reports); {AGENT_HINT}",
+                    "teeguard cannot tell whether node {} can host {vm}: {} ({} denies unknown reports); {AGENT_HINT}",
                     node.node,
-                    node.figures(),
+                    node.describe(),
                     trigger.policy_field()
                 ),
             },
@@ -860,20 +860,24 @@ mod tests {
             let (r, w) = admitted(decide_on_node(trigger, &req, &a, StalePolicy::Allow));
             assert_eq!(r, reason::REPORT_UNKNOWN);
             assert_eq!(w.len(), 1);
-            assert!(
-                w[0].contains("node-s")
-                    && w[0].contains("last heartbeat 5m ago")
-                    && w[0].contains(trigger.policy_field()),
-                "{}",
-                w[0]
+            assert_eq!(
+                w[0],
+                format!(
+                    "teeguard could not check free TDX keys on node node-s: node-s report is stale \
+                     (last heartbeat 5m ago); allowed by {}",
+                    trigger.policy_field()
+                )
             );
             let (r, msg) = refused(decide_on_node(trigger, &req, &a, StalePolicy::Deny));
             assert_eq!(r, reason::REPORT_UNKNOWN);
-            assert!(
-                msg.contains("node node-s")
-                    && msg.contains("stale")
-                    && msg.contains("teeguard agent"),
-                "{msg}"
+            assert_eq!(
+                msg,
+                format!(
+                    "teeguard cannot tell whether node node-s can host this TDX VM: node-s report is stale \
+                     (last heartbeat 5m ago) ({} denies unknown reports); a node needs a running teeguard \
+                     agent to report its keys",
+                    trigger.policy_field()
+                )
             );
         }
         // Missing report.

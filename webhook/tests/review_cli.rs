@@ -344,3 +344,116 @@ fn committed_sample_files() {
         }
     }
 }
+
+/// With reports (and nodes, pods) the validating response is printed too, from the same code path.
+#[test]
+fn validates_with_reports_nodes_and_pods() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let report = |name: &str, free: u64| {
+        fixtures::to_yaml(&json!({
+            "apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity",
+            "metadata": {"name": name}, "spec": {"nodeName": name},
+            "status": {
+                "heartbeatTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
+                "tdx": {"resourceName": "tdx.intel.com/keys", "capacity": 31, "kernelUsed": 31 - free,
+                    "podsUsed": 28 - free, "external": 3, "pending": 0, "free": free}
+            }
+        }))
+    };
+    let full = write(dir.path(), "full.yaml", &report("node-a", 0));
+    let vmi = write(
+        dir.path(),
+        "vmi.yaml",
+        &fixtures::to_yaml(&fixtures::vmi(Tee::Tdx)),
+    );
+    let named = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx).generated_name();
+    let input = write(
+        dir.path(),
+        "create.json",
+        &fixtures::to_pretty_json(&fixtures::pod_create(&named.build())),
+    );
+
+    // Pod CREATE: mutated, then validated against the reports (every reported node is a candidate).
+    let doc = stdout_json(&run(&[
+        input.as_os_str(),
+        "--vmi".as_ref(),
+        vmi.as_os_str(),
+        "--tee-capacity".as_ref(),
+        full.as_os_str(),
+        "-o".as_ref(),
+        "json".as_ref(),
+    ]));
+    assert_eq!(doc["review"]["response"]["allowed"], true);
+    let v = &doc["validation"]["response"];
+    assert_eq!(v["allowed"], false, "{doc}");
+    assert_eq!(v["auditAnnotations"]["reason"], "insufficient-keys");
+    assert_eq!(
+        v["status"]["message"],
+        "no node can host this TDX VM: node-a 0/31 free (3 held outside Kubernetes); free a key or add \
+         capacity; `kubectl get teecapacities` shows free keys per node"
+    );
+
+    // With Node files, labels decide the candidates: a node without the TDX label is no candidate.
+    let plain_node = write(
+        dir.path(),
+        "node.yaml",
+        &fixtures::to_yaml(&fixtures::to_value(&fixtures::node("node-a"))),
+    );
+    let doc = stdout_json(&run(&[
+        input.as_os_str(),
+        "--vmi".as_ref(),
+        vmi.as_os_str(),
+        "--tee-capacity".as_ref(),
+        full.as_os_str(),
+        "--node".as_ref(),
+        plain_node.as_os_str(),
+        "-o".as_ref(),
+        "json".as_ref(),
+    ]));
+    assert_eq!(
+        doc["validation"]["response"]["auditAnnotations"]["reason"],
+        "no-candidate-nodes"
+    );
+
+    // A binding, with the pod from a file: admitted on a node with a free key.
+    let free = write(dir.path(), "free.yaml", &report("node-b", 1));
+    let pod_file = write(
+        dir.path(),
+        "pod.yaml",
+        &fixtures::to_yaml(&fixtures::to_value(
+            &named.clone().request("tdx.intel.com/keys", "1").build(),
+        )),
+    );
+    let bind = write(
+        dir.path(),
+        "bind.json",
+        &fixtures::to_pretty_json(&fixtures::binding_create(&named.build(), "node-b")),
+    );
+    let doc = stdout_json(&run(&[
+        bind.as_os_str(),
+        "--pod".as_ref(),
+        pod_file.as_os_str(),
+        "--tee-capacity".as_ref(),
+        free.as_os_str(),
+        "-o".as_ref(),
+        "json".as_ref(),
+    ]));
+    assert_eq!(
+        doc["review"]["response"]["auditAnnotations"]["reason"],
+        "not-pod-create"
+    );
+    let v = &doc["validation"]["response"];
+    assert_eq!(v["allowed"], true, "{doc}");
+    assert_eq!(v["auditAnnotations"]["reason"], "enough-keys");
+    assert_eq!(v["auditAnnotations"]["node"], "node-b");
+
+    // Without report, node or pod files there is no validating response.
+    let doc = stdout_json(&run(&[
+        input.as_os_str(),
+        "--vmi".as_ref(),
+        vmi.as_os_str(),
+        "-o".as_ref(),
+        "json".as_ref(),
+    ]));
+    assert!(doc.get("validation").is_none());
+}

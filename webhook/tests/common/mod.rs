@@ -193,6 +193,17 @@ impl Harness {
         self.connect().await.post("/mutate", body).await
     }
 
+    /// Post an AdmissionReview to `/validate` on a fresh HTTP/1.1 connection.
+    pub async fn validate(&self, review: &Value) -> (StatusCode, Value) {
+        let body = serde_json::to_vec(review).expect("review json");
+        self.connect().await.post("/validate", body).await
+    }
+
+    /// The running webhook's caches.
+    pub fn caches(&self) -> teeguard_webhook::caches::Caches {
+        self.running.as_ref().expect("running").caches.clone()
+    }
+
     /// GET a path on the admin port (plain HTTP).
     pub async fn admin_get(&self, path: &str) -> (StatusCode, String) {
         let stream = tokio::net::TcpStream::connect(self.admin)

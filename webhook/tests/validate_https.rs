@@ -1,0 +1,936 @@
+//! `/validate` through the real stack: HTTPS to an in-process webhook whose caches (VMIs, Namespaces,
+//! TeeCapacities, Nodes, virt-launcher pods) watch the in-process fake API server, and whose Events land
+//! in it.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Harness, WAIT, eventually};
+use http::StatusCode;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::reflector::ObjectRef;
+use serde_json::{Value, json};
+use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, Verb};
+use teeguard_tests::fixtures::{
+    self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, NodeBuilder, TDX_KEYS, Tee, VirtLauncherPod,
+    Vmi,
+};
+
+const HINT: &str =
+    "free a key or add capacity; `kubectl get teecapacities` shows free keys per node";
+
+/// RFC 3339 time `age` ago.
+fn ago(age: Duration) -> String {
+    let t = jiff::Timestamp::now()
+        .checked_sub(jiff::SignedDuration::try_from(age).expect("duration"))
+        .expect("timestamp");
+    t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+/// A TDX report: `free` of `capacity` keys free, `external` held outside Kubernetes, heartbeat `age` ago.
+fn tdx_report(node: &str, capacity: u64, free: u64, external: u64, age: Duration) -> Value {
+    json!({
+        "apiVersion": "teeguard.dev/v1alpha1",
+        "kind": "TeeCapacity",
+        "metadata": {"name": node},
+        "spec": {"nodeName": node},
+        "status": tdx_status(capacity, free, external, age)
+    })
+}
+
+fn tdx_status(capacity: u64, free: u64, external: u64, age: Duration) -> Value {
+    json!({
+        "tdx": {
+            "resourceName": TDX_KEYS,
+            "capacity": capacity,
+            "kernelUsed": capacity - free,
+            "podsUsed": capacity - free - external,
+            "external": external,
+            "pending": 0,
+            "free": free
+        },
+        "heartbeatTime": ago(age),
+        "agentVersion": "0.1.0"
+    })
+}
+
+const FRESH: Duration = Duration::from_secs(1);
+
+/// Create the VMI; returns its server-assigned UID.
+fn seed_vmi(api: &FakeApiServer, vmi: &Vmi) -> String {
+    let stored = api.create(&vmi.build()).expect("create VMI");
+    stored["metadata"]["uid"].as_str().expect("uid").to_string()
+}
+
+/// The pod as JSON, owned by the VMI with `uid`.
+fn owned_by(pod: &VirtLauncherPod, uid: &str) -> Value {
+    let mut v = pod.to_value();
+    v["metadata"]["ownerReferences"][0]["uid"] = json!(uid);
+    v["metadata"]["labels"]["kubevirt.io/created-by"] = json!(uid);
+    v
+}
+
+/// A mutated, named TDX virt-launcher pod of `vmi` (key request and teeguard's annotation).
+fn mutated(vmi: &str) -> VirtLauncherPod {
+    VirtLauncherPod::for_tee(vmi, Tee::Tdx)
+        .request(TDX_KEYS, "1")
+        .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+        .generated_name()
+}
+
+/// Seed a VMI and its mutated pod; returns the stored pod (server-assigned UID).
+fn seed_vm(api: &FakeApiServer, vmi: &str, namespace: &str) -> Pod {
+    let uid = seed_vmi(api, &Vmi::new(vmi).namespace(namespace).tee(Tee::Tdx));
+    let pod = owned_by(&mutated(vmi).namespace(namespace), &uid);
+    let stored = api.create(&pod).expect("create pod");
+    serde_json::from_value(stored).expect("stored pod")
+}
+
+fn binding(pod: &Pod, node: &str) -> Value {
+    fixtures::binding_create(pod, node)
+}
+
+fn allowed(status: StatusCode, resp: &Value) -> &Value {
+    assert_eq!(status, StatusCode::OK, "{resp}");
+    assert_eq!(resp["response"]["allowed"], true, "{resp}");
+    &resp["response"]
+}
+
+fn denied(status: StatusCode, resp: &Value, reason: &str) -> String {
+    assert_eq!(status, StatusCode::OK, "{resp}");
+    let r = &resp["response"];
+    assert_eq!(r["allowed"], false, "{resp}");
+    assert_eq!(r["status"]["code"], 403);
+    assert_eq!(r["auditAnnotations"]["decision"], "denied", "{resp}");
+    assert_eq!(r["auditAnnotations"]["reason"], reason, "{resp}");
+    r["status"]["message"]
+        .as_str()
+        .expect("message")
+        .to_string()
+}
+
+fn warnings(r: &Value) -> Vec<String> {
+    r["warnings"]
+        .as_array()
+        .map(|w| {
+            w.iter()
+                .map(|s| s.as_str().expect("warning").to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Wait until the webhook's report cache shows `free` TDX keys for `node`.
+async fn wait_free(h: &Harness, node: &str, free: u64) {
+    let caches = h.caches();
+    let node = node.to_string();
+    eventually("report cached", move || {
+        caches
+            .tee_capacities
+            .get(&ObjectRef::new(&node))
+            .and_then(|c| c.status.clone())
+            .and_then(|s| s.tdx)
+            .is_some_and(|k| k.free == free)
+    })
+    .await;
+}
+
+async fn wait_cached(h: &Harness, reports: usize, nodes: usize, pods: usize, vmis: usize) {
+    let c = h.caches();
+    eventually("caches filled", move || {
+        c.tee_capacities.len() == reports
+            && c.nodes.len() == nodes
+            && c.launcher_pods.len() == pods
+            && c.vmis.len() == vmis
+    })
+    .await;
+}
+
+/// The events.k8s.io Events regarding `vmi`.
+fn vmi_events(api: &FakeApiServer, namespace: &str, vmi: &str) -> Vec<Value> {
+    api.list("events.events.k8s.io", Some(namespace))
+        .into_iter()
+        .filter(|e| e["regarding"]["name"] == vmi)
+        .collect()
+}
+
+fn pod_gets(api: &FakeApiServer) -> Vec<teeguard_tests::fakeapi::RecordedRequest> {
+    api.requests_where(|r| r.is(Verb::Get, "pods"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_node_binding_denied_until_a_key_is_freed_with_an_event_on_the_vmi() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 0, 3, FRESH))
+        .expect("report");
+    api.create(&NodeBuilder::new("node01").tdx(31).build())
+        .expect("node");
+    let pod = seed_vm(&api, "tdx-vm", DEFAULT_NAMESPACE);
+    let vmi_uid = pod.metadata.owner_references.as_ref().expect("owner")[0]
+        .uid
+        .clone();
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 1, 1, 1).await;
+    h.api.clear_requests();
+
+    // Full node; the three keys held by a VM outside Kubernetes are named.
+    let review = binding(&pod, "node01");
+    let (status, resp) = h.validate(&review).await;
+    let msg = denied(status, &resp, "insufficient-keys");
+    assert_eq!(
+        msg,
+        format!(
+            "node node01 cannot host this TDX VM: 0/31 free (3 held outside Kubernetes); {HINT}"
+        )
+    );
+    assert_eq!(resp["response"]["uid"], review["request"]["uid"]);
+    assert_eq!(resp["response"]["auditAnnotations"]["node"], "node01");
+    assert_eq!(resp["response"]["auditAnnotations"]["tee-kind"], "tdx");
+    assert_eq!(resp["response"]["auditAnnotations"]["mode"], "enforce");
+
+    // The Event appears on the VMI, carrying the same message.
+    let event = h
+        .api
+        .wait_for(WAIT, "InsufficientTEEKeys event", |s| {
+            vmi_events(s, DEFAULT_NAMESPACE, "tdx-vm")
+                .into_iter()
+                .next()
+        })
+        .await
+        .expect("event recorded");
+    assert_eq!(event["reason"], "InsufficientTEEKeys");
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["reportingController"], "teeguard-webhook");
+    assert_eq!(event["note"], msg.as_str());
+    assert_eq!(event["regarding"]["kind"], "VirtualMachineInstance");
+    assert_eq!(event["regarding"]["apiVersion"], "kubevirt.io/v1");
+    assert_eq!(event["regarding"]["uid"], vmi_uid.as_str());
+
+    // The scheduler retries a second later: denied again, but no second Event (rate limit).
+    let (status, resp) = h.validate(&review).await;
+    denied(status, &resp, "insufficient-keys");
+
+    // The agent reports a freed key; once the cache has it, the binding is admitted and reserved.
+    h.api
+        .patch_status(
+            "teecapacities",
+            None,
+            "node01",
+            &json!({"status": tdx_status(31, 1, 3, FRESH)}),
+        )
+        .expect("free a key");
+    wait_free(&h, "node01", 1).await;
+    let (status, resp) = h.validate(&review).await;
+    let r = allowed(status, &resp);
+    assert_eq!(r["auditAnnotations"]["decision"], "admitted");
+    assert_eq!(r["auditAnnotations"]["reason"], "enough-keys");
+    assert!(r.get("warnings").is_none(), "{resp}");
+    // A retry of the same binding does not reserve twice: still admitted.
+    let (status, resp) = h.validate(&review).await;
+    allowed(status, &resp);
+
+    // Everything came from the caches.
+    assert!(pod_gets(&h.api).is_empty(), "{:?}", pod_gets(&h.api));
+    let (_, metrics) = h.admin_get("/metrics").await;
+    for want in [
+        r#"teeguard_webhook_validations_total{request="binding",kind="tdx",outcome="denied"} 2"#,
+        r#"teeguard_webhook_validations_total{request="binding",kind="tdx",outcome="admitted"} 2"#,
+        "teeguard_webhook_ledger_reservations 1",
+        r#"teeguard_webhook_vmi_events_total{result="recorded"} 1"#,
+        r#"teeguard_webhook_vmi_events_total{result="suppressed"} 1"#,
+        r#"teeguard_webhook_cache_lookups_total{cache="virt_launcher_pods",result="cache_hit"} 4"#,
+        r#"teeguard_webhook_admission_requests_total{endpoint="validate",outcome="denied"} 2"#,
+    ] {
+        assert!(metrics.contains(want), "{want} missing from\n{metrics}");
+    }
+    assert_eq!(vmi_events(&h.api, DEFAULT_NAMESPACE, "tdx-vm").len(), 1);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_bindings_take_the_last_key_once() {
+    const N: usize = 50;
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 1, 0, FRESH))
+        .expect("report");
+    let pods: Vec<Pod> = (0..N)
+        .map(|i| seed_vm(&api, &format!("vm{i:02}"), DEFAULT_NAMESPACE))
+        .collect();
+    let h = Arc::new(Harness::start_with(api, None, &[]).await);
+    wait_cached(&h, 1, 0, N, N).await;
+
+    // Connect first, then fire all bindings at once.
+    let barrier = Arc::new(tokio::sync::Barrier::new(N));
+    let mut tasks = Vec::new();
+    for pod in &pods {
+        let body = serde_json::to_vec(&binding(pod, "node01")).expect("json");
+        let h = h.clone();
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut conn = h.connect().await;
+            barrier.wait().await;
+            conn.post("/validate", body).await
+        }));
+    }
+    let mut admitted = 0;
+    let mut refused = Vec::new();
+    for t in tasks {
+        let (status, resp) = common::bounded("binding", t).await.expect("task");
+        assert_eq!(status, StatusCode::OK, "{resp}");
+        if resp["response"]["allowed"] == true {
+            admitted += 1;
+        } else {
+            refused.push(
+                resp["response"]["status"]["message"]
+                    .as_str()
+                    .expect("message")
+                    .to_string(),
+            );
+        }
+    }
+    assert_eq!(admitted, 1, "exactly one binding gets the last key");
+    assert_eq!(refused.len(), N - 1);
+    for msg in &refused {
+        assert_eq!(
+            msg,
+            &format!(
+                "node node01 cannot host this TDX VM: 0/31 free (1 just admitted, not in the report yet); {HINT}"
+            )
+        );
+    }
+    let (_, metrics) = h.admin_get("/metrics").await;
+    assert!(
+        metrics.contains("teeguard_webhook_ledger_reservations 1"),
+        "{metrics}"
+    );
+    let h = Arc::into_inner(h).expect("no other handle");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dry_run_decides_but_reserves_nothing() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 1, 0, FRESH))
+        .expect("report");
+    let a = seed_vm(&api, "vm-a", DEFAULT_NAMESPACE);
+    let b = seed_vm(&api, "vm-b", DEFAULT_NAMESPACE);
+    let c = seed_vm(&api, "vm-c", DEFAULT_NAMESPACE);
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 0, 3, 3).await;
+
+    let dry = AdmissionReviewBuilder::binding(&a, "node01")
+        .dry_run(true)
+        .build();
+    let (status, resp) = h.validate(&dry).await;
+    allowed(status, &resp);
+    // The dry run took nothing: a real binding still gets the key ...
+    let (status, resp) = h.validate(&binding(&b, "node01")).await;
+    allowed(status, &resp);
+    // ... and the next one finds it taken. A dry run is decided like the real thing.
+    let (status, resp) = h.validate(&binding(&c, "node01")).await;
+    denied(status, &resp, "insufficient-keys");
+    let dry = AdmissionReviewBuilder::binding(&c, "node01")
+        .dry_run(true)
+        .build();
+    let (status, resp) = h.validate(&dry).await;
+    denied(status, &resp, "insufficient-keys");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_and_missing_reports_under_both_policies() {
+    const OLD: Duration = Duration::from_secs(600);
+    let configs = [
+        (None, false, true),
+        (
+            Some("admission:\n  staleReportPolicy:\n    podCreate: allow\n    binding: deny\n"),
+            true,
+            false,
+        ),
+    ];
+    for (config, create_allowed, binding_allowed) in configs {
+        let api = FakeApiServer::new();
+        api.create(&tdx_report("stale-node", 31, 5, 0, OLD))
+            .expect("report");
+        api.create(&NodeBuilder::new("stale-node").tdx(31).build())
+            .expect("node");
+        let pod = seed_vm(&api, "tdx-vm", DEFAULT_NAMESPACE);
+        let h = Harness::start_with(api, config, &[]).await;
+        wait_cached(&h, 1, 1, 1, 1).await;
+
+        // The scheduler's binding.
+        let (status, resp) = h.validate(&binding(&pod, "stale-node")).await;
+        if binding_allowed {
+            let r = allowed(status, &resp);
+            assert_eq!(r["auditAnnotations"]["decision"], "warned");
+            assert_eq!(r["auditAnnotations"]["reason"], "report-unknown");
+            let w = warnings(r);
+            assert_eq!(w.len(), 1, "{resp}");
+            assert!(
+                w[0].contains("could not check free TDX keys on node stale-node")
+                    && w[0].contains("(last heartbeat 10m")
+                    && w[0].contains("admission.staleReportPolicy.binding"),
+                "{}",
+                w[0]
+            );
+        } else {
+            let msg = denied(status, &resp, "report-unknown");
+            assert!(
+                msg.contains("node stale-node") && msg.contains("stale (last heartbeat 10m"),
+                "{msg}"
+            );
+        }
+        // A binding to a node with no report at all.
+        let (status, resp) = h.validate(&binding(&pod, "no-agent-node")).await;
+        if binding_allowed {
+            let w = warnings(allowed(status, &resp));
+            assert!(w[0].contains("has no TeeCapacity report"), "{w:?}");
+        } else {
+            let msg = denied(status, &resp, "report-unknown");
+            assert!(
+                msg.contains("no-agent-node has no TeeCapacity report"),
+                "{msg}"
+            );
+        }
+
+        // A pod CREATE choosing among candidates (only the stale node matches).
+        let create = AdmissionReviewBuilder::create(fixtures::to_value(&pod)).build();
+        let (status, resp) = h.validate(&create).await;
+        if create_allowed {
+            let r = allowed(status, &resp);
+            assert_eq!(r["auditAnnotations"]["reason"], "report-unknown");
+            let w = warnings(r);
+            assert!(
+                w[0].contains("report of stale-node is missing or stale")
+                    && w[0].contains("admission.staleReportPolicy.podCreate"),
+                "{w:?}"
+            );
+        } else {
+            let msg = denied(status, &resp, "report-unknown");
+            assert!(
+                msg.starts_with(
+                    "no node can host this TDX VM: stale-node report is stale (last heartbeat 10m"
+                ) && msg.ends_with(&format!(
+                    "ago); {HINT}; a node needs a running teeguard agent to report its keys"
+                )),
+                "{msg}"
+            );
+        }
+        h.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warn_mode_and_namespace_override() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 0, 0, FRESH))
+        .expect("report");
+    for (name, mode) in [("team-warn", "warn"), ("team-enforce", "enforce")] {
+        api.create(&json!({"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": name, "labels": {"teeguard.dev/mode": mode}}}))
+            .expect("namespace");
+    }
+    let default_pod = seed_vm(&api, "vm-default", DEFAULT_NAMESPACE);
+    let enforced_pod = seed_vm(&api, "vm-enforced", "team-enforce");
+    let h = Harness::start_with(api, Some("admission:\n  mode: warn\n"), &[]).await;
+    wait_cached(&h, 1, 0, 2, 2).await;
+    let c = h.caches();
+    eventually("namespaces cached", move || c.namespaces.len() == 2).await;
+
+    // Global warn: allowed, with the denial message as the warning.
+    let expected = format!("node node01 cannot host this TDX VM: 0/31 free; {HINT}");
+    let (status, resp) = h.validate(&binding(&default_pod, "node01")).await;
+    let r = allowed(status, &resp);
+    assert_eq!(warnings(r), vec![expected.clone()]);
+    assert_eq!(r["auditAnnotations"]["decision"], "warned");
+    assert_eq!(r["auditAnnotations"]["reason"], "insufficient-keys");
+    assert_eq!(r["auditAnnotations"]["mode"], "warn");
+
+    // The namespace label says enforce: denied with the same message.
+    let (status, resp) = h.validate(&binding(&enforced_pod, "node01")).await;
+    assert_eq!(denied(status, &resp, "insufficient-keys"), expected);
+    assert_eq!(resp["response"]["auditAnnotations"]["mode"], "enforce");
+
+    // Events are written in order by one writer: once the enforced VMI's Event is there, a warn-mode
+    // Event for the other VMI would be too. There is none.
+    h.api
+        .wait_for(WAIT, "event of the enforced VMI", |s| {
+            vmi_events(s, "team-enforce", "vm-enforced")
+                .into_iter()
+                .next()
+        })
+        .await
+        .expect("event");
+    assert!(vmi_events(&h.api, DEFAULT_NAMESPACE, "vm-default").is_empty());
+    h.stop().await;
+
+    // And the other way round: global enforce, a namespace labelled warn.
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 0, 0, FRESH))
+        .expect("report");
+    api.create(&json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "team-warn", "labels": {"teeguard.dev/mode": "warn"}}}))
+        .expect("namespace");
+    api.create(&json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "typo", "labels": {"teeguard.dev/mode": "loud"}}}))
+        .expect("namespace");
+    let warned_pod = seed_vm(&api, "vm-w", "team-warn");
+    let typo_pod = seed_vm(&api, "vm-t", "typo");
+    let default_pod = seed_vm(&api, "vm-d", DEFAULT_NAMESPACE);
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 0, 3, 3).await;
+    let c = h.caches();
+    eventually("namespaces cached", move || c.namespaces.len() == 2).await;
+    let (status, resp) = h.validate(&binding(&warned_pod, "node01")).await;
+    assert_eq!(warnings(allowed(status, &resp)), vec![expected.clone()]);
+    let (status, resp) = h.validate(&binding(&default_pod, "node01")).await;
+    denied(status, &resp, "insufficient-keys");
+    // An unknown label value keeps the global mode and says so.
+    let (status, resp) = h.validate(&binding(&typo_pod, "node01")).await;
+    denied(status, &resp, "insufficient-keys");
+    let w = warnings(&resp["response"]);
+    assert!(
+        w.len() == 1 && w[0].contains("teeguard.dev/mode=\"loud\" is neither enforce nor warn"),
+        "{w:?}"
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_limit_annotations_are_denied_the_mutations_own_accepted() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 5, 0, FRESH))
+        .expect("report");
+    api.create(&NodeBuilder::new("node01").tdx(31).build())
+        .expect("node");
+    api.create(&json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "team-warn", "labels": {"teeguard.dev/mode": "warn"}}}))
+        .expect("namespace");
+    let uid = seed_vmi(&api, &Vmi::new("tdx-vm").tee(Tee::Tdx));
+    let warn_uid = seed_vmi(
+        &api,
+        &Vmi::new("tdx-vm").namespace("team-warn").tee(Tee::Tdx),
+    );
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 1, 0, 2).await;
+
+    // Exactly what /mutate writes: admitted (a node has keys).
+    let pod = owned_by(&mutated("tdx-vm"), &uid);
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(pod.clone()).build())
+        .await;
+    let r = allowed(status, &resp);
+    assert_eq!(r["auditAnnotations"]["reason"], "enough-keys");
+
+    // The pod's /mutate result, fed to /validate: accepted.
+    let unmutated = owned_by(
+        &VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx).generated_name(),
+        &uid,
+    );
+    let review = AdmissionReviewBuilder::create(unmutated).build();
+    let (_, m) = h.review(&review).await;
+    let patch = common::response_patch(&m).expect("patch");
+    let (patched, _) = common::apply_to_object(&review, &patch);
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(patched).build())
+        .await;
+    allowed(status, &resp);
+
+    // A user raising their own limit, another container, CRI-O's annotation (config: none).
+    let cases = [
+        (
+            mutated("tdx-vm").annotation("misc-max.teeguard.dev/compute", "tdx 8"),
+            "annotation misc-max.teeguard.dev/compute=\"tdx 8\" differs from what teeguard writes for a TDX VM with 1 key (\"tdx 1\")",
+        ),
+        (
+            mutated("tdx-vm").annotation("misc-max.teeguard.dev/guest-console-log", "tdx 1"),
+            "misc-max.teeguard.dev/guest-console-log",
+        ),
+        (
+            mutated("tdx-vm").annotation(
+                "io.kubernetes.cri-o.UnifiedCgroup.compute",
+                "misc.max=tdx 4",
+            ),
+            "io.kubernetes.cri-o.UnifiedCgroup.compute",
+        ),
+    ];
+    for (pod, want) in cases {
+        let (status, resp) = h
+            .validate(&AdmissionReviewBuilder::create(owned_by(&pod, &uid)).build())
+            .await;
+        let msg = denied(status, &resp, "forged-limit-annotation");
+        assert!(msg.contains(want), "{want:?} not in {msg}");
+        assert!(msg.contains("cannot raise its own TEE key limit"), "{msg}");
+    }
+    // Denied in a warn-mode namespace too: a namespace label does not switch security off.
+    let pod = mutated("tdx-vm")
+        .namespace("team-warn")
+        .annotation("misc-max.teeguard.dev/compute", "tdx 8");
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(owned_by(&pod, &warn_uid)).build())
+        .await;
+    denied(status, &resp, "forged-limit-annotation");
+
+    // A pod that is not a virt-launcher pod gets no such annotation from teeguard.
+    let mut kata = fixtures::to_value(&fixtures::kata_pod("kata", fixtures::KataTee::Tdx));
+    kata["metadata"]["annotations"]["unified-cgroup.crio.io/kata"] = json!("misc.max=tdx 9");
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(kata).build())
+        .await;
+    let msg = denied(status, &resp, "forged-limit-annotation");
+    assert!(
+        msg.contains("unified-cgroup.crio.io/kata")
+            && msg.contains("writes no cgroup-limit annotation"),
+        "{msg}"
+    );
+
+    // UPDATE: changing the limit annotation is denied; other changes pass.
+    let before: Pod = serde_json::from_value(owned_by(&mutated("tdx-vm"), &uid)).expect("pod");
+    let mut raised = before.clone();
+    raised
+        .metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert("misc-max.teeguard.dev/compute".into(), "tdx 9".into());
+    let (status, resp) = h.validate(&fixtures::pod_update(&before, &raised)).await;
+    let msg = denied(status, &resp, "forged-limit-annotation");
+    assert!(
+        msg.contains("cannot be changed from \"tdx 1\" to \"tdx 9\""),
+        "{msg}"
+    );
+    let mut relabelled = before.clone();
+    relabelled
+        .metadata
+        .labels
+        .get_or_insert_with(BTreeMap::new)
+        .insert("team".into(), "a".into());
+    let (status, resp) = h
+        .validate(&fixtures::pod_update(&before, &relabelled))
+        .await;
+    let r = allowed(status, &resp);
+    assert_eq!(r["auditAnnotations"]["reason"], "limits-unchanged");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binding_of_an_uncached_pod_is_decided_from_one_get() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 0, 0, FRESH))
+        .expect("report");
+    let uid = seed_vmi(&api, &Vmi::new("late-vm").tee(Tee::Tdx));
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 0, 0, 1).await;
+    // Keep new pods out of the cache: pod lists and watches fail from now on.
+    for verb in [Verb::List, Verb::Watch] {
+        h.api
+            .add_fault(FaultRule::respond(503).verb(verb).resource("pods"));
+    }
+    h.api.clear_requests();
+    h.api.drop_watches();
+    let api = h.api.clone();
+    eventually("pod watch refused", move || {
+        !api.requests_where(|r| r.is(Verb::Watch, "pods") && r.response_code == Some(503))
+            .is_empty()
+    })
+    .await;
+    // Created just now, as the binding follows within milliseconds.
+    let stored = h
+        .api
+        .create(&owned_by(&mutated("late-vm"), &uid))
+        .expect("pod");
+    let pod: Pod = serde_json::from_value(stored).expect("pod");
+    let name = pod.metadata.name.clone().expect("name");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        h.caches().launcher_pods.len(),
+        0,
+        "the pod must not be cached"
+    );
+    h.api.clear_requests();
+
+    let (status, resp) = h.validate(&binding(&pod, "node01")).await;
+    denied(status, &resp, "insufficient-keys");
+    let gets = pod_gets(&h.api);
+    assert_eq!(gets.len(), 1, "{gets:?}");
+    assert_eq!(gets[0].name.as_deref(), Some(name.as_str()));
+    assert_eq!(gets[0].namespace.as_deref(), Some(DEFAULT_NAMESPACE));
+
+    // A binding for a pod that is gone (404) is allowed: the bind itself will fail.
+    let ghost = VirtLauncherPod::for_tee("ghost-vm", Tee::Tdx)
+        .generated_name()
+        .build();
+    let (status, resp) = h.validate(&binding(&ghost, "node01")).await;
+    assert_eq!(
+        allowed(status, &resp)["auditAnnotations"]["reason"],
+        "pod-not-found"
+    );
+    // The API server failing the GET: allowed with a warning (fail open, like failurePolicy Ignore).
+    h.api
+        .add_fault(FaultRule::respond(500).verb(Verb::Get).resource("pods"));
+    let (status, resp) = h.validate(&binding(&ghost, "node01")).await;
+    let r = allowed(status, &resp);
+    assert_eq!(r["auditAnnotations"]["reason"], "pod-lookup-failed");
+    assert!(warnings(r)[0].contains("could not look up pod"), "{resp}");
+    h.api.clear_faults();
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_bindings_are_allowed_without_an_api_call() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 0, 0, FRESH))
+        .expect("report");
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 0, 0, 0).await;
+    h.api.clear_requests();
+    let web: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web-7d9c8f6b5-x2q7k", "namespace": DEFAULT_NAMESPACE, "uid": "u-web"},
+        "spec": {"containers": [{"name": "c", "resources": {"requests": {TDX_KEYS: "1"}}}]}
+    }))
+    .expect("pod");
+    let (status, resp) = h.validate(&binding(&web, "node01")).await;
+    let r = allowed(status, &resp);
+    assert_eq!(r["auditAnnotations"]["reason"], "not-virt-launcher");
+    assert_eq!(r["auditAnnotations"]["decision"], "skipped");
+    let calls = h
+        .api
+        .requests_where(|r| !matches!(r.verb, Verb::Watch | Verb::List));
+    assert!(calls.is_empty(), "{calls:?}");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_create_checks_the_candidate_nodes() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node-a", 31, 0, 3, FRESH))
+        .expect("report");
+    api.create(&tdx_report("node-b", 31, 0, 0, FRESH))
+        .expect("report");
+    api.create(&json!({"apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity",
+        "metadata": {"name": "sev-node"}, "spec": {"nodeName": "sev-node"},
+        "status": {"heartbeatTime": ago(FRESH), "sevEs": {"resourceName": "sev-snp.amd.com/esids",
+            "capacity": 100, "kernelUsed": 0, "podsUsed": 0, "external": 0, "pending": 0, "free": 100}}}))
+    .expect("report");
+    api.create(&NodeBuilder::new("node-a").tdx(31).build())
+        .expect("node");
+    api.create(&NodeBuilder::new("node-b").tdx(31).zone("zone-b").build())
+        .expect("node");
+    api.create(&NodeBuilder::new("sev-node").sev(500, 100).build())
+        .expect("node");
+    let uid = seed_vmi(&api, &Vmi::new("tdx-vm").tee(Tee::Tdx));
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 3, 3, 0, 1).await;
+    let pod = owned_by(&mutated("tdx-vm"), &uid);
+
+    // The pod's TDX node selector matches node-a and node-b; both full.
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(pod.clone()).build())
+        .await;
+    let msg = denied(status, &resp, "insufficient-keys");
+    assert_eq!(
+        msg,
+        format!(
+            "no node can host this TDX VM: node-a 0/31 free (3 held outside Kubernetes), node-b 0/31 free; {HINT}"
+        )
+    );
+    assert!(resp["response"]["auditAnnotations"].get("node").is_none());
+    h.api
+        .wait_for(WAIT, "event", |s| {
+            vmi_events(s, DEFAULT_NAMESPACE, "tdx-vm")
+                .into_iter()
+                .next()
+        })
+        .await
+        .expect("event on the VMI");
+
+    // A selector that matches no node.
+    let mut nowhere = pod.clone();
+    nowhere["spec"]["nodeSelector"]["topology.kubernetes.io/zone"] = json!("zone-z");
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(nowhere).build())
+        .await;
+    let msg = denied(status, &resp, "no-candidate-nodes");
+    assert!(
+        msg.starts_with("no node can host this TDX VM: no node matches the pod's nodeSelector"),
+        "{msg}"
+    );
+
+    // Required affinity naming the SEV node (matchFields): it has no TDX keys.
+    let mut sev_only = pod.clone();
+    sev_only["spec"]
+        .as_object_mut()
+        .expect("spec")
+        .remove("nodeSelector");
+    sev_only["spec"]["affinity"] = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["sev-node"]}]}]}}});
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(sev_only).build())
+        .await;
+    let msg = denied(status, &resp, "insufficient-keys");
+    assert!(msg.contains(": sev-node has no TDX keys;"), "{msg}");
+
+    // A key frees up on node-b: admitted; affinity excluding zone-b leaves node-a only: refused.
+    h.api
+        .patch_status(
+            "teecapacities",
+            None,
+            "node-b",
+            &json!({"status": tdx_status(31, 1, 0, FRESH)}),
+        )
+        .expect("free");
+    wait_free(&h, "node-b", 1).await;
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(pod.clone()).build())
+        .await;
+    allowed(status, &resp);
+    let mut zone_a = pod.clone();
+    zone_a["spec"]["affinity"] = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "topology.kubernetes.io/zone", "operator": "NotIn", "values": ["zone-b"]}]}]}}});
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(zone_a).build())
+        .await;
+    let msg = denied(status, &resp, "insufficient-keys");
+    assert!(
+        msg.contains("node-a 0/31 free") && !msg.contains("node-b"),
+        "{msg}"
+    );
+
+    // With spec.nodeName the named node decides (and is reserved): node-b's one key.
+    let mut bound = pod.clone();
+    bound["spec"]["nodeName"] = json!("node-b");
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(bound).build())
+        .await;
+    assert_eq!(allowed(status, &resp)["auditAnnotations"]["node"], "node-b");
+    // Now the candidates are all taken for another pod.
+    let other = owned_by(&mutated("tdx-vm").name("virt-launcher-tdx-vm-other"), &uid);
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(other).build())
+        .await;
+    let msg = denied(status, &resp, "insufficient-keys");
+    assert!(
+        msg.contains("node-b 0/31 free (1 just admitted, not in the report yet)"),
+        "{msg}"
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_kinds_subresources_and_operations_are_allowed() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 0, 0, FRESH))
+        .expect("report");
+    let uid = seed_vmi(&api, &Vmi::new("tdx-vm").tee(Tee::Tdx));
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 0, 0, 1).await;
+    let pod: Pod = serde_json::from_value(owned_by(&mutated("tdx-vm"), &uid)).expect("pod");
+    let pod_json = fixtures::to_value(&pod);
+    let deployment = json!({"apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "default"}, "spec": {}});
+    let cases: Vec<(Value, &str)> = vec![
+        (fixtures::pod_delete(&pod), "pod-delete"),
+        (
+            AdmissionReviewBuilder::update(pod_json.clone(), pod_json.clone())
+                .sub_resource("status")
+                .build(),
+            "not-validated",
+        ),
+        (
+            AdmissionReviewBuilder::create(pod_json.clone())
+                .sub_resource("ephemeralcontainers")
+                .build(),
+            "not-validated",
+        ),
+        (
+            AdmissionReviewBuilder::create(deployment).build(),
+            "not-validated",
+        ),
+        (
+            AdmissionReviewBuilder::delete(pod_json.clone())
+                .sub_resource("binding")
+                .build(),
+            "not-validated",
+        ),
+    ];
+    for (review, reason) in cases {
+        let (status, resp) = h.validate(&review).await;
+        let r = allowed(status, &resp);
+        assert_eq!(r["auditAnnotations"]["reason"], reason, "{review}");
+        assert_eq!(r["auditAnnotations"]["decision"], "skipped");
+        assert!(r.get("patch").is_none());
+    }
+    // A CONNECT (exec) review.
+    let mut connect = fixtures::pod_delete(&pod);
+    connect["request"]["operation"] = json!("CONNECT");
+    connect["request"]["subResource"] = json!("exec");
+    let (status, resp) = h.validate(&connect).await;
+    allowed(status, &resp);
+
+    // Malformed input is a 400, never a panic; the connection survives.
+    let mut no_target = binding(&pod, "node01");
+    no_target["request"]["object"]["target"] = json!({});
+    let mut bad_pod = AdmissionReviewBuilder::create(pod_json).build();
+    bad_pod["request"]["object"]["spec"]["containers"] = json!(7);
+    let mut no_old = fixtures::pod_update(&pod, &pod);
+    no_old["request"]["oldObject"] = Value::Null;
+    let mut conn = h.connect().await;
+    for (review, want) in [
+        (no_target, "no target.name"),
+        (bad_pod, "not a valid Pod"),
+        (no_old, "request.oldObject is missing"),
+    ] {
+        let (status, resp) = conn
+            .post("/validate", serde_json::to_vec(&review).expect("json"))
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{resp}");
+        assert!(
+            resp["error"].as_str().expect("error").contains(want),
+            "{want}: {resp}"
+        );
+    }
+    let (status, _) = conn.post("/validate", b"{".to_vec()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exemptions_skip_the_capacity_check() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 31, 0, 0, FRESH))
+        .expect("report");
+    api.create(&json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "exempt-ns", "labels": {"teeguard.dev/exempt": "true"}}}))
+        .expect("namespace");
+    let in_ns = seed_vm(&api, "vm-ns", "exempt-ns");
+    let vmi_uid = seed_vmi(&api, &Vmi::new("vm-x").tee(Tee::Tdx).exempt());
+    let exempt_vmi_pod: Pod = serde_json::from_value(
+        api.create(&owned_by(
+            &VirtLauncherPod::for_tee("vm-x", Tee::Tdx)
+                .request(TDX_KEYS, "1")
+                .generated_name(),
+            &vmi_uid,
+        ))
+        .expect("pod"),
+    )
+    .expect("pod");
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 0, 2, 2).await;
+    let c = h.caches();
+    eventually("namespace cached", move || c.namespaces.len() == 1).await;
+    for (pod, reason) in [
+        (&in_ns, "exempt-namespace"),
+        (&exempt_vmi_pod, "exempt-vmi"),
+    ] {
+        let (status, resp) = h.validate(&binding(pod, "node01")).await;
+        assert_eq!(allowed(status, &resp)["auditAnnotations"]["reason"], reason);
+        let (status, resp) = h
+            .validate(&AdmissionReviewBuilder::create(fixtures::to_value(pod)).build())
+            .await;
+        assert_eq!(allowed(status, &resp)["auditAnnotations"]["reason"], reason);
+    }
+    h.stop().await;
+}
