@@ -66,17 +66,11 @@ const WEBHOOK_CALLS: &[Call] = &[
     },
     Call {
         verbs: &["create", "patch"],
-        group: "",
-        resource: "events",
-        subresource: "",
-        why: "webhook /validate event recorder (core/v1 Events): InsufficientTEEKeys on the VMI",
-    },
-    Call {
-        verbs: &["create", "patch"],
         group: "events.k8s.io",
         resource: "events",
         subresource: "",
-        why: "webhook /validate event recorder (events.k8s.io/v1): InsufficientTEEKeys on the VMI",
+        why: "webhook/src/events.rs: kube's Recorder (events.k8s.io/v1; create, then a merge patch for a \
+              repeat): InsufficientTEEKeys on the VMI",
     },
 ];
 
