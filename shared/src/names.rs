@@ -13,6 +13,13 @@ pub const CRIO_UNIFIED_LEGACY_PREFIX: &str = "io.kubernetes.cri-o.UnifiedCgroup.
 /// CRI-O's unified cgroup annotation, newer spelling: `unified-cgroup.crio.io/<container>`.
 pub const CRIO_UNIFIED_PREFIX: &str = "unified-cgroup.crio.io/";
 
+/// Every prefix of an annotation that sets a container's cgroup limits (see [`is_limit_annotation`]).
+pub const LIMIT_ANNOTATION_PREFIXES: [&str; 3] = [
+    MISC_MAX_ANNOTATION_PREFIX,
+    CRIO_UNIFIED_LEGACY_PREFIX,
+    CRIO_UNIFIED_PREFIX,
+];
+
 /// The runtime-neutral misc.max annotation key for a container.
 pub fn misc_max_annotation(container: &str) -> String {
     format!("{MISC_MAX_ANNOTATION_PREFIX}{container}")
@@ -21,9 +28,9 @@ pub fn misc_max_annotation(container: &str) -> String {
 /// Whether an annotation key is one that sets a container's cgroup limits (teeguard's own or CRI-O's),
 /// which a user must not set themselves.
 pub fn is_limit_annotation(key: &str) -> bool {
-    key.starts_with(MISC_MAX_ANNOTATION_PREFIX)
-        || key.starts_with(CRIO_UNIFIED_LEGACY_PREFIX)
-        || key.starts_with(CRIO_UNIFIED_PREFIX)
+    LIMIT_ANNOTATION_PREFIXES
+        .iter()
+        .any(|prefix| key.starts_with(prefix))
 }
 
 /// KubeVirt: the label whose value says what a KubeVirt pod is.

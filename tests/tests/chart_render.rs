@@ -335,7 +335,7 @@ fn webhook_configurations_match_the_webhook_service() {
     let mutating = only(&docs, "MutatingWebhookConfiguration");
     let validating = only(&docs, "ValidatingWebhookConfiguration");
     assert_eq!(mutating["webhooks"].as_array().expect("list").len(), 1);
-    assert_eq!(validating["webhooks"].as_array().expect("list").len(), 2);
+    assert_eq!(validating["webhooks"].as_array().expect("list").len(), 3);
 
     let virt_launcher_selector = json!({"matchExpressions": [
         {"key": "kubevirt.io", "operator": "In", "values": ["virt-launcher"]},
@@ -412,6 +412,45 @@ fn webhook_configurations_match_the_webhook_service() {
     );
 }
 
+/// Forged cgroup-limit annotations are checked on any pod, CREATE and UPDATE, but only pods that carry
+/// one reach the webhook, and virt-launcher CREATEs are left to validate.pods (no double call).
+#[test]
+fn limit_annotation_webhook_covers_every_pod_with_a_limit_annotation() {
+    let docs = render("default", &[]);
+    let validating = only(&docs, "ValidatingWebhookConfiguration");
+    let w = webhook(validating, "validate.limits.teeguard.dev");
+    assert_eq!(w["clientConfig"]["service"]["path"], "/validate");
+    assert_eq!(
+        w["rules"],
+        json!([{"operations": ["CREATE", "UPDATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                "resources": ["pods"], "scope": "Namespaced"}])
+    );
+    assert_eq!(
+        w["objectSelector"],
+        json!({"matchExpressions": [{"key": "teeguard.dev/exempt", "operator": "NotIn", "values": ["true"]}]})
+    );
+    assert_eq!(excluded_namespaces(w), [NAMESPACE]);
+    let exprs: Vec<&str> = w["matchConditions"]
+        .as_array()
+        .expect("matchConditions")
+        .iter()
+        .map(|c| c["expression"].as_str().expect("expression"))
+        .collect();
+    for prefix in teeguard_shared::names::LIMIT_ANNOTATION_PREFIXES {
+        assert!(
+            exprs[0].contains(&format!("k.startsWith('{prefix}')")),
+            "{prefix}: {}",
+            exprs[0]
+        );
+    }
+    assert!(
+        exprs[1].contains("request.operation == 'UPDATE'"),
+        "{}",
+        exprs[1]
+    );
+    assert!(exprs[1].contains("'virt-launcher'"), "{}", exprs[1]);
+}
+
 #[test]
 fn webhook_policies_and_scope_follow_the_values() {
     let docs = render("custom", &[]);
@@ -428,7 +467,7 @@ fn webhook_policies_and_scope_follow_the_values() {
         [NAMESPACE, "kube-system", "teeguard-ci"]
     );
     // webhook.binding.enabled=false drops the pods/binding webhook.
-    assert_eq!(validating["webhooks"].as_array().expect("list").len(), 1);
+    assert_eq!(validating["webhooks"].as_array().expect("list").len(), 2);
     // The container ports follow webhook.port / adminPort and the Service still targets them by name.
     let deployment = find(&docs, "Deployment", "tg-webhook");
     let c = &deployment["spec"]["template"]["spec"]["containers"][0];
