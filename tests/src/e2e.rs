@@ -201,7 +201,10 @@ fn stale_reason(bins: &Binaries, root: &Path) -> Option<String> {
     None
 }
 
-fn build(profile_dir: &Path, reason: &str) -> Result<()> {
+/// The `cargo build` that puts the binaries where the running test executable's profile lives:
+/// same target directory, same profile (`--release` / `--profile <name>`), same `--target` when
+/// cross-compiling (`target/<triple>/<profile>`). Respects `$CARGO`.
+pub fn build_command(profile_dir: &Path) -> Result<Command> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let profile = profile_dir
         .file_name()
@@ -251,6 +254,11 @@ fn build(profile_dir: &Path, reason: &str) -> Result<()> {
     if let Some(t) = &target_triple {
         cmd.args(["--target", t]);
     }
+    Ok(cmd)
+}
+
+fn build(profile_dir: &Path, reason: &str) -> Result<()> {
+    let mut cmd = build_command(profile_dir)?;
     eprintln!("e2e: building the teeguard binaries ({reason}): {:?}", cmd);
     let log = profile_dir.join("teeguard-e2e-build.log");
     let out = File::create(&log).map_err(io_err("create", &log))?;
@@ -260,7 +268,7 @@ fn build(profile_dir: &Path, reason: &str) -> Result<()> {
         .stdout(Stdio::from(out))
         .stderr(Stdio::from(err))
         .spawn()
-        .map_err(|e| E2eError::Binaries(format!("cannot run {cargo:?}: {e}")))?;
+        .map_err(|e| E2eError::Binaries(format!("cannot run {:?}: {e}", cmd.get_program())))?;
     let started = Instant::now();
     loop {
         match child.try_wait() {
@@ -835,4 +843,250 @@ pub struct AgentProcess {
     pub proc: ChildProcess,
     /// Its node.
     pub node: String,
+}
+
+// ------------------------------------------------------------------------------------------------
+// A ready-made world: one TDX node with its agent process, the webhook process, a driver
+// ------------------------------------------------------------------------------------------------
+
+/// The TDX node of a [`World`].
+pub const NODE: &str = "node-a";
+
+/// Time allowed for a new report to reach the webhook process's watch cache.
+pub const PROCESS_WATCH_GRACE: Duration = Duration::from_millis(300);
+
+/// How long a [`World`] waits for the agent's report to follow a change.
+pub const SETTLE_DEADLINE: Duration = Duration::from_secs(20);
+
+/// One TDX node (`node-a`, simulated host with `keys` TDX keys, agent process), the webhook process,
+/// and an [`ApiServerDriver`] playing the rest of the cluster.
+#[derive(Debug)]
+pub struct World {
+    /// Plays the API server, virt-controller and scheduler against the webhook process.
+    pub driver: ApiServerDriver,
+    /// The webhook process (fields drop in order: processes first, files last).
+    pub webhook: WebhookProcess,
+    /// The agent process (`None` after [`World::kill_agent`]).
+    pub agent: Option<AgentProcess>,
+    /// The simulated host of [`NODE`].
+    pub host: SimHost,
+    /// Files, fake API server, certificates; prints the process logs if the test panics.
+    pub env: E2eEnv,
+}
+
+/// The objects every world starts with: the `default` namespace and the TDX node (labelled for
+/// Kata's RuntimeClass, without any advertised key resource: the agent adds it).
+fn seed(api: &FakeApiServer, keys: u64) -> Result<()> {
+    api.create(&serde_json::json!({
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "default", "labels": {"kubernetes.io/metadata.name": "default"}}
+    }))?;
+    let mut node = crate::fixtures::NodeBuilder::new(NODE)
+        .tdx(keys)
+        .label(crate::standalone::cluster::KATA_NODE_LABEL, "true")
+        .to_value();
+    if let Some(m) = node.get_mut("metadata").and_then(Value::as_object_mut) {
+        for k in ["uid", "resourceVersion", "creationTimestamp"] {
+            m.remove(k);
+        }
+    }
+    api.create(&node)?;
+    Ok(())
+}
+
+impl World {
+    /// Start a world with configuration `config_yaml` and `keys` TDX keys: the agent first (its first
+    /// report), then the webhook (ready).
+    pub async fn start(keys: u64, config_yaml: &str) -> Result<World> {
+        Self::start_with(keys, config_yaml, &[]).await
+    }
+
+    /// [`World::start`] with extra webhook flags.
+    pub async fn start_with(keys: u64, config_yaml: &str, webhook_flags: &[&str]) -> Result<World> {
+        let env = E2eEnv::new(config_yaml).await?;
+        seed(&env.api, keys)?;
+        let host = SimHost::builder()
+            .capacity(crate::host::TDX, keys)
+            .build()
+            .map_err(|e| E2eError::Config(e.to_string()))?;
+        let agent = env.start_agent(NODE, &host).await?;
+        let webhook = env.start_webhook(webhook_flags).await?;
+        let driver = env
+            .driver(&webhook)?
+            .with_ledger_ttl(env.config.admission.ledger_ttl)
+            .with_watch_grace(PROCESS_WATCH_GRACE);
+        let world = World {
+            env,
+            host,
+            agent: Some(agent),
+            webhook,
+            driver,
+        };
+        world.settle().await?;
+        Ok(world)
+    }
+
+    /// The kubelet of [`NODE`].
+    pub fn kubelet(&self) -> crate::standalone::SimKubelet<'_> {
+        crate::standalone::SimKubelet {
+            node: NODE.to_string(),
+            host: &self.host,
+            api: &self.env.api,
+        }
+    }
+
+    /// Wait until the next review sees the current state (see [`ApiServerDriver::settle`]).
+    pub async fn settle(&self) -> Result<teeguard_shared::crd::KindStatus> {
+        Ok(self
+            .driver
+            .settle(
+                NODE,
+                teeguard_shared::TeeKind::Tdx,
+                &self.host,
+                SETTLE_DEADLINE,
+            )
+            .await?)
+    }
+
+    /// Kill the agent (SIGKILL).
+    pub fn kill_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            a.proc.kill();
+        }
+    }
+
+    /// Start a new agent process (after [`World::kill_agent`]); waits for its first publish.
+    pub async fn restart_agent(&mut self) -> Result<()> {
+        self.kill_agent();
+        self.agent = Some(self.env.start_agent(NODE, &self.host).await?);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn touch(path: &Path, at: SystemTime) {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).expect("mkdir");
+        }
+        std::fs::write(path, "x").expect("write");
+        File::options()
+            .write(true)
+            .open(path)
+            .expect("open")
+            .set_modified(at)
+            .expect("set mtime");
+    }
+
+    #[test]
+    fn binaries_older_than_any_source_are_stale() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let r = root.path();
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let later = |s: u64| t0 + Duration::from_secs(s);
+        for f in [
+            "webhook/src/lib.rs",
+            "agent/src/run.rs",
+            "shared/src/tee.rs",
+            "Cargo.lock",
+        ] {
+            touch(&r.join(f), t0);
+        }
+        let bins = Binaries {
+            webhook: r.join("target/debug/teeguard-webhook"),
+            agent: r.join("target/debug/teeguard-agent"),
+        };
+        let missing = stale_reason(&bins, r).expect("missing binaries are stale");
+        assert!(missing.contains("does not exist"), "{missing}");
+        touch(&bins.webhook, later(10));
+        touch(&bins.agent, later(10));
+        assert_eq!(stale_reason(&bins, r), None);
+        // A source edited after the build, however deep.
+        touch(&r.join("webhook/src/handlers/validate.rs"), later(20));
+        let why = stale_reason(&bins, r).expect("stale");
+        assert!(why.contains("validate.rs"), "{why}");
+        touch(&bins.webhook, later(30));
+        touch(&bins.agent, later(30));
+        assert_eq!(stale_reason(&bins, r), None);
+        touch(&r.join("shared/Cargo.toml"), later(40));
+        assert!(
+            stale_reason(&bins, r).is_some(),
+            "a manifest change is a source change"
+        );
+        // Other crates do not matter.
+        touch(&bins.webhook, later(50));
+        touch(&bins.agent, later(50));
+        touch(&r.join("certs/src/lib.rs"), later(60));
+        assert_eq!(stale_reason(&bins, r), None);
+    }
+
+    fn args(cmd: &Command) -> Vec<String> {
+        cmd.get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn build_command_follows_the_profile_and_target_directory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let target = dir.path().join("target");
+        std::fs::create_dir_all(target.join("debug")).expect("mkdir");
+        std::fs::write(target.join("CACHEDIR.TAG"), "").expect("tag");
+        let target_s = target.display().to_string();
+        let debug = args(&build_command(&target.join("debug")).expect("cmd"));
+        assert_eq!(
+            debug[..6],
+            [
+                "build",
+                "-p",
+                "teeguard-webhook",
+                "-p",
+                "teeguard-agent",
+                "--bins"
+            ]
+        );
+        assert!(
+            !debug.iter().any(|a| a == "--release" || a == "--profile"),
+            "{debug:?}"
+        );
+        assert!(
+            debug
+                .windows(2)
+                .any(|w| w == ["--target-dir", target_s.as_str()]),
+            "{debug:?}"
+        );
+        let release = args(&build_command(&target.join("release")).expect("cmd"));
+        assert!(release.iter().any(|a| a == "--release"), "{release:?}");
+        let custom = args(&build_command(&target.join("ci")).expect("cmd"));
+        assert!(
+            custom.windows(2).any(|w| w == ["--profile", "ci"]),
+            "{custom:?}"
+        );
+        let cross = args(
+            &build_command(&target.join("x86_64-unknown-linux-musl").join("debug")).expect("cmd"),
+        );
+        assert!(
+            cross
+                .windows(2)
+                .any(|w| w == ["--target", "x86_64-unknown-linux-musl"]),
+            "{cross:?}"
+        );
+        assert!(
+            cross
+                .windows(2)
+                .any(|w| w == ["--target-dir", target_s.as_str()]),
+            "{cross:?}"
+        );
+    }
+
+    #[test]
+    fn json_log_lines_are_matched_by_message() {
+        let line = r#"{"timestamp":"t","level":"INFO","message":"teeguard-webhook started","https":"127.0.0.1:1"}"#;
+        let found = json_log_line(line, "teeguard-webhook started").expect("matched");
+        assert_eq!(found["https"], "127.0.0.1:1");
+        assert!(json_log_line(line, "other").is_none());
+        assert!(json_log_line("plain text", "teeguard-webhook started").is_none());
+    }
 }

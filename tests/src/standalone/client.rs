@@ -155,17 +155,16 @@ impl WebhookClient {
     pub async fn post(&self, path: &str, body: &[u8]) -> Result<(StatusCode, Bytes)> {
         let work = async {
             let mut slot = self.conn.lock().await;
-            let reused = slot.as_ref().is_some_and(|s| !s.is_closed());
-            if !reused {
-                *slot = Some(self.connect().await?);
-            }
-            let mut attempt_reused = reused;
+            let mut reused = true;
             loop {
-                let Some(sender) = slot.as_mut() else {
-                    unreachable!("the connection slot was just filled")
+                let sender = match slot.as_mut() {
+                    Some(s) if !s.is_closed() => s,
+                    _ => {
+                        reused = false;
+                        slot.insert(self.connect().await?)
+                    }
                 };
-                let ready = sender.ready().await;
-                let sent = match ready {
+                let sent = match sender.ready().await {
                     Ok(()) => sender.send_request(self.request(path, body)?).await,
                     Err(e) => Err(e),
                 };
@@ -184,11 +183,10 @@ impl WebhookClient {
                             .to_bytes();
                         return Ok((status, bytes));
                     }
-                    Err(e) if attempt_reused && (e.is_closed() || e.is_canceled()) => {
+                    Err(e) if reused && (e.is_closed() || e.is_canceled()) => {
                         // The server closed the idle connection as we reused it: nothing was
                         // answered, so the request is sent again on a fresh connection.
-                        attempt_reused = false;
-                        *slot = Some(self.connect().await?);
+                        *slot = None;
                     }
                     Err(e) => {
                         *slot = None;

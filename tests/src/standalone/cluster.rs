@@ -219,7 +219,12 @@ impl Standalone {
                 command: Command::Serve(a),
                 ..
             }) => a,
-            Ok(_) => unreachable!("the argument list starts with `serve`"),
+            Ok(_) => {
+                return Err(StandaloneError::Startup {
+                    what: "webhook flags",
+                    reason: "`serve` was not parsed as the serve command".into(),
+                });
+            }
             Err(e) => {
                 return Err(StandaloneError::Startup {
                     what: "webhook flags",

@@ -162,8 +162,13 @@ pub struct ApiServerDriver {
     webhook: WebhookClient,
     resources: ResourcesConfig,
     ledger_ttl: Duration,
+    watch_grace: Duration,
     admissions: std::sync::Mutex<Vec<Admission>>,
 }
+
+/// Default time allowed for a stored object to reach the webhook's watch caches (see
+/// [`ApiServerDriver::with_watch_grace`]).
+pub const DEFAULT_WATCH_GRACE: Duration = Duration::from_millis(150);
 
 impl ApiServerDriver {
     /// A driver storing objects in `api` and sending reviews through `webhook`. `resources` names the
@@ -174,8 +179,17 @@ impl ApiServerDriver {
             webhook,
             resources,
             ledger_ttl: teeguard_shared::config::AdmissionConfig::default().ledger_ttl,
+            watch_grace: DEFAULT_WATCH_GRACE,
             admissions: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// Time allowed for a stored object (a new report) to reach the webhook's watch caches before
+    /// [`ApiServerDriver::settle`] returns. The webhook exposes no cache version to wait on; watch
+    /// delivery on one machine takes milliseconds, so the default is [`DEFAULT_WATCH_GRACE`].
+    pub fn with_watch_grace(mut self, grace: Duration) -> Self {
+        self.watch_grace = grace;
+        self
     }
 
     /// Use the webhook's configured `admission.ledgerTtl` (default 30 s) when tracking admissions.
@@ -583,6 +597,30 @@ impl ApiServerDriver {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Wait until the next review sees the current state: `node`'s report shows what the host and the
+    /// bound pods imply ([`ApiServerDriver::wait_report_settled`]); when pods admitted recently could
+    /// still be held in the webhook's ledger and that could decide the next review (a key is free, but
+    /// no more than are held), until the agent's heartbeats have ended those reservations; then the
+    /// watch grace. Returns the report's figures.
+    pub async fn settle(
+        &self,
+        node: &str,
+        kind: TeeKind,
+        host: &SimHost,
+        timeout: Duration,
+    ) -> Result<KindStatus> {
+        let mut s = self.wait_report_settled(node, kind, host, timeout).await?;
+        let held = self.outstanding_admissions(node).len() as u64;
+        if s.free > 0 && s.free <= held {
+            self.wait_admissions_settled(node, timeout).await?;
+            if let Some(now) = self.kind_report(node, kind) {
+                s = now;
+            }
+        }
+        tokio::time::sleep(self.watch_grace).await;
+        Ok(s)
     }
 
     /// Events about an object (any reason), oldest first.

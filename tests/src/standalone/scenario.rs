@@ -22,9 +22,6 @@ use crate::host::{SANDBOX, TDX};
 
 /// How long a step waits for the agent's report to catch up with the host.
 pub const REPORT_DEADLINE: Duration = Duration::from_secs(15);
-/// Time allowed for a published report to reach the webhook's watch cache after it is stored (the
-/// webhook exposes no cache version to wait on; in-process watch delivery takes milliseconds).
-pub const WATCH_GRACE: Duration = Duration::from_millis(150);
 /// How long to wait for an event the webhook records.
 pub const EVENT_DEADLINE: Duration = Duration::from_secs(3);
 
@@ -99,25 +96,11 @@ impl<'a, W: Write> Runner<'a, W> {
     /// Wait for the agent's report to agree with the host and the API server, then for the webhook's
     /// cache to receive it. Returns the free keys as a table cell.
     async fn settle(&mut self) -> Result<String> {
-        let mut s = self
+        let s = self
             .sa
             .driver
-            .wait_report_settled(TEE_NODE, TeeKind::Tdx, &self.sa.host, REPORT_DEADLINE)
+            .settle(TEE_NODE, TeeKind::Tdx, &self.sa.host, REPORT_DEADLINE)
             .await?;
-        // Pods the webhook admitted recently are also held in its ledger until the report has been
-        // re-published after them. When that could decide the next review (a key is free, but no more
-        // than are held), wait for the agent's next heartbeats to end those reservations.
-        let held = self.sa.driver.outstanding_admissions(TEE_NODE).len() as u64;
-        if s.free > 0 && s.free <= held {
-            self.sa
-                .driver
-                .wait_admissions_settled(TEE_NODE, REPORT_DEADLINE)
-                .await?;
-            if let Some(now) = self.sa.driver.kind_report(TEE_NODE, TeeKind::Tdx) {
-                s = now;
-            }
-        }
-        tokio::time::sleep(WATCH_GRACE).await;
         self.report.peak_used = self.report.peak_used.max(self.sa.host.usage(TDX));
         let free = s.free.to_string();
         self.report.last = Some(s);
