@@ -100,25 +100,24 @@ async fn run(args: Args) -> Result<(), StandaloneError> {
 
     println!("teeguard standalone: the real webhook and agent against a simulated cluster\n");
     let mut sa = Standalone::start(&opts).await?;
+    println!("  API server  {} (simulated)", sa.api_url());
+    println!("              kubeconfig {}", sa.paths.kubeconfig.display());
     println!(
-        "  API server   {} (simulated; kubeconfig {})",
-        sa.api_url(),
-        sa.paths.kubeconfig.display()
+        "  {TEE_NODE}      TDX host with {} keys, teeguard agent running",
+        opts.tdx_keys
+    );
+    println!("              cgroup tree {}", sa.host.root().display());
+    println!("  {PLAIN_NODE}      worker without TEE hardware");
+    println!(
+        "  webhook     https://{}, /readyz on http://{}",
+        sa.https_addr, sa.admin_addr
     );
     println!(
-        "  {TEE_NODE}       TDX host with {} keys (simulated cgroup tree {}), teeguard agent running",
-        opts.tdx_keys,
-        sa.host.root().display()
-    );
-    println!("  {PLAIN_NODE}       worker without TEE hardware");
-    println!(
-        "  webhook      https://{} (certificates in {}), /readyz on http://{}",
-        sa.https_addr,
-        sa.paths.cert_dir.display(),
-        sa.admin_addr
+        "              certificates in {}",
+        sa.paths.cert_dir.display()
     );
     if !args.verbose {
-        println!("  logs         {}", log_file.display());
+        println!("  logs        {}", log_file.display());
     }
     println!(
         "\nEach TDX VM below goes the way it goes in a cluster: VMI created, virt-launcher pod sent to\n\
