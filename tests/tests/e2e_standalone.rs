@@ -209,7 +209,7 @@ fn scenario_table_shows_patches_denials_and_retries() {
     assert!(
         curl.contains("--cacert ")
             && curl.contains("-H 'Content-Type: application/json' --data @")
-            && curl.contains("mutate-tdx-pod.json https://127.0.0.1:")
+            && curl.contains("tests/fixtures/admission/mutate-tdx-pod.json https://127.0.0.1:")
             && curl.ends_with("/mutate"),
         "{curl}"
     );

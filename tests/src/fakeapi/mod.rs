@@ -317,7 +317,9 @@ impl FakeApiServer {
     // ---- programmatic object access ----
 
     /// Creates an object (any `Serialize` with `apiVersion`/`kind`: k8s-openapi types, `DynamicObject`
-    /// with types, `serde_json::Value`). Status is kept as given. Returns the stored object.
+    /// with types, `serde_json::Value`). Status, and a non-empty `metadata.uid`, are kept as given (fixtures
+    /// carry deterministic UIDs that owner references name); over HTTP the server assigns the UID.
+    /// Returns the stored object.
     pub fn create<T: Serialize + ?Sized>(&self, obj: &T) -> Result<Value, FakeApiError> {
         let v = to_value(obj)?;
         let rid = self.rid_of(&v)?;

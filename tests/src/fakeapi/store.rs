@@ -502,7 +502,18 @@ impl State {
         if self.storages[reg.storage].contains_key(&key) {
             return Err(ApiStatus::already_exists(&def.group, &def.plural, &name));
         }
-        m.insert("uid".into(), Value::String(self.rng.uid()));
+        // Over HTTP the server assigns the UID, as kube-apiserver does. Programmatic seeding keeps a UID
+        // the test gave (fixtures carry deterministic UIDs that owner references point at).
+        let given_uid = (!opts.http)
+            .then(|| {
+                m.get("uid")
+                    .and_then(Value::as_str)
+                    .filter(|u| !u.is_empty())
+            })
+            .flatten()
+            .map(str::to_string);
+        let uid = given_uid.unwrap_or_else(|| self.rng.uid());
+        m.insert("uid".into(), Value::String(uid));
         m.insert("creationTimestamp".into(), Value::String(now.clone()));
         m.insert("generation".into(), json!(1));
         for k in [
@@ -1122,6 +1133,31 @@ mod tests {
 
     fn pod(name: &str) -> Value {
         json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "ns"}, "spec": {"containers": [{"name": "c"}]}})
+    }
+
+    #[test]
+    fn seeding_keeps_a_given_uid_http_does_not() {
+        let mut st = State::new(100);
+        let rid = st.resolve("pods").expect("pods");
+        let mut given = pod("seeded");
+        given["metadata"]["uid"] = json!("11111111-2222-4333-8444-555555555555");
+        let seeded = st
+            .create(rid, Some("ns"), given.clone(), &WriteOpts::programmatic())
+            .expect("seed");
+        assert_eq!(
+            seeded["metadata"]["uid"],
+            "11111111-2222-4333-8444-555555555555"
+        );
+        given["metadata"]["name"] = json!("over-http");
+        let http = WriteOpts {
+            http: true,
+            ..WriteOpts::programmatic()
+        };
+        let created = st.create(rid, Some("ns"), given, &http).expect("create");
+        assert_ne!(
+            created["metadata"]["uid"],
+            "11111111-2222-4333-8444-555555555555"
+        );
     }
 
     #[test]

@@ -171,16 +171,32 @@ impl Standalone {
         api.create(&without_server_fields(
             NodeBuilder::new(PLAIN_NODE).to_value(),
         ))?;
-        let sample_vmi =
+        // Seeded with its fixture UID, which the committed sample's pod names as its owner.
+        let mut sample_vmi =
             without_server_fields(Vmi::new("tdx-vm").tee(Tee::Tdx).scheduling().build());
+        sample_vmi["metadata"]["uid"] = json!(fixtures::object_uid(
+            "VirtualMachineInstance",
+            fixtures::DEFAULT_NAMESPACE,
+            "tdx-vm"
+        ));
         let stored = api.create(&sample_vmi)?;
         let sample_uid = stored
             .pointer("/metadata/uid")
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_string();
-        let sample_review = root.join("mutate-tdx-pod.json");
-        write_sample_review(&sample_review, &sample_uid)?;
+        let committed = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(SAMPLE_REVIEW);
+        let sample_review =
+            if committed.is_file() && sample_owner_uid(&committed) == Some(sample_uid.clone()) {
+                committed
+            } else {
+                // Run outside a checkout (or the fixture changed): write an equivalent copy.
+                let copy = root.join("mutate-tdx-pod.json");
+                write_sample_review(&copy, &sample_uid)?;
+                copy
+            };
 
         // The simulated host and the agent, in-process, reading it.
         let host = Arc::new(SimHost::builder().capacity(TDX, opts.tdx_keys).build()?);
@@ -401,8 +417,18 @@ fn without_server_fields(mut v: Value) -> Value {
     v
 }
 
-/// Write the committed sample (`mutate-tdx-pod.json`) with its pod owned by `vmi_uid`: the fake API
-/// server assigns UIDs itself, and the webhook refuses a pod whose owner UID names another VMI.
+/// The owner VMI UID of the pod in a sample AdmissionReview file.
+fn sample_owner_uid(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let review: Value = serde_json::from_str(&text).ok()?;
+    review
+        .pointer("/request/object/metadata/ownerReferences/0/uid")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+}
+
+/// Write the sample (`mutate-tdx-pod.json`) with its pod owned by `vmi_uid`, for when the committed
+/// file is not at hand: the webhook refuses a pod whose owner UID names another VMI.
 fn write_sample_review(path: &Path, vmi_uid: &str) -> Result<()> {
     let pod = fixtures::virt_launcher_pod(Tee::Tdx);
     let mut object = fixtures::to_value(&pod);
