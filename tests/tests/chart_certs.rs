@@ -221,7 +221,7 @@ fn generated_certificate_verifies_against_its_ca_for_every_service_name() {
         (3649..=3651).contains(&days),
         "validity {days} days, expected webhook.tls.validityDays=3650"
     );
-    assert_eq!(ca_bundles(&docs), vec![Some(r.ca_b64.clone()); 3]);
+    assert_eq!(ca_bundles(&docs), vec![Some(r.ca_b64.clone()); 4]);
     // The Deployment mounts that Secret.
     let d = find(&docs, "Deployment", SERVICE);
     let volumes = d["spec"]["template"]["spec"]["volumes"]
@@ -281,7 +281,7 @@ fn user_supplied_certificate_is_used_verbatim() {
     assert_eq!(String::from_utf8_lossy(&r.key), key);
     assert_eq!(String::from_utf8_lossy(&r.ca), ca);
     assert_serves_the_service(&r, NAMESPACE);
-    assert_eq!(ca_bundles(&docs), vec![Some(r.ca_b64.clone()); 3]);
+    assert_eq!(ca_bundles(&docs), vec![Some(r.ca_b64.clone()); 4]);
 }
 
 #[test]
@@ -316,7 +316,7 @@ fn existing_secret_is_mounted_and_its_ca_becomes_the_ca_bundle() {
             .any(|v| v["secret"]["secretName"] == "my-webhook-tls")
     );
     let bundles = ca_bundles(&docs);
-    assert_eq!(bundles.len(), 3);
+    assert_eq!(bundles.len(), 4);
     for b in bundles {
         assert_eq!(b64(&b.expect("caBundle")), ca.as_bytes());
     }
