@@ -1,129 +1,214 @@
 //! The chart's ClusterRoles grant exactly the API calls the code makes: nothing missing (the binaries would
 //! fail with 403) and nothing extra (least privilege).
 //!
-//! The tables below list each call with the code path that makes it. A later task replaces or augments them
-//! with the calls the fake API server records during the end-to-end tests.
+//! "What the code makes" is recorded, not written down: the standalone scenario runs the real webhook and
+//! the real agent against the fake API server, each with its own kube client tagged by `User-Agent`, and
+//! every request the server received is mapped to its RBAC terms (verb, group, resource[/subresource]).
+//! Each component's calls must be granted by the ClusterRole bound to its ServiceAccount, and each rule
+//! granted must be either recorded or listed in [`NOT_EXERCISED`] with the code path that needs it.
 //!
 //! Needs `TEEGUARD_HELM` (set by `scripts/chart-tools.sh`, which `scripts/test.sh` sources).
 
 mod chart_support;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::OnceLock;
+use std::time::Duration;
 
 use chart_support::*;
 use serde_json::Value;
+use teeguard_tests::fakeapi::{RecordedRequest, Verb};
+use teeguard_tests::standalone::cluster::{AGENT_USER_AGENT, WEBHOOK_USER_AGENT};
+use teeguard_tests::standalone::{Standalone, StandaloneOptions, run_scenario};
 
-/// One permission: (verb, API group, resource, subresource).
-type Access = (&'static str, &'static str, &'static str, &'static str);
+/// One permission: (verb, API group, resource, subresource; `""` for none).
+type Access = (String, String, String, String);
 
-/// An API call a binary makes and the code path that makes it.
-struct Call {
-    verbs: &'static [&'static str],
+/// A rule the chart grants that the recorded scenario does not exercise, and the code path that needs it.
+struct NotExercised {
+    component: &'static str,
+    verb: &'static str,
     group: &'static str,
     resource: &'static str,
     subresource: &'static str,
     why: &'static str,
 }
 
-const WATCH: &[&str] = &["get", "list", "watch"];
-
-/// What teeguard-webhook calls.
-const WEBHOOK_CALLS: &[Call] = &[
-    Call {
-        verbs: WATCH,
+/// Granted for a code path the scenario does not (or not always) exercise: kept as small as honest. The
+/// cache-miss GETs depend on whether a reflector saw the object before the review came; a run may or may
+/// not record them. The test fails when an entry is not granted (stale).
+const NOT_EXERCISED: &[NotExercised] = &[
+    NotExercised {
+        component: WEBHOOK_USER_AGENT,
+        verb: "get",
         group: "kubevirt.io",
         resource: "virtualmachineinstances",
         subresource: "",
-        why: "webhook/src/caches.rs: VMI reflector + GET on a cache miss; launchSecurity gives the TEE kind",
+        why: "webhook/src/caches.rs vmi: GET on /mutate when the pod's VMI is not cached yet (or has \
+              another UID); the scenario sends the pod right after creating the VMI, so whether the \
+              reflector already has it is a race",
     },
-    Call {
-        verbs: WATCH,
+    NotExercised {
+        component: WEBHOOK_USER_AGENT,
+        verb: "get",
         group: "",
         resource: "namespaces",
         subresource: "",
-        why: "webhook/src/caches.rs: namespace metadata reflector + GET on a miss (exempt and mode labels)",
+        why: "webhook/src/caches.rs namespace_labels: GET when the namespace is not in the reflector's \
+              cache yet (the scenario's namespace exists before the webhook starts)",
     },
-    Call {
-        verbs: WATCH,
-        group: "teeguard.dev",
-        resource: "teecapacities",
-        subresource: "",
-        why: "webhook /validate (pods and bindings): TeeCapacity cache, free keys per node",
-    },
-    Call {
-        verbs: WATCH,
-        group: "",
-        resource: "nodes",
-        subresource: "",
-        why: "webhook /validate on pod CREATE: node metadata cache, which nodes can run the pod",
-    },
-    Call {
-        verbs: WATCH,
+    NotExercised {
+        component: WEBHOOK_USER_AGENT,
+        verb: "get",
         group: "",
         resource: "pods",
         subresource: "",
-        why: "webhook /validate on pods/binding: pod cache + GET of the pod (a Binding has only the name)",
+        why: "webhook/src/caches.rs launcher_pod: GET on pods/binding when the pod is not cached yet or \
+              the cached one has another UID (the scenario binds after the pod reached the cache)",
     },
-    Call {
-        verbs: &["create", "patch"],
+    NotExercised {
+        component: WEBHOOK_USER_AGENT,
+        verb: "patch",
         group: "events.k8s.io",
         resource: "events",
         subresource: "",
-        why: "webhook/src/events.rs: kube's Recorder (events.k8s.io/v1; create, then a merge patch for a \
-              repeat): InsufficientTEEKeys on the VMI",
+        why: "webhook/src/events.rs: kube's Recorder merge-patches a repeat of the same Event within its \
+              6-minute cache (a VMI refused again after EVENT_MIN_INTERVAL, 30 s); the scenario is shorter, \
+              so only creates go out",
     },
 ];
 
-/// What teeguard-agent calls.
-const AGENT_CALLS: &[Call] = &[
-    Call {
-        verbs: &["list", "watch"],
-        group: "",
-        resource: "pods",
-        subresource: "",
-        why: "agent/src/pods.rs watch_pods: reflector, field selector spec.nodeName=$NODE_NAME",
-    },
-    Call {
-        verbs: &["list", "watch", "patch"],
-        group: "",
-        resource: "nodes",
-        subresource: "",
-        why: "agent/src/pods.rs watch_node (reflector, metadata.name=$NODE_NAME); agent/src/advertise.rs \
-              apply: merge patch of the teeguard.dev/extended-resources annotation",
-    },
-    Call {
-        verbs: &["patch"],
-        group: "",
-        resource: "nodes",
-        subresource: "status",
-        why: "agent/src/advertise.rs apply: JSON patch of status.capacity of the extended resources",
-    },
-    Call {
-        verbs: &["create", "patch"],
-        group: "teeguard.dev",
-        resource: "teecapacities",
-        subresource: "",
-        why: "agent/src/publish.rs ensure: server-side apply of its node's TeeCapacity (an apply that \
-              creates the object is also authorized as create)",
-    },
-    Call {
-        verbs: &["patch"],
-        group: "teeguard.dev",
-        resource: "teecapacities",
-        subresource: "status",
-        why: "agent/src/publish.rs publish: server-side apply of the TeeCapacity status",
-    },
-];
+/// The whole scenario's bound: a hung run fails the test instead of CI.
+const SCENARIO_DEADLINE: Duration = Duration::from_secs(120);
 
-fn required(calls: &[Call]) -> BTreeSet<Access> {
-    let mut set = BTreeSet::new();
-    for c in calls {
-        assert!(!c.why.is_empty());
-        for verb in c.verbs {
-            set.insert((*verb, c.group, c.resource, c.subresource));
+/// What each component called, by `User-Agent`, with one example request per permission (for messages).
+#[derive(Debug, Default)]
+struct Recorded {
+    by_component: BTreeMap<String, BTreeMap<Access, String>>,
+}
+
+impl Recorded {
+    fn of(&self, user_agent: &str) -> BTreeSet<Access> {
+        self.by_component
+            .get(user_agent)
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
+fn access(verb: &str, group: &str, resource: &str, subresource: &str) -> Access {
+    (
+        verb.into(),
+        group.into(),
+        resource.into(),
+        subresource.into(),
+    )
+}
+
+/// The RBAC permissions one request needs. A server-side apply that created its object (201) is also
+/// authorized as `create` by kube-apiserver.
+fn needs(r: &RecordedRequest) -> Result<Vec<Access>, String> {
+    let resource = r
+        .resource
+        .clone()
+        .ok_or_else(|| format!("{} {}: not a resource request", r.method, r.path))?;
+    let sub = r.subresource.clone().unwrap_or_default();
+    let verb = match r.verb {
+        Verb::Get
+        | Verb::List
+        | Verb::Watch
+        | Verb::Create
+        | Verb::Update
+        | Verb::Patch
+        | Verb::Delete
+        | Verb::DeleteCollection => r.verb.as_str(),
+        Verb::Discovery | Verb::Other => {
+            return Err(format!(
+                "{} {}: no RBAC rule of the chart covers it",
+                r.method, r.path
+            ));
+        }
+    };
+    let mut out = vec![access(verb, &r.group, &resource, &sub)];
+    let apply = r
+        .content_type
+        .as_deref()
+        .is_some_and(|c| c.starts_with("application/apply-patch"));
+    if r.verb == Verb::Patch && apply && r.response_code == Some(201) {
+        out.push(access("create", &r.group, &resource, &sub));
+    }
+    Ok(out)
+}
+
+/// Group the requests by component; requests from anyone else or with no RBAC equivalent are errors.
+fn classify(requests: &[RecordedRequest]) -> Result<Recorded, Vec<String>> {
+    let mut rec = Recorded::default();
+    let mut errors = Vec::new();
+    for r in requests {
+        let ua = r.user_agent.clone().unwrap_or_default();
+        if ua != WEBHOOK_USER_AGENT && ua != AGENT_USER_AGENT {
+            errors.push(format!(
+                "{} {} from unknown user agent {ua:?}",
+                r.method, r.path
+            ));
+            continue;
+        }
+        match needs(r) {
+            Ok(list) => {
+                let calls = rec.by_component.entry(ua).or_default();
+                for a in list {
+                    calls
+                        .entry(a)
+                        .or_insert_with(|| format!("{} {}", r.method, r.path));
+                }
+            }
+            Err(e) => errors.push(e),
         }
     }
-    set
+    if errors.is_empty() {
+        Ok(rec)
+    } else {
+        Err(errors)
+    }
+}
+
+/// Run the standalone scenario once (shared by the tests of this binary) and classify what it called.
+fn recorded() -> &'static Recorded {
+    static RECORDED: OnceLock<Recorded> = OnceLock::new();
+    RECORDED.get_or_init(|| {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        let requests = rt.block_on(async {
+            let opts = StandaloneOptions {
+                port: 0,
+                ..StandaloneOptions::default()
+            };
+            let mut sa = tokio::time::timeout(SCENARIO_DEADLINE, Standalone::start(&opts))
+                .await
+                .expect("standalone started in time")
+                .expect("standalone starts");
+            let run =
+                tokio::time::timeout(SCENARIO_DEADLINE, run_scenario(&sa, &mut std::io::sink()))
+                    .await;
+            sa.stop().await;
+            let report = run.expect("scenario ended in time").expect("scenario runs");
+            // The run must have exercised the interesting paths: denials (Events) and bindings.
+            assert!(
+                report.pod_denials > 0 && report.binding_denials > 0 && report.patched > 0,
+                "the scenario no longer covers denials and patches: {report:?}"
+            );
+            sa.api.requests()
+        });
+        classify(&requests).unwrap_or_else(|errors| {
+            panic!(
+                "requests the chart's RBAC cannot account for:\n{}",
+                errors.join("\n")
+            )
+        })
+    })
 }
 
 fn strings(v: &Value, field: &str) -> Vec<String> {
@@ -136,7 +221,7 @@ fn strings(v: &Value, field: &str) -> Vec<String> {
 }
 
 /// Every (verb, group, resource, subresource) a rendered ClusterRole grants.
-fn granted(role: &Value) -> BTreeSet<(String, String, String, String)> {
+fn granted(role: &Value) -> BTreeSet<Access> {
     let mut set = BTreeSet::new();
     for rule in role["rules"].as_array().expect("rules") {
         assert!(
@@ -155,12 +240,7 @@ fn granted(role: &Value) -> BTreeSet<(String, String, String, String)> {
                         "wildcards are not least privilege: {rule}"
                     );
                     let (res, sub) = resource.split_once('/').unwrap_or((&resource, ""));
-                    set.insert((
-                        verb.clone(),
-                        group.clone(),
-                        res.to_string(),
-                        sub.to_string(),
-                    ));
+                    set.insert(access(&verb, &group, res, sub));
                 }
             }
         }
@@ -168,37 +248,93 @@ fn granted(role: &Value) -> BTreeSet<(String, String, String, String)> {
     set
 }
 
-fn compare(role_name: &str, role: &Value, calls: &[Call]) {
-    let want: BTreeSet<(String, String, String, String)> = required(calls)
+/// The ClusterRole bound to the ServiceAccount the component's workload runs as.
+fn role_of<'a>(docs: &'a [Value], kind: &str, workload: &str) -> &'a Value {
+    let sa = find(docs, kind, workload)["spec"]["template"]["spec"]["serviceAccountName"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{kind} {workload} names no serviceAccountName"))
+        .to_string();
+    let bindings: Vec<&Value> = all(docs, "ClusterRoleBinding")
         .into_iter()
-        .map(|(v, g, r, s)| (v.into(), g.into(), r.into(), s.into()))
+        .filter(|b| {
+            b["subjects"].as_array().is_some_and(|s| {
+                s.iter().any(|s| {
+                    s["kind"] == "ServiceAccount"
+                        && s["name"] == sa.as_str()
+                        && s["namespace"] == NAMESPACE
+                })
+            })
+        })
         .collect();
+    assert_eq!(bindings.len(), 1, "one ClusterRoleBinding for {sa}");
+    assert_eq!(bindings[0]["roleRef"]["kind"], "ClusterRole");
+    let role = bindings[0]["roleRef"]["name"]
+        .as_str()
+        .expect("roleRef.name");
+    find(docs, "ClusterRole", role)
+}
+
+/// Compare a role with what `component` called plus its [`NOT_EXERCISED`] entries.
+fn compare(component: &str, role: &Value, called: &BTreeSet<Access>) {
     let have = granted(role);
-    let missing: Vec<_> = want.difference(&have).collect();
-    let extra: Vec<_> = have.difference(&want).collect();
+    let mut problems = Vec::new();
+    for a in called.difference(&have) {
+        problems.push(format!("missing (the call gets 403): {a:?}"));
+    }
+    let mut allowed = BTreeSet::new();
+    for n in NOT_EXERCISED.iter().filter(|n| n.component == component) {
+        assert!(!n.why.is_empty());
+        let a = access(n.verb, n.group, n.resource, n.subresource);
+        if !have.contains(&a) {
+            problems.push(format!("NOT_EXERCISED entry is not granted (stale): {a:?}"));
+        }
+        allowed.insert(a);
+    }
+    for a in have.difference(called) {
+        if !allowed.contains(a) {
+            problems.push(format!("extra (never called, not least privilege): {a:?}"));
+        }
+    }
     assert!(
-        missing.is_empty() && extra.is_empty(),
-        "ClusterRole {role_name} differs from the calls the code makes (verb, group, resource, subresource):\n\
-         missing (the binary would get 403): {missing:?}\n\
-         extra (not least privilege): {extra:?}"
+        problems.is_empty(),
+        "ClusterRole of {component} differs from its recorded calls (verb, group, resource, subresource):\n{}",
+        problems.join("\n")
     );
 }
 
 #[test]
-fn cluster_roles_grant_exactly_what_the_code_calls() {
+fn cluster_roles_grant_exactly_what_the_recorded_run_called() {
+    let rec = recorded();
+    let webhook_calls = rec.of(WEBHOOK_USER_AGENT);
+    let agent_calls = rec.of(AGENT_USER_AGENT);
+    for (ua, calls) in &rec.by_component {
+        eprintln!("{ua} called:");
+        for (a, example) in calls {
+            eprintln!("  {a:?}  e.g. {example}");
+        }
+    }
+    assert!(
+        !webhook_calls.is_empty() && !agent_calls.is_empty(),
+        "both components must have called the API: {rec:?}"
+    );
     for stem in VALUES_FILES {
         let docs = render(stem, &[]);
-        let roles = all(&docs, "ClusterRole");
-        assert_eq!(roles.len(), 2, "{stem}: one ClusterRole per binary");
-        let prefix = if stem == "custom" { "tg" } else { "teeguard" };
-        let webhook = format!("{prefix}-webhook");
-        let agent = format!("{prefix}-agent");
-        compare(
-            &webhook,
-            find(&docs, "ClusterRole", &webhook),
-            WEBHOOK_CALLS,
+        assert_eq!(
+            all(&docs, "ClusterRole").len(),
+            2,
+            "{stem}: one ClusterRole per binary"
         );
-        compare(&agent, find(&docs, "ClusterRole", &agent), AGENT_CALLS);
+        let prefix = if stem == "custom" { "tg" } else { "teeguard" };
+        compare(
+            WEBHOOK_USER_AGENT,
+            role_of(&docs, "Deployment", &format!("{prefix}-webhook")),
+            &webhook_calls,
+        );
+        compare(
+            AGENT_USER_AGENT,
+            role_of(&docs, "DaemonSet", &format!("{prefix}-agent")),
+            &agent_calls,
+        );
         // No namespaced Roles: everything the binaries read or write is cluster-wide or in any namespace.
         assert!(all(&docs, "Role").is_empty() && all(&docs, "RoleBinding").is_empty());
     }
@@ -206,40 +342,59 @@ fn cluster_roles_grant_exactly_what_the_code_calls() {
 
 #[test]
 fn comparison_catches_missing_and_extra_rules() {
-    // The comparison above can fail: a role with one rule dropped and one added differs both ways.
+    // The comparison above can fail: a role with a recorded rule dropped and an unused one added differs
+    // both ways.
+    let agent_calls = recorded().of(AGENT_USER_AGENT);
     let docs = render("default", &[]);
-    let mut role = find(&docs, "ClusterRole", "teeguard-agent").clone();
+    let mut role = role_of(&docs, "DaemonSet", "teeguard-agent").clone();
     let rules = role["rules"].as_array_mut().expect("rules");
-    rules.remove(0);
+    rules.retain(|r| r["resources"] != serde_json::json!(["nodes/status"]));
     rules.push(serde_json::json!({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}));
-    let result = std::panic::catch_unwind(|| compare("teeguard-agent", &role, AGENT_CALLS));
+    let result = std::panic::catch_unwind(|| compare(AGENT_USER_AGENT, &role, &agent_calls));
     let message = *result
         .expect_err("a changed role must not match")
         .downcast::<String>()
         .expect("panic message");
-    assert!(message.contains("\"pods\""), "{message}");
+    assert!(message.contains("\"nodes\", \"status\""), "{message}");
     assert!(message.contains("\"secrets\""), "{message}");
 }
 
 #[test]
-fn each_role_is_bound_to_the_service_account_its_workload_runs_as() {
-    for stem in VALUES_FILES {
-        let docs = render(stem, &[]);
-        let prefix = if stem == "custom" { "tg" } else { "teeguard" };
-        for (component, kind) in [("webhook", "Deployment"), ("agent", "DaemonSet")] {
-            let name = format!("{prefix}-{component}");
-            let binding = find(&docs, "ClusterRoleBinding", &name);
-            assert_eq!(binding["roleRef"]["kind"], "ClusterRole");
-            assert_eq!(binding["roleRef"]["name"], name.as_str());
-            let subjects = binding["subjects"].as_array().expect("subjects");
-            assert_eq!(subjects.len(), 1, "{stem} {name}");
-            let workload = find(&docs, kind, &name);
-            assert_eq!(subjects[0]["kind"], "ServiceAccount");
-            assert_eq!(
-                subjects[0]["name"], workload["spec"]["template"]["spec"]["serviceAccountName"],
-                "{stem} {name}"
-            );
-            assert_eq!(subjects[0]["namespace"], NAMESPACE);
-        }
-    }
+fn requests_are_mapped_to_rbac_terms() {
+    // An apply that created its object needs `create` too; one that updated it needs only `patch`; a
+    // request from an untagged client is refused.
+    let apply = |code: u16, ua: &str| RecordedRequest {
+        seq: 1,
+        method: "PATCH".into(),
+        path: "/apis/teeguard.dev/v1alpha1/teecapacities/node-a".into(),
+        query: vec![],
+        verb: Verb::Patch,
+        group: "teeguard.dev".into(),
+        version: "v1alpha1".into(),
+        resource: Some("teecapacities".into()),
+        subresource: None,
+        namespace: None,
+        name: Some("node-a".into()),
+        content_type: Some("application/apply-patch+yaml".into()),
+        accept: None,
+        user_agent: Some(ua.into()),
+        field_manager: Some("teeguard-agent".into()),
+        body: None,
+        response_code: Some(code),
+    };
+    let created = needs(&apply(201, AGENT_USER_AGENT)).expect("resource request");
+    assert_eq!(
+        created,
+        vec![
+            access("patch", "teeguard.dev", "teecapacities", ""),
+            access("create", "teeguard.dev", "teecapacities", "")
+        ]
+    );
+    let updated = needs(&apply(200, AGENT_USER_AGENT)).expect("resource request");
+    assert_eq!(
+        updated,
+        vec![access("patch", "teeguard.dev", "teecapacities", "")]
+    );
+    let errors = classify(&[apply(200, "kube-rs")]).expect_err("untagged client");
+    assert!(errors[0].contains("kube-rs"), "{errors:?}");
 }

@@ -110,15 +110,34 @@ impl ServedFakeApi {
 
     /// A kube client built the way a separate process builds it: from the kubeconfig, over TCP.
     pub async fn client(&self) -> Result<kube::Client, FakeApiError> {
+        self.build_client(None).await
+    }
+
+    /// Like [`ServedFakeApi::client`], sending `User-Agent: <user_agent>` on every request (through kube's
+    /// extra-headers layer), so the request log tells which component made each call.
+    pub async fn client_with_user_agent(
+        &self,
+        user_agent: &str,
+    ) -> Result<kube::Client, FakeApiError> {
+        self.build_client(Some(user_agent)).await
+    }
+
+    async fn build_client(&self, user_agent: Option<&str>) -> Result<kube::Client, FakeApiError> {
         let kc = kube::config::Kubeconfig::from_yaml(&self.kubeconfig_yaml()).map_err(|e| {
             FakeApiError::Kubeconfig(format!("parsing the generated kubeconfig: {e}"))
         })?;
-        let config =
+        let mut config =
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
                 .await
                 .map_err(|e| {
                     FakeApiError::Kubeconfig(format!("loading the generated kubeconfig: {e}"))
                 })?;
+        if let Some(ua) = user_agent {
+            let value = http::HeaderValue::from_str(ua).map_err(|e| {
+                FakeApiError::Kubeconfig(format!("user agent {ua:?} is not a header value: {e}"))
+            })?;
+            config.headers.push((http::header::USER_AGENT, value));
+        }
         kube::Client::try_from(config)
             .map_err(|e| FakeApiError::Kubeconfig(format!("building a client: {e}")))
     }

@@ -2,7 +2,8 @@
 //! for `node-a` with the real agent reading it, and the real webhook serving HTTPS with freshly
 //! generated certificates. The agent runs through `teeguard_agent::run::run` and the webhook through
 //! `teeguard_webhook::app::start`, the entry points the binaries use, with kube clients that talk to
-//! the fake API server over TCP like any client built from a kubeconfig.
+//! the fake API server over TCP like any client built from a kubeconfig. Each client sends its own
+//! `User-Agent` ([`WEBHOOK_USER_AGENT`], [`AGENT_USER_AGENT`]), so the request log tells who called what.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -39,6 +40,10 @@ pub const PLAIN_NODE: &str = "node-b";
 pub const KATA_NODE_LABEL: &str = "katacontainers.io/kata-runtime";
 /// The committed sample the printed `curl` command sends (relative to the repository root).
 pub const SAMPLE_REVIEW: &str = "tests/fixtures/admission/mutate-tdx-pod.json";
+/// `User-Agent` of the webhook's kube client, so the fake API server's log tells its calls apart.
+pub const WEBHOOK_USER_AGENT: &str = "teeguard-webhook";
+/// `User-Agent` of the agent's kube client.
+pub const AGENT_USER_AGENT: &str = "teeguard-agent";
 /// Every start-up wait is bounded by this.
 pub const STARTUP_DEADLINE: Duration = Duration::from_secs(20);
 
@@ -201,7 +206,7 @@ impl Standalone {
         // The simulated host and the agent, in-process, reading it.
         let host = Arc::new(SimHost::builder().capacity(TDX, opts.tdx_keys).build()?);
         let shutdown = CancellationToken::new();
-        let agent_client = served.client().await?;
+        let agent_client = served.client_with_user_agent(AGENT_USER_AGENT).await?;
         let mut agent_opts = AgentOptions::new(TEE_NODE, host.root(), config.clone());
         agent_opts.backoff_initial = Duration::from_millis(100);
         agent_opts.backoff_max = Duration::from_secs(2);
@@ -248,7 +253,7 @@ impl Standalone {
                 });
             }
         };
-        let webhook_client = served.client().await?;
+        let webhook_client = served.client_with_user_agent(WEBHOOK_USER_AGENT).await?;
         let running =
             match teeguard_webhook::app::start(&args, webhook_client, shutdown.child_token()).await
             {
