@@ -1,0 +1,296 @@
+//! Cost of one admission review in the handler, without HTTP or TLS: `review_mutation` (parse the
+//! AdmissionReview, decode the Pod, look up namespace and VMI, decide, build the patch) and
+//! `review_validation` (the same parse, the cgroup-limit check, the node reports and the ledger), plus
+//! `ReviewResponse::to_json` (what the server sends), for a realistic virt-launcher pod (~6 KB
+//! review) and a large one (~20 KB), per TEE kind. Lookups go through the webhook's real `Caches`
+//! (kube reflector stores), warmed from the in-process fake API server with 2 000 VMIs and 20 TEE
+//! nodes with reports: exactly what the server calls.
+//!
+//! `cargo bench -p teeguard-tests --bench admission` (quick: `TEEGUARD_BENCH_QUICK=1`).
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+use support::{Stats, fmt_dur, full_run, section};
+use teeguard_shared::Config;
+use teeguard_tests::fakeapi::{FakeApiServer, Verb};
+use teeguard_tests::fixtures::{AdmissionReviewBuilder, NodeBuilder, Tee, VirtLauncherPod, Vmi};
+use teeguard_webhook::admission::ReviewRequest;
+use teeguard_webhook::caches::Caches;
+use teeguard_webhook::handlers::mutate::review_mutation;
+use teeguard_webhook::handlers::validate::{ValidationContext, review_validation};
+use teeguard_webhook::ledger::Ledger;
+use teeguard_webhook::metrics::{Metrics, Outcome};
+use tokio_util::sync::CancellationToken;
+
+const FILLER_VMIS: usize = 2_000;
+const NODES: usize = 20;
+
+/// A fresh report with plenty of free keys of every kind.
+fn report(node: &str) -> Value {
+    let kind = |name: &str| {
+        json!({"resourceName": name, "capacity": 1_000_000, "kernelUsed": 0, "podsUsed": 0,
+               "external": 0, "pending": 0, "free": 1_000_000})
+    };
+    json!({
+        "apiVersion": "teeguard.dev/v1alpha1",
+        "kind": "TeeCapacity",
+        "metadata": {"name": node},
+        "spec": {"nodeName": node},
+        "status": {
+            "tdx": kind("tdx.intel.com/keys"),
+            "sev": kind("sev.amd.com/asids"),
+            "sevEs": kind("sev-snp.amd.com/esids"),
+            "heartbeatTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
+        }
+    })
+}
+
+/// (extended resource, misc.max annotation value) the mutating webhook gives a pod of `tee`.
+fn key_of(tee: Tee) -> (&'static str, &'static str) {
+    match tee {
+        Tee::Tdx => ("tdx.intel.com/keys", "tdx 1"),
+        Tee::Sev => ("sev.amd.com/asids", "sev 1"),
+        _ => ("sev-snp.amd.com/esids", "sev_es 1"),
+    }
+}
+
+fn owned_by(pod: &Value, uid: &str) -> Value {
+    let mut v = pod.clone();
+    if let Some(refs) = v["metadata"]["ownerReferences"].as_array_mut() {
+        for r in refs {
+            if r["kind"] == "VirtualMachineInstance" {
+                r["uid"] = json!(uid);
+            }
+        }
+    }
+    if v["metadata"]["labels"]
+        .get("kubevirt.io/created-by")
+        .is_some()
+    {
+        v["metadata"]["labels"]["kubevirt.io/created-by"] = json!(uid);
+    }
+    v
+}
+
+fn measure<F: FnMut()>(iterations: usize, mut f: F) -> (Stats, Duration) {
+    for _ in 0..iterations / 10 + 10 {
+        f();
+    }
+    let mut samples = Vec::with_capacity(iterations);
+    let t0 = Instant::now();
+    for _ in 0..iterations {
+        let t = Instant::now();
+        f();
+        samples.push(t.elapsed());
+    }
+    let wall = t0.elapsed();
+    (Stats::from_samples(&mut samples), wall)
+}
+
+fn main() {
+    let full = full_run();
+    let iterations = if full { 20_000 } else { 200 };
+    if !full {
+        println!("quick run (full figures: `cargo bench -p teeguard-tests --bench admission`)");
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let api = FakeApiServer::new();
+    api.create(&json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}}))
+        .expect("namespace");
+    let kinds = [Tee::Tdx, Tee::Sev, Tee::SevEs];
+    let mut uids = Vec::new();
+    for tee in kinds {
+        let stored = api
+            .create(&Vmi::new(&format!("{}-vm", tee.slug())).tee(tee).build())
+            .expect("VMI");
+        uids.push(stored["metadata"]["uid"].as_str().expect("uid").to_string());
+    }
+    let filler = (0..FILLER_VMIS).map(|i| {
+        Vmi::new(&format!("filler-{i}"))
+            .namespace(&format!("ns-{}", i % 20))
+            .tee(Tee::ALL[i % 3 + 1])
+            .build()
+    });
+    api.create_many(filler).expect("filler VMIs");
+    for i in 0..NODES {
+        let name = format!("node{i:02}");
+        let node = match i % 3 {
+            0 => NodeBuilder::new(&name).tdx(64),
+            _ => NodeBuilder::new(&name).sev(16, 500),
+        };
+        api.create(&node.to_value()).expect("node");
+        api.create(&report(&name)).expect("report");
+    }
+
+    let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::new(&mut registry));
+    let token = CancellationToken::new();
+    // Keep the reflector tasks alive (dropping `CacheTasks` aborts them).
+    let (caches, _cache_tasks) = rt.block_on(async {
+        let (caches, tasks) = Caches::start(
+            api.client(),
+            metrics.clone(),
+            Duration::from_secs(2),
+            token.clone(),
+        );
+        tokio::time::timeout(Duration::from_secs(60), caches.wait_synced())
+            .await
+            .expect("caches sync");
+        (caches, tasks)
+    });
+    assert_eq!(caches.vmis.len(), FILLER_VMIS + kinds.len());
+    let config = Config::default();
+    let ledger = Ledger::new(config.admission.ledger_ttl);
+    let ctx = ValidationContext {
+        config: &config,
+        ledger: &ledger,
+        events: None,
+        metrics: Some(&metrics),
+    };
+
+    section(&format!(
+        "admission handler: review_mutation / review_validation + response JSON, warm caches ({} VMIs, {NODES} nodes), one thread",
+        caches.vmis.len()
+    ));
+    println!(
+        "{:<32} {:>9} {:>10} {:>10} {:>10} {:>12}",
+        "case", "body", "mean", "p50", "p99", "reviews/s"
+    );
+    for (large, size) in [(false, "default"), (true, "large")] {
+        for (tee, uid) in kinds.iter().zip(&uids) {
+            let mut pod = VirtLauncherPod::for_tee(&format!("{}-vm", tee.slug()), *tee);
+            if large {
+                pod = pod.large();
+            }
+            let review = AdmissionReviewBuilder::create(owned_by(&pod.to_value(), uid)).build();
+            let body = serde_json::to_vec(&review).expect("json");
+            // The decision must be a patch from a cache hit, or the figure is meaningless.
+            api.clear_requests();
+            let reviewed = rt
+                .block_on(review_mutation(&body, &caches, &config))
+                .expect("review");
+            assert_eq!(reviewed.outcome, Outcome::Patched, "{tee:?}");
+            let gets = api.requests_where(|r| r.verb == Verb::Get);
+            assert!(gets.is_empty(), "cache miss: {gets:?}");
+            api.set_recording(false);
+
+            let (stats, wall) = measure(iterations, || {
+                let r = rt
+                    .block_on(review_mutation(&body, &caches, &config))
+                    .expect("review");
+                std::hint::black_box(r.response.to_json());
+            });
+            println!(
+                "{:<32} {:>6.1} KB {:>10} {:>10} {:>10} {:>12.0}",
+                format!("mutate {} {size}", tee.slug()),
+                body.len() as f64 / 1024.0,
+                fmt_dur(stats.mean),
+                fmt_dur(stats.p50),
+                fmt_dur(stats.p99),
+                iterations as f64 / wall.as_secs_f64()
+            );
+            api.set_recording(true);
+        }
+    }
+
+    // The validating review of the same pods as the API server sends them: mutated (key request and
+    // annotation) and named; once without a node (some matching node must have keys) and once as the
+    // scheduler's binding to a node (check and reserve in the ledger). The pods exist in the API
+    // server, so bindings find them in the webhook's pod cache.
+    let mut validations = Vec::new();
+    for (large, size) in [(false, "default"), (true, "large")] {
+        for (tee, uid) in kinds.iter().zip(&uids) {
+            let (resource, misc) = key_of(*tee);
+            let mut pod = VirtLauncherPod::for_tee(&format!("{}-vm", tee.slug()), *tee)
+                .request(resource, "1")
+                .annotation("misc-max.teeguard.dev/compute", misc)
+                .name(&format!("virt-launcher-{}-vm-{size}", tee.slug()));
+            if large {
+                pod = pod.large();
+            }
+            let pod_json = owned_by(&pod.to_value(), uid);
+            let create = AdmissionReviewBuilder::create(pod_json.clone()).build();
+            let stored = api.create(&pod_json).expect("pod");
+            let stored: Pod = serde_json::from_value(stored).expect("pod");
+            let node = if *tee == Tee::Tdx { "node00" } else { "node01" };
+            let binding = AdmissionReviewBuilder::binding(&stored, node).build();
+            for (what, review) in [("create", create), ("binding", binding)] {
+                let body = serde_json::to_vec(&review).expect("json");
+                validations.push((format!("validate {} {what} {size}", tee.slug()), body));
+            }
+        }
+    }
+    // Let the reflectors (on this runtime) take the new pods in.
+    rt.block_on(async { tokio::time::sleep(Duration::from_millis(500)).await });
+    for (name, body) in &validations {
+        api.clear_requests();
+        let reviewed = rt
+            .block_on(review_validation(body, &caches, &ctx))
+            .expect("review");
+        assert!(
+            reviewed.response.allowed,
+            "{name}: {}",
+            String::from_utf8_lossy(&reviewed.response.to_json())
+        );
+        let gets = api.requests_where(|r| r.verb == Verb::Get);
+        assert!(gets.is_empty(), "{name}: cache miss: {gets:?}");
+        api.set_recording(false);
+        let (stats, wall) = measure(iterations, || {
+            let r = rt
+                .block_on(review_validation(body, &caches, &ctx))
+                .expect("review");
+            std::hint::black_box(r.response.to_json());
+        });
+        api.set_recording(true);
+        println!(
+            "{:<32} {:>6.1} KB {:>10} {:>10} {:>10} {:>12.0}",
+            name,
+            body.len() as f64 / 1024.0,
+            fmt_dur(stats.mean),
+            fmt_dur(stats.p50),
+            fmt_dur(stats.p99),
+            iterations as f64 / wall.as_secs_f64()
+        );
+    }
+
+    section("where the time goes (tdx, default and large pod)");
+    for large in [false, true] {
+        let mut pod = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx);
+        if large {
+            pod = pod.large();
+        }
+        let review = AdmissionReviewBuilder::create(owned_by(&pod.to_value(), &uids[0])).build();
+        let body = serde_json::to_vec(&review).expect("json");
+        let label = if large { "large" } else { "default" };
+        let (envelope, _) = measure(iterations, || {
+            std::hint::black_box(ReviewRequest::parse(&body).expect("parse"));
+        });
+        let (decode, _) = measure(iterations, || {
+            let req = ReviewRequest::parse(&body).expect("parse");
+            std::hint::black_box(req.object::<Pod>().expect("pod"));
+        });
+        let (whole, _) = measure(iterations, || {
+            let r = rt
+                .block_on(review_mutation(&body, &caches, &config))
+                .expect("review");
+            std::hint::black_box(r.response.to_json());
+        });
+        println!(
+            "{label:<8} envelope parse {:>9}  + Pod decode {:>9}  + lookups/decide/patch/response {:>9}  = {:>9} (p50)",
+            fmt_dur(envelope.p50),
+            fmt_dur(decode.p50.saturating_sub(envelope.p50)),
+            fmt_dur(whole.p50.saturating_sub(decode.p50)),
+            fmt_dur(whole.p50)
+        );
+    }
+    token.cancel();
+}

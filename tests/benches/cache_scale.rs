@@ -1,0 +1,368 @@
+//! Cache scale: the real `teeguard-webhook serve` process (release build) against the fake API server
+//! served on 127.0.0.1 (kubeconfig), once with nearly empty caches and once with 50 000 VMIs,
+//! 100 000 pods (50 000 virt-launcher pods) and 5 000 nodes with their TeeCapacity reports.
+//! Printed: time from spawn to `/readyz` 200, the webhook's RSS (VmRSS when ready and after the
+//! reviews, VmHWM peak) read from /proc, and client-side review latency over one keep-alive HTTPS
+//! connection, at empty vs full caches. The fake API server lives in this bench process (several
+//! GB for the full set), which is why the webhook runs as a separate process.
+//!
+//! `cargo bench -p teeguard-tests --bench cache_scale` (quick: `TEEGUARD_BENCH_QUICK=1`). The
+//! webhook binary is built first with `cargo build --release -p teeguard-webhook` (a no-op when up
+//! to date) and taken from the same `target/release` as this bench.
+
+mod support;
+#[path = "../tests/robust_support/mod.rs"]
+mod webhook_support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+use support::{Stats, fmt_dur, full_run, proc_status_kib, release_binary, section};
+use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer};
+use teeguard_tests::fixtures::{self, NodeBuilder, Tee, VirtLauncherPod, Vmi};
+use webhook_support::{
+    Expected, H1, SecretDir, admin_get, ca_and_leaf, check_mutate, client_config, owned_by,
+};
+
+struct Scale {
+    vmis: usize,
+    other_pods: usize,
+    nodes: usize,
+    namespaces: usize,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+fn report(node: &str, free: u64) -> Value {
+    json!({
+        "apiVersion": "teeguard.dev/v1alpha1",
+        "kind": "TeeCapacity",
+        "metadata": {"name": node},
+        "spec": {"nodeName": node},
+        "status": {
+            "tdx": {"resourceName": "tdx.intel.com/keys", "capacity": 64, "kernelUsed": 64 - free,
+                    "podsUsed": 64 - free, "external": 0, "pending": 0, "free": free},
+            "heartbeatTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
+            "agentVersion": "0.1.0"
+        }
+    })
+}
+
+/// The objects the measured reviews need: namespace, the TDX VMI, one TDX node with a report.
+fn seed_base(api: &FakeApiServer) -> String {
+    api.create(&json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}}))
+        .expect("namespace");
+    let vmi = api
+        .create(&Vmi::new("tdx-vm").tee(Tee::Tdx).build())
+        .expect("VMI");
+    api.create(&NodeBuilder::new("node-base").tdx(64).to_value())
+        .expect("node");
+    api.create(&report("node-base", 64)).expect("report");
+    vmi["metadata"]["uid"].as_str().expect("uid").to_string()
+}
+
+/// The bulk: VMIs with their running virt-launcher pods, other pods, nodes and reports.
+fn seed_bulk(api: &FakeApiServer, s: &Scale) {
+    let t = Instant::now();
+    api.create_many((0..s.namespaces).map(|i| {
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": format!("ns-{i}")}})
+    }))
+    .expect("namespaces");
+    let kinds = [Tee::Tdx, Tee::Sev, Tee::SevEs, Tee::Snp, Tee::None];
+    const BATCH: usize = 5_000;
+    for start in (0..s.vmis).step_by(BATCH) {
+        let end = (start + BATCH).min(s.vmis);
+        let vmis: Vec<Value> = (start..end)
+            .map(|i| {
+                Vmi::new(&format!("vm-{i}"))
+                    .namespace(&format!("ns-{}", i % s.namespaces))
+                    .node(&format!("node-{}", i % s.nodes))
+                    .tee(kinds[i % kinds.len()])
+                    .build()
+            })
+            .collect();
+        api.create_many(vmis).expect("VMIs");
+        let pods: Vec<Value> = (start..end)
+            .map(|i| {
+                VirtLauncherPod::for_tee(&format!("vm-{i}"), kinds[i % kinds.len()])
+                    .namespace(&format!("ns-{}", i % s.namespaces))
+                    .running_on(&format!("node-{}", i % s.nodes))
+                    .to_value()
+            })
+            .collect();
+        api.create_many(pods).expect("launcher pods");
+    }
+    for start in (0..s.other_pods).step_by(BATCH) {
+        let end = (start + BATCH).min(s.other_pods);
+        let pods: Vec<Value> = (start..end)
+            .map(|i| {
+                let mut p = fixtures::to_value(&fixtures::kata_pod(
+                    &format!("app-{i}"),
+                    if i % 2 == 0 {
+                        fixtures::KataTee::Tdx
+                    } else {
+                        fixtures::KataTee::Snp
+                    },
+                ));
+                p["metadata"]["namespace"] = json!(format!("ns-{}", i % s.namespaces));
+                p
+            })
+            .collect();
+        api.create_many(pods).expect("other pods");
+    }
+    api.create_many((0..s.nodes).map(|i| {
+        let name = format!("node-{i}");
+        match i % 3 {
+            0 => NodeBuilder::new(&name).tdx(64).to_value(),
+            _ => NodeBuilder::new(&name).sev(16, 500).to_value(),
+        }
+    }))
+    .expect("nodes");
+    api.create_many((0..s.nodes).map(|i| report(&format!("node-{i}"), (i % 5) as u64)))
+        .expect("reports");
+    println!(
+        "seeded {} VMIs, {} pods, {} nodes (+ reports), {} namespaces in {:.1} s",
+        api.count("virtualmachineinstances"),
+        api.count("pods"),
+        api.count("nodes"),
+        api.count("namespaces"),
+        t.elapsed().as_secs_f64()
+    );
+}
+
+struct Measured {
+    ready: Duration,
+    rss_ready_kib: u64,
+    rss_after_kib: u64,
+    hwm_kib: u64,
+    mutate: Stats,
+    validate: Stats,
+}
+
+async fn wait_ready(admin: SocketAddr, child: &mut Child) -> Duration {
+    let t = Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("teeguard-webhook exited early: {status}");
+        }
+        if let Ok(Ok(stream)) = tokio::time::timeout(
+            Duration::from_millis(200),
+            tokio::net::TcpStream::connect(admin),
+        )
+        .await
+        {
+            drop(stream);
+            let (status, _) = admin_get(admin, "/readyz").await;
+            if status.is_success() {
+                return t.elapsed();
+            }
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(600),
+            "not ready after 10 min"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn run_webhook(
+    binary: &Path,
+    kubeconfig: &Path,
+    certs: &SecretDir,
+    ca: rustls::pki_types::CertificateDer<'static>,
+    reviews: &[(Value, Bytes, &'static str)],
+    iterations: usize,
+) -> Measured {
+    let (https, admin) = (free_port(), free_port());
+    let spawned = Instant::now();
+    let mut child = Command::new(binary)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{https}"),
+            "--admin-listen",
+            &format!("127.0.0.1:{admin}"),
+            "--cert-dir",
+            &certs.path().display().to_string(),
+        ])
+        .env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn teeguard-webhook");
+    let pid = child.id();
+    let admin_addr: SocketAddr = ([127, 0, 0, 1], admin).into();
+    let _ = wait_ready(admin_addr, &mut child).await;
+    let ready = spawned.elapsed();
+    let rss_ready_kib = proc_status_kib(pid, "VmRSS").unwrap_or(0);
+    let mut conn = H1::connect(([127, 0, 0, 1], https).into(), client_config(ca)).await;
+    let mut series: Vec<Vec<Duration>> = vec![Vec::new(), Vec::new()];
+    for (k, (review, body, path)) in reviews.iter().enumerate() {
+        for i in 0..iterations + iterations / 10 {
+            let t = Instant::now();
+            let (status, resp) = conn.post(path, body.clone()).await.expect("review");
+            let took = t.elapsed();
+            if *path == "/mutate" {
+                check_mutate(review, status, &resp, &Expected::for_tee(Tee::Tdx)).expect("answer");
+            } else {
+                let v: Value = serde_json::from_slice(&resp).expect("json");
+                assert_eq!(v["response"]["allowed"], true, "{v}");
+            }
+            if i >= iterations / 10 {
+                series[k].push(took);
+            }
+        }
+    }
+    let rss_after_kib = proc_status_kib(pid, "VmRSS").unwrap_or(0);
+    let hwm_kib = proc_status_kib(pid, "VmHWM").unwrap_or(0);
+    let _ = child.kill();
+    let _ = child.wait();
+    Measured {
+        ready,
+        rss_ready_kib,
+        rss_after_kib,
+        hwm_kib,
+        mutate: Stats::from_samples(&mut series[0]),
+        validate: Stats::from_samples(&mut series[1]),
+    }
+}
+
+fn main() {
+    let full = full_run();
+    let scale = if full {
+        Scale {
+            vmis: 50_000,
+            other_pods: 50_000,
+            nodes: 5_000,
+            namespaces: 500,
+        }
+    } else {
+        println!("quick run (full figures: `cargo bench -p teeguard-tests --bench cache_scale`)");
+        Scale {
+            vmis: 500,
+            other_pods: 500,
+            nodes: 50,
+            namespaces: 10,
+        }
+    };
+    let iterations = if full { 2_000 } else { 100 };
+    let binary = release_binary("teeguard-webhook", "teeguard-webhook");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    teeguard_webhook::tls::install_crypto_provider();
+    let (ca, leaf) = ca_and_leaf();
+    let certs = SecretDir::new(leaf.cert_pem(), leaf.key_pem());
+    let dir = tempfile::tempdir().expect("tempdir");
+
+    section(&format!(
+        "webhook process ({}) against the fake API server over TCP; {} reviews per endpoint, one keep-alive connection",
+        binary.display(),
+        iterations
+    ));
+    let mut results = Vec::new();
+    for bulk in [false, true] {
+        // A big watch history would only cost memory here.
+        let api = FakeApiServer::with_options(FakeApiOptions {
+            history_limit: 1_000,
+            record_requests: false,
+            ..FakeApiOptions::default()
+        });
+        let uid = seed_base(&api);
+        if bulk {
+            seed_bulk(&api, &scale);
+        }
+        let mutate_pod = owned_by(
+            &VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx).to_value(),
+            &uid,
+        );
+        let validate_pod = owned_by(
+            &VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx)
+                .request("tdx.intel.com/keys", "1")
+                .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+                .generated_name()
+                .to_value(),
+            &uid,
+        );
+        let reviews: Vec<(Value, Bytes, &'static str)> =
+            [(mutate_pod, "/mutate"), (validate_pod, "/validate")]
+                .into_iter()
+                .map(|(pod, path)| {
+                    let review = fixtures::AdmissionReviewBuilder::create(pod)
+                        .uid("scale")
+                        .build();
+                    let body = Bytes::from(serde_json::to_vec(&review).expect("json"));
+                    (review, body, path)
+                })
+                .collect();
+        let measured = rt.block_on(async {
+            let served = api.serve().await.expect("serve fake API");
+            let kubeconfig = dir.path().join("kubeconfig");
+            served.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+            let m = run_webhook(
+                &binary,
+                &kubeconfig,
+                &certs,
+                ca.cert_der(),
+                &reviews,
+                iterations,
+            )
+            .await;
+            drop(served);
+            m
+        });
+        let label = if bulk {
+            format!(
+                "{} VMIs, {} pods, {} nodes",
+                scale.vmis + 1,
+                scale.vmis + scale.other_pods,
+                scale.nodes + 1
+            )
+        } else {
+            "1 VMI, 0 pods, 1 node".to_string()
+        };
+        results.push((label, measured));
+        drop(api);
+    }
+    println!(
+        "{:<34} {:>9} {:>10} {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10}",
+        "caches",
+        "ready",
+        "RSS ready",
+        "RSS after",
+        "RSS peak",
+        "mutate p50",
+        "p99",
+        "valid. p50",
+        "p99"
+    );
+    for (label, m) in &results {
+        println!(
+            "{:<34} {:>9} {:>7} MiB {:>7} MiB {:>7} MiB | {:>10} {:>10} | {:>10} {:>10}",
+            label,
+            fmt_dur(m.ready),
+            m.rss_ready_kib / 1024,
+            m.rss_after_kib / 1024,
+            m.hwm_kib / 1024,
+            fmt_dur(m.mutate.p50),
+            fmt_dur(m.mutate.p99),
+            fmt_dur(m.validate.p50),
+            fmt_dur(m.validate.p99),
+        );
+    }
+    println!(
+        "target: RSS under 300 MiB with full caches; no review latency growth from empty to full."
+    );
+}

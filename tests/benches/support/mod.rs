@@ -1,0 +1,110 @@
+//! What every bench shares: run mode, latency statistics, process RSS/CPU from /proc, printing.
+//!
+//! Full figures only under `cargo bench` (which passes `--bench`); `TEEGUARD_BENCH_QUICK=1` makes even
+//! that a short smoke run. Without `--bench` (e.g. `cargo test --benches`) every bench is a smoke run.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// True for a full run: `--bench` given and `TEEGUARD_BENCH_QUICK` unset (or `0`).
+pub fn full_run() -> bool {
+    let quick = std::env::var("TEEGUARD_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+    std::env::args().any(|a| a == "--bench") && !quick
+}
+
+/// Latency statistics of one measured series.
+#[derive(Clone, Copy, Debug)]
+pub struct Stats {
+    pub count: usize,
+    pub mean: Duration,
+    pub p50: Duration,
+    pub p99: Duration,
+    pub max: Duration,
+}
+
+impl Stats {
+    /// From raw samples (sorted in place). Panics on an empty series.
+    pub fn from_samples(samples: &mut [Duration]) -> Stats {
+        assert!(!samples.is_empty(), "no samples");
+        samples.sort_unstable();
+        let n = samples.len();
+        let total: Duration = samples.iter().sum();
+        let at = |q: f64| samples[((n as f64 * q).ceil() as usize).clamp(1, n) - 1];
+        Stats {
+            count: n,
+            mean: total / n as u32,
+            p50: at(0.50),
+            p99: at(0.99),
+            max: samples[n - 1],
+        }
+    }
+}
+
+/// `12.3 µs` / `1.23 ms` / `1.23 s`.
+pub fn fmt_dur(d: Duration) -> String {
+    let us = d.as_secs_f64() * 1e6;
+    if us < 1_000.0 {
+        format!("{us:.1} µs")
+    } else if us < 1_000_000.0 {
+        format!("{:.2} ms", us / 1e3)
+    } else {
+        format!("{:.2} s", us / 1e6)
+    }
+}
+
+/// A field of `/proc/<pid>/status` in KiB (`VmRSS`, `VmHWM`).
+pub fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
+/// User + system CPU time of a whole process (all threads), from `/proc/<pid>/stat` (10 ms ticks).
+pub fn proc_cpu(pid: u32) -> Option<Duration> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces) start after the last ')'.
+    let rest = &text[text.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, i.e. 11 and 12 after the state field.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(Duration::from_millis((utime + stime) * 10))
+}
+
+/// The directory of the bench executable's profile (`target/release`).
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/release/deps/<bench>-<hash>
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .map(PathBuf::from)
+        .expect("the bench runs from target/<profile>/deps")
+}
+
+/// Build `package`'s release binary `bin` with cargo (a no-op when up to date) and return its path.
+pub fn release_binary(package: &str, bin: &str) -> PathBuf {
+    let dir = profile_dir();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.args(["build", "--release", "-p", package, "--bin", bin]);
+    // Same target directory as this bench, whatever CARGO_TARGET_DIR says.
+    if let Some(target) = dir.parent() {
+        cmd.env("CARGO_TARGET_DIR", target);
+    }
+    let status = cmd.status().expect("run cargo build");
+    assert!(
+        status.success(),
+        "cargo build --release -p {package} failed"
+    );
+    let path = dir.join(bin);
+    assert!(path.exists(), "{} missing after the build", path.display());
+    path
+}
+
+/// Print a section title.
+pub fn section(title: &str) {
+    println!("\n== {title}");
+}
