@@ -21,8 +21,8 @@ use serde_json::Value;
 use teeguard_tests::fuzzing::{Mutator, admission_corpus, misc_corpus};
 
 /// Iterations per target: a few seconds in a debug build on 2 cores.
-const ADMISSION_ITERATIONS: usize = 1_500;
-const MISC_ITERATIONS: usize = 20_000;
+const ADMISSION_ITERATIONS: usize = 1_000;
+const MISC_ITERATIONS: usize = 10_000;
 const SEED: u64 = 0x7ee9_0a2d_f022_2026;
 
 fn save_failure(target: &str, iteration: usize, input: &[u8]) -> String {
