@@ -208,3 +208,18 @@ fn pathological_inputs() {
         run_one("misc", 0, text.as_bytes(), bodies::misc);
     }
 }
+
+/// KNOWN ISSUE found by `cargo fuzz run misc` (input in `tests/fuzz/regressions/`): a misc-file parse
+/// error quotes the resource name untruncated (`parse_u64`'s `value of {name:?}`, `parse_events`'s
+/// `found key {key:?}`), so one garbage line yields a multi-kilobyte log message. Fix in
+/// `shared/src/misc.rs`: pass names/keys through `truncate` like values.
+#[test]
+#[ignore = "known issue: misc parse errors quote the resource name untruncated"]
+fn regression_misc_unbounded_error_message() {
+    let input = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fuzz/regressions/misc-unbounded-error-message"),
+    )
+    .expect("regression input");
+    run_one("misc regression", 0, &input, bodies::misc);
+}
