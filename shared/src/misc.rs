@@ -12,7 +12,7 @@
 //! whitespace, take the full `u64` range, and report malformed content as [`Error::MiscParse`] naming
 //! the file and line.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -95,10 +95,18 @@ pub enum MiscLimit {
 
 /// Parse `misc.capacity`, `misc.current` or `misc.peak` content. `path` only names the file in errors.
 pub fn parse_values(path: &Path, content: &str) -> Result<MiscValues> {
+    // Linear in the number of lines, whatever the file holds (real files have a handful).
+    let mut index: HashMap<&str, usize> = HashMap::new();
     let mut out = MiscValues::default();
     for (line_no, name, value) in lines(path, content)? {
         let value = parse_u64(path, line_no, name, value)?;
-        out.set(name.to_string(), value);
+        match index.get(name) {
+            Some(&i) => out.entries[i].1 = value,
+            None => {
+                index.insert(name, out.entries.len());
+                out.entries.push((name.to_string(), value));
+            }
+        }
     }
     Ok(out)
 }
@@ -125,7 +133,10 @@ pub fn parse_events(path: &Path, content: &str) -> Result<BTreeMap<String, u64>>
             return Err(Error::MiscParse {
                 path: path.to_path_buf(),
                 line: line_no,
-                reason: format!("expected `<resource>.max <count>`, found key {key:?}"),
+                reason: format!(
+                    "expected `<resource>.max <count>`, found key {:?}",
+                    truncate(key)
+                ),
             });
         };
         if name.is_empty() {
@@ -170,7 +181,8 @@ fn parse_u64(path: &Path, line: usize, name: &str, value: &str) -> Result<u64> {
         path: path.to_path_buf(),
         line,
         reason: format!(
-            "value of {name:?} is {:?}, not an unsigned 64-bit integer",
+            "value of {:?} is {:?}, not an unsigned 64-bit integer",
+            truncate(name),
             truncate(value)
         ),
     })
@@ -386,6 +398,30 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn error_messages_stay_short_and_parsing_is_linear() {
+        let long = "n".repeat(5000);
+        for content in [
+            format!("{long} x\n"),
+            format!("{long}.max x\n"),
+            format!("{long} 1\n"),
+        ] {
+            if let Err(e) = parse_values(p(), &content) {
+                assert!(e.to_string().len() < 300, "{} bytes", e.to_string().len());
+            }
+            if let Err(e) = parse_events(p(), &content) {
+                assert!(e.to_string().len() < 300, "{} bytes", e.to_string().len());
+            }
+        }
+        let many: String = (0..50_000).map(|i| format!("r{i} {i}\n")).collect();
+        let v = parse_values(p(), &many).expect("many names");
+        assert_eq!(v.get_name("r49999"), Some(49_999));
+        assert_eq!(v.entries().count(), 50_000);
+        let dup = parse_values(p(), "tdx 1\ntdx 2\n").expect("duplicate");
+        assert_eq!(dup.get(TeeKind::Tdx), Some(2));
+        assert_eq!(dup.entries().count(), 1);
     }
 
     #[test]

@@ -209,12 +209,9 @@ fn pathological_inputs() {
     }
 }
 
-/// KNOWN ISSUE found by `cargo fuzz run misc` (input in `tests/fuzz/regressions/`): a misc-file parse
-/// error quotes the resource name untruncated (`parse_u64`'s `value of {name:?}`, `parse_events`'s
-/// `found key {key:?}`), so one garbage line yields a multi-kilobyte log message. Fix in
-/// `shared/src/misc.rs`: pass names/keys through `truncate` like values.
+/// Regression found by `cargo fuzz run misc` (input in `tests/fuzz/regressions/`): a misc-file parse
+/// error quoted the resource name untruncated, so one garbage line yielded a multi-kilobyte log message.
 #[test]
-#[ignore = "known issue: misc parse errors quote the resource name untruncated"]
 fn regression_misc_unbounded_error_message() {
     let input = std::fs::read(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
