@@ -441,18 +441,14 @@ async fn clients_that_never_read_do_not_block_others() {
     wh.stop().await;
 }
 
-/// KNOWN ISSUE (reported with issue 8): nothing bounds the time the server spends blocked writing an
-/// answer. A client that pipelines requests and never reads leaves the server blocked on the write:
-/// hyper is not reading a new request head then, so the header-read timeout does not apply, and the
-/// request timeout covers only the body read and the review. The connection keeps its slot until
-/// shutdown; with `--max-connections N`, N such clients lock every other client out (they wait in
-/// the backlog). Fails until the webhook bounds stalled writes (e.g. a per-connection write/idle
-/// timeout wrapping the TLS stream).
+/// A client that pipelines requests and never reads leaves the server blocked writing an answer: hyper
+/// is not reading a new request head then, so the header-read timeout does not apply, and the request
+/// timeout covers only the body read and the review. The write-stall timeout closes such a connection,
+/// so with `--max-connections 1` a well-behaved client still gets in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known issue: a client that never reads keeps its connection slot forever (no write timeout)"]
 async fn stalled_readers_cannot_exhaust_connection_slots() {
     let mut flags = FLAGS.to_vec();
-    flags.extend(["--max-connections", "1"]);
+    flags.extend(["--max-connections", "1", "--write-stall-timeout", "1s"]);
     let (wh, review, body, expected) = tdx_webhook(&flags).await;
     let stalled = stalled_writer(small_buffer_tls(&wh).await).await;
     // Longer than every configured timeout (handshake 1 s, headers 1 s, request 2 s).

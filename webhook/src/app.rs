@@ -169,6 +169,7 @@ pub async fn start(
     let settings = ServerSettings {
         handshake_timeout: args.handshake_timeout,
         header_read_timeout: args.header_read_timeout,
+        write_stall_timeout: args.write_stall_timeout,
         drain_timeout: args.drain_timeout,
         max_connections: args.max_connections,
         ..ServerSettings::default()

@@ -68,6 +68,10 @@ pub struct ServeArgs {
     /// connection goes idle, so it also closes idle connections after this long.
     #[arg(long, env = "TEEGUARD_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub header_read_timeout: Duration,
+    /// Time a response write may make no progress (the client reads nothing) before the connection is
+    /// closed, so clients that stop reading cannot hold connection slots.
+    #[arg(long, env = "TEEGUARD_WRITE_STALL_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub write_stall_timeout: Duration,
     /// Time allowed to read a request and answer it.
     #[arg(long, env = "TEEGUARD_REQUEST_TIMEOUT", default_value = "30s", value_parser = duration)]
     pub request_timeout: Duration,

@@ -31,6 +31,7 @@ pub mod mutation;
 pub mod pods;
 pub mod review;
 pub mod server;
+pub mod stall;
 pub mod state;
 pub mod tls;
 pub mod validation;

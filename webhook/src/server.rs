@@ -24,6 +24,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
+use crate::stall::WriteStallGuard;
 
 /// Connection-level limits of the HTTPS server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +33,9 @@ pub struct ServerSettings {
     pub handshake_timeout: Duration,
     /// Time allowed to receive a request's headers (HTTP/1.1).
     pub header_read_timeout: Duration,
+    /// Time a response write may make no progress before the connection is closed (a client that
+    /// stops reading must not hold its connection slot forever).
+    pub write_stall_timeout: Duration,
     /// Time allowed for in-flight requests to finish after shutdown starts.
     pub drain_timeout: Duration,
     /// Connections served at once; further clients wait in the listen backlog.
@@ -45,6 +49,7 @@ impl Default for ServerSettings {
         ServerSettings {
             handshake_timeout: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(10),
+            write_stall_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(25),
             max_connections: 1024,
             max_concurrent_streams: 256,
@@ -118,6 +123,7 @@ pub async fn serve_https(
         let service = TowerToHyperService::new(router.clone());
         let watcher = graceful.watcher();
         let handshake_timeout = settings.handshake_timeout;
+        let write_stall_timeout = settings.write_stall_timeout;
         conns.spawn(async move {
             let _permit = permit;
             let tls = match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
@@ -132,7 +138,10 @@ pub async fn serve_https(
                 }
             };
             let conn = builder
-                .serve_connection(TokioIo::new(tls), service)
+                .serve_connection(
+                    TokioIo::new(WriteStallGuard::new(tls, write_stall_timeout)),
+                    service,
+                )
                 .into_owned();
             if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
