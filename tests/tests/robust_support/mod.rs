@@ -486,6 +486,7 @@ pub struct ProbeReport {
 /// misbehaves elsewhere; every answer is checked against the expected one.
 pub struct Prober {
     stop: CancellationToken,
+    answers: Arc<std::sync::atomic::AtomicUsize>,
     task: tokio::task::JoinHandle<ProbeReport>,
 }
 
@@ -500,6 +501,8 @@ impl Prober {
     ) -> Prober {
         let stop = CancellationToken::new();
         let token = stop.clone();
+        let answers = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = answers.clone();
         let task = tokio::spawn(async move {
             let mut report = ProbeReport::default();
             let mut conn: Option<H1> = None;
@@ -520,6 +523,7 @@ impl Prober {
                     Ok((status, resp)) => match check_mutate(&review, status, &resp, &expected) {
                         Ok(()) => {
                             report.ok += 1;
+                            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             report.max_latency = report.max_latency.max(t.elapsed());
                         }
                         Err(e) => report.failures.push(e),
@@ -536,11 +540,29 @@ impl Prober {
             }
             report
         });
-        Prober { stop, task }
+        Prober {
+            stop,
+            answers,
+            task,
+        }
     }
 
     /// Stop and return the report.
     pub async fn finish(self) -> ProbeReport {
+        self.finish_after(0).await
+    }
+
+    /// Keep probing until at least `min_ok` correct answers arrived (at most 10 s, so a server that
+    /// stopped answering fails the caller's check instead of hanging), then stop and return the report.
+    /// How many answers fit in a test body depends on how fast it runs, not on the server.
+    pub async fn finish_after(self, min_ok: usize) -> ProbeReport {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while self.answers.load(std::sync::atomic::Ordering::Relaxed) < min_ok
+            && tokio::time::Instant::now() < deadline
+            && !self.task.is_finished()
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         self.stop.cancel();
         bounded("prober stop", self.task)
             .await
