@@ -310,6 +310,32 @@ impl State {
             .position(|r| r.def.api_version() == api_version && r.def.kind == kind)
     }
 
+    /// An object written to a URL must not name another object: its `metadata.name` (and, for
+    /// namespaced resources, `metadata.namespace`), when set, must match the URL's.
+    fn check_url_identity(
+        def: &ResourceDef,
+        obj: &Value,
+        ns: Option<&str>,
+        name: &str,
+    ) -> Result<(), ApiStatus> {
+        if let Some(n) = meta_str(obj, "name")
+            && n != name
+        {
+            return Err(ApiStatus::bad_request(format!(
+                "the name of the object ({n}) does not match the name on the URL ({name})"
+            )));
+        }
+        if def.namespaced
+            && let (Some(b), Some(p)) = (meta_str(obj, "namespace"), ns)
+            && b != p
+        {
+            return Err(ApiStatus::bad_request(
+                "the namespace of the provided object does not match the namespace sent on the request",
+            ));
+        }
+        Ok(())
+    }
+
     fn key(def: &ResourceDef, ns: Option<&str>, name: &str) -> Key {
         let ns = if def.namespaced { ns.unwrap_or("") } else { "" };
         (ns.to_string(), name.to_string())
@@ -563,21 +589,7 @@ impl State {
         let reg = self.resources[rid].clone();
         let def = &reg.def;
         let obj = Self::check_types(&reg, obj, false)?;
-        if let Some(n) = meta_str(&obj, "name")
-            && n != name
-        {
-            return Err(ApiStatus::bad_request(format!(
-                "the name of the object ({n}) does not match the name on the URL ({name})"
-            )));
-        }
-        if def.namespaced
-            && let (Some(b), Some(p)) = (meta_str(&obj, "namespace"), ns)
-            && b != p
-        {
-            return Err(ApiStatus::bad_request(
-                "the namespace of the provided object does not match the namespace sent on the request",
-            ));
-        }
+        Self::check_url_identity(def, &obj, ns, name)?;
         let key = Self::key(def, ns, name);
         let old = self.storages[reg.storage]
             .get(&key)
@@ -667,21 +679,7 @@ impl State {
         let reg = self.resources[rid].clone();
         let def = &reg.def;
         let applied = Self::check_types(&reg, body, true)?;
-        if let Some(n) = meta_str(&applied, "name")
-            && n != name
-        {
-            return Err(ApiStatus::bad_request(format!(
-                "the name of the object ({n}) does not match the name on the URL ({name})"
-            )));
-        }
-        if def.namespaced
-            && let (Some(b), Some(p)) = (meta_str(&applied, "namespace"), ns)
-            && b != p
-        {
-            return Err(ApiStatus::bad_request(
-                "the namespace of the provided object does not match the namespace sent on the request",
-            ));
-        }
+        Self::check_url_identity(def, &applied, ns, name)?;
         let key = Self::key(def, ns, name);
         let old = self.storages[reg.storage].get(&key).cloned();
         let now = now();
