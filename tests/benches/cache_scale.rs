@@ -264,7 +264,7 @@ fn main() {
         .expect("runtime");
     teeguard_webhook::tls::install_crypto_provider();
     let (ca, leaf) = ca_and_leaf();
-    let certs = SecretDir::new(leaf.cert_pem(), leaf.key_pem());
+    let certs = SecretDir::temporary(leaf.cert_pem(), leaf.key_pem()).expect("secret dir");
     let dir = tempfile::tempdir().expect("tempdir");
 
     section(&format!(

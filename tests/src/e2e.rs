@@ -475,6 +475,8 @@ pub struct SecretDir {
     dir: PathBuf,
     current: String,
     generation: u32,
+    /// Set by [`SecretDir::temporary`]: removes the directory when the `SecretDir` is dropped.
+    _owned: Option<tempfile::TempDir>,
 }
 
 impl SecretDir {
@@ -493,7 +495,17 @@ impl SecretDir {
             dir: dir.to_path_buf(),
             current,
             generation: 0,
+            _owned: None,
         })
+    }
+
+    /// Create it in a new temporary directory, removed when the `SecretDir` is dropped.
+    pub fn temporary(cert_pem: &str, key_pem: &str) -> Result<SecretDir> {
+        let temp =
+            tempfile::tempdir().map_err(io_err("create", Path::new("a temporary directory")))?;
+        let mut secret = SecretDir::new(temp.path(), cert_pem, key_pem)?;
+        secret._owned = Some(temp);
+        Ok(secret)
     }
 
     /// The directory.

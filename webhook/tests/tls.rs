@@ -86,7 +86,9 @@ async fn rotation_by_symlink_swap_reaches_new_connections_only() {
     assert_eq!(status, StatusCode::OK);
 
     let second = h.ca.issue(&ServingCertRequest::localhost()).expect("leaf");
-    h.certs.rotate(second.cert_pem(), second.key_pem());
+    h.certs
+        .rotate(second.cert_pem(), second.key_pem())
+        .expect("rotate");
     // The check interval is 30 s: only the directory watch can make this quick.
     wait_for_served(h.https, h.ca_der(), &second.cert_der()).await;
     assert_ne!(first, second.cert_der());
@@ -125,7 +127,7 @@ async fn unusable_pairs_keep_the_old_certificate() {
             .expect("leaf b");
 
     // Key does not match the certificate.
-    h.certs.rotate(a.cert_pem(), b.key_pem());
+    h.certs.rotate(a.cert_pem(), b.key_pem()).expect("rotate");
     wait_for_metric(
         &h,
         r#"teeguard_webhook_cert_reloads_total{result="failed"} 1"#,
@@ -135,7 +137,7 @@ async fn unusable_pairs_keep_the_old_certificate() {
 
     // Half-written certificate.
     let half = &a.cert_pem()[..a.cert_pem().len() / 2];
-    h.certs.rotate(half, a.key_pem());
+    h.certs.rotate(half, a.key_pem()).expect("rotate");
     wait_for_metric(
         &h,
         r#"teeguard_webhook_cert_reloads_total{result="failed"} 2"#,
@@ -144,7 +146,7 @@ async fn unusable_pairs_keep_the_old_certificate() {
     assert_eq!(served_cert(h.https, h.ca_der()).await, first);
 
     // Empty key file.
-    h.certs.rotate(a.cert_pem(), "");
+    h.certs.rotate(a.cert_pem(), "").expect("rotate");
     wait_for_metric(
         &h,
         r#"teeguard_webhook_cert_reloads_total{result="failed"} 3"#,
@@ -153,7 +155,7 @@ async fn unusable_pairs_keep_the_old_certificate() {
     assert_eq!(served_cert(h.https, h.ca_der()).await, first);
 
     // A good pair is picked up again.
-    h.certs.rotate(a.cert_pem(), a.key_pem());
+    h.certs.rotate(a.cert_pem(), a.key_pem()).expect("rotate");
     wait_for_served(h.https, h.ca_der(), &a.cert_der()).await;
     h.stop().await;
 }

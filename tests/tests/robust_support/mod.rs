@@ -49,57 +49,8 @@ pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     }
 }
 
-/// A directory laid out like a kubelet-mounted Secret volume: `..<ts>/{tls.crt,tls.key}`,
-/// `..data -> ..<ts>`, `tls.crt -> ..data/tls.crt`, `tls.key -> ..data/tls.key`.
-pub struct SecretDir {
-    dir: tempfile::TempDir,
-    current: String,
-    generation: u32,
-}
-
-impl SecretDir {
-    /// A directory holding this pair.
-    pub fn new(cert_pem: &str, key_pem: &str) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let current = Self::write_generation(dir.path(), 0, cert_pem, key_pem);
-        std::os::unix::fs::symlink(&current, dir.path().join("..data")).expect("..data");
-        for f in ["tls.crt", "tls.key"] {
-            std::os::unix::fs::symlink(format!("..data/{f}"), dir.path().join(f)).expect("link");
-        }
-        SecretDir {
-            dir,
-            current,
-            generation: 0,
-        }
-    }
-
-    /// The directory.
-    pub fn path(&self) -> &Path {
-        self.dir.path()
-    }
-
-    fn write_generation(root: &Path, generation: u32, cert_pem: &str, key_pem: &str) -> String {
-        let name = format!("..2026_01_01_00_00_{:02}.{generation:06}", generation % 60);
-        let d = root.join(&name);
-        std::fs::create_dir(&d).expect("timestamp dir");
-        std::fs::write(d.join("tls.crt"), cert_pem).expect("write cert");
-        std::fs::write(d.join("tls.key"), key_pem).expect("write key");
-        name
-    }
-
-    /// Rotate like the kubelet's atomic writer: new timestamped dir, a `..data_tmp` symlink renamed
-    /// over `..data`, old dir removed.
-    pub fn rotate(&mut self, cert_pem: &str, key_pem: &str) {
-        self.generation += 1;
-        let root = self.dir.path();
-        let new = Self::write_generation(root, self.generation, cert_pem, key_pem);
-        let tmp = root.join("..data_tmp");
-        std::os::unix::fs::symlink(&new, &tmp).expect("..data_tmp");
-        std::fs::rename(&tmp, root.join("..data")).expect("swap ..data");
-        std::fs::remove_dir_all(root.join(&self.current)).expect("remove old dir");
-        self.current = new;
-    }
-}
+/// The kubelet-style Secret volume layout (`..data` symlink swaps) from the test kit.
+pub use teeguard_tests::e2e::SecretDir;
 
 /// A CA and a serving certificate for localhost / 127.0.0.1 from teeguard-certs.
 pub fn ca_and_leaf() -> (CertificateAuthority, ServingCert) {
@@ -143,7 +94,7 @@ impl Webhook {
     pub async fn start(api: FakeApiServer, extra: &[&str]) -> Webhook {
         teeguard_webhook::tls::install_crypto_provider();
         let (ca, leaf) = ca_and_leaf();
-        let certs = SecretDir::new(leaf.cert_pem(), leaf.key_pem());
+        let certs = SecretDir::temporary(leaf.cert_pem(), leaf.key_pem()).expect("secret dir");
         let args = serve_args(certs.path(), extra);
         let token = CancellationToken::new();
         let running = start(&args, api.client(), token.clone())
@@ -178,7 +129,9 @@ impl Webhook {
             .ca
             .issue(&ServingCertRequest::localhost())
             .expect("leaf");
-        self.certs.rotate(leaf.cert_pem(), leaf.key_pem());
+        self.certs
+            .rotate(leaf.cert_pem(), leaf.key_pem())
+            .expect("rotate certificates");
     }
 
     /// Wait until the VMI cache holds `n` objects.
