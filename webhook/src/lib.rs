@@ -18,6 +18,7 @@
 //! - [`metrics`], [`state`], [`error`].
 
 pub mod admission;
+pub mod admitted;
 pub mod affinity;
 pub mod app;
 pub mod caches;

@@ -7,11 +7,11 @@
 
 use axum::extract::{Request, State};
 use axum::response::Response;
-use k8s_openapi::api::core::v1::Pod;
 use teeguard_shared::Config;
 
 use super::{Reviewed, serve_review};
 use crate::admission::{Operation, ReviewRequest, ReviewResponse};
+use crate::admitted::AdmittedPod;
 use crate::caches::Lookups;
 use crate::error::Result;
 use crate::metrics::Outcome;
@@ -60,7 +60,7 @@ pub async fn review_mutation<L: Lookups>(
             outcome: Outcome::Allowed,
         });
     }
-    let mut pod: Pod = req.object()?;
+    let mut pod = req.object::<AdmittedPod>()?.into_pod();
     if pod.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
         pod.metadata.namespace = Some(req.namespace.clone());
     }

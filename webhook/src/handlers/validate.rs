@@ -28,13 +28,14 @@ use std::time::Instant;
 use axum::extract::{Request, State};
 use axum::response::Response;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
+use k8s_openapi::api::core::v1::{Binding, ObjectReference};
 use teeguard_shared::config::{Mode, StalePolicy};
 use teeguard_shared::pod::{KeyRequests, key_requests, pod_display_name};
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
 use crate::admission::{Operation, ReviewRequest, ReviewResponse};
+use crate::admitted::AdmittedPod;
 use crate::affinity::node_matches;
 use crate::caches::{Lookups, PodLookup};
 use crate::error::Result;
@@ -47,8 +48,8 @@ use crate::mutation::{
 };
 use crate::state::AppState;
 use crate::validation::{
-    Decision, NodeAssessment, Trigger, apply_mode, check_created_limits, check_updated_limits,
-    decide_candidates, decide_on_node, expected_limits, limit_annotations, mode_name,
+    CandidateScan, Decision, NodeAssessment, Trigger, apply_mode, check_created_limits,
+    check_updated_limits, decide_on_node, expected_limits, limit_annotations, mode_name,
     namespace_mode, reason,
 };
 
@@ -236,7 +237,7 @@ async fn pod_create<L: Lookups>(
     ctx: &ValidationContext<'_>,
 ) -> Result<Answer> {
     const REQ: &str = "pod_create";
-    let mut pod: Pod = req.object()?;
+    let mut pod = req.object::<AdmittedPod>()?.into_pod();
     if pod.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
         pod.metadata.namespace = Some(req.namespace.clone());
     }
@@ -326,24 +327,22 @@ async fn pod_create<L: Lookups>(
             let mono = Instant::now();
             let filter =
                 |name: &str, labels: &BTreeMap<String, String>| node_matches(&spec, name, labels);
-            let candidates: Vec<NodeAssessment> = lookups
-                .matching_nodes(&filter)
-                .into_iter()
-                .map(|node| {
-                    let cap = lookups.tee_capacity(&node);
-                    let status = cap.as_ref().and_then(|c| c.status.as_ref());
-                    let held = ctx.ledger.held(&node, mark(cap.as_deref()), mono, &uid);
-                    NodeAssessment::new(
-                        &node,
-                        &requests,
-                        status,
-                        &held,
-                        now,
-                        config.admission.stale_report_after,
-                    )
-                })
-                .collect();
-            let d = apply_mode(decide_candidates(&requests, candidates, policy), mode);
+            // Stops at the first node that fits; otherwise keeps counts and the few nodes a refusal
+            // lists. Nothing is allocated per node (the ledger only for nodes holding reservations).
+            let mut scan = CandidateScan::new(&requests);
+            lookups.scan_nodes(&filter, &mut |node| {
+                let cap = lookups.tee_capacity(node);
+                let status = cap.as_ref().and_then(|c| c.status.as_ref());
+                let held = ctx.ledger.held(node, mark(cap.as_deref()), mono, &uid);
+                scan.offer(
+                    node,
+                    status,
+                    &held,
+                    now,
+                    config.admission.stale_report_after,
+                )
+            });
+            let d = apply_mode(scan.verdict(policy), mode);
             Answer::from_decision(REQ, kind, d, None, mode)
         }
     };
@@ -556,8 +555,8 @@ async fn binding<L: Lookups>(
 
 async fn pod_update<L: Lookups>(req: &ReviewRequest<'_>, lookups: &L) -> Result<Answer> {
     const REQ: &str = "pod_update";
-    let mut new: Pod = req.object()?;
-    let old: Pod = req.old_object()?;
+    let mut new = req.object::<AdmittedPod>()?.into_pod();
+    let old = req.old_object::<AdmittedPod>()?.into_pod();
     if new.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
         new.metadata.namespace = Some(req.namespace.clone());
     }

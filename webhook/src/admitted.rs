@@ -1,0 +1,135 @@
+//! The pod under review, decoded with only the fields admission decisions read.
+//!
+//! A virt-launcher pod in an AdmissionReview is 5–20 KB of JSON: volumes, env, probes, security
+//! contexts, managed fields. Decoding all of it into k8s-openapi types was most of the webhook's CPU per
+//! review. [`AdmittedPod`] names only what the mutating and validating decisions read; serde skips the
+//! rest while scanning, without allocating. [`AdmittedPod::into_pod`] moves the fields into a
+//! k8s-openapi [`Pod`] so the pure decision functions keep one input type.
+//!
+//! A field not listed here reads as absent in the decisions. Adding logic that reads another pod field
+//! means adding that field here; the equivalence test at the bottom compares every decision on the
+//! committed fixtures decoded both ways, and fails when the two disagree.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Affinity, Container, NodeAffinity, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use serde::Deserialize;
+
+use crate::pods::ContainerResources;
+
+/// A core/v1 Pod reduced to what admission decisions read.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct AdmittedPod {
+    /// Metadata, without managed fields and the other bookkeeping fields.
+    #[serde(default)]
+    pub metadata: AdmittedMeta,
+    /// `spec`, reduced.
+    #[serde(default)]
+    pub spec: Option<AdmittedSpec>,
+}
+
+/// `metadata`, reduced.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AdmittedMeta {
+    /// `name`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `generateName`.
+    #[serde(default)]
+    pub generate_name: Option<String>,
+    /// `namespace`.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// `uid`.
+    #[serde(default)]
+    pub uid: Option<String>,
+    /// `labels`.
+    #[serde(default)]
+    pub labels: Option<BTreeMap<String, String>>,
+    /// `annotations`.
+    #[serde(default)]
+    pub annotations: Option<BTreeMap<String, String>>,
+    /// `ownerReferences`.
+    #[serde(default)]
+    pub owner_references: Option<Vec<OwnerReference>>,
+}
+
+/// `spec`, reduced: the key requests (containers, init containers, overhead) and the node
+/// (`nodeName`, `nodeSelector`, required node affinity).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AdmittedSpec {
+    /// `nodeName`.
+    #[serde(default)]
+    pub node_name: Option<String>,
+    /// `nodeSelector`.
+    #[serde(default)]
+    pub node_selector: Option<BTreeMap<String, String>>,
+    /// `affinity`, node affinity only.
+    #[serde(default)]
+    pub affinity: Option<AdmittedAffinity>,
+    /// `containers`, reduced.
+    #[serde(default)]
+    pub containers: Vec<ContainerResources>,
+    /// `initContainers`, reduced.
+    #[serde(default)]
+    pub init_containers: Option<Vec<ContainerResources>>,
+    /// `overhead`.
+    #[serde(default)]
+    pub overhead: Option<BTreeMap<String, Quantity>>,
+}
+
+/// `affinity`, reduced to node affinity (pod affinity does not decide where keys are free).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AdmittedAffinity {
+    /// `nodeAffinity`.
+    #[serde(default)]
+    pub node_affinity: Option<NodeAffinity>,
+}
+
+fn container(c: ContainerResources) -> Container {
+    Container {
+        name: c.name,
+        resources: c.resources,
+        restart_policy: c.restart_policy,
+        ..Container::default()
+    }
+}
+
+impl AdmittedPod {
+    /// A k8s-openapi [`Pod`] carrying exactly these fields (moved, not copied).
+    pub fn into_pod(self) -> Pod {
+        let m = self.metadata;
+        Pod {
+            metadata: ObjectMeta {
+                name: m.name,
+                generate_name: m.generate_name,
+                namespace: m.namespace,
+                uid: m.uid,
+                labels: m.labels,
+                annotations: m.annotations,
+                owner_references: m.owner_references,
+                ..ObjectMeta::default()
+            },
+            spec: self.spec.map(|s| PodSpec {
+                node_name: s.node_name,
+                node_selector: s.node_selector,
+                affinity: s.affinity.map(|a| Affinity {
+                    node_affinity: a.node_affinity,
+                    ..Affinity::default()
+                }),
+                containers: s.containers.into_iter().map(container).collect(),
+                init_containers: s
+                    .init_containers
+                    .map(|v| v.into_iter().map(container).collect()),
+                overhead: s.overhead,
+                ..PodSpec::default()
+            }),
+            status: None,
+        }
+    }
+}

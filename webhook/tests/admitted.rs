@@ -1,0 +1,288 @@
+//! The slim admission decode ([`AdmittedPod`]) against the full k8s-openapi `Pod`: on the committed
+//! admission fixtures and on generated pods covering every field the decisions read, the slim pod must
+//! equal the full pod projected onto the admitted fields, and every decision (classification, mutation
+//! with its patch, key requests, node matching, cgroup-limit checks, display name) must be the same
+//! whichever decode it was given. A decision that starts reading a field the slim type drops fails here.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Affinity, Container, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde_json::{Value, json};
+use teeguard_shared::Config;
+use teeguard_shared::pod::{key_requests, pod_display_name};
+use teeguard_shared::vmi::VirtualMachineInstance;
+use teeguard_tests::fixtures::{self, KataTee, Tee, VirtLauncherPod};
+use teeguard_webhook::admitted::AdmittedPod;
+use teeguard_webhook::affinity::node_matches;
+use teeguard_webhook::mutation::{VmiLookup, classify_pod, decide_mutation};
+use teeguard_webhook::validation::{
+    check_created_limits, check_updated_limits, expected_limits, limit_annotations,
+};
+
+fn slim(value: &Value) -> Pod {
+    serde_json::from_value::<AdmittedPod>(value.clone())
+        .expect("slim decode")
+        .into_pod()
+}
+
+fn full(value: &Value) -> Pod {
+    serde_json::from_value(value.clone()).expect("full decode")
+}
+
+/// The full pod with every field the slim type does not carry cleared.
+fn project(pod: &Pod) -> Pod {
+    let m = &pod.metadata;
+    let container = |c: &Container| Container {
+        name: c.name.clone(),
+        resources: c.resources.clone(),
+        restart_policy: c.restart_policy.clone(),
+        ..Container::default()
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: m.name.clone(),
+            generate_name: m.generate_name.clone(),
+            namespace: m.namespace.clone(),
+            uid: m.uid.clone(),
+            labels: m.labels.clone(),
+            annotations: m.annotations.clone(),
+            owner_references: m.owner_references.clone(),
+            ..ObjectMeta::default()
+        },
+        spec: pod.spec.as_ref().map(|s| PodSpec {
+            node_name: s.node_name.clone(),
+            node_selector: s.node_selector.clone(),
+            affinity: s.affinity.as_ref().map(|a| Affinity {
+                node_affinity: a.node_affinity.clone(),
+                ..Affinity::default()
+            }),
+            containers: s.containers.iter().map(container).collect(),
+            init_containers: s
+                .init_containers
+                .as_ref()
+                .map(|v| v.iter().map(container).collect()),
+            overhead: s.overhead.clone(),
+            ..PodSpec::default()
+        }),
+        status: None,
+    }
+}
+
+fn vmi_lookups() -> Vec<Option<VmiLookup>> {
+    let mut out = vec![
+        None,
+        Some(VmiLookup::NotFound),
+        Some(VmiLookup::Failed("boom".into())),
+    ];
+    for tee in Tee::ALL {
+        let vmi: VirtualMachineInstance =
+            serde_json::from_value(fixtures::vmi(tee)).expect("fixture VMI decodes");
+        out.push(Some(VmiLookup::Found(Arc::new(vmi))));
+    }
+    out
+}
+
+fn node_label_sets() -> Vec<(&'static str, BTreeMap<String, String>)> {
+    let labels = |pairs: &[(&str, &str)]| {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect::<BTreeMap<_, _>>()
+    };
+    vec![
+        ("node-a", labels(&[])),
+        (
+            "node-b",
+            labels(&[("intel.feature.node.kubernetes.io/tdx", "true"), ("zone", "a")]),
+        ),
+        (
+            "node-c",
+            labels(&[
+                ("amd.feature.node.kubernetes.io/sev", "true"),
+                ("amd.feature.node.kubernetes.io/snp", "true"),
+                ("zone", "b"),
+            ]),
+        ),
+    ]
+}
+
+/// Every decision on `value`, decoded fully and slim, must agree.
+fn assert_same_decisions(what: &str, value: &Value) {
+    let f = full(value);
+    let s = slim(value);
+    assert_eq!(project(&f), s, "{what}: slim decode differs from the projection");
+    let config = Config::default();
+    assert_eq!(classify_pod(&f), classify_pod(&s), "{what}: classify_pod");
+    assert_eq!(pod_display_name(&f), pod_display_name(&s), "{what}: name");
+    assert_eq!(
+        key_requests(&f, &config.resources).map_err(|e| e.to_string()),
+        key_requests(&s, &config.resources).map_err(|e| e.to_string()),
+        "{what}: key_requests"
+    );
+    assert_eq!(limit_annotations(&f), limit_annotations(&s), "{what}: limits");
+    assert_eq!(check_updated_limits(&f, &f), check_updated_limits(&s, &s));
+    let ns_labels = [
+        None,
+        Some(BTreeMap::from([("team".to_string(), "a".to_string())])),
+    ];
+    for vmi in vmi_lookups() {
+        for labels in &ns_labels {
+            let df = decide_mutation(&f, vmi.as_ref(), labels.as_ref(), &config);
+            let ds = decide_mutation(&s, vmi.as_ref(), labels.as_ref(), &config);
+            assert_eq!(df, ds, "{what}: decide_mutation with {vmi:?}");
+            let ef = expected_limits(&f, &df, &config);
+            let es = expected_limits(&s, &ds, &config);
+            assert_eq!(ef, es, "{what}: expected_limits");
+            assert_eq!(
+                check_created_limits(&f, &ef),
+                check_created_limits(&s, &es),
+                "{what}: check_created_limits"
+            );
+        }
+    }
+    let empty = PodSpec::default();
+    let (sf, ss) = (
+        f.spec.as_ref().unwrap_or(&empty),
+        s.spec.as_ref().unwrap_or(&empty),
+    );
+    for (name, labels) in node_label_sets() {
+        assert_eq!(
+            node_matches(sf, name, &labels),
+            node_matches(ss, name, &labels),
+            "{what}: node_matches {name}"
+        );
+    }
+}
+
+#[test]
+fn committed_admission_fixtures_decide_the_same() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/admission");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).expect("fixtures dir") {
+        let path = entry.expect("entry").path();
+        let review: Value =
+            serde_json::from_slice(&std::fs::read(&path).expect("read fixture")).expect("json");
+        let request = &review["request"];
+        if request["kind"]["kind"] != "Pod" {
+            continue;
+        }
+        for field in ["object", "oldObject"] {
+            if request[field].is_object() {
+                assert_same_decisions(&format!("{} {field}", path.display()), &request[field]);
+                seen += 1;
+            }
+        }
+    }
+    assert!(seen >= 15, "only {seen} pod objects in {}", dir.display());
+}
+
+#[test]
+fn generated_pods_decide_the_same() {
+    let mut pods: Vec<(String, Value)> = Vec::new();
+    for tee in Tee::ALL {
+        let vmi = format!("{}-vm", tee.slug());
+        pods.push((format!("{tee:?}"), VirtLauncherPod::for_tee(&vmi, tee).to_value()));
+        pods.push((
+            format!("{tee:?} large on a node with keys"),
+            VirtLauncherPod::for_tee(&vmi, tee)
+                .large()
+                .node_name("node-b")
+                .request("tdx.intel.com/keys", "1")
+                .to_value(),
+        ));
+        pods.push((
+            format!("{tee:?} migration target"),
+            VirtLauncherPod::for_tee(&vmi, tee)
+                .migration_target("node-a")
+                .to_value(),
+        ));
+        pods.push((
+            format!("{tee:?} exempt, forged limit"),
+            VirtLauncherPod::for_tee(&vmi, tee)
+                .exempt()
+                .annotation("misc-max.teeguard.dev/compute", "1")
+                .to_value(),
+        ));
+        pods.push((
+            format!("{tee:?} storage binding"),
+            fixtures::to_value(&fixtures::storage_binding_pod(&vmi, tee)),
+        ));
+    }
+    pods.push((
+        "hotplug".into(),
+        fixtures::to_value(&fixtures::hotplug_pod("tdx-vm", "node-a")),
+    ));
+    pods.push((
+        "export".into(),
+        fixtures::to_value(&fixtures::export_pod("disk")),
+    ));
+    for tee in [KataTee::Tdx, KataTee::Snp] {
+        pods.push((
+            format!("kata {tee:?}"),
+            fixtures::to_value(&fixtures::kata_pod("kata", tee)),
+        ));
+    }
+    // Selector, required node affinity (expressions and fields), init and sidecar containers,
+    // overhead, explicit nulls: the scheduling and key-request fields the fixtures leave out.
+    let mut custom = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx).to_value();
+    custom["spec"]["nodeSelector"] = json!({"zone": "a"});
+    custom["spec"]["affinity"] = json!({
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "intel.feature.node.kubernetes.io/tdx", "operator": "In", "values": ["true"]}]},
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-c"]}]}
+        ]}},
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": "x"}}}
+        ]}
+    });
+    custom["spec"]["initContainers"] = json!([
+        {"name": "init", "image": "i", "resources": {"limits": {"tdx.intel.com/keys": "1"}}},
+        {"name": "sidecar", "image": "s", "restartPolicy": "Always",
+         "resources": {"requests": {"tdx.intel.com/keys": "1"}, "limits": {"tdx.intel.com/keys": "1"}}}
+    ]);
+    custom["spec"]["overhead"] = json!({"tdx.intel.com/keys": "1", "memory": "160Mi"});
+    custom["metadata"]["managedFields"] = json!([{"manager": "virt-controller", "operation": "Update",
+        "apiVersion": "v1", "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {"f:labels": {}}}}]);
+    pods.push(("selector, affinity, init, overhead".into(), custom.clone()));
+    let mut nulls = custom;
+    nulls["spec"]["nodeSelector"] = Value::Null;
+    nulls["spec"]["affinity"] = Value::Null;
+    nulls["spec"]["initContainers"] = Value::Null;
+    nulls["metadata"]["annotations"] = Value::Null;
+    pods.push(("explicit nulls".into(), nulls));
+    pods.push(("no spec".into(), json!({"metadata": {"name": "bare"}})));
+    for (what, value) in &pods {
+        assert_same_decisions(what, value);
+    }
+}
+
+#[test]
+fn updated_limits_compare_the_same() {
+    let old = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx)
+        .annotation("misc-max.teeguard.dev/compute", "1")
+        .to_value();
+    let new = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx)
+        .annotation("misc-max.teeguard.dev/compute", "4")
+        .to_value();
+    let by_full = check_updated_limits(&full(&old), &full(&new));
+    assert!(by_full.is_some(), "changing a limit annotation is refused");
+    assert_eq!(by_full, check_updated_limits(&slim(&old), &slim(&new)));
+}
+
+#[test]
+fn bad_objects_are_errors_in_both_decodes() {
+    for bad in [
+        json!({"metadata": {"labels": ["not", "a", "map"]}}),
+        json!({"metadata": {"name": 5}}),
+        json!({"spec": {"containers": [{"name": "compute", "resources": {"limits": {"x": {}}}}]}}),
+        json!({"spec": {"containers": "compute"}}),
+        json!({"spec": {"nodeSelector": {"zone": 1}}}),
+        json!([1, 2]),
+    ] {
+        assert!(serde_json::from_value::<Pod>(bad.clone()).is_err(), "{bad}");
+        assert!(serde_json::from_value::<AdmittedPod>(bad.clone()).is_err(), "{bad}");
+    }
+}
