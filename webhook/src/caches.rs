@@ -12,10 +12,11 @@
 //! `builder.watch(...)` call, and add a lookup method (cache first, one GET on a miss if a miss can be a
 //! race).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Debug;
 use std::hash::Hash;
-use std::sync::Arc;
+use std::ops::ControlFlow;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -56,6 +57,9 @@ pub enum PodLookup {
     Failed(String),
 }
 
+/// A node's labels, as the node cache keeps them.
+pub type NodeLabels = BTreeMap<String, String>;
+
 /// A node-selection predicate: node name and labels.
 pub type NodeFilter<'a> = &'a (dyn Fn(&str, &BTreeMap<String, String>) -> bool + Sync);
 
@@ -85,8 +89,9 @@ pub trait Lookups: Send + Sync {
     /// The node's `TeeCapacity` report, if any (cache only: reports are cluster-scoped and cached).
     fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>>;
 
-    /// Names of the known nodes for which `filter(name, labels)` holds.
-    fn matching_nodes(&self, filter: NodeFilter<'_>) -> Vec<String>;
+    /// Call `visit` with the name of each known node for which `filter(name, labels)` holds, in no
+    /// particular order, until `visit` breaks. Allocates nothing per node.
+    fn scan_nodes(&self, filter: NodeFilter<'_>, visit: &mut dyn FnMut(&str) -> ControlFlow<()>);
 }
 
 /// Spawns reflectors and collects what [`Caches::wait_synced`] waits for.
@@ -139,41 +144,260 @@ impl CacheBuilder {
         K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
     {
         let (reader, writer) = reflector::store::<K>();
+        let ready = reader.clone();
+        self.ready.push(Box::pin(async move {
+            // Only fails if the writer is dropped, i.e. the cache is shutting down.
+            let _ = ready.wait_until_ready().await;
+        }));
+        self.spawn(name, api, config, slim, KubeSink(writer, reader.clone()));
+        reader
+    }
+
+    /// A cache of cluster-scoped objects by name holding `reduce(object)` (after `managedFields` and
+    /// the last-applied annotation are stripped): lookups by `&str` and scans allocate nothing.
+    pub fn watch_named<K, T>(
+        &mut self,
+        name: &'static str,
+        api: Api<K>,
+        config: watcher::Config,
+        reduce: fn(K) -> T,
+    ) -> NamedStore<T>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+        T: Send + Sync + 'static,
+    {
+        let (store, writer) = NamedStore::new(reduce);
+        let mut ready = store.ready.clone();
+        self.ready.push(Box::pin(async move {
+            // Only fails if the writer is dropped, i.e. the cache is shutting down.
+            let _ = ready.wait_for(|r| *r).await;
+        }));
+        self.spawn(name, api, config, |_| {}, writer);
+        store
+    }
+
+    fn spawn<K>(
+        &mut self,
+        name: &'static str,
+        api: Api<K>,
+        config: watcher::Config,
+        slim: impl Fn(&mut K) + Send + Sync + 'static,
+        mut sink: impl Sink<K>,
+    ) where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+    {
         let stream = watcher(api, config)
             .default_backoff()
             .modify(move |o: &mut K| {
                 o.managed_fields_mut().clear();
                 o.annotations_mut().remove(LAST_APPLIED);
                 slim(o);
-            })
-            .reflect(writer);
+            });
         let metrics = self.metrics.clone();
         let shutdown = self.shutdown.clone();
-        let count = reader.clone();
         self.tasks.spawn(async move {
             let mut stream = std::pin::pin!(stream);
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     event = stream.next() => match event {
-                        Some(Ok(_)) => metrics.set_cache_objects(name, count.len()),
+                        Some(Ok(event)) => {
+                            sink.apply(event);
+                            metrics.set_cache_objects(name, sink.len());
+                        }
                         Some(Err(e)) => tracing::warn!(cache = name, error = %e, "watch failed; retrying with backoff"),
                         None => break,
                     }
                 }
             }
         });
-        let ready = reader.clone();
-        self.ready.push(Box::pin(async move {
-            // Only fails if the writer is dropped, i.e. the cache is shutting down.
-            let _ = ready.wait_until_ready().await;
-        }));
-        reader
     }
 
     fn finish(self) -> (CacheTasks, Vec<BoxFuture<'static, ()>>) {
         (CacheTasks { tasks: self.tasks }, self.ready)
     }
+}
+
+/// Where a reflector task puts watch events.
+trait Sink<K>: Send + 'static {
+    fn apply(&mut self, event: watcher::Event<K>);
+    fn len(&self) -> usize;
+}
+
+/// A kube reflector store (writer and a reader for the count).
+struct KubeSink<K: Resource + Clone + 'static>(reflector::store::Writer<K>, Store<K>)
+where
+    K::DynamicType: Eq + Hash + Clone;
+
+impl<K> Sink<K> for KubeSink<K>
+where
+    K: Resource + Clone + Send + Sync + 'static,
+    K::DynamicType: Eq + Hash + Clone + Send + Sync,
+{
+    fn apply(&mut self, event: watcher::Event<K>) {
+        self.0.apply_watcher_event(&event);
+    }
+    fn len(&self) -> usize {
+        self.1.len()
+    }
+}
+
+type NamedMap<T> = HashMap<String, Arc<T>>;
+
+/// A cache of cluster-scoped objects by name, each reduced to a `T` when it arrives. Cheap to clone.
+///
+/// Unlike a kube `Store`, a lookup takes a `&str` (no key to build) and [`NamedStore::scan`] visits the
+/// entries under the read lock without cloning them.
+pub struct NamedStore<T> {
+    map: Arc<RwLock<NamedMap<T>>>,
+    ready: tokio::sync::watch::Receiver<bool>,
+}
+
+impl<T> Clone for NamedStore<T> {
+    fn clone(&self) -> Self {
+        NamedStore {
+            map: self.map.clone(),
+            ready: self.ready.clone(),
+        }
+    }
+}
+
+impl<T> Debug for NamedStore<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NamedStore")
+            .field("len", &self.len())
+            .field("ready", &*self.ready.borrow())
+            .finish()
+    }
+}
+
+impl<T: Send + Sync + 'static> NamedStore<T> {
+    /// An empty store and the writer that fills it from watch events of `K`.
+    fn new<K: Resource + Send + 'static>(reduce: fn(K) -> T) -> (Self, NamedWriter<K, T>) {
+        let map = Arc::new(RwLock::new(HashMap::new()));
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        (
+            NamedStore {
+                map: map.clone(),
+                ready: rx,
+            },
+            NamedWriter {
+                map,
+                buffer: None,
+                reduce,
+                ready: tx,
+            },
+        )
+    }
+}
+
+impl<T> NamedStore<T> {
+    fn read(&self) -> RwLockReadGuard<'_, NamedMap<T>> {
+        // Writers never panic half-way through a change: a poisoned lock still holds a consistent map.
+        self.map.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The entry named `name`.
+    pub fn get(&self, name: &str) -> Option<Arc<T>> {
+        self.read().get(name).cloned()
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    /// Whether the store is empty.
+    pub fn is_empty(&self) -> bool {
+        self.read().is_empty()
+    }
+
+    /// Whether the initial list has been stored.
+    pub fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
+    /// Visit every entry, in no particular order, until `visit` breaks. The read lock is held
+    /// throughout: keep `visit` short and never touch this store from it.
+    pub fn scan(&self, mut visit: impl FnMut(&str, &T) -> ControlFlow<()>) {
+        for (name, value) in self.read().iter() {
+            if visit(name, value).is_break() {
+                break;
+            }
+        }
+    }
+}
+
+/// Fills a [`NamedStore`] from watch events (the initial list is buffered and swapped in whole, like
+/// kube's reflector).
+struct NamedWriter<K, T> {
+    map: Arc<RwLock<NamedMap<T>>>,
+    buffer: Option<NamedMap<T>>,
+    reduce: fn(K) -> T,
+    ready: tokio::sync::watch::Sender<bool>,
+}
+
+impl<K, T> NamedWriter<K, T> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, NamedMap<T>> {
+        self.map.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<K, T> Sink<K> for NamedWriter<K, T>
+where
+    K: Resource + Send + 'static,
+    T: Send + Sync + 'static,
+{
+    fn apply(&mut self, event: watcher::Event<K>) {
+        match event {
+            watcher::Event::Apply(o) => {
+                let name = o.meta().name.clone().unwrap_or_default();
+                let value = Arc::new((self.reduce)(o));
+                self.write().insert(name, value);
+            }
+            watcher::Event::Delete(o) => {
+                let name = o.meta().name.as_deref().unwrap_or_default();
+                self.write().remove(name);
+            }
+            watcher::Event::Init => self.buffer = Some(HashMap::new()),
+            watcher::Event::InitApply(o) => {
+                let name = o.meta().name.clone().unwrap_or_default();
+                let value = Arc::new((self.reduce)(o));
+                self.buffer.get_or_insert_default().insert(name, value);
+            }
+            watcher::Event::InitDone => {
+                let mut fresh = self.buffer.take().unwrap_or_default();
+                fresh.shrink_to_fit();
+                let old = std::mem::replace(&mut *self.write(), fresh);
+                drop(old);
+                self.ready.send_replace(true);
+            }
+        }
+    }
+    fn len(&self) -> usize {
+        self.map
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
+
+/// What the report cache keeps of a `TeeCapacity`: name, `resourceVersion` and the status figures
+/// and heartbeat (no labels, annotations, owners or conditions).
+pub fn slim_report(mut cap: TeeCapacity) -> TeeCapacity {
+    let m = &mut cap.metadata;
+    m.labels = None;
+    m.annotations = None;
+    m.owner_references = None;
+    m.finalizers = None;
+    m.managed_fields = None;
+    if let Some(status) = cap.status.as_mut() {
+        status.conditions = Vec::new();
+        status.agent_version = None;
+    }
+    cap
 }
 
 /// The running reflector tasks; they end when the shutdown token is cancelled.
@@ -199,10 +423,10 @@ pub struct Caches {
     pub vmis: Store<VirtualMachineInstance>,
     /// All Namespaces, metadata only.
     pub namespaces: Store<PartialObjectMeta<Namespace>>,
-    /// All TeeCapacity reports (named after their node).
-    pub tee_capacities: Store<TeeCapacity>,
-    /// All Nodes, metadata only (labels for node selection).
-    pub nodes: Store<PartialObjectMeta<Node>>,
+    /// All TeeCapacity reports (named after their node), reduced by [`slim_report`].
+    pub tee_capacities: NamedStore<TeeCapacity>,
+    /// The labels of every Node (for node selection), by node name.
+    pub nodes: NamedStore<NodeLabels>,
     /// Pods labelled `kubevirt.io=virt-launcher`, reduced to what a binding decision reads.
     pub launcher_pods: Store<LauncherPod>,
     synced: Arc<tokio::sync::watch::Receiver<bool>>,
@@ -240,15 +464,17 @@ impl Caches {
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
         );
-        let tee_capacities = b.watch(
+        let tee_capacities = b.watch_named(
             TEE_CAPACITY_CACHE,
             Api::<TeeCapacity>::all(client.clone()),
             watcher::Config::default().any_semantic(),
+            slim_report,
         );
-        let nodes = b.watch(
+        let nodes = b.watch_named(
             NODE_CACHE,
             Api::<PartialObjectMeta<Node>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
+            |n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default(),
         );
         let launcher_pods = b.watch_with(
             LAUNCHER_POD_CACHE,
@@ -395,19 +621,110 @@ impl Lookups for Caches {
     }
 
     fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>> {
-        self.tee_capacities.get(&ObjectRef::new(node))
+        self.tee_capacities.get(node)
     }
 
-    fn matching_nodes(&self, filter: NodeFilter<'_>) -> Vec<String> {
-        let empty = BTreeMap::new();
-        self.nodes
-            .state()
-            .iter()
-            .filter_map(|n| {
-                let name = n.metadata.name.as_deref()?;
-                let labels = n.metadata.labels.as_ref().unwrap_or(&empty);
-                filter(name, labels).then(|| name.to_string())
-            })
-            .collect()
+    fn scan_nodes(&self, filter: NodeFilter<'_>, visit: &mut dyn FnMut(&str) -> ControlFlow<()>) {
+        self.nodes.scan(|name, labels| {
+            if filter(name, labels) {
+                visit(name)
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::api::ObjectMeta;
+
+    fn node(name: &str, zone: &str) -> PartialObjectMeta<Node> {
+        PartialObjectMeta {
+            types: None,
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some(BTreeMap::from([("zone".to_string(), zone.to_string())])),
+                ..ObjectMeta::default()
+            },
+            _phantom: std::marker::PhantomData,
+        }
+    }
+
+    fn names(store: &NamedStore<NodeLabels>) -> Vec<String> {
+        let mut out = Vec::new();
+        store.scan(|name, _| {
+            out.push(name.to_string());
+            ControlFlow::Continue(())
+        });
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn named_store_follows_watch_events() {
+        let (store, mut w) =
+            NamedStore::new(|n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default());
+        assert!(!store.is_ready() && store.is_empty());
+        w.apply(watcher::Event::Init);
+        w.apply(watcher::Event::InitApply(node("a", "z1")));
+        w.apply(watcher::Event::InitApply(node("b", "z2")));
+        // The initial list is not visible until it is complete.
+        assert!(store.is_empty() && !store.is_ready());
+        w.apply(watcher::Event::InitDone);
+        assert!(store.is_ready());
+        assert_eq!(names(&store), ["a", "b"]);
+        assert_eq!(
+            store.get("b").and_then(|l| l.get("zone").cloned()),
+            Some("z2".into())
+        );
+        w.apply(watcher::Event::Apply(node("b", "z3")));
+        w.apply(watcher::Event::Apply(node("c", "z1")));
+        w.apply(watcher::Event::Delete(node("a", "z1")));
+        assert_eq!(names(&store), ["b", "c"]);
+        assert_eq!(
+            store.get("b").and_then(|l| l.get("zone").cloned()),
+            Some("z3".into())
+        );
+        assert_eq!(Sink::len(&w), 2);
+        // A relist replaces everything at once; objects gone meanwhile disappear.
+        w.apply(watcher::Event::Init);
+        w.apply(watcher::Event::InitApply(node("d", "z1")));
+        assert_eq!(names(&store), ["b", "c"]);
+        w.apply(watcher::Event::InitDone);
+        assert_eq!(names(&store), ["d"]);
+        // A scan stops when told to.
+        w.apply(watcher::Event::Apply(node("e", "z1")));
+        let mut seen = 0;
+        store.scan(|_, _| {
+            seen += 1;
+            ControlFlow::Break(())
+        });
+        assert_eq!(seen, 1);
+    }
+
+    #[test]
+    fn reports_keep_only_what_decisions_read() {
+        let cap: TeeCapacity = serde_json::from_value(serde_json::json!({
+            "apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity",
+            "metadata": {"name": "n1", "resourceVersion": "7", "labels": {"a": "b"},
+                "annotations": {"x": "y"}},
+            "spec": {"nodeName": "n1"},
+            "status": {"tdx": {"resourceName": "tdx.intel.com/keys", "capacity": 4, "kernelUsed": 1,
+                "podsUsed": 1, "external": 0, "pending": 0, "free": 3},
+                "heartbeatTime": "2025-01-01T00:00:00Z", "agentVersion": "0.1.0",
+                "conditions": [{"type": "Ready", "status": "True", "reason": "Ok", "message": "m",
+                    "lastTransitionTime": "2025-01-01T00:00:00Z"}]}
+        }))
+        .expect("report");
+        let slim = slim_report(cap.clone());
+        assert_eq!(slim.metadata.name.as_deref(), Some("n1"));
+        assert_eq!(slim.metadata.resource_version.as_deref(), Some("7"));
+        assert!(slim.metadata.labels.is_none() && slim.metadata.annotations.is_none());
+        let (full, slim) = (cap.status.expect("status"), slim.status.expect("status"));
+        assert!(slim.conditions.is_empty() && !full.conditions.is_empty());
+        assert_eq!(slim.tdx, full.tdx);
+        assert_eq!(slim.heartbeat_time, full.heartbeat_time);
     }
 }

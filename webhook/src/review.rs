@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
+use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -216,16 +217,21 @@ impl Lookups for FileLookups {
         self.tee_capacities.get(node).cloned()
     }
 
-    fn matching_nodes(&self, filter: NodeFilter<'_>) -> Vec<String> {
+    fn scan_nodes(&self, filter: NodeFilter<'_>, visit: &mut dyn FnMut(&str) -> ControlFlow<()>) {
         if self.nodes.is_empty() {
             // No node files: every reported node is a candidate (labels unknown).
-            return self.tee_capacities.keys().cloned().collect();
+            for name in self.tee_capacities.keys() {
+                if visit(name).is_break() {
+                    return;
+                }
+            }
+            return;
         }
-        self.nodes
-            .iter()
-            .filter(|(name, labels)| filter(name, labels))
-            .map(|(name, _)| name.clone())
-            .collect()
+        for (name, labels) in &self.nodes {
+            if filter(name, labels) && visit(name).is_break() {
+                return;
+            }
+        }
     }
 }
 

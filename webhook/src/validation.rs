@@ -14,6 +14,7 @@
 //! denies in both modes: it is a security check, and a namespace label must not switch it off.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 use jiff::Timestamp;
@@ -158,6 +159,53 @@ pub enum Fit {
     Unknown,
 }
 
+/// One kind's figures on a node from its report (or why the report is unknown).
+fn kind_figures(
+    kind: TeeKind,
+    report: &Result<&TeeCapacityStatus, Unknown>,
+    reserved: &KeyRequests,
+) -> KindFigures {
+    match report {
+        Err(u) => KindFigures::Unknown(u.clone()),
+        Ok(s) => match s.kind(kind) {
+            None => KindFigures::NoKeys,
+            Some(k) => KindFigures::Known {
+                free: k.free,
+                capacity: k.capacity,
+                external: k.external,
+                reserved: reserved.get(&kind).copied().unwrap_or(0),
+            },
+        },
+    }
+}
+
+/// Whether a node fits, and its sort rank (most available keys of the scarcest requested kind + 1;
+/// 0 when unknown), from `(keys wanted, figures)` per requested kind. Allocates nothing.
+fn fit_and_rank(kinds: impl Iterator<Item = (u64, KindFigures)>) -> (Fit, u64) {
+    let mut short = false;
+    let mut unknown = false;
+    let mut rank = u64::MAX;
+    let mut any = false;
+    for (want, f) in kinds {
+        any = true;
+        let avail = f.available();
+        match avail {
+            Some(a) if a < want => short = true,
+            Some(_) => {}
+            None => unknown = true,
+        }
+        rank = rank.min(avail.map_or(0, |a| a.saturating_add(1)));
+    }
+    let fit = if short {
+        Fit::Short
+    } else if unknown {
+        Fit::Unknown
+    } else {
+        Fit::Fits
+    };
+    (fit, if any { rank } else { 0 })
+}
+
 /// One node assessed against the pod's requests.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeAssessment {
@@ -181,21 +229,7 @@ impl NodeAssessment {
         let report = current_report(status, now, stale_after);
         let kinds = requests
             .iter()
-            .map(|(kind, n)| {
-                let figures = match &report {
-                    Err(u) => KindFigures::Unknown(u.clone()),
-                    Ok(s) => match s.kind(*kind) {
-                        None => KindFigures::NoKeys,
-                        Some(k) => KindFigures::Known {
-                            free: k.free,
-                            capacity: k.capacity,
-                            external: k.external,
-                            reserved: reserved.get(kind).copied().unwrap_or(0),
-                        },
-                    },
-                };
-                (*kind, *n, figures)
-            })
+            .map(|(kind, n)| (*kind, *n, kind_figures(*kind, &report, reserved)))
             .collect();
         NodeAssessment {
             node: node.to_string(),
@@ -205,24 +239,7 @@ impl NodeAssessment {
 
     /// Whether the pod fits.
     pub fn fit(&self) -> Fit {
-        let mut unknown = false;
-        for (_, want, f) in &self.kinds {
-            match f.available() {
-                Some(a) if a < *want => return Fit::Short,
-                Some(_) => {}
-                None => unknown = true,
-            }
-        }
-        if unknown { Fit::Unknown } else { Fit::Fits }
-    }
-
-    /// Sort rank: most available keys first (the scarcest requested kind counts), unknown last.
-    fn rank(&self) -> u64 {
-        self.kinds
-            .iter()
-            .map(|(_, _, f)| f.available().map_or(0, |a| a.saturating_add(1)))
-            .min()
-            .unwrap_or(0)
+        fit_and_rank(self.kinds.iter().map(|(_, want, f)| (*want, f.clone()))).0
     }
 
     fn unknown(&self) -> Option<&Unknown> {
@@ -378,82 +395,180 @@ pub fn decide_on_node(
 }
 
 /// The verdict for a pod not bound yet: admitted when some candidate node (matching its node selector
-/// and required affinity) has the keys.
+/// and required affinity) has the keys. The same as feeding each candidate to a [`CandidateScan`].
 pub fn decide_candidates(
     requests: &KeyRequests,
-    mut candidates: Vec<NodeAssessment>,
+    candidates: Vec<NodeAssessment>,
     policy: StalePolicy,
 ) -> Verdict {
-    let vm = vm_label(requests);
-    if candidates.is_empty() {
-        return Verdict::Refuse {
-            reason: reason::NO_CANDIDATE_NODES,
-            message: format!(
-                "no node can host {vm}: no node matches the pod's nodeSelector and required node affinity; \
-                 check the VirtualMachineInstance's nodeSelector/affinity and the nodes' labels"
-            ),
-        };
+    let mut scan = CandidateScan::new(requests);
+    for c in candidates {
+        if scan.offer_assessed(c).is_break() {
+            break;
+        }
     }
-    if candidates.iter().any(|c| c.fit() == Fit::Fits) {
-        return Verdict::Admit {
-            reason: reason::ENOUGH_KEYS,
-            warnings: Vec::new(),
-        };
+    scan.verdict(policy)
+}
+
+/// The candidate nodes of a pod not bound yet, folded one at a time in any order.
+///
+/// [`CandidateScan::offer`] says [`ControlFlow::Break`] at the first node that fits (the verdict is then
+/// an admission and the rest need not be looked at). Until then the scan keeps only counts, the best
+/// [`MAX_LISTED_NODES`] nodes for the refusal message (most available keys, then name) and the first
+/// [`MAX_LISTED_NODES`] names (by name) of nodes with unknown reports, so a scan over thousands of nodes
+/// allocates only for the few it may list. The verdict is the same whatever the order of the offers.
+#[derive(Clone, Debug)]
+pub struct CandidateScan<'r> {
+    requests: &'r KeyRequests,
+    total: usize,
+    unknown: usize,
+    fits: bool,
+    /// Sorted best first: rank descending, then name.
+    best: Vec<(u64, NodeAssessment)>,
+    /// Sorted by name.
+    unknown_names: Vec<String>,
+}
+
+impl<'r> CandidateScan<'r> {
+    /// An empty scan for a pod requesting `requests`.
+    pub fn new(requests: &'r KeyRequests) -> Self {
+        CandidateScan {
+            requests,
+            total: 0,
+            unknown: 0,
+            fits: false,
+            best: Vec::new(),
+            unknown_names: Vec::new(),
+        }
     }
-    let unknown: Vec<String> = candidates
-        .iter()
-        .filter(|c| c.fit() == Fit::Unknown)
-        .map(|c| c.node.clone())
-        .collect();
-    if !unknown.is_empty() && policy == StalePolicy::Allow {
-        let shown = list_names(&unknown);
-        return Verdict::Admit {
-            reason: reason::REPORT_UNKNOWN,
-            warnings: vec![format!(
-                "teeguard could not check free {} keys: no node with a current report has enough, and the report of {shown} is missing or stale; allowed by {}",
-                kinds_label(requests),
-                Trigger::PodCreate.policy_field()
-            )],
-        };
+
+    /// Offer the candidate `node` with its report (`None`: no report) and the keys `reserved` there by
+    /// other pods (see [`NodeAssessment::new`]). Allocates only when the node joins the listed few.
+    pub fn offer(
+        &mut self,
+        node: &str,
+        status: Option<&TeeCapacityStatus>,
+        reserved: &KeyRequests,
+        now: Timestamp,
+        stale_after: Duration,
+    ) -> ControlFlow<()> {
+        let report = current_report(status, now, stale_after);
+        let requests = self.requests;
+        let (fit, rank) = fit_and_rank(
+            requests
+                .iter()
+                .map(|(kind, n)| (*n, kind_figures(*kind, &report, reserved))),
+        );
+        self.add(fit, rank, node, || {
+            NodeAssessment::new(node, requests, status, reserved, now, stale_after)
+        })
     }
-    candidates.sort_by(|a, b| b.rank().cmp(&a.rank()).then_with(|| a.node.cmp(&b.node)));
-    let total = candidates.len();
-    let listed: Vec<String> = candidates
-        .iter()
-        .take(MAX_LISTED_NODES)
-        .map(NodeAssessment::describe)
-        .collect();
-    let mut list = listed.join(", ");
-    if total > MAX_LISTED_NODES {
-        list.push_str(&format!(" and {} more", total - MAX_LISTED_NODES));
+
+    /// Offer an already assessed candidate (for `requests` of this scan).
+    pub fn offer_assessed(&mut self, a: NodeAssessment) -> ControlFlow<()> {
+        let (fit, rank) = fit_and_rank(a.kinds.iter().map(|(_, want, f)| (*want, f.clone())));
+        let node = a.node.clone();
+        self.add(fit, rank, &node, || a)
     }
-    let all_unknown = unknown.len() == total;
-    let hint = if unknown.is_empty() {
-        HINT.to_string()
-    } else {
-        format!("{HINT}; {AGENT_HINT}")
-    };
-    Verdict::Refuse {
-        reason: if all_unknown {
-            reason::REPORT_UNKNOWN
+
+    fn add(
+        &mut self,
+        fit: Fit,
+        rank: u64,
+        node: &str,
+        assess: impl FnOnce() -> NodeAssessment,
+    ) -> ControlFlow<()> {
+        self.total += 1;
+        match fit {
+            Fit::Fits => {
+                self.fits = true;
+                return ControlFlow::Break(());
+            }
+            Fit::Unknown => {
+                self.unknown += 1;
+                let at = self.unknown_names.partition_point(|n| n.as_str() < node);
+                if at < MAX_LISTED_NODES {
+                    self.unknown_names.insert(at, node.to_string());
+                    self.unknown_names.truncate(MAX_LISTED_NODES);
+                }
+            }
+            Fit::Short => {}
+        }
+        // Best first: higher rank, then smaller name.
+        let at = self
+            .best
+            .partition_point(|(r, a)| *r > rank || (*r == rank && a.node.as_str() < node));
+        if at < MAX_LISTED_NODES {
+            self.best.insert(at, (rank, assess()));
+            self.best.truncate(MAX_LISTED_NODES);
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Candidates offered so far.
+    pub fn offered(&self) -> usize {
+        self.total
+    }
+
+    /// Whether some offered candidate fits.
+    pub fn fits(&self) -> bool {
+        self.fits
+    }
+
+    /// The verdict over every candidate offered (or up to the first that fits).
+    pub fn verdict(self, policy: StalePolicy) -> Verdict {
+        let requests = self.requests;
+        let vm = vm_label(requests);
+        if self.fits {
+            return Verdict::Admit {
+                reason: reason::ENOUGH_KEYS,
+                warnings: Vec::new(),
+            };
+        }
+        if self.total == 0 {
+            return Verdict::Refuse {
+                reason: reason::NO_CANDIDATE_NODES,
+                message: format!(
+                    "no node can host {vm}: no node matches the pod's nodeSelector and required node affinity; \
+                     check the VirtualMachineInstance's nodeSelector/affinity and the nodes' labels"
+                ),
+            };
+        }
+        if self.unknown > 0 && policy == StalePolicy::Allow {
+            let shown = list_more(self.unknown_names.join(", "), self.unknown);
+            return Verdict::Admit {
+                reason: reason::REPORT_UNKNOWN,
+                warnings: vec![format!(
+                    "teeguard could not check free {} keys: no node with a current report has enough, and the report of {shown} is missing or stale; allowed by {}",
+                    kinds_label(requests),
+                    Trigger::PodCreate.policy_field()
+                )],
+            };
+        }
+        let listed: Vec<String> = self.best.iter().map(|(_, a)| a.describe()).collect();
+        let list = list_more(listed.join(", "), self.total);
+        let hint = if self.unknown == 0 {
+            HINT.to_string()
         } else {
-            reason::INSUFFICIENT_KEYS
-        },
-        message: format!("no node can host {vm}: {list}; {hint}"),
+            format!("{HINT}; {AGENT_HINT}")
+        };
+        Verdict::Refuse {
+            reason: if self.unknown == self.total {
+                reason::REPORT_UNKNOWN
+            } else {
+                reason::INSUFFICIENT_KEYS
+            },
+            message: format!("no node can host {vm}: {list}; {hint}"),
+        }
     }
 }
 
-fn list_names(names: &[String]) -> String {
-    let mut s = names
-        .iter()
-        .take(MAX_LISTED_NODES)
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .join(", ");
-    if names.len() > MAX_LISTED_NODES {
-        s.push_str(&format!(" and {} more", names.len() - MAX_LISTED_NODES));
+/// `list`, followed by ` and N more` when `total` exceeds [`MAX_LISTED_NODES`].
+fn list_more(mut list: String, total: usize) -> String {
+    if total > MAX_LISTED_NODES {
+        list.push_str(&format!(" and {} more", total - MAX_LISTED_NODES));
     }
-    s
+    list
 }
 
 /// The mode for a namespace: its `teeguard.dev/mode` label, else the global mode. An unknown label value
@@ -1019,6 +1134,210 @@ mod tests {
         assert!(
             msg.starts_with("no node can host this TDX VM: no node matches"),
             "{msg}"
+        );
+    }
+
+    /// The candidate verdict as it was computed before [`CandidateScan`]: every candidate assessed,
+    /// sorted and listed (unknown-report names by name).
+    fn reference_verdict(
+        requests: &KeyRequests,
+        mut candidates: Vec<NodeAssessment>,
+        policy: StalePolicy,
+    ) -> Verdict {
+        let vm = vm_label(requests);
+        if candidates.is_empty() {
+            return decide_candidates(requests, Vec::new(), policy);
+        }
+        if candidates.iter().any(|c| c.fit() == Fit::Fits) {
+            return Verdict::Admit {
+                reason: reason::ENOUGH_KEYS,
+                warnings: Vec::new(),
+            };
+        }
+        let rank = |a: &NodeAssessment| {
+            a.kinds
+                .iter()
+                .map(|(_, _, f)| f.available().map_or(0, |a| a + 1))
+                .min()
+                .unwrap_or(0)
+        };
+        let mut unknown: Vec<String> = candidates
+            .iter()
+            .filter(|c| c.fit() == Fit::Unknown)
+            .map(|c| c.node.clone())
+            .collect();
+        unknown.sort();
+        let listing = |names: Vec<String>, total: usize| {
+            let mut s = names
+                .into_iter()
+                .take(MAX_LISTED_NODES)
+                .collect::<Vec<_>>()
+                .join(", ");
+            if total > MAX_LISTED_NODES {
+                s.push_str(&format!(" and {} more", total - MAX_LISTED_NODES));
+            }
+            s
+        };
+        if !unknown.is_empty() && policy == StalePolicy::Allow {
+            let n = unknown.len();
+            return Verdict::Admit {
+                reason: reason::REPORT_UNKNOWN,
+                warnings: vec![format!(
+                    "teeguard could not check free {} keys: no node with a current report has enough, and the report of {} is missing or stale; allowed by admission.staleReportPolicy.podCreate",
+                    kinds_label(requests),
+                    listing(unknown, n)
+                )],
+            };
+        }
+        candidates.sort_by(|a, b| rank(b).cmp(&rank(a)).then_with(|| a.node.cmp(&b.node)));
+        let total = candidates.len();
+        let list = listing(
+            candidates.iter().map(NodeAssessment::describe).collect(),
+            total,
+        );
+        let hint = if unknown.is_empty() {
+            HINT.to_string()
+        } else {
+            format!("{HINT}; {AGENT_HINT}")
+        };
+        Verdict::Refuse {
+            reason: if unknown.len() == total {
+                reason::REPORT_UNKNOWN
+            } else {
+                reason::INSUFFICIENT_KEYS
+            },
+            message: format!("no node can host {vm}: {list}; {hint}"),
+        }
+    }
+
+    /// A small deterministic generator (xorshift), so the property test needs no extra crate.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+    }
+
+    #[test]
+    fn scan_matches_the_full_sort_in_any_order() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let both = KeyRequests::from([(TeeKind::Tdx, 1), (TeeKind::SevEs, 2)]);
+        for round in 0..2_000 {
+            let requests = match round % 3 {
+                0 => tdx(1),
+                1 => tdx(2),
+                _ => both.clone(),
+            };
+            let n = rng.next(14) as usize;
+            let mut candidates = Vec::new();
+            for i in 0..n {
+                // Mostly full nodes, so that refusals (and their lists) are common.
+                let status = match rng.next(8) {
+                    0 => None,
+                    1 => Some(report(Some(kind(8, rng.next(3), rng.next(2))), 600)),
+                    2 => Some(report(None, 5)),
+                    _ => {
+                        let mut s = report(Some(kind(8, rng.next(3), rng.next(2))), 5);
+                        if rng.next(2) == 0 {
+                            s.sev_es = Some(kind(16, rng.next(4), 0));
+                        }
+                        Some(s)
+                    }
+                };
+                let mut reserved = KeyRequests::new();
+                if rng.next(4) == 0 {
+                    reserved.insert(TeeKind::Tdx, rng.next(3));
+                }
+                // Names collide in rank often; a few share prefixes.
+                let name = format!("n{}", (i * 7 + round) % 23);
+                if candidates.iter().any(|(c, _, _)| *c == name) {
+                    continue;
+                }
+                candidates.push((name, status, reserved));
+            }
+            let assessed: Vec<NodeAssessment> = candidates
+                .iter()
+                .map(|(n, s, r)| NodeAssessment::new(n, &requests, s.as_ref(), r, now(), STALE))
+                .collect();
+            for policy in [StalePolicy::Deny, StalePolicy::Allow] {
+                let want = reference_verdict(&requests, assessed.clone(), policy);
+                // Forward, backward and rotated orders, through both entry points.
+                for order in 0..3 {
+                    let mut cs = candidates.clone();
+                    match order {
+                        0 => {}
+                        1 => cs.reverse(),
+                        _ => {
+                            let by = round % cs.len().max(1);
+                            cs.rotate_left(by);
+                        }
+                    }
+                    let mut scan = CandidateScan::new(&requests);
+                    for (n, s, r) in &cs {
+                        if scan.offer(n, s.as_ref(), r, now(), STALE).is_break() {
+                            assert!(scan.fits());
+                            break;
+                        }
+                    }
+                    assert!(scan.offered() <= cs.len());
+                    assert_eq!(scan.verdict(policy), want, "round {round} order {order}");
+                }
+                assert_eq!(
+                    decide_candidates(&requests, assessed.clone(), policy),
+                    want,
+                    "round {round}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scan_stops_at_the_first_fit_and_lists_at_most_five() {
+        let req = tdx(1);
+        let full = report(Some(kind(31, 0, 0)), 5);
+        let one = report(Some(kind(31, 1, 0)), 5);
+        let mut scan = CandidateScan::new(&req);
+        for i in 0..1_000 {
+            let name = format!("node-{i:04}");
+            assert!(
+                scan.offer(&name, Some(&full), &tdx(0), now(), STALE)
+                    .is_continue()
+            );
+        }
+        assert_eq!(scan.best.len(), MAX_LISTED_NODES);
+        assert!(scan.unknown_names.is_empty());
+        let (r, msg) = refused(scan.clone().verdict(StalePolicy::Deny));
+        assert_eq!(r, reason::INSUFFICIENT_KEYS);
+        assert!(
+            msg.starts_with(
+                "no node can host this TDX VM: node-0000 0/31 free, node-0001 0/31 free, node-0002 0/31 free, \
+                 node-0003 0/31 free, node-0004 0/31 free and 995 more; "
+            ),
+            "{msg}"
+        );
+        assert!(
+            scan.offer("late", Some(&one), &tdx(0), now(), STALE)
+                .is_break()
+        );
+        assert_eq!(scan.offered(), 1_001);
+        admitted(scan.verdict(StalePolicy::Deny));
+
+        // Many unknown reports: the warning names the first five by name and counts the rest.
+        let mut scan = CandidateScan::new(&req);
+        for i in (0..12).rev() {
+            let _ = scan.offer(&format!("gone-{i:02}"), None, &tdx(0), now(), STALE);
+        }
+        let (r, w) = admitted(scan.verdict(StalePolicy::Allow));
+        assert_eq!(r, reason::REPORT_UNKNOWN);
+        assert!(
+            w[0].contains(
+                "the report of gone-00, gone-01, gone-02, gone-03, gone-04 and 7 more is missing or stale"
+            ),
+            "{}",
+            w[0]
         );
     }
 

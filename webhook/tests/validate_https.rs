@@ -11,7 +11,6 @@ use std::time::Duration;
 use common::{Harness, WAIT, eventually};
 use http::StatusCode;
 use k8s_openapi::api::core::v1::Pod;
-use kube::runtime::reflector::ObjectRef;
 use serde_json::{Value, json};
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, Verb};
 use teeguard_tests::fixtures::{
@@ -130,7 +129,7 @@ async fn wait_free(h: &Harness, node: &str, free: u64) {
     eventually("report cached", move || {
         caches
             .tee_capacities
-            .get(&ObjectRef::new(&node))
+            .get(&node)
             .and_then(|c| c.status.clone())
             .and_then(|s| s.tdx)
             .is_some_and(|k| k.free == free)
