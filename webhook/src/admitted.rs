@@ -6,6 +6,8 @@
 //! rest while scanning, without allocating. [`AdmittedPod::into_pod`] moves the fields into a
 //! k8s-openapi [`Pod`] so the pure decision functions keep one input type.
 //!
+//! Annotations are filtered while decoding: only [`read_annotation`] keys are kept.
+//!
 //! A field not listed here reads as absent in the decisions. Adding logic that reads another pod field
 //! means adding that field here; the equivalence test at the bottom compares every decision on the
 //! committed fixtures decoded both ways, and fails when the two disagree.
@@ -15,9 +17,53 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Affinity, Container, NodeAffinity, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::Deserialize;
+use teeguard_shared::names;
 
 use crate::pods::ContainerResources;
+
+/// Whether the admission decisions read the pod annotation `key`: the cgroup-limit annotations (the
+/// patch and the forged-limit checks) and KubeVirt's storage-binding marker. Everything else (network
+/// status, tracking ids: often most of a pod's metadata) is skipped while decoding.
+pub fn read_annotation(key: &str) -> bool {
+    names::is_limit_annotation(key) || key == names::EPHEMERAL_PROVISIONING_ANNOTATION
+}
+
+/// `metadata.annotations` keeping only [`read_annotation`] keys; `null` or absent is `None`.
+fn decode_annotations<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<BTreeMap<String, String>>, D::Error> {
+    struct Annotations;
+    impl<'de> Visitor<'de> for Annotations {
+        type Value = Option<BTreeMap<String, String>>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a map of string annotations")
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D2: Deserializer<'de>>(self, d: D2) -> Result<Self::Value, D2::Error> {
+            d.deserialize_map(self)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if read_annotation(&key) {
+                    out.insert(key, map.next_value::<String>()?);
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(Some(out))
+        }
+    }
+    d.deserialize_option(Annotations)
+}
 
 /// A core/v1 Pod reduced to what admission decisions read.
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -49,8 +95,9 @@ pub struct AdmittedMeta {
     /// `labels`.
     #[serde(default)]
     pub labels: Option<BTreeMap<String, String>>,
-    /// `annotations`.
-    #[serde(default)]
+    /// `annotations`, only those the decisions read ([`read_annotation`]); present (possibly
+    /// empty) exactly when the pod has an annotations map, which decides the shape of the patch.
+    #[serde(default, deserialize_with = "decode_annotations")]
     pub annotations: Option<BTreeMap<String, String>>,
     /// `ownerReferences`.
     #[serde(default)]

@@ -15,7 +15,7 @@ use teeguard_shared::Config;
 use teeguard_shared::pod::{key_requests, pod_display_name};
 use teeguard_shared::vmi::VirtualMachineInstance;
 use teeguard_tests::fixtures::{self, KataTee, Tee, VirtLauncherPod};
-use teeguard_webhook::admitted::AdmittedPod;
+use teeguard_webhook::admitted::{AdmittedPod, read_annotation};
 use teeguard_webhook::affinity::node_matches;
 use teeguard_webhook::mutation::{VmiLookup, classify_pod, decide_mutation};
 use teeguard_webhook::validation::{
@@ -48,7 +48,12 @@ fn project(pod: &Pod) -> Pod {
             namespace: m.namespace.clone(),
             uid: m.uid.clone(),
             labels: m.labels.clone(),
-            annotations: m.annotations.clone(),
+            annotations: m.annotations.as_ref().map(|a| {
+                a.iter()
+                    .filter(|(k, _)| read_annotation(k))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect()
+            }),
             owner_references: m.owner_references.clone(),
             ..ObjectMeta::default()
         },
@@ -277,6 +282,8 @@ fn bad_objects_are_errors_in_both_decodes() {
     for bad in [
         json!({"metadata": {"labels": ["not", "a", "map"]}}),
         json!({"metadata": {"name": 5}}),
+        json!({"metadata": {"annotations": ["a"]}}),
+        json!({"metadata": {"annotations": {"misc-max.teeguard.dev/compute": 1}}}),
         json!({"spec": {"containers": [{"name": "compute", "resources": {"limits": {"x": {}}}}]}}),
         json!({"spec": {"containers": "compute"}}),
         json!({"spec": {"nodeSelector": {"zone": 1}}}),

@@ -84,21 +84,43 @@ pub fn profile_dir() -> PathBuf {
         .expect("the bench runs from target/<profile>/deps")
 }
 
+/// The name of the running bench target (`target/release/deps/<name>-<hash>`).
+fn bench_name() -> Option<String> {
+    let exe = std::env::current_exe().ok()?;
+    let stem = exe.file_stem()?.to_str()?;
+    let (name, _hash) = stem.rsplit_once('-')?;
+    Some(name.to_string())
+}
+
 /// Build `package`'s release binary `bin` with cargo (a no-op when up to date) and return its path.
+///
+/// The build selects this bench target of `teeguard-tests` along with the binary, so cargo resolves
+/// features exactly as the `cargo bench -p teeguard-tests` that built this bench did (dev-dependencies
+/// included). Building the binary alone (`cargo build --release -p <package>`) resolves a smaller
+/// feature set, and each bench run would then rebuild part of the shared release tree twice.
 pub fn release_binary(package: &str, bin: &str) -> PathBuf {
     let dir = profile_dir();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = std::process::Command::new(cargo);
-    cmd.args(["build", "--release", "-p", package, "--bin", bin]);
+    cmd.args([
+        "build",
+        "--release",
+        "-p",
+        "teeguard-tests",
+        "-p",
+        package,
+        "--bin",
+        bin,
+    ]);
+    if let Some(bench) = bench_name() {
+        cmd.args(["--bench", &bench]);
+    }
     // Same target directory as this bench, whatever CARGO_TARGET_DIR says.
     if let Some(target) = dir.parent() {
         cmd.env("CARGO_TARGET_DIR", target);
     }
     let status = cmd.status().expect("run cargo build");
-    assert!(
-        status.success(),
-        "cargo build --release -p {package} failed"
-    );
+    assert!(status.success(), "{cmd:?} failed");
     let path = dir.join(bin);
     assert!(path.exists(), "{} missing after the build", path.display());
     path
