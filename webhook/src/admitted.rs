@@ -17,8 +17,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Affinity, Container, NodeAffinity, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::Deserialize;
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 use teeguard_shared::names;
 
 use crate::pods::ContainerResources;

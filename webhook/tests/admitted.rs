@@ -101,7 +101,10 @@ fn node_label_sets() -> Vec<(&'static str, BTreeMap<String, String>)> {
         ("node-a", labels(&[])),
         (
             "node-b",
-            labels(&[("intel.feature.node.kubernetes.io/tdx", "true"), ("zone", "a")]),
+            labels(&[
+                ("intel.feature.node.kubernetes.io/tdx", "true"),
+                ("zone", "a"),
+            ]),
         ),
         (
             "node-c",
@@ -118,7 +121,11 @@ fn node_label_sets() -> Vec<(&'static str, BTreeMap<String, String>)> {
 fn assert_same_decisions(what: &str, value: &Value) {
     let f = full(value);
     let s = slim(value);
-    assert_eq!(project(&f), s, "{what}: slim decode differs from the projection");
+    assert_eq!(
+        project(&f),
+        s,
+        "{what}: slim decode differs from the projection"
+    );
     let config = Config::default();
     assert_eq!(classify_pod(&f), classify_pod(&s), "{what}: classify_pod");
     assert_eq!(pod_display_name(&f), pod_display_name(&s), "{what}: name");
@@ -127,7 +134,11 @@ fn assert_same_decisions(what: &str, value: &Value) {
         key_requests(&s, &config.resources).map_err(|e| e.to_string()),
         "{what}: key_requests"
     );
-    assert_eq!(limit_annotations(&f), limit_annotations(&s), "{what}: limits");
+    assert_eq!(
+        limit_annotations(&f),
+        limit_annotations(&s),
+        "{what}: limits"
+    );
     assert_eq!(check_updated_limits(&f, &f), check_updated_limits(&s, &s));
     let ns_labels = [
         None,
@@ -189,7 +200,10 @@ fn generated_pods_decide_the_same() {
     let mut pods: Vec<(String, Value)> = Vec::new();
     for tee in Tee::ALL {
         let vmi = format!("{}-vm", tee.slug());
-        pods.push((format!("{tee:?}"), VirtLauncherPod::for_tee(&vmi, tee).to_value()));
+        pods.push((
+            format!("{tee:?}"),
+            VirtLauncherPod::for_tee(&vmi, tee).to_value(),
+        ));
         pods.push((
             format!("{tee:?} large on a node with keys"),
             VirtLauncherPod::for_tee(&vmi, tee)
@@ -290,6 +304,9 @@ fn bad_objects_are_errors_in_both_decodes() {
         json!([1, 2]),
     ] {
         assert!(serde_json::from_value::<Pod>(bad.clone()).is_err(), "{bad}");
-        assert!(serde_json::from_value::<AdmittedPod>(bad.clone()).is_err(), "{bad}");
+        assert!(
+            serde_json::from_value::<AdmittedPod>(bad.clone()).is_err(),
+            "{bad}"
+        );
     }
 }
