@@ -1,16 +1,19 @@
 //! In-memory caches of the cluster objects reviews need, so the hot path makes no API call.
 //!
-//! Every cache is a kube reflector (`watcher` + `default_backoff` + `reflect`) started through
-//! [`CacheBuilder::watch`], which strips `managedFields` (and `kubectl`'s last-applied annotation),
-//! keeps an object-count gauge and registers the store for [`Caches::wait_synced`].
+//! Every cache is fed by a kube `watcher` (with `default_backoff`) started through [`CacheBuilder`],
+//! which strips `managedFields` (and `kubectl`'s last-applied annotation) from every object, reduces it
+//! to what decisions read, keeps an object-count gauge and registers the cache for
+//! [`Caches::wait_synced`]. Namespaced caches are kube reflector `Store`s; the cluster-scoped node and
+//! report caches are [`NamedStore`]s (by name, borrowed lookups and allocation-free scans).
 //!
-//! Caches: VMIs and Namespace metadata (mutation and validation), TeeCapacity reports, Node metadata
+//! Caches: VMIs and Namespace labels (mutation and validation), TeeCapacity reports, Node labels
 //! (node selection for pod CREATE) and virt-launcher pods (label `kubevirt.io=virt-launcher`, reduced to
-//! [`LauncherPod`], for bindings).
+//! [`LauncherPod`], for bindings). Memory: everything not read is dropped when the object arrives
+//! (see [`slim_vmi`], [`LauncherPod::slim`], [`slim_report`]).
 //!
-//! Adding a cache: add a `Store<K>` field to [`Caches`], create it in [`Caches::start`] with one
-//! `builder.watch(...)` call, and add a lookup method (cache first, one GET on a miss if a miss can be a
-//! race).
+//! Adding a cache: add a field to [`Caches`], create it in [`Caches::start`] with one
+//! `builder.watch_with(...)` (or `watch_named`) call, and add a lookup method (cache first, one GET on a
+//! miss if a miss can be a race).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Debug;
@@ -23,7 +26,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::core::PartialObjectMeta;
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
@@ -33,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{LookupResult, Metrics};
 use crate::mutation::{VmiLookup, VmiRef};
-use crate::pods::{LauncherPod, slim_annotations};
+use crate::pods::{CachedLauncherPod, LauncherPod, slim_meta};
 
 /// Name of the VMI cache (metrics label).
 pub const VMI_CACHE: &str = "vmis";
@@ -244,14 +247,61 @@ where
     }
 }
 
-type NamedMap<T> = HashMap<String, Arc<T>>;
+/// Objects by namespace (`""` for cluster-scoped kinds), then name: a namespace's name is stored once
+/// for all its objects, and lookups take `&str`s.
+#[derive(Debug)]
+struct Objects<T> {
+    by_namespace: HashMap<String, HashMap<String, Arc<T>>>,
+    len: usize,
+}
 
-/// A cache of cluster-scoped objects by name, each reduced to a `T` when it arrives. Cheap to clone.
+impl<T> Default for Objects<T> {
+    fn default() -> Self {
+        Objects {
+            by_namespace: HashMap::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T> Objects<T> {
+    fn get(&self, namespace: &str, name: &str) -> Option<&Arc<T>> {
+        self.by_namespace.get(namespace)?.get(name)
+    }
+
+    fn insert(&mut self, namespace: &str, name: String, value: Arc<T>) {
+        if !self.by_namespace.contains_key(namespace) {
+            self.by_namespace
+                .insert(namespace.to_string(), HashMap::new());
+        }
+        let Some(names) = self.by_namespace.get_mut(namespace) else {
+            return;
+        };
+        if names.insert(name, value).is_none() {
+            self.len += 1;
+        }
+    }
+
+    fn remove(&mut self, namespace: &str, name: &str) {
+        let Some(names) = self.by_namespace.get_mut(namespace) else {
+            return;
+        };
+        if names.remove(name).is_some() {
+            self.len -= 1;
+        }
+        if names.is_empty() {
+            self.by_namespace.remove(namespace);
+        }
+    }
+}
+
+/// A cache of objects by namespace and name, each reduced to a `T` when it arrives (kube's reflector
+/// `Store` keeps the whole object, keyed by an `ObjectRef` holding four more strings). Cheap to clone.
 ///
-/// Unlike a kube `Store`, a lookup takes a `&str` (no key to build) and [`NamedStore::scan`] visits the
-/// entries under the read lock without cloning them.
+/// Lookups take `&str`s (no key to build) and [`NamedStore::scan`] visits the entries under the read
+/// lock without cloning them.
 pub struct NamedStore<T> {
-    map: Arc<RwLock<NamedMap<T>>>,
+    map: Arc<RwLock<Objects<T>>>,
     ready: tokio::sync::watch::Receiver<bool>,
 }
 
@@ -276,7 +326,7 @@ impl<T> Debug for NamedStore<T> {
 impl<T: Send + Sync + 'static> NamedStore<T> {
     /// An empty store and the writer that fills it from watch events of `K`.
     fn new<K: Resource + Send + 'static>(reduce: fn(K) -> T) -> (Self, NamedWriter<K, T>) {
-        let map = Arc::new(RwLock::new(HashMap::new()));
+        let map = Arc::new(RwLock::new(Objects::default()));
         let (tx, rx) = tokio::sync::watch::channel(false);
         (
             NamedStore {
@@ -294,24 +344,29 @@ impl<T: Send + Sync + 'static> NamedStore<T> {
 }
 
 impl<T> NamedStore<T> {
-    fn read(&self) -> RwLockReadGuard<'_, NamedMap<T>> {
+    fn read(&self) -> RwLockReadGuard<'_, Objects<T>> {
         // Writers never panic half-way through a change: a poisoned lock still holds a consistent map.
         self.map.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The entry named `name`.
+    /// The cluster-scoped object named `name`.
     pub fn get(&self, name: &str) -> Option<Arc<T>> {
-        self.read().get(name).cloned()
+        self.read().get("", name).cloned()
     }
 
-    /// Number of entries.
+    /// The object `namespace/name`.
+    pub fn get_namespaced(&self, namespace: &str, name: &str) -> Option<Arc<T>> {
+        self.read().get(namespace, name).cloned()
+    }
+
+    /// Number of objects.
     pub fn len(&self) -> usize {
-        self.read().len()
+        self.read().len
     }
 
     /// Whether the store is empty.
     pub fn is_empty(&self) -> bool {
-        self.read().is_empty()
+        self.len() == 0
     }
 
     /// Whether the initial list has been stored.
@@ -319,12 +374,14 @@ impl<T> NamedStore<T> {
         *self.ready.borrow()
     }
 
-    /// Visit every entry, in no particular order, until `visit` breaks. The read lock is held
-    /// throughout: keep `visit` short and never touch this store from it.
+    /// Visit every object (name and value), in no particular order, until `visit` breaks. The read
+    /// lock is held throughout: keep `visit` short and never write to this store from it.
     pub fn scan(&self, mut visit: impl FnMut(&str, &T) -> ControlFlow<()>) {
-        for (name, value) in self.read().iter() {
-            if visit(name, value).is_break() {
-                break;
+        for names in self.read().by_namespace.values() {
+            for (name, value) in names {
+                if visit(name, value).is_break() {
+                    return;
+                }
             }
         }
     }
@@ -333,16 +390,24 @@ impl<T> NamedStore<T> {
 /// Fills a [`NamedStore`] from watch events (the initial list is buffered and swapped in whole, like
 /// kube's reflector).
 struct NamedWriter<K, T> {
-    map: Arc<RwLock<NamedMap<T>>>,
-    buffer: Option<NamedMap<T>>,
+    map: Arc<RwLock<Objects<T>>>,
+    buffer: Option<Objects<T>>,
     reduce: fn(K) -> T,
     ready: tokio::sync::watch::Sender<bool>,
 }
 
 impl<K, T> NamedWriter<K, T> {
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, NamedMap<T>> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<T>> {
         self.map.write().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+fn key<K: Resource>(o: &K) -> (String, String) {
+    let m = o.meta();
+    (
+        m.namespace.clone().unwrap_or_default(),
+        m.name.clone().unwrap_or_default(),
+    )
 }
 
 impl<K, T> Sink<K> for NamedWriter<K, T>
@@ -353,35 +418,44 @@ where
     fn apply(&mut self, event: watcher::Event<K>) {
         match event {
             watcher::Event::Apply(o) => {
-                let name = o.meta().name.clone().unwrap_or_default();
+                let (namespace, name) = key(&o);
                 let value = Arc::new((self.reduce)(o));
-                self.write().insert(name, value);
+                self.write().insert(&namespace, name, value);
             }
             watcher::Event::Delete(o) => {
-                let name = o.meta().name.as_deref().unwrap_or_default();
-                self.write().remove(name);
+                let m = o.meta();
+                let (namespace, name) = (
+                    m.namespace.as_deref().unwrap_or_default(),
+                    m.name.as_deref().unwrap_or_default(),
+                );
+                self.write().remove(namespace, name);
             }
-            watcher::Event::Init => self.buffer = Some(HashMap::new()),
+            watcher::Event::Init => self.buffer = Some(Objects::default()),
             watcher::Event::InitApply(o) => {
-                let name = o.meta().name.clone().unwrap_or_default();
+                let (namespace, name) = key(&o);
                 let value = Arc::new((self.reduce)(o));
-                self.buffer.get_or_insert_default().insert(name, value);
+                self.buffer
+                    .get_or_insert_default()
+                    .insert(&namespace, name, value);
             }
             watcher::Event::InitDone => {
-                let mut fresh = self.buffer.take().unwrap_or_default();
-                fresh.shrink_to_fit();
+                let fresh = self.buffer.take().unwrap_or_default();
                 let old = std::mem::replace(&mut *self.write(), fresh);
+                // The old map is dropped after the lock is released.
                 drop(old);
                 self.ready.send_replace(true);
             }
         }
     }
     fn len(&self) -> usize {
-        self.map
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+        self.map.read().unwrap_or_else(PoisonError::into_inner).len
     }
+}
+
+/// What the VMI cache keeps of a VMI: identity, the exemption label, the controller owner and
+/// `launchSecurity` (the type reads nothing else of the spec).
+pub fn slim_vmi(vmi: &mut VirtualMachineInstance) {
+    slim_meta(&mut vmi.metadata, |k| k == names::EXEMPT_LABEL, |_| false);
 }
 
 /// What the report cache keeps of a `TeeCapacity`: name, `resourceVersion` and the status figures
@@ -419,16 +493,16 @@ pub struct Caches {
     client: Client,
     metrics: Arc<Metrics>,
     api_timeout: Duration,
-    /// All VirtualMachineInstances (the few fields teeguard models).
-    pub vmis: Store<VirtualMachineInstance>,
-    /// All Namespaces, metadata only.
-    pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// All VirtualMachineInstances (the few fields teeguard models), reduced by [`slim_vmi`].
+    pub vmis: NamedStore<VirtualMachineInstance>,
+    /// The labels of every Namespace, by name.
+    pub namespaces: NamedStore<NodeLabels>,
     /// All TeeCapacity reports (named after their node), reduced by [`slim_report`].
     pub tee_capacities: NamedStore<TeeCapacity>,
     /// The labels of every Node (for node selection), by node name.
     pub nodes: NamedStore<NodeLabels>,
     /// Pods labelled `kubevirt.io=virt-launcher`, reduced to what a binding decision reads.
-    pub launcher_pods: Store<LauncherPod>,
+    pub launcher_pods: NamedStore<CachedLauncherPod>,
     synced: Arc<tokio::sync::watch::Receiver<bool>>,
 }
 
@@ -454,15 +528,20 @@ impl Caches {
         shutdown: CancellationToken,
     ) -> (Caches, CacheTasks) {
         let mut b = CacheBuilder::new(metrics.clone(), shutdown);
-        let vmis = b.watch(
+        let vmis = b.watch_named(
             VMI_CACHE,
             Api::<VirtualMachineInstance>::all(client.clone()),
             watcher::Config::default().any_semantic(),
+            |mut v: VirtualMachineInstance| {
+                slim_vmi(&mut v);
+                v
+            },
         );
-        let namespaces = b.watch(
+        let namespaces = b.watch_named(
             NAMESPACE_CACHE,
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
+            |n: PartialObjectMeta<Namespace>| n.metadata.labels.unwrap_or_default(),
         );
         let tee_capacities = b.watch_named(
             TEE_CAPACITY_CACHE,
@@ -476,7 +555,7 @@ impl Caches {
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default(),
         );
-        let launcher_pods = b.watch_with(
+        let launcher_pods = b.watch_named(
             LAUNCHER_POD_CACHE,
             Api::<LauncherPod>::all(client.clone()),
             watcher::Config::default()
@@ -486,7 +565,7 @@ impl Caches {
                     names::VIRT_LAUNCHER
                 ))
                 .any_semantic(),
-            |p: &mut LauncherPod| slim_annotations(&mut p.metadata),
+            CachedLauncherPod::from,
         );
         let (tasks, ready) = b.finish();
         let (tx, rx) = tokio::sync::watch::channel(false);
@@ -539,10 +618,9 @@ impl Lookups for Caches {
         &self,
         namespace: &str,
     ) -> Result<Option<BTreeMap<String, String>>, String> {
-        let key = ObjectRef::<PartialObjectMeta<Namespace>>::new(namespace);
-        if let Some(ns) = self.namespaces.get(&key) {
+        if let Some(labels) = self.namespaces.get(namespace) {
             self.metrics.lookup(NAMESPACE_CACHE, LookupResult::CacheHit);
-            return Ok(Some(ns.metadata.labels.clone().unwrap_or_default()));
+            return Ok(Some((*labels).clone()));
         }
         let api = Api::<PartialObjectMeta<Namespace>>::all(self.client.clone());
         let got = self.get_with_timeout(api.get_opt(namespace)).await;
@@ -559,8 +637,7 @@ impl Lookups for Caches {
     }
 
     async fn vmi(&self, vmi: &VmiRef) -> VmiLookup {
-        let key = ObjectRef::<VirtualMachineInstance>::new(&vmi.name).within(&vmi.namespace);
-        if let Some(found) = self.vmis.get(&key) {
+        if let Some(found) = self.vmis.get_namespaced(&vmi.namespace, &vmi.name) {
             let uid = found.metadata.uid.as_deref().unwrap_or("");
             // A cached VMI of the same name but another UID may be a deleted predecessor: ask.
             if vmi.uid.is_empty() || uid == vmi.uid {
@@ -589,10 +666,9 @@ impl Lookups for Caches {
     }
 
     async fn launcher_pod(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {
-        let key = ObjectRef::<LauncherPod>::new(name).within(namespace);
-        if let Some(found) = self.launcher_pods.get(&key) {
+        if let Some(found) = self.launcher_pods.get_namespaced(namespace, name) {
             // A cached pod of the same name but another UID is a deleted predecessor: ask.
-            if uid.is_empty() || found.metadata.uid.as_deref() == Some(uid) {
+            if uid.is_empty() || found.uid.as_deref() == Some(uid) {
                 self.metrics
                     .lookup(LAUNCHER_POD_CACHE, LookupResult::CacheHit);
                 return PodLookup::Found(Arc::new(found.to_pod()));
