@@ -131,15 +131,6 @@ impl LauncherPod {
     }
 }
 
-/// Keep only the annotations a binding decision reads (the storage-binding marker and the VMI name).
-pub fn slim_annotations(meta: &mut ObjectMeta) {
-    if let Some(a) = meta.annotations.as_mut() {
-        a.retain(|k, _| {
-            k == names::EPHEMERAL_PROVISIONING_ANNOTATION || k == names::DOMAIN_ANNOTATION
-        });
-    }
-}
-
 /// `metadata` reduced to identity (name, namespace, uid, resourceVersion), the labels and annotations
 /// whose keys `keep_label` / `keep_annotation` accept (an empty map becomes `None`: an empty
 /// `BTreeMap` costs nothing, one with a single entry a whole B-tree node) and the controller owner
@@ -357,7 +348,7 @@ mod tests {
         });
         let cfg = Config::default();
         let pod: Pod = serde_json::from_value(full.clone()).expect("pod");
-        let mut lp: LauncherPod = serde_json::from_value(full).expect("launcher pod");
+        let lp: LauncherPod = serde_json::from_value(full).expect("launcher pod");
         assert_eq!(lp.spec.node_name.as_deref(), Some("node01"));
         let want = KeyRequests::from([(TeeKind::Tdx, 3)]);
         assert_eq!(key_requests(&pod, &cfg.resources).expect("keys"), want);
@@ -365,7 +356,6 @@ mod tests {
             key_requests(&lp.to_pod(), &cfg.resources).expect("keys"),
             want
         );
-        slim_annotations(&mut lp.metadata);
         assert_eq!(
             lp.metadata.annotations,
             Some(BTreeMap::from([(
