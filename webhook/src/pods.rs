@@ -357,13 +357,6 @@ mod tests {
             want
         );
         assert_eq!(
-            lp.metadata.annotations,
-            Some(BTreeMap::from([(
-                "kubevirt.io/domain".to_string(),
-                "vm".to_string()
-            )]))
-        );
-        assert_eq!(
             LauncherPod::url_path(&(), Some("ns")),
             "/api/v1/namespaces/ns/pods"
         );
