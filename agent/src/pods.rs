@@ -1,7 +1,8 @@
 //! Watching the agent's own Node and the pods bound to it (kube reflectors), and summarising those pods
 //! for attribution.
 
-use std::collections::HashSet;
+use std::borrow::{Borrow, Cow};
+use std::collections::{BTreeMap, HashSet};
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::sync::Arc;
@@ -9,18 +10,216 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::core::v1::{
+    Container, Node, NodeStatus, Pod, PodSpec, PodStatus, ResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
+use serde::Deserialize;
 use serde::de::DeserializeOwned;
+use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
+use teeguard_shared::names::{
+    AGENT_EXTENDED_RESOURCES_ANNOTATION, NFD_EXTENDED_RESOURCES_ANNOTATION,
+};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::attribution::PodSummary;
 use crate::metrics::Metrics;
+
+/// A pod bound to the node, as the agent caches it: only what attribution reads.
+///
+/// It is decoded straight from the API server's JSON into these few fields (labels, annotations,
+/// managed fields, volumes, env, probes... are skipped by the decoder, never allocated), and the
+/// reflector then drops every resource quantity that is not a TEE key. [`CachedPod::to_pod`] rebuilds
+/// a `Pod` with just these fields so that the one implementation of the request rules
+/// (`teeguard_shared::pod::key_requests`) is used.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct CachedPod {
+    /// Name, namespace, generate name, UID and resource version only.
+    #[serde(default, deserialize_with = "slim_meta")]
+    metadata: ObjectMeta,
+    #[serde(default)]
+    spec: Option<CachedSpec>,
+    #[serde(default)]
+    status: Option<CachedStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CachedSpec {
+    #[serde(default)]
+    containers: Option<Vec<CachedContainer>>,
+    #[serde(default)]
+    init_containers: Option<Vec<CachedContainer>>,
+    #[serde(default)]
+    overhead: Option<BTreeMap<String, Quantity>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CachedContainer {
+    #[serde(default)]
+    resources: Option<CachedResources>,
+    #[serde(default)]
+    restart_policy: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+struct CachedResources {
+    #[serde(default)]
+    requests: Option<BTreeMap<String, Quantity>>,
+    #[serde(default)]
+    limits: Option<BTreeMap<String, Quantity>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+struct CachedStatus {
+    #[serde(default)]
+    phase: Option<String>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SlimMeta {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    generate_name: Option<String>,
+    #[serde(default)]
+    uid: Option<String>,
+    #[serde(default)]
+    resource_version: Option<String>,
+}
+
+fn slim_meta<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
+    let m = Option::<SlimMeta>::deserialize(d)?.unwrap_or_default();
+    Ok(ObjectMeta {
+        name: m.name,
+        namespace: m.namespace,
+        generate_name: m.generate_name,
+        uid: m.uid,
+        resource_version: m.resource_version,
+        ..ObjectMeta::default()
+    })
+}
+
+impl CachedPod {
+    /// Keep only the quantities named in `names` (the TEE key resources); every other request,
+    /// limit and overhead entry is dropped.
+    pub fn retain_resources(&mut self, names: &[String]) {
+        let keep = |m: &mut Option<BTreeMap<String, Quantity>>| {
+            if let Some(map) = m {
+                map.retain(|k, _| names.iter().any(|n| n == k));
+                if map.is_empty() {
+                    *m = None;
+                }
+            }
+        };
+        let Some(spec) = &mut self.spec else { return };
+        keep(&mut spec.overhead);
+        for c in spec
+            .containers
+            .iter_mut()
+            .chain(spec.init_containers.iter_mut())
+            .flatten()
+        {
+            if let Some(r) = &mut c.resources {
+                keep(&mut r.requests);
+                keep(&mut r.limits);
+                if r.requests.is_none() && r.limits.is_none() {
+                    c.resources = None;
+                }
+            }
+        }
+    }
+
+    /// A `Pod` holding just the cached fields (containers are unnamed).
+    pub fn to_pod(&self) -> Pod {
+        let containers = |cs: &Vec<CachedContainer>| -> Vec<Container> {
+            cs.iter()
+                .map(|c| Container {
+                    resources: c.resources.as_ref().map(|r| ResourceRequirements {
+                        requests: r.requests.clone(),
+                        limits: r.limits.clone(),
+                        ..ResourceRequirements::default()
+                    }),
+                    restart_policy: c.restart_policy.clone(),
+                    ..Container::default()
+                })
+                .collect()
+        };
+        Pod {
+            metadata: self.metadata.clone(),
+            spec: self.spec.as_ref().map(|s| PodSpec {
+                containers: s.containers.as_ref().map(containers).unwrap_or_default(),
+                init_containers: s.init_containers.as_ref().map(containers),
+                overhead: s.overhead.clone(),
+                ..PodSpec::default()
+            }),
+            status: self.status.as_ref().map(|s| PodStatus {
+                phase: s.phase.clone(),
+                ..PodStatus::default()
+            }),
+        }
+    }
+}
+
+impl Resource for CachedPod {
+    type DynamicType = ();
+    type Scope = NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("Pod")
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("")
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("v1")
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("pods")
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// Drop what the agent never reads from its Node: keep name, UID, resource version, the two
+/// extended-resource ownership annotations, and `status.capacity` / `status.allocatable`.
+pub fn slim_node(node: &mut Node) {
+    let meta = &mut node.metadata;
+    *meta = ObjectMeta {
+        name: meta.name.take(),
+        uid: meta.uid.take(),
+        resource_version: meta.resource_version.take(),
+        annotations: meta.annotations.take().and_then(|mut a| {
+            a.retain(|k, _| {
+                k == AGENT_EXTENDED_RESOURCES_ANNOTATION || k == NFD_EXTENDED_RESOURCES_ANNOTATION
+            });
+            (!a.is_empty()).then_some(a)
+        }),
+        ..ObjectMeta::default()
+    };
+    node.spec = None;
+    node.status = node.status.take().map(|s| NodeStatus {
+        capacity: s.capacity,
+        allocatable: s.allocatable,
+        ..NodeStatus::default()
+    });
+}
 
 /// Exponential backoff with jitter for watches and API retries.
 #[derive(Clone, Debug)]
@@ -115,18 +314,25 @@ where
     }
 }
 
-/// Watch the pods bound to `node_name` (field selector `spec.nodeName=<node>`).
+/// Watch the pods bound to `node_name` (field selector `spec.nodeName=<node>`), caching only what
+/// attribution needs (see [`CachedPod`]).
 pub fn watch_pods(
     client: Client,
     node_name: &str,
+    resources: &ResourcesConfig,
     backoff: Backoff,
     metrics: Metrics,
     shutdown: CancellationToken,
-) -> Watched<Pod> {
+) -> Watched<CachedPod> {
     let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node_name}"));
+    let names: Vec<String> = TeeKind::ALL
+        .iter()
+        .map(|k| resources.resource_name(*k).to_string())
+        .collect();
     spawn_reflector(
         Api::all(client),
         cfg,
+        move |p: &mut CachedPod| p.retain_resources(&names),
         "watch pods",
         backoff,
         metrics,
@@ -146,6 +352,7 @@ pub fn watch_node(
     spawn_reflector(
         Api::all(client),
         cfg,
+        slim_node,
         "watch node",
         backoff,
         metrics,
@@ -156,6 +363,7 @@ pub fn watch_node(
 fn spawn_reflector<K>(
     api: Api<K>,
     cfg: watcher::Config,
+    modify: impl FnMut(&mut K) + Send + 'static,
     operation: &'static str,
     backoff: Backoff,
     metrics: Metrics,
@@ -169,7 +377,7 @@ where
     let changed = Arc::new(Notify::new());
     let synced = Arc::new(AtomicBool::new(false));
     let stream = watcher(api, cfg)
-        .modify(|o: &mut K| o.meta_mut().managed_fields = None)
+        .modify(modify)
         .backoff(backoff)
         .reflect(writer);
     let task = {
@@ -218,12 +426,13 @@ pub struct PodsView {
 }
 
 /// Summarise pods.
-pub fn summarize<'a>(
-    pods: impl IntoIterator<Item = &'a Pod>,
+pub fn summarize(
+    pods: impl IntoIterator<Item = impl Borrow<Pod>>,
     resources: &ResourcesConfig,
 ) -> PodsView {
     let mut view = PodsView::default();
     for pod in pods {
+        let pod = pod.borrow();
         match PodSummary::from_pod(pod, resources) {
             Ok(Some(s)) => {
                 if s.requests_keys() && !s.phase.is_terminated() {
@@ -290,5 +499,172 @@ mod tests {
         assert_eq!(v.pods[1].phase, PodPhase::Succeeded);
         assert_eq!(v.errors.len(), 1);
         assert!(v.errors[0].1.contains("ns/d"), "{:?}", v.errors);
+    }
+
+    /// Full pods (as the API server sends them) and the cached form give the same summaries.
+    fn pods_json() -> Vec<serde_json::Value> {
+        use teeguard_tests::fixtures::{self as fx, KataTee, Tee, VirtLauncherPod};
+        let mut pods = vec![
+            VirtLauncherPod::for_tee("a", Tee::Tdx)
+                .request("tdx.intel.com/keys", "1")
+                .running_on("n1")
+                .to_value(),
+            VirtLauncherPod::for_tee("b", Tee::SevEs)
+                .request("sev-snp.amd.com/esids", "1")
+                .large()
+                .to_value(),
+            VirtLauncherPod::for_tee("c", Tee::Sev)
+                .generated_name()
+                .to_value(),
+            fx::to_value(&fx::kata_pod("k", KataTee::Tdx)),
+            fx::to_value(&fx::storage_binding_pod("d", Tee::Tdx)),
+            fx::to_value(&fx::hotplug_pod("e", "n1")),
+        ];
+        for (i, p) in pods.iter_mut().enumerate() {
+            p["metadata"]["uid"] = json!(format!("uid-{i}"));
+        }
+        pods.push(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "inits", "namespace": "ns", "uid": "uid-inits", "labels": {"x": "y"},
+                         "managedFields": [{"manager": "kubelet"}]},
+            "spec": {
+                "containers": [{"name": "c", "resources": {"limits": {"tdx.intel.com/keys": "1", "cpu": "1"}}}],
+                "initContainers": [
+                    {"name": "i", "resources": {"requests": {"tdx.intel.com/keys": "3"}}},
+                    {"name": "s", "restartPolicy": "Always", "resources": {"requests": {"tdx.intel.com/keys": "1"}}}
+                ],
+                "overhead": {"tdx.intel.com/keys": "1", "memory": "100Mi"}
+            },
+            "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}
+        }));
+        pods.push(json!({"metadata": {"name": "bad", "namespace": "ns", "uid": "uid-bad"},
+            "spec": {"containers": [{"name": "c", "resources": {"requests": {"tdx.intel.com/keys": "0.5"}}}]}}));
+        pods.push(json!({"metadata": {"name": "nulls", "namespace": "ns", "uid": "uid-nulls", "labels": null},
+            "spec": {"containers": [{"name": "c", "resources": null}], "initContainers": null, "overhead": null},
+            "status": null}));
+        pods.push(
+            json!({"metadata": {"name": "no-uid", "namespace": "ns"}, "spec": {"containers": []}}),
+        );
+        pods
+    }
+
+    #[test]
+    fn cached_pods_summarize_like_full_pods() {
+        let res = ResourcesConfig::default();
+        let names: Vec<String> = TeeKind::ALL
+            .iter()
+            .map(|k| res.resource_name(*k).to_string())
+            .collect();
+        let json = pods_json();
+        let full: Vec<Pod> = json
+            .iter()
+            .map(|p| serde_json::from_value(p.clone()).expect("pod"))
+            .collect();
+        let cached: Vec<CachedPod> = json
+            .iter()
+            .map(|p| {
+                let mut c: CachedPod = serde_json::from_value(p.clone()).expect("cached pod");
+                c.retain_resources(&names);
+                c
+            })
+            .collect();
+        let want = summarize(full.iter(), &res);
+        let got = summarize(cached.iter().map(CachedPod::to_pod), &res);
+        pretty_assertions::assert_eq!(got, want);
+        // The fixtures exercise what matters: key requests, pods without, errors, pods without UID.
+        assert!(want.interest.len() >= 3, "{want:?}");
+        assert!(want.pods.iter().any(|p| !p.requests_keys()), "{want:?}");
+        assert_eq!(want.errors.len(), 1, "{want:?}");
+        assert_eq!(want.pods.len(), json.len() - 2);
+    }
+
+    #[test]
+    fn cached_pods_keep_identity_and_only_tee_quantities() {
+        let res = ResourcesConfig::default();
+        let names: Vec<String> = TeeKind::ALL
+            .iter()
+            .map(|k| res.resource_name(*k).to_string())
+            .collect();
+        let json = pods_json();
+        let inits = json
+            .iter()
+            .find(|p| p["metadata"]["name"] == "inits")
+            .expect("inits pod");
+        let mut c: CachedPod = serde_json::from_value(inits.clone()).expect("cached pod");
+        c.retain_resources(&names);
+        assert_eq!(c.meta().name.as_deref(), Some("inits"));
+        assert_eq!(c.meta().uid.as_deref(), Some("uid-inits"));
+        assert_eq!(c.meta().labels, None);
+        assert_eq!(c.meta().managed_fields, None);
+        let pod = c.to_pod();
+        let spec = pod.spec.expect("spec");
+        let limits = spec.containers[0]
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .expect("limits");
+        assert_eq!(limits.keys().collect::<Vec<_>>(), ["tdx.intel.com/keys"]);
+        let overhead = spec.overhead.expect("overhead");
+        assert_eq!(overhead.keys().collect::<Vec<_>>(), ["tdx.intel.com/keys"]);
+        let inits = spec.init_containers.expect("init containers");
+        assert_eq!(inits[1].restart_policy.as_deref(), Some("Always"));
+        assert_eq!(pod.status.and_then(|s| s.phase).as_deref(), Some("Pending"));
+        // A pod with no TEE quantity at all keeps no resources.
+        let mut plain: CachedPod = serde_json::from_value(json!({
+            "metadata": {"name": "p", "uid": "u"},
+            "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "1"}}}]}
+        }))
+        .expect("plain pod");
+        plain.retain_resources(&names);
+        assert_eq!(
+            plain.to_pod().spec.expect("spec").containers[0].resources,
+            None
+        );
+        // Kubernetes' resource coordinates.
+        assert_eq!(
+            CachedPod::url_path(&(), Some("ns")),
+            Pod::url_path(&(), Some("ns"))
+        );
+        assert_eq!(CachedPod::api_version(&()), Pod::api_version(&()));
+        assert_eq!(CachedPod::kind(&()), Pod::kind(&()));
+    }
+
+    #[test]
+    fn slim_node_plans_like_the_full_node() {
+        use crate::advertise::{Desired, plan};
+        use teeguard_tests::fixtures::NodeBuilder;
+        let res = ResourcesConfig::default();
+        for builder in [
+            NodeBuilder::new("n1").tdx(64),
+            NodeBuilder::new("n1")
+                .sev(509, 100)
+                .nfd_extended_resource(true),
+            NodeBuilder::new("n1")
+                .tdx(64)
+                .annotation(AGENT_EXTENDED_RESOURCES_ANNOTATION, "tdx.intel.com/keys")
+                .label("zone", "a"),
+        ] {
+            let mut value = builder.to_value();
+            value["metadata"]["uid"] = json!("node-uid");
+            value["metadata"]["resourceVersion"] = json!("42");
+            value["status"]["images"] = json!([{"names": ["registry/img:1"], "sizeBytes": 1}]);
+            let full: Node = serde_json::from_value(value).expect("node");
+            let mut slim = full.clone();
+            slim_node(&mut slim);
+            assert_eq!(slim.metadata.uid.as_deref(), Some("node-uid"));
+            assert_eq!(slim.metadata.resource_version.as_deref(), Some("42"));
+            assert_eq!(slim.metadata.labels, None);
+            assert_eq!(slim.status.as_ref().and_then(|s| s.images.as_ref()), None);
+            for (enabled, tdx) in [(true, 60), (true, 64), (false, 1)] {
+                let desired = Desired {
+                    enabled,
+                    values: BTreeMap::from([(TeeKind::Tdx, tdx), (TeeKind::Sev, 500)]),
+                };
+                pretty_assertions::assert_eq!(
+                    plan(&slim, &desired, &res),
+                    plan(&full, &desired, &res)
+                );
+            }
+        }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use kube::{Api, Client, ResourceExt};
 use notify::Watcher;
 use teeguard_shared::Config;
@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::advertise::{self, AdvertiseOutcome, Desired};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::pods::{self, Backoff, PodsView, Watched};
+use crate::pods::{self, Backoff, CachedPod, PodsView, Watched};
 use crate::publish::Publisher;
 use crate::report::{self, KernelView, StatusInput};
 use crate::scan::{HostState, Interest, Scanner};
@@ -85,6 +85,7 @@ pub async fn run(
     let pods = pods::watch_pods(
         client.clone(),
         &opts.node_name,
+        &opts.config.resources,
         opts.backoff(),
         metrics.clone(),
         shutdown.clone(),
@@ -136,7 +137,7 @@ struct Agent {
     nodes: Api<Node>,
     scanner: Option<Scanner>,
     kernel: KernelView,
-    pods: Watched<Pod>,
+    pods: Watched<CachedPod>,
     node: Watched<Node>,
     pods_view: PodsView,
     /// The pods view was computed from a synced cache (before that, nothing is written).
@@ -230,7 +231,7 @@ impl Agent {
             // Read the flag before the store: once it is set, the store holds the full initial list.
             let synced = self.pods.is_synced();
             let view = pods::summarize(
-                self.pods.store.state().iter().map(|p| p.as_ref()),
+                self.pods.store.state().iter().map(|p| p.to_pod()),
                 &self.opts.config.resources,
             );
             for (uid, err) in &view.errors {

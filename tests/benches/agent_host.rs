@@ -6,7 +6,8 @@
 //! agent's own bench: `cargo bench -p teeguard-agent --bench scan`.
 //!
 //! `cargo bench -p teeguard-tests --bench agent_host` (quick: `TEEGUARD_BENCH_QUICK=1`). The agent
-//! binary is built first with `cargo build --release -p teeguard-agent` (a no-op when up to date).
+//! binary is built first with `cargo build --release -p teeguard-agent` (a no-op when up to date), or
+//! taken from `TEEGUARD_AGENT_BIN` when set.
 
 mod support;
 
@@ -54,7 +55,11 @@ fn main() {
         println!("quick run (full figures: `cargo bench -p teeguard-tests --bench agent_host`)");
         (50, 4, Duration::from_secs(3))
     };
-    let binary = release_binary("teeguard-agent", "teeguard-agent");
+    // TEEGUARD_AGENT_BIN measures a given binary instead (to compare builds side by side).
+    let binary = match std::env::var_os("TEEGUARD_AGENT_BIN") {
+        Some(path) => std::path::PathBuf::from(path),
+        None => release_binary("teeguard-agent", "teeguard-agent"),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -166,15 +171,18 @@ fn main() {
         let cpu = proc_cpu(pid).expect("cpu") - cpu0;
         let wall = t1.elapsed();
         let hwm = proc_status_kib(pid, "VmHWM").unwrap_or(0);
+        // Where the resident memory is: heap and stacks (anonymous) versus the binary's pages.
+        let split = ["RssAnon", "RssFile", "Threads"].map(|f| proc_status_kib(pid, f).unwrap_or(0));
         let _ = child.kill();
         let _ = child.wait();
         let published = api
             .get("teecapacities", None, NODE)
             .map(|c| c["status"]["tdx"].clone())
             .unwrap_or_default();
-        ((ready, cpu, wall), rss, hwm, published)
+        ((ready, cpu, wall), rss, (hwm, split), published)
     });
     let (ready, cpu, wall) = ready;
+    let (hwm, [anon, file, threads]) = hwm;
     section(&format!(
         "teeguard-agent run: {pods} pod cgroups ({vms} TDX VMs), v2/systemd, 1 s polls, {:.0} s sampled",
         wall.as_secs_f64()
@@ -185,6 +193,11 @@ fn main() {
         "RSS                  {:.1} MiB (max sampled), peak VmHWM {:.1} MiB",
         max_rss as f64 / 1024.0,
         hwm as f64 / 1024.0
+    );
+    println!(
+        "RSS split at the end {:.1} MiB anonymous (heap, stacks) + {:.1} MiB file-backed (the binary); {threads} threads",
+        anon as f64 / 1024.0,
+        file as f64 / 1024.0
     );
     println!(
         "CPU                  {:.2} ms per second of run (≈ per poll; /proc ticks are 10 ms, {} ms over {:.0} s)",
