@@ -17,8 +17,10 @@ fn main() -> ExitCode {
             }
         },
         Command::Run(args) => {
-            let runtime = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
+            // One thread runs everything: the work is one loop plus two watches and the admin
+            // endpoint, and every extra worker costs a stack and a malloc arena (scans run on the
+            // blocking pool).
+            let runtime = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
             {
