@@ -14,13 +14,17 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Affinity, Container, NodeAffinity, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{
+    Affinity, Binding, Container, NodeAffinity, ObjectReference, Pod, PodSpec,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 use teeguard_shared::names;
 
+use crate::admission::ReviewRequest;
+use crate::error::{Error, Result};
 use crate::pods::ContainerResources;
 
 /// Whether the admission decisions read the pod annotation `key`: the cgroup-limit annotations (the
@@ -147,21 +151,27 @@ fn container(c: ContainerResources) -> Container {
     }
 }
 
+impl AdmittedMeta {
+    /// A k8s-openapi [`ObjectMeta`] carrying exactly these fields (moved, not copied).
+    pub fn into_meta(self) -> ObjectMeta {
+        ObjectMeta {
+            name: self.name,
+            generate_name: self.generate_name,
+            namespace: self.namespace,
+            uid: self.uid,
+            labels: self.labels,
+            annotations: self.annotations,
+            owner_references: self.owner_references,
+            ..ObjectMeta::default()
+        }
+    }
+}
+
 impl AdmittedPod {
     /// A k8s-openapi [`Pod`] carrying exactly these fields (moved, not copied).
     pub fn into_pod(self) -> Pod {
-        let m = self.metadata;
         Pod {
-            metadata: ObjectMeta {
-                name: m.name,
-                generate_name: m.generate_name,
-                namespace: m.namespace,
-                uid: m.uid,
-                labels: m.labels,
-                annotations: m.annotations,
-                owner_references: m.owner_references,
-                ..ObjectMeta::default()
-            },
+            metadata: self.metadata.into_meta(),
             spec: self.spec.map(|s| PodSpec {
                 node_name: s.node_name,
                 node_selector: s.node_selector,
@@ -178,5 +188,112 @@ impl AdmittedPod {
             }),
             status: None,
         }
+    }
+}
+
+/// A review's object as the admission handlers read it, whatever its kind: the fields of
+/// [`AdmittedPod`] plus a Binding's `target`. Read in the same pass as the envelope.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct AdmittedObject {
+    /// Metadata, reduced as in [`AdmittedPod`].
+    #[serde(default)]
+    pub metadata: AdmittedMeta,
+    /// A pod's `spec`, reduced.
+    #[serde(default)]
+    pub spec: Option<AdmittedSpec>,
+    /// A Binding's `target`.
+    #[serde(default)]
+    pub target: Option<ObjectReference>,
+}
+
+impl AdmittedObject {
+    /// The object as a pod.
+    pub fn into_pod(self) -> Pod {
+        AdmittedPod {
+            metadata: self.metadata,
+            spec: self.spec,
+        }
+        .into_pod()
+    }
+
+    /// The object as a Binding; without `target` it is not one.
+    pub fn into_binding(self) -> Result<Binding> {
+        let target = self.target.ok_or_else(|| {
+            Error::BadReview("request.object is not a valid Binding: missing field `target`".into())
+        })?;
+        Ok(Binding {
+            metadata: self.metadata.into_meta(),
+            target,
+        })
+    }
+}
+
+/// An AdmissionReview as the handlers read it: the envelope and its objects in one pass over the
+/// body. When that pass fails (malformed JSON, a bad envelope, an object of an unexpected shape), the
+/// envelope is parsed alone and each object is decoded when asked for, so requests the handler skips
+/// are still skipped and errors keep their precise message ([`ReviewRequest::parse`],
+/// [`ReviewRequest::object`]).
+#[derive(Debug)]
+pub struct AdmittedReview<'a> {
+    /// The envelope.
+    pub request: ReviewRequest<'a>,
+    decoded: Option<(Option<AdmittedObject>, Option<AdmittedObject>)>,
+}
+
+fn missing(field: &str) -> Error {
+    Error::BadReview(format!("request.{field} is missing"))
+}
+
+impl<'a> AdmittedReview<'a> {
+    /// Parse `body` (errors are [`Error::BadReview`], HTTP 400).
+    pub fn parse(body: &'a [u8]) -> Result<Self> {
+        match ReviewRequest::parse_decoded::<AdmittedObject>(body) {
+            Ok(d) => Ok(AdmittedReview {
+                request: d.request,
+                decoded: Some((d.object, d.old_object)),
+            }),
+            Err(_) => Ok(AdmittedReview {
+                request: ReviewRequest::parse(body)?,
+                decoded: None,
+            }),
+        }
+    }
+
+    /// `request.object` as a pod (taken: a second call finds it missing).
+    pub fn pod(&mut self) -> Result<Pod> {
+        match &mut self.decoded {
+            Some((object, _)) => object
+                .take()
+                .map(AdmittedObject::into_pod)
+                .ok_or_else(|| missing("object")),
+            None => Ok(self.request.object::<AdmittedPod>()?.into_pod()),
+        }
+    }
+
+    /// `request.oldObject` as a pod (taken).
+    pub fn old_pod(&mut self) -> Result<Pod> {
+        match &mut self.decoded {
+            Some((_, old)) => old
+                .take()
+                .map(AdmittedObject::into_pod)
+                .ok_or_else(|| missing("oldObject")),
+            None => Ok(self.request.old_object::<AdmittedPod>()?.into_pod()),
+        }
+    }
+
+    /// `request.object` as a Binding (taken).
+    pub fn binding(&mut self) -> Result<Binding> {
+        match &mut self.decoded {
+            Some((object, _)) => object
+                .take()
+                .ok_or_else(|| missing("object"))?
+                .into_binding(),
+            None => self.request.object::<Binding>(),
+        }
+    }
+
+    /// Whether the objects were decoded with the envelope (false: the fallback path).
+    pub fn single_pass(&self) -> bool {
+        self.decoded.is_some()
     }
 }

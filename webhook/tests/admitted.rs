@@ -310,3 +310,117 @@ fn bad_objects_are_errors_in_both_decodes() {
         );
     }
 }
+
+// ---- one pass over the body (AdmittedReview) vs the envelope then the object ----
+
+fn body(review: &Value) -> Vec<u8> {
+    serde_json::to_vec(review).expect("json")
+}
+
+/// The objects of every committed fixture, read in one pass, equal the two-pass reading.
+#[test]
+fn single_pass_reads_the_same_objects_as_two_passes() {
+    use teeguard_webhook::admission::ReviewRequest;
+    use teeguard_webhook::admitted::AdmittedReview;
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/admission");
+    let mut bindings = 0;
+    for entry in std::fs::read_dir(&dir).expect("fixtures dir") {
+        let path = entry.expect("entry").path();
+        let bytes = std::fs::read(&path).expect("read fixture");
+        let mut one = AdmittedReview::parse(&bytes).expect("one pass");
+        assert!(one.single_pass(), "{}", path.display());
+        let two = ReviewRequest::parse(&bytes).expect("two passes");
+        assert_eq!(one.request.uid, two.uid);
+        assert_eq!(one.request.operation, two.operation);
+        assert_eq!(one.request.name, two.name);
+        assert_eq!(one.request.sub_resource, two.sub_resource);
+        let what = path.display().to_string();
+        if two.sub_resource == "binding" {
+            bindings += 1;
+            let b = one.binding().expect("binding");
+            let want: k8s_openapi::api::core::v1::Binding = two.object().expect("binding");
+            assert_eq!(b.target, want.target, "{what}");
+            assert_eq!(b.metadata.name, want.metadata.name, "{what}");
+            assert_eq!(b.metadata.uid, want.metadata.uid, "{what}");
+            continue;
+        }
+        if two.raw_object().is_some() {
+            let want = two.object::<AdmittedPod>().expect("pod").into_pod();
+            assert_eq!(one.pod().expect("pod"), want, "{what}");
+        } else {
+            assert!(one.pod().is_err(), "{what}");
+        }
+        if let Ok(old) = two.old_object::<AdmittedPod>() {
+            assert_eq!(one.old_pod().expect("old pod"), old.into_pod(), "{what}");
+        }
+    }
+    assert!(bindings > 0, "no binding fixture");
+}
+
+/// When the one pass fails, the envelope alone is parsed: errors keep the two-pass message, and an
+/// object of another shape does not fail a request that never reads it.
+#[test]
+fn fallback_keeps_precise_errors_and_skips() {
+    use teeguard_webhook::admitted::AdmittedReview;
+    let pod = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx).to_value();
+    let review = |object: Value| {
+        json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "operation": "CREATE", "object": object}})
+    };
+    // A pod whose container list is not a list: the one pass fails, the message names the object.
+    let mut bad = pod.clone();
+    bad["spec"]["containers"] = json!("compute");
+    let b = body(&review(bad));
+    let mut r = AdmittedReview::parse(&b).expect("envelope still parses");
+    assert!(!r.single_pass());
+    let err = r.pod().expect_err("bad pod").to_string();
+    assert!(err.contains("request.object is not a valid Pod"), "{err}");
+    // Missing object: same message in both paths.
+    let none = review(Value::Null);
+    let b = body(&none);
+    let mut r = AdmittedReview::parse(&b).expect("parse");
+    assert!(r.single_pass());
+    assert!(
+        r.pod()
+            .expect_err("missing")
+            .to_string()
+            .contains("request.object is missing")
+    );
+    // An object of another kind with an odd `spec` still parses (its envelope is good).
+    let mut crd = review(json!({"metadata": {"name": "x"}, "spec": {"containers": {"a": 1}}}));
+    crd["request"]["resource"]["resource"] = json!("widgets");
+    let b = body(&crd);
+    let r = AdmittedReview::parse(&b).expect("parse");
+    assert!(!r.single_pass());
+    assert_eq!(r.request.resource.resource, "widgets");
+    // A binding without target.
+    let mut binding = review(json!({"metadata": {"name": "virt-launcher-x"}}));
+    binding["request"]["subResource"] = json!("binding");
+    let b = body(&binding);
+    let mut r = AdmittedReview::parse(&b).expect("parse");
+    let err = r.binding().expect_err("no target").to_string();
+    assert!(
+        err.contains("not a valid Binding") && err.contains("target"),
+        "{err}"
+    );
+    // Bad envelopes are still the envelope's errors.
+    for (bad, want) in [
+        (b"{".to_vec(), "invalid JSON"),
+        (
+            br#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{}}"#
+                .to_vec(),
+            "v1beta1",
+        ),
+        (
+            br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#.to_vec(),
+            "request is missing",
+        ),
+    ] {
+        let err = AdmittedReview::parse(&bad)
+            .expect_err("bad envelope")
+            .to_string();
+        assert!(err.contains(want), "{err}");
+    }
+}

@@ -10,8 +10,8 @@ use axum::response::Response;
 use teeguard_shared::Config;
 
 use super::{Reviewed, serve_review};
-use crate::admission::{Operation, ReviewRequest, ReviewResponse};
-use crate::admitted::AdmittedPod;
+use crate::admission::{Operation, ReviewResponse};
+use crate::admitted::AdmittedReview;
 use crate::caches::Lookups;
 use crate::error::Result;
 use crate::metrics::Outcome;
@@ -51,16 +51,17 @@ pub async fn review_mutation<L: Lookups>(
     lookups: &L,
     config: &Config,
 ) -> Result<Reviewed> {
-    let req = ReviewRequest::parse(body)?;
-    if req.operation != Operation::Create || !req.is_resource("", "pods") {
+    let mut review = AdmittedReview::parse(body)?;
+    if review.request.operation != Operation::Create || !review.request.is_resource("", "pods") {
         return Ok(Reviewed {
-            response: ReviewResponse::allow(req.uid)
+            response: ReviewResponse::allow(review.request.uid)
                 .audit(audit::DECISION, "skipped")
                 .audit(audit::REASON, "not-pod-create"),
             outcome: Outcome::Allowed,
         });
     }
-    let mut pod = req.object::<AdmittedPod>()?.into_pod();
+    let mut pod = review.pod()?;
+    let req = review.request;
     if pod.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
         pod.metadata.namespace = Some(req.namespace.clone());
     }

@@ -28,14 +28,14 @@ use std::time::Instant;
 use axum::extract::{Request, State};
 use axum::response::Response;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Binding, ObjectReference};
+use k8s_openapi::api::core::v1::ObjectReference;
 use teeguard_shared::config::{Mode, StalePolicy};
 use teeguard_shared::pod::{KeyRequests, key_requests, pod_display_name};
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
-use crate::admission::{Operation, ReviewRequest, ReviewResponse};
-use crate::admitted::AdmittedPod;
+use crate::admission::{Operation, ReviewResponse};
+use crate::admitted::AdmittedReview;
 use crate::affinity::node_matches;
 use crate::caches::{Lookups, PodLookup};
 use crate::error::Result;
@@ -175,19 +175,20 @@ pub async fn review_validation<L: Lookups>(
     lookups: &L,
     ctx: &ValidationContext<'_>,
 ) -> Result<Reviewed> {
-    let req = ReviewRequest::parse(body)?;
+    let mut review = AdmittedReview::parse(body)?;
+    let req = &review.request;
     let pods = req.resource.group.is_empty() && req.resource.resource == "pods";
     let answer = match (pods, req.sub_resource.as_str(), req.operation) {
-        (true, "", Operation::Create) => pod_create(&req, lookups, ctx).await?,
-        (true, "", Operation::Update) => pod_update(&req, lookups).await?,
-        (true, "binding", Operation::Create) => binding(&req, lookups, ctx).await?,
+        (true, "", Operation::Create) => pod_create(&mut review, lookups, ctx).await?,
+        (true, "", Operation::Update) => pod_update(&mut review, lookups).await?,
+        (true, "binding", Operation::Create) => binding(&mut review, lookups, ctx).await?,
         (true, "", Operation::Delete) => Answer::skip("other", "pod-delete"),
         _ => Answer::skip("other", "not-validated"),
     };
     if let Some(m) = ctx.metrics {
         m.validation(answer.request, answer.kind, answer.outcome);
     }
-    Ok(respond(req.uid, answer))
+    Ok(respond(review.request.uid, answer))
 }
 
 fn respond(uid: String, a: Answer) -> Reviewed {
@@ -232,12 +233,13 @@ async fn namespace<L: Lookups>(
 }
 
 async fn pod_create<L: Lookups>(
-    req: &ReviewRequest<'_>,
+    review: &mut AdmittedReview<'_>,
     lookups: &L,
     ctx: &ValidationContext<'_>,
 ) -> Result<Answer> {
     const REQ: &str = "pod_create";
-    let mut pod = req.object::<AdmittedPod>()?.into_pod();
+    let mut pod = review.pod()?;
+    let req = &review.request;
     if pod.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
         pod.metadata.namespace = Some(req.namespace.clone());
     }
@@ -465,16 +467,21 @@ fn log_decision(answer: &Answer, pod: &str) {
 }
 
 async fn binding<L: Lookups>(
-    req: &ReviewRequest<'_>,
+    review: &mut AdmittedReview<'_>,
     lookups: &L,
     ctx: &ValidationContext<'_>,
 ) -> Result<Answer> {
     const REQ: &str = "binding";
     // The chart's matchConditions already narrow calls to these names; anything else is not ours.
-    if !req.name.starts_with(names::VIRT_LAUNCHER_NAME_PREFIX) {
+    if !review
+        .request
+        .name
+        .starts_with(names::VIRT_LAUNCHER_NAME_PREFIX)
+    {
         return Ok(Answer::skip(REQ, "not-virt-launcher"));
     }
-    let b: Binding = req.object()?;
+    let b = review.binding()?;
+    let req = &review.request;
     let Some(node) = b.target.name.as_deref().filter(|n| !n.is_empty()) else {
         return Err(crate::error::Error::BadReview(
             "the Binding has no target.name".into(),
@@ -553,10 +560,11 @@ async fn binding<L: Lookups>(
     Ok(answer.with_warnings(warnings))
 }
 
-async fn pod_update<L: Lookups>(req: &ReviewRequest<'_>, lookups: &L) -> Result<Answer> {
+async fn pod_update<L: Lookups>(review: &mut AdmittedReview<'_>, lookups: &L) -> Result<Answer> {
     const REQ: &str = "pod_update";
-    let mut new = req.object::<AdmittedPod>()?.into_pod();
-    let old = req.old_object::<AdmittedPod>()?.into_pod();
+    let mut new = review.pod()?;
+    let old = review.old_pod()?;
+    let req = &review.request;
     if new.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
         new.metadata.namespace = Some(req.namespace.clone());
     }
