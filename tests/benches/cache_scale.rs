@@ -7,8 +7,8 @@
 //! GB for the full set), which is why the webhook runs as a separate process.
 //!
 //! `cargo bench -p teeguard-tests --bench cache_scale` (quick: `TEEGUARD_BENCH_QUICK=1`). The
-//! webhook binary is built first with `cargo build --release -p teeguard-webhook` (a no-op when up
-//! to date) and taken from the same `target/release` as this bench.
+//! webhook binary is built first with this bench's own feature set (see `support::release_binary`; a
+//! no-op when up to date) and taken from the same `target/release` as this bench.
 
 mod support;
 #[path = "../tests/robust_support/mod.rs"]
