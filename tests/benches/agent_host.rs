@@ -30,21 +30,43 @@ fn free_port() -> u16 {
         .expect("free port")
 }
 
-async fn readyz(admin: SocketAddr) -> bool {
-    let Ok(stream) = tokio::net::TcpStream::connect(admin).await else {
-        return false;
-    };
-    let Ok((mut sender, conn)) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await
-    else {
-        return false;
-    };
+/// GET `path` on the admin endpoint: the body when the answer is 2xx.
+async fn admin_get(admin: SocketAddr, path: &str) -> Option<String> {
+    use http_body_util::BodyExt;
+    let stream = tokio::net::TcpStream::connect(admin).await.ok()?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .ok()?;
     tokio::spawn(conn);
-    let req = http::Request::get("/readyz")
+    let req = http::Request::get(path)
         .header(http::header::HOST, "localhost")
         .body(http_body_util::Empty::<bytes::Bytes>::new())
         .expect("request");
-    matches!(sender.send_request(req).await, Ok(r) if r.status().is_success())
+    let resp = sender.send_request(req).await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let body = resp.into_body().collect().await.ok()?.to_bytes();
+    Some(String::from_utf8_lossy(&body).into_owned())
+}
+
+async fn readyz(admin: SocketAddr) -> bool {
+    admin_get(admin, "/readyz").await.is_some()
+}
+
+/// `(sum in seconds, count)` of the agent's scan-duration histogram.
+async fn scan_histogram(admin: SocketAddr) -> Option<(f64, u64)> {
+    let text = admin_get(admin, "/metrics").await?;
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    Some((
+        value("teeguard_agent_scan_duration_seconds_sum")?,
+        value("teeguard_agent_scan_duration_seconds_count")? as u64,
+    ))
 }
 
 fn main() {
@@ -81,10 +103,12 @@ fn main() {
     // Pods bound to the node: every tenth a TDX virt-launcher pod (key requested), the rest Kata
     // and ordinary pods. The API server assigns the UIDs; the cgroups follow them.
     let mut tee = 0;
+    let mut requesting = 0; // pods that request keys: the agent reads their cgroups every poll
     for i in 0..pods {
         let launcher = i % 10 == 3 && tee < vms;
         let mut pod = if launcher {
             tee += 1;
+            requesting += 1;
             VirtLauncherPod::for_tee(&format!("vm-{i}"), Tee::Tdx)
                 .request("tdx.intel.com/keys", "1")
                 .running_on(NODE)
@@ -97,6 +121,8 @@ fn main() {
                 // An ordinary pod: no runtime class, no key request.
                 p["spec"]["runtimeClassName"] = serde_json::Value::Null;
                 p["spec"]["overhead"] = serde_json::Value::Null;
+            } else {
+                requesting += 1;
             }
             p
         };
@@ -162,6 +188,7 @@ fn main() {
         // Settle a few polls, then sample RSS and CPU once a second.
         tokio::time::sleep(Duration::from_secs(2)).await;
         let cpu0 = proc_cpu(pid).expect("cpu");
+        let scans0 = scan_histogram(admin).await.expect("scan metrics");
         let t1 = Instant::now();
         let mut rss = Vec::new();
         while t1.elapsed() < run_for {
@@ -169,6 +196,8 @@ fn main() {
             rss.push(proc_status_kib(pid, "VmRSS").unwrap_or(0));
         }
         let cpu = proc_cpu(pid).expect("cpu") - cpu0;
+        let scans1 = scan_histogram(admin).await.expect("scan metrics");
+        let scans = (scans1.0 - scans0.0, scans1.1 - scans0.1);
         let wall = t1.elapsed();
         let hwm = proc_status_kib(pid, "VmHWM").unwrap_or(0);
         // Where the resident memory is: heap and stacks (anonymous) versus the binary's pages.
@@ -179,9 +208,9 @@ fn main() {
             .get("teecapacities", None, NODE)
             .map(|c| c["status"]["tdx"].clone())
             .unwrap_or_default();
-        ((ready, cpu, wall), rss, (hwm, split), published)
+        ((ready, cpu, wall, scans), rss, (hwm, split), published)
     });
-    let (ready, cpu, wall) = ready;
+    let (ready, cpu, wall, (scan_secs, scan_count)) = ready;
     let (hwm, [anon, file, threads]) = hwm;
     section(&format!(
         "teeguard-agent run: {pods} pod cgroups ({vms} TDX VMs), v2/systemd, 1 s polls, {:.0} s sampled",
@@ -204,6 +233,13 @@ fn main() {
         cpu.as_secs_f64() * 1e3 / wall.as_secs_f64(),
         cpu.as_millis(),
         wall.as_secs_f64()
+    );
+    println!(
+        "scans                {scan_count} over the run, mean {} wall each (the agent's own histogram); each reads the root and the misc.current of every pod that requests keys ({} here)",
+        fmt_dur(Duration::from_secs_f64(
+            scan_secs / scan_count.max(1) as f64
+        )),
+        requesting
     );
     println!("published TDX status {published}");
     assert_eq!(
