@@ -201,6 +201,31 @@ fn stale_reason(bins: &Binaries, root: &Path) -> Option<String> {
     None
 }
 
+/// Remove from `cmd`'s environment the variables cargo sets for the test or bench it runs
+/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, ...). A nested `cargo build` that inherits them sees build
+/// scripts' `rerun-if-env-changed` inputs change (ring's build script watches `CARGO_MANIFEST_DIR` and
+/// `CARGO_PKG_*`), and rebuilds ring and everything above it, twice per run. User configuration
+/// (`CARGO_HOME`, `CARGO_TARGET_DIR`, `CARGO_BUILD_*`, `CARGO_PROFILE_*`, ...) is kept.
+pub fn scrub_cargo_run_env(cmd: &mut Command) {
+    const SET_BY_CARGO: [&str; 9] = [
+        "CARGO_MANIFEST_DIR",
+        "CARGO_MANIFEST_PATH",
+        "CARGO_MANIFEST_LINKS",
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_RUSTC_CURRENT_DIR",
+        "OUT_DIR",
+    ];
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        if key.starts_with("CARGO_PKG_") || SET_BY_CARGO.contains(&key) {
+            cmd.env_remove(key);
+        }
+    }
+}
+
 /// The `cargo build` that puts the binaries where the running test executable's profile lives:
 /// same target directory, same profile (`--release` / `--profile <name>`), same `--target` when
 /// cross-compiling (`target/<triple>/<profile>`). Respects `$CARGO`.
@@ -231,6 +256,7 @@ pub fn build_command(profile_dir: &Path) -> Result<Command> {
         target_dir = parent;
     }
     let mut cmd = Command::new(&cargo);
+    scrub_cargo_run_env(&mut cmd);
     cmd.current_dir(workspace_root())
         .args([
             "build",
@@ -1068,6 +1094,23 @@ mod tests {
                 .windows(2)
                 .any(|w| w == ["--target-dir", target_s.as_str()]),
             "{debug:?}"
+        );
+        // Cargo runs this test with CARGO_MANIFEST_DIR and CARGO_PKG_* set; the nested build must not
+        // inherit them (build scripts watch them) but keeps user configuration.
+        assert!(std::env::var_os("CARGO_MANIFEST_DIR").is_some());
+        let cmd = build_command(&target.join("debug")).expect("cmd");
+        let removed: Vec<String> = cmd
+            .get_envs()
+            .filter(|(_, v)| v.is_none())
+            .map(|(k, _)| k.to_string_lossy().into_owned())
+            .collect();
+        for var in ["CARGO_MANIFEST_DIR", "CARGO_PKG_NAME", "CARGO_PKG_VERSION"] {
+            assert!(removed.iter().any(|r| r == var), "{var} kept: {removed:?}");
+        }
+        assert!(
+            !removed
+                .iter()
+                .any(|r| r == "CARGO_HOME" || r == "CARGO_TARGET_DIR")
         );
         let release = args(&build_command(&target.join("release")).expect("cmd"));
         assert!(release.iter().any(|a| a == "--release"), "{release:?}");

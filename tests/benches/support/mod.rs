@@ -97,7 +97,9 @@ fn bench_name() -> Option<String> {
 /// The build selects this bench target of `teeguard-tests` along with the binary, so cargo resolves
 /// features exactly as the `cargo bench -p teeguard-tests` that built this bench did (dev-dependencies
 /// included). Building the binary alone (`cargo build --release -p <package>`) resolves a smaller
-/// feature set, and each bench run would then rebuild part of the shared release tree twice.
+/// feature set, and each bench run would then rebuild part of the shared release tree twice. The
+/// variables cargo sets for the running bench are removed first (see
+/// [`teeguard_tests::e2e::scrub_cargo_run_env`]).
 pub fn release_binary(package: &str, bin: &str) -> PathBuf {
     let dir = profile_dir();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -115,6 +117,7 @@ pub fn release_binary(package: &str, bin: &str) -> PathBuf {
     if let Some(bench) = bench_name() {
         cmd.args(["--bench", &bench]);
     }
+    teeguard_tests::e2e::scrub_cargo_run_env(&mut cmd);
     // Same target directory as this bench, whatever CARGO_TARGET_DIR says.
     if let Some(target) = dir.parent() {
         cmd.env("CARGO_TARGET_DIR", target);
