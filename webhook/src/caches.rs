@@ -1,19 +1,19 @@
 //! In-memory caches of the cluster objects reviews need, so the hot path makes no API call.
 //!
-//! Every cache is fed by a kube `watcher` (with `default_backoff`) started through [`CacheBuilder`],
-//! which strips `managedFields` (and `kubectl`'s last-applied annotation) from every object, reduces it
-//! to what decisions read, keeps an object-count gauge and registers the cache for
-//! [`Caches::wait_synced`]. Namespaced caches are kube reflector `Store`s; the cluster-scoped node and
-//! report caches are [`NamedStore`]s (by name, borrowed lookups and allocation-free scans).
+//! Every cache is fed by a kube `watcher` (with `default_backoff`) started through
+//! [`CacheBuilder::watch`], which strips `managedFields` (and `kubectl`'s last-applied annotation) from
+//! every object, reduces it to what decisions read, keeps an object-count gauge and registers the cache
+//! for [`Caches::wait_synced`]. Each cache is a [`NamedStore`] (by namespace and name: borrowed
+//! lookups and allocation-free scans).
 //!
 //! Caches: VMIs and Namespace labels (mutation and validation), TeeCapacity reports, Node labels
 //! (node selection for pod CREATE) and virt-launcher pods (label `kubevirt.io=virt-launcher`, reduced to
-//! [`LauncherPod`], for bindings). Memory: everything not read is dropped when the object arrives
-//! (see [`slim_vmi`], [`LauncherPod::slim`], [`slim_report`]).
+//! [`CachedLauncherPod`], for bindings). Memory: everything not read is dropped when the object arrives
+//! (see [`slim_vmi`], [`CachedLauncherPod`], [`slim_report`]).
 //!
 //! Adding a cache: add a field to [`Caches`], create it in [`Caches::start`] with one
-//! `builder.watch_with(...)` (or `watch_named`) call, and add a lookup method (cache first, one GET on a
-//! miss if a miss can be a race).
+//! `builder.watch(...)` call, and add a lookup method (cache first, one GET on a miss if a miss can be a
+//! race).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Debug;
@@ -26,7 +26,6 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::core::PartialObjectMeta;
-use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
@@ -60,8 +59,8 @@ pub enum PodLookup {
     Failed(String),
 }
 
-/// A node's labels, as the node cache keeps them.
-pub type NodeLabels = BTreeMap<String, String>;
+/// An object's labels, as the node and namespace caches keep them.
+pub type Labels = BTreeMap<String, String>;
 
 /// A node-selection predicate: node name and labels.
 pub type NodeFilter<'a> = &'a (dyn Fn(&str, &BTreeMap<String, String>) -> bool + Sync);
@@ -124,41 +123,10 @@ impl CacheBuilder {
         }
     }
 
-    /// Start a reflector over `api` and return its store. Use `Api<PartialObjectMeta<K>>` for a
-    /// metadata-only cache.
-    pub fn watch<K>(&mut self, name: &'static str, api: Api<K>, config: watcher::Config) -> Store<K>
-    where
-        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
-    {
-        self.watch_with(name, api, config, |_| {})
-    }
-
-    /// [`CacheBuilder::watch`], also applying `slim` to every object before it is stored.
-    pub fn watch_with<K>(
-        &mut self,
-        name: &'static str,
-        api: Api<K>,
-        config: watcher::Config,
-        slim: impl Fn(&mut K) + Send + Sync + 'static,
-    ) -> Store<K>
-    where
-        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
-    {
-        let (reader, writer) = reflector::store::<K>();
-        let ready = reader.clone();
-        self.ready.push(Box::pin(async move {
-            // Only fails if the writer is dropped, i.e. the cache is shutting down.
-            let _ = ready.wait_until_ready().await;
-        }));
-        self.spawn(name, api, config, slim, KubeSink(writer, reader.clone()));
-        reader
-    }
-
-    /// A cache of cluster-scoped objects by name holding `reduce(object)` (after `managedFields` and
-    /// the last-applied annotation are stripped): lookups by `&str` and scans allocate nothing.
-    pub fn watch_named<K, T>(
+    /// Start a cache over `api` holding `reduce(object)` by namespace and name (after `managedFields`
+    /// and the last-applied annotation are stripped). Use `Api<PartialObjectMeta<K>>` for a
+    /// metadata-only watch.
+    pub fn watch<K, T>(
         &mut self,
         name: &'static str,
         api: Api<K>,
@@ -170,33 +138,17 @@ impl CacheBuilder {
         K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
         T: Send + Sync + 'static,
     {
-        let (store, writer) = NamedStore::new(reduce);
+        let (store, mut writer) = NamedStore::new(reduce);
         let mut ready = store.ready.clone();
         self.ready.push(Box::pin(async move {
             // Only fails if the writer is dropped, i.e. the cache is shutting down.
             let _ = ready.wait_for(|r| *r).await;
         }));
-        self.spawn(name, api, config, |_| {}, writer);
-        store
-    }
-
-    fn spawn<K>(
-        &mut self,
-        name: &'static str,
-        api: Api<K>,
-        config: watcher::Config,
-        slim: impl Fn(&mut K) + Send + Sync + 'static,
-        mut sink: impl Sink<K>,
-    ) where
-        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
-    {
         let stream = watcher(api, config)
             .default_backoff()
             .modify(move |o: &mut K| {
                 o.managed_fields_mut().clear();
                 o.annotations_mut().remove(LAST_APPLIED);
-                slim(o);
             });
         let metrics = self.metrics.clone();
         let shutdown = self.shutdown.clone();
@@ -207,8 +159,8 @@ impl CacheBuilder {
                     _ = shutdown.cancelled() => break,
                     event = stream.next() => match event {
                         Some(Ok(event)) => {
-                            sink.apply(event);
-                            metrics.set_cache_objects(name, sink.len());
+                            writer.apply(event);
+                            metrics.set_cache_objects(name, writer.len());
                         }
                         Some(Err(e)) => tracing::warn!(cache = name, error = %e, "watch failed; retrying with backoff"),
                         None => break,
@@ -216,34 +168,11 @@ impl CacheBuilder {
                 }
             }
         });
+        store
     }
 
     fn finish(self) -> (CacheTasks, Vec<BoxFuture<'static, ()>>) {
         (CacheTasks { tasks: self.tasks }, self.ready)
-    }
-}
-
-/// Where a reflector task puts watch events.
-trait Sink<K>: Send + 'static {
-    fn apply(&mut self, event: watcher::Event<K>);
-    fn len(&self) -> usize;
-}
-
-/// A kube reflector store (writer and a reader for the count).
-struct KubeSink<K: Resource + Clone + 'static>(reflector::store::Writer<K>, Store<K>)
-where
-    K::DynamicType: Eq + Hash + Clone;
-
-impl<K> Sink<K> for KubeSink<K>
-where
-    K: Resource + Clone + Send + Sync + 'static,
-    K::DynamicType: Eq + Hash + Clone + Send + Sync,
-{
-    fn apply(&mut self, event: watcher::Event<K>) {
-        self.0.apply_watcher_event(&event);
-    }
-    fn len(&self) -> usize {
-        self.1.len()
     }
 }
 
@@ -410,11 +339,8 @@ fn key<K: Resource>(o: &K) -> (String, String) {
     )
 }
 
-impl<K, T> Sink<K> for NamedWriter<K, T>
-where
-    K: Resource + Send + 'static,
-    T: Send + Sync + 'static,
-{
+impl<K: Resource, T> NamedWriter<K, T> {
+    /// Apply one watch event.
     fn apply(&mut self, event: watcher::Event<K>) {
         match event {
             watcher::Event::Apply(o) => {
@@ -447,6 +373,7 @@ where
             }
         }
     }
+    /// Number of objects stored.
     fn len(&self) -> usize {
         self.map.read().unwrap_or_else(PoisonError::into_inner).len
     }
@@ -496,11 +423,11 @@ pub struct Caches {
     /// All VirtualMachineInstances (the few fields teeguard models), reduced by [`slim_vmi`].
     pub vmis: NamedStore<VirtualMachineInstance>,
     /// The labels of every Namespace, by name.
-    pub namespaces: NamedStore<NodeLabels>,
+    pub namespaces: NamedStore<Labels>,
     /// All TeeCapacity reports (named after their node), reduced by [`slim_report`].
     pub tee_capacities: NamedStore<TeeCapacity>,
     /// The labels of every Node (for node selection), by node name.
-    pub nodes: NamedStore<NodeLabels>,
+    pub nodes: NamedStore<Labels>,
     /// Pods labelled `kubevirt.io=virt-launcher`, reduced to what a binding decision reads.
     pub launcher_pods: NamedStore<CachedLauncherPod>,
     synced: Arc<tokio::sync::watch::Receiver<bool>>,
@@ -528,7 +455,7 @@ impl Caches {
         shutdown: CancellationToken,
     ) -> (Caches, CacheTasks) {
         let mut b = CacheBuilder::new(metrics.clone(), shutdown);
-        let vmis = b.watch_named(
+        let vmis = b.watch(
             VMI_CACHE,
             Api::<VirtualMachineInstance>::all(client.clone()),
             watcher::Config::default().any_semantic(),
@@ -537,25 +464,25 @@ impl Caches {
                 v
             },
         );
-        let namespaces = b.watch_named(
+        let namespaces = b.watch(
             NAMESPACE_CACHE,
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Namespace>| n.metadata.labels.unwrap_or_default(),
         );
-        let tee_capacities = b.watch_named(
+        let tee_capacities = b.watch(
             TEE_CAPACITY_CACHE,
             Api::<TeeCapacity>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             slim_report,
         );
-        let nodes = b.watch_named(
+        let nodes = b.watch(
             NODE_CACHE,
             Api::<PartialObjectMeta<Node>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default(),
         );
-        let launcher_pods = b.watch_named(
+        let launcher_pods = b.watch(
             LAUNCHER_POD_CACHE,
             Api::<LauncherPod>::all(client.clone()),
             watcher::Config::default()
@@ -728,7 +655,7 @@ mod tests {
         }
     }
 
-    fn names(store: &NamedStore<NodeLabels>) -> Vec<String> {
+    fn names(store: &NamedStore<Labels>) -> Vec<String> {
         let mut out = Vec::new();
         store.scan(|name, _| {
             out.push(name.to_string());
@@ -763,7 +690,7 @@ mod tests {
             store.get("b").and_then(|l| l.get("zone").cloned()),
             Some("z3".into())
         );
-        assert_eq!(Sink::len(&w), 2);
+        assert_eq!(w.len(), 2);
         // A relist replaces everything at once; objects gone meanwhile disappear.
         w.apply(watcher::Event::Init);
         w.apply(watcher::Event::InitApply(node("d", "z1")));
