@@ -25,17 +25,26 @@ pub struct MiscValues {
 }
 
 impl MiscValues {
-    /// Build from pairs (later duplicates replace earlier ones).
+    /// Build from pairs (later duplicates replace earlier ones, in place). Linear in the number of
+    /// pairs, whatever they hold.
     pub fn from_pairs<I, S>(pairs: I) -> Self
     where
         I: IntoIterator<Item = (S, u64)>,
         S: Into<String>,
     {
-        let mut v = MiscValues::default();
+        let mut index: HashMap<String, usize> = HashMap::new();
+        let mut entries: Vec<(String, u64)> = Vec::new();
         for (name, value) in pairs {
-            v.set(name.into(), value);
+            let name = name.into();
+            match index.get(&name) {
+                Some(&i) => entries[i].1 = value,
+                None => {
+                    index.insert(name.clone(), entries.len());
+                    entries.push((name, value));
+                }
+            }
         }
-        v
+        MiscValues { entries }
     }
 
     fn set(&mut self, name: String, value: u64) {
@@ -95,20 +104,11 @@ pub enum MiscLimit {
 
 /// Parse `misc.capacity`, `misc.current` or `misc.peak` content. `path` only names the file in errors.
 pub fn parse_values(path: &Path, content: &str) -> Result<MiscValues> {
-    // Linear in the number of lines, whatever the file holds (real files have a handful).
-    let mut index: HashMap<&str, usize> = HashMap::new();
-    let mut out = MiscValues::default();
-    for (line_no, name, value) in lines(path, content)? {
-        let value = parse_u64(path, line_no, name, value)?;
-        match index.get(name) {
-            Some(&i) => out.entries[i].1 = value,
-            None => {
-                index.insert(name, out.entries.len());
-                out.entries.push((name.to_string(), value));
-            }
-        }
-    }
-    Ok(out)
+    let pairs = lines(path, content)?
+        .into_iter()
+        .map(|(line_no, name, value)| Ok((name, parse_u64(path, line_no, name, value)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(MiscValues::from_pairs(pairs))
 }
 
 /// Parse `misc.max` content (`name max` or `name N`).
