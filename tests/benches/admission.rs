@@ -19,7 +19,9 @@ use serde_json::{Value, json};
 use support::{Stats, fmt_dur, full_run, section};
 use teeguard_shared::Config;
 use teeguard_tests::fakeapi::{FakeApiServer, Verb};
-use teeguard_tests::fixtures::{AdmissionReviewBuilder, NodeBuilder, Tee, VirtLauncherPod, Vmi};
+use teeguard_tests::fixtures::{
+    AdmissionReviewBuilder, NodeBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
+};
 use teeguard_webhook::admission::ReviewRequest;
 use teeguard_webhook::admitted::AdmittedReview;
 use teeguard_webhook::caches::Caches;
@@ -59,24 +61,6 @@ fn key_of(tee: Tee) -> (&'static str, &'static str) {
         Tee::Sev => ("sev.amd.com/asids", "sev 1"),
         _ => ("sev-snp.amd.com/esids", "sev_es 1"),
     }
-}
-
-fn owned_by(pod: &Value, uid: &str) -> Value {
-    let mut v = pod.clone();
-    if let Some(refs) = v["metadata"]["ownerReferences"].as_array_mut() {
-        for r in refs {
-            if r["kind"] == "VirtualMachineInstance" {
-                r["uid"] = json!(uid);
-            }
-        }
-    }
-    if v["metadata"]["labels"]
-        .get("kubevirt.io/created-by")
-        .is_some()
-    {
-        v["metadata"]["labels"]["kubevirt.io/created-by"] = json!(uid);
-    }
-    v
 }
 
 fn measure<F: FnMut()>(iterations: usize, mut f: F) -> (Stats, Duration) {

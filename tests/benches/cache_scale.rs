@@ -23,9 +23,9 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 use support::{Stats, fmt_dur, full_run, proc_status_kib, release_binary, section};
 use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer};
-use teeguard_tests::fixtures::{self, NodeBuilder, Tee, VirtLauncherPod, Vmi};
+use teeguard_tests::fixtures::{self, NodeBuilder, Tee, VirtLauncherPod, Vmi, owned_by};
 use webhook_support::{
-    Expected, H1, SecretDir, admin_get, ca_and_leaf, check_mutate, client_config, owned_by,
+    Expected, H1, SecretDir, admin_get, ca_and_leaf, check_mutate, client_config,
 };
 
 struct Scale {

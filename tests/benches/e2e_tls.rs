@@ -33,9 +33,9 @@ use serde::Deserialize;
 use serde_json::json;
 use support::{Stats, fmt_dur, full_run, section};
 use teeguard_tests::fakeapi::FakeApiServer;
-use teeguard_tests::fixtures::{NodeBuilder, Tee, VirtLauncherPod, Vmi};
+use teeguard_tests::fixtures::{NodeBuilder, Tee, VirtLauncherPod, Vmi, seed_vmi};
 use tokio::net::TcpListener;
-use webhook_support::{H1, Webhook, launcher_review, seed_vmi};
+use webhook_support::{H1, Webhook, launcher_review};
 
 const CONCURRENCY: [usize; 4] = [1, 4, 16, 64];
 

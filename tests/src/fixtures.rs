@@ -256,6 +256,35 @@ pub fn to_yaml(value: &Value) -> String {
     serde_yaml::to_string(&canonical(value.clone())).expect("a Value always serialises to YAML")
 }
 
+/// `pod` as JSON, owned by the VMI with `uid`: its VirtualMachineInstance owner reference and its
+/// `kubevirt.io/created-by` label carry `uid` (the fake API server assigns its own UIDs).
+pub fn owned_by<T: serde::Serialize>(pod: &T, uid: &str) -> Value {
+    let mut v = to_value(pod);
+    if let Some(refs) = v["metadata"]["ownerReferences"].as_array_mut() {
+        for r in refs {
+            if r["kind"] == "VirtualMachineInstance" {
+                r["uid"] = json!(uid);
+            }
+        }
+    }
+    if v["metadata"]["labels"]
+        .get("kubevirt.io/created-by")
+        .is_some()
+    {
+        v["metadata"]["labels"]["kubevirt.io/created-by"] = json!(uid);
+    }
+    v
+}
+
+/// Create `vmi` on the fake API server; returns its server-assigned UID.
+pub fn seed_vmi(api: &crate::fakeapi::FakeApiServer, vmi: &Vmi) -> String {
+    let stored = api.create(&vmi.build()).expect("create VMI");
+    stored["metadata"]["uid"]
+        .as_str()
+        .expect("stored VMI has a uid")
+        .to_string()
+}
+
 /// Serialise a typed object to JSON.
 pub fn to_value<T: serde::Serialize>(object: &T) -> Value {
     serde_json::to_value(object).expect("k8s-openapi objects serialise")
@@ -765,6 +794,13 @@ impl VirtLauncherPod {
     /// The pod.
     pub fn build(&self) -> Pod {
         from_value(self.to_value(), "virt-launcher pod")
+    }
+}
+
+/// Serialises as the pod it builds.
+impl serde::Serialize for VirtLauncherPod {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.to_value().serialize(serializer)
     }
 }
 

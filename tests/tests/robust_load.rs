@@ -15,11 +15,12 @@ use std::time::{Duration, Instant};
 use base64::prelude::{BASE64_STANDARD, Engine as _};
 use bytes::Bytes;
 use http::StatusCode;
-use robust_support::{Expected, H1, Webhook, bounded, check_mutate, owned_by, seed_vmi};
+use robust_support::{Expected, H1, Webhook, bounded, check_mutate};
 use serde_json::{Value, json};
 use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::{
-    self, AdmissionReviewBuilder, KataTee, NodeBuilder, Tee, VirtLauncherPod, Vmi,
+    self, AdmissionReviewBuilder, KataTee, NodeBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
+    seed_vmi,
 };
 
 const REVIEWS: usize = 10_000;

@@ -15,32 +15,8 @@ use serde_json::{Value, json};
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, RecordedRequest, Verb};
 use teeguard_tests::fixtures::{
     self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, DEFAULT_NODE, Tee, VirtLauncherPod, Vmi,
+    owned_by, seed_vmi,
 };
-
-/// Create the VMI in the fake API server; returns its (server-assigned) UID.
-fn seed_vmi(api: &FakeApiServer, vmi: &Vmi) -> String {
-    let stored = api.create(&vmi.build()).expect("create VMI");
-    stored["metadata"]["uid"].as_str().expect("uid").to_string()
-}
-
-/// The pod as JSON, owned by the VMI with `uid` (the fake server assigns its own UIDs).
-fn owned_by(pod: &Pod, uid: &str) -> Value {
-    let mut v = fixtures::to_value(pod);
-    if let Some(refs) = v["metadata"]["ownerReferences"].as_array_mut() {
-        for r in refs {
-            if r["kind"] == "VirtualMachineInstance" {
-                r["uid"] = json!(uid);
-            }
-        }
-    }
-    if v["metadata"]["labels"]
-        .get("kubevirt.io/created-by")
-        .is_some()
-    {
-        v["metadata"]["labels"]["kubevirt.io/created-by"] = json!(uid);
-    }
-    v
-}
 
 fn create_review(pod: Value) -> Value {
     AdmissionReviewBuilder::create(pod).build()

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, Verb};
 use teeguard_tests::fixtures::{
     self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, NodeBuilder, TDX_KEYS, Tee, VirtLauncherPod,
-    Vmi,
+    Vmi, owned_by, seed_vmi,
 };
 
 const HINT: &str =
@@ -57,20 +57,6 @@ fn tdx_status(capacity: u64, free: u64, external: u64, age: Duration) -> Value {
 }
 
 const FRESH: Duration = Duration::from_secs(1);
-
-/// Create the VMI; returns its server-assigned UID.
-fn seed_vmi(api: &FakeApiServer, vmi: &Vmi) -> String {
-    let stored = api.create(&vmi.build()).expect("create VMI");
-    stored["metadata"]["uid"].as_str().expect("uid").to_string()
-}
-
-/// The pod as JSON, owned by the VMI with `uid`.
-fn owned_by(pod: &VirtLauncherPod, uid: &str) -> Value {
-    let mut v = pod.to_value();
-    v["metadata"]["ownerReferences"][0]["uid"] = json!(uid);
-    v["metadata"]["labels"]["kubevirt.io/created-by"] = json!(uid);
-    v
-}
 
 /// A mutated, named TDX virt-launcher pod of `vmi` (key request and teeguard's annotation).
 fn mutated(vmi: &str) -> VirtLauncherPod {

@@ -21,7 +21,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
 use teeguard_certs::{CertificateAuthority, ServingCert, ServingCertRequest};
 use teeguard_tests::fakeapi::FakeApiServer;
-use teeguard_tests::fixtures::{self, Tee, VirtLauncherPod, Vmi};
+use teeguard_tests::fixtures::{self, Tee, VirtLauncherPod, Vmi, owned_by, seed_vmi};
 use teeguard_webhook::app::{Running, start};
 use teeguard_webhook::cli::{Cli, Command, ServeArgs};
 use tokio_util::sync::CancellationToken;
@@ -270,31 +270,6 @@ impl H1 {
 // -------------------------------------------------------------------------------------------------
 // Scenario objects and expected answers
 // -------------------------------------------------------------------------------------------------
-
-/// Create the VMI in the fake API server; returns its server-assigned UID.
-pub fn seed_vmi(api: &FakeApiServer, vmi: &Vmi) -> String {
-    let stored = api.create(&vmi.build()).expect("create VMI");
-    stored["metadata"]["uid"].as_str().expect("uid").to_string()
-}
-
-/// The pod as JSON, owned by the VMI with `uid` (the fake server assigns its own UIDs).
-pub fn owned_by(pod: &Value, uid: &str) -> Value {
-    let mut v = pod.clone();
-    if let Some(refs) = v["metadata"]["ownerReferences"].as_array_mut() {
-        for r in refs {
-            if r["kind"] == "VirtualMachineInstance" {
-                r["uid"] = json!(uid);
-            }
-        }
-    }
-    if v["metadata"]["labels"]
-        .get("kubevirt.io/created-by")
-        .is_some()
-    {
-        v["metadata"]["labels"]["kubevirt.io/created-by"] = json!(uid);
-    }
-    v
-}
 
 /// What a correct webhook answers, derived from the scenario (README's configuration table: the
 /// default resource names and the `misc-max.teeguard.dev/compute` annotation), not from its code.
