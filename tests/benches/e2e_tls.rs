@@ -6,7 +6,12 @@
 //!
 //! Printed per endpoint and concurrency: p50/p99 latency and throughput of both, the teeguard/floor
 //! ratios, and the webhook's server-side latency from its `/metrics` histogram (body read to response;
-//! bucket bounds 50/100/250/500 µs/1 ms..., interpolated). The load generator and both servers share
+//! bucket bounds 50/100/250/500 µs/1 ms..., interpolated), and the on-CPU time per review of the server
+//! threads and of the load generator's threads (`/proc/self/task/*/schedstat`). A last section serves
+//! the floor's handler through the webhook's own `serve_https` too, which splits teeguard's extra server
+//! CPU per review into what the server stack adds and what the admission handler adds.
+//!
+//! The load generator and both servers share
 //! this machine's cores: on a 2-core box the client costs as much CPU as the server, so absolute
 //! throughput is a lower bound of what a dedicated core pair would serve.
 //!
@@ -31,13 +36,17 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use serde_json::json;
-use support::{Stats, fmt_dur, full_run, section};
+use support::{Stats, fmt_dur, full_run, section, threads_cpu};
 use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::{NodeBuilder, Tee, VirtLauncherPod, Vmi, seed_vmi};
+use teeguard_webhook::server::ServerSettings;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 use webhook_support::{H1, Webhook, launcher_review};
 
 const CONCURRENCY: [usize; 4] = [1, 4, 16, 64];
+/// Connections for the server-CPU breakdown (saturated: CPU per review is what limits throughput).
+const BREAKDOWN_CONNECTIONS: usize = 16;
 
 #[derive(Deserialize)]
 struct FloorReview<'a> {
@@ -68,17 +77,38 @@ async fn floor_allow(body: Bytes) -> Response {
     }
 }
 
+/// Which server stack serves the floor's handler.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stack {
+    /// A bare accept loop: tokio-rustls and hyper-util's auto builder, nothing else.
+    Bare,
+    /// The webhook's own `serve_https` (connection limit, handshake / header-read / write-stall
+    /// timeouts, graceful drain): tells the cost of those from the cost of the handler.
+    Webhook,
+}
+
 /// Start the floor server with the webhook's TLS configuration, serving `cert_dir`'s pair.
-async fn start_floor(cert_dir: &std::path::Path) -> SocketAddr {
+async fn start_floor(cert_dir: &std::path::Path, stack: Stack) -> SocketAddr {
     let pair = teeguard_webhook::tls::load_pair(cert_dir).expect("certificate pair");
     let store = Arc::new(teeguard_webhook::tls::CertStore::new(pair.key));
     let tls = teeguard_webhook::tls::server_config(store).expect("TLS config");
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let router = Router::new()
         .route("/mutate", post(floor_allow))
         .route("/validate", post(floor_allow));
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind floor");
     let addr = listener.local_addr().expect("floor addr");
+    if stack == Stack::Webhook {
+        // Runs until the bench process exits (the token is never cancelled).
+        tokio::spawn(teeguard_webhook::server::serve_https(
+            listener,
+            tls,
+            router,
+            ServerSettings::default(),
+            CancellationToken::new(),
+        ));
+        return addr;
+    }
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
@@ -100,7 +130,18 @@ async fn start_floor(cert_dir: &std::path::Path) -> SocketAddr {
     addr
 }
 
-/// One load run: (latency stats, reviews per second).
+/// One load run's figures.
+struct Run {
+    stats: Stats,
+    /// Reviews per second.
+    rate: f64,
+    /// On-CPU time of the server threads per review (TLS, HTTP and the handler).
+    server_cpu: Duration,
+    /// On-CPU time of the load generator's threads per review.
+    client_cpu: Duration,
+}
+
+/// One load run.
 async fn load(
     addr: SocketAddr,
     cfg: Arc<rustls::ClientConfig>,
@@ -109,7 +150,7 @@ async fn load(
     connections: usize,
     warmup: Duration,
     measure: Duration,
-) -> (Stats, f64) {
+) -> Run {
     let mut conns = Vec::with_capacity(connections);
     for _ in 0..connections {
         conns.push(H1::connect(addr, cfg.clone()).await);
@@ -137,12 +178,28 @@ async fn load(
             samples
         });
     }
+    // CPU of both sides over the measured window only.
+    let cpu = tokio::spawn(async move {
+        tokio::time::sleep_until(begin.into()).await;
+        let before = (threads_cpu("server"), threads_cpu("client"));
+        tokio::time::sleep_until(end.into()).await;
+        (
+            threads_cpu("server").saturating_sub(before.0),
+            threads_cpu("client").saturating_sub(before.1),
+        )
+    });
     let mut all = Vec::new();
     while let Some(r) = tasks.join_next().await {
         all.extend(r.expect("load task"));
     }
-    let rate = all.len() as f64 / measure.as_secs_f64();
-    (Stats::from_samples(&mut all), rate)
+    let (server, client) = cpu.await.expect("CPU sampler");
+    let n = all.len().max(1) as u32;
+    Run {
+        rate: all.len() as f64 / measure.as_secs_f64(),
+        stats: Stats::from_samples(&mut all),
+        server_cpu: server / n,
+        client_cpu: client / n,
+    }
 }
 
 /// Cumulative bucket counts (upper bound in seconds → count) of the webhook's latency histogram for
@@ -279,7 +336,8 @@ fn main() {
         api.set_recording(false);
         let webhook = Webhook::start(api, &[]).await;
         webhook.wait_vmis(1).await;
-        let floor = start_floor(webhook.certs.path()).await;
+        let floor = start_floor(webhook.certs.path(), Stack::Bare).await;
+        let floor_on_stack = start_floor(webhook.certs.path(), Stack::Webhook).await;
         let (_, mutate) = launcher_review(
             &VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx),
             &uid,
@@ -303,8 +361,9 @@ fn main() {
                 body: validate,
             },
         ];
-        (webhook, floor, targets)
+        (webhook, (floor, floor_on_stack), targets)
     });
+    let (floor, floor_on_stack) = floor;
     let cfg = webhook.client_config();
     let admin = webhook.admin;
 
@@ -315,7 +374,7 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     ));
     println!(
-        "{:<9} {:>5} | {:>9} {:>9} {:>8} | {:>9} {:>9} {:>8} | {:>6} {:>6} {:>6} | {:>12}",
+        "{:<9} {:>5} | {:>9} {:>9} {:>8} | {:>9} {:>9} {:>8} | {:>6} {:>6} {:>6} | {:>13} {:>13} | {:>12}",
         "endpoint",
         "conns",
         "floor p50",
@@ -327,11 +386,13 @@ fn main() {
         "p50 x",
         "p99 x",
         "tput x",
+        "srv CPU µs",
+        "client CPU µs",
         "server p99"
     );
     for target in &targets {
         for conns in CONCURRENCY {
-            let (f_stats, f_rate) = client_rt.block_on(load(
+            let floor_run = client_rt.block_on(load(
                 floor,
                 cfg.clone(),
                 target.path,
@@ -343,7 +404,7 @@ fn main() {
             let before = client_rt
                 .block_on(webhook_support::admin_get(admin, "/metrics"))
                 .1;
-            let (t_stats, t_rate) = client_rt.block_on(load(
+            let tg_run = client_rt.block_on(load(
                 webhook.https,
                 cfg.clone(),
                 target.path,
@@ -371,19 +432,24 @@ fn main() {
             } else {
                 0.0
             };
+            let (f_stats, t_stats) = (floor_run.stats, tg_run.stats);
             println!(
-                "{:<9} {:>5} | {:>9} {:>9} {:>8.0} | {:>9} {:>9} {:>8.0} | {:>6.2} {:>6.2} {:>6.2} | {} mean {}",
+                "{:<9} {:>5} | {:>9} {:>9} {:>8.0} | {:>9} {:>9} {:>8.0} | {:>6.2} {:>6.2} {:>6.2} | {:>5.1} / {:>5.1} {:>5.1} / {:>5.1} | {} mean {}",
                 target.name,
                 conns,
                 fmt_dur(f_stats.p50),
                 fmt_dur(f_stats.p99),
-                f_rate,
+                floor_run.rate,
                 fmt_dur(t_stats.p50),
                 fmt_dur(t_stats.p99),
-                t_rate,
+                tg_run.rate,
                 t_stats.p50.as_secs_f64() / f_stats.p50.as_secs_f64(),
                 t_stats.p99.as_secs_f64() / f_stats.p99.as_secs_f64(),
-                t_rate / f_rate,
+                tg_run.rate / floor_run.rate,
+                floor_run.server_cpu.as_secs_f64() * 1e6,
+                tg_run.server_cpu.as_secs_f64() * 1e6,
+                floor_run.client_cpu.as_secs_f64() * 1e6,
+                tg_run.client_cpu.as_secs_f64() * 1e6,
                 server,
                 fmt_dur(Duration::from_secs_f64(server_mean)),
             );
@@ -392,6 +458,47 @@ fn main() {
     println!(
         "x = teeguard / floor (latency: lower is better, 1.00 = as fast as the floor; throughput: higher is better)."
     );
+    println!(
+        "CPU µs/review: on-CPU time of the server threads (TLS, HTTP, handler) and of the load generator's \
+         threads per review, floor / teeguard."
+    );
     println!("targets on 2 cores: p99 ratio ≤ 1.5, server-side p99 < 1 ms, ≥ 5 000 reviews/s.");
+
+    // Where teeguard's extra server CPU goes: the same floor handler on the bare stack and on the
+    // webhook's `serve_https`, then teeguard itself; the steps are the stack's and the handler's cost.
+    section(&format!(
+        "server CPU per review at {BREAKDOWN_CONNECTIONS} connections: floor handler on a bare stack, on the webhook's serve_https, teeguard"
+    ));
+    println!(
+        "{:<9} | {:>10} {:>10} {:>10} | {:>12} {:>12}",
+        "endpoint", "bare floor", "on stack", "teeguard", "stack adds", "handler adds"
+    );
+    for target in &targets {
+        let cpu = |addr| {
+            client_rt
+                .block_on(load(
+                    addr,
+                    cfg.clone(),
+                    target.path,
+                    target.body.clone(),
+                    BREAKDOWN_CONNECTIONS,
+                    warmup,
+                    measure,
+                ))
+                .server_cpu
+                .as_secs_f64()
+                * 1e6
+        };
+        let (bare, stacked, teeguard) = (cpu(floor), cpu(floor_on_stack), cpu(webhook.https));
+        println!(
+            "{:<9} | {:>7.1} µs {:>7.1} µs {:>7.1} µs | {:>+9.1} µs {:>+9.1} µs",
+            target.name,
+            bare,
+            stacked,
+            teeguard,
+            stacked - bare,
+            teeguard - stacked
+        );
+    }
     server_rt.block_on(webhook.stop());
 }

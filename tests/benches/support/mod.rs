@@ -74,6 +74,29 @@ pub fn proc_cpu(pid: u32) -> Option<Duration> {
     Some(Duration::from_millis((utime + stime) * 10))
 }
 
+/// On-CPU time of this process's threads whose name starts with `prefix` (tokio names its workers
+/// after the runtime's `thread_name`), from `/proc/self/task/*/schedstat` (nanoseconds, unlike the
+/// 10 ms ticks of `stat`). Threads that ended are not counted: sample around a period in which the
+/// runtime's threads live.
+pub fn threads_cpu(prefix: &str) -> Duration {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Duration::ZERO;
+    };
+    let mut total = 0u64;
+    for task in tasks.flatten() {
+        let dir = task.path();
+        let named = std::fs::read_to_string(dir.join("comm")).is_ok_and(|c| c.starts_with(prefix));
+        if !named {
+            continue;
+        }
+        total += std::fs::read_to_string(dir.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Duration::from_nanos(total)
+}
+
 /// The directory of the bench executable's profile (`target/release`).
 pub fn profile_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");

@@ -7,6 +7,7 @@
 pub mod mutate;
 pub mod validate;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Router;
@@ -23,12 +24,16 @@ use crate::metrics::Outcome;
 use crate::state::AppState;
 
 /// The HTTPS router: `POST /mutate`, `POST /validate`. Unknown paths get a JSON 404.
+///
+/// The state is shared behind one `Arc`: axum clones the state for every request, and cloning
+/// [`AppState`] itself would touch a dozen reference counts (caches, client, metrics, ledger, Event
+/// sink) that every worker thread shares.
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/mutate", post(mutate::handle))
         .route("/validate", post(validate::handle))
         .fallback(not_found)
-        .with_state(state)
+        .with_state(Arc::new(state))
 }
 
 async fn not_found(req: Request) -> Response {

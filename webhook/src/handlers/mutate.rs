@@ -5,6 +5,8 @@
 //! are allowed untouched. Dry-run requests are decided and patched like any other: the patch has no
 //! side effects, so `kubectl --dry-run=server` shows exactly what a real CREATE would get.
 
+use std::sync::Arc;
+
 use axum::extract::{Request, State};
 use axum::response::Response;
 use teeguard_shared::Config;
@@ -36,7 +38,7 @@ pub mod audit {
 }
 
 /// The axum handler.
-pub async fn handle(State(state): State<AppState>, req: Request) -> Response {
+pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let s = &state;
     serve_review(s, ENDPOINT, req, |body| async move {
         review_mutation(&body, &s.caches, &s.config).await

@@ -23,6 +23,7 @@
 //! `InsufficientTEEKeys` Event on the VMI (off the hot path, see [`crate::events`]).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{Request, State};
@@ -84,7 +85,7 @@ pub struct ValidationContext<'a> {
 }
 
 /// The axum handler.
-pub async fn handle(State(state): State<AppState>, req: Request) -> Response {
+pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let s = &state;
     serve_review(s, ENDPOINT, req, |body| async move {
         let ctx = ValidationContext {
