@@ -1,7 +1,7 @@
 //! Watching the agent's own Node and the pods bound to it (kube reflectors), and summarising those pods
 //! for attribution.
 
-use std::borrow::{Borrow, Cow};
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Debug;
 use std::hash::Hash;
@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{
     Container, Node, NodeStatus, Pod, PodSpec, PodStatus, ResourceRequirements,
 };
@@ -173,29 +172,7 @@ impl CachedPod {
     }
 }
 
-impl Resource for CachedPod {
-    type DynamicType = ();
-    type Scope = NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("Pod")
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("")
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("v1")
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("pods")
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+teeguard_shared::reduced_pod_resource!(CachedPod);
 
 /// Drop what the agent never reads from its Node: keep name, UID, resource version, the two
 /// extended-resource ownership annotations, and `status.capacity` / `status.allocatable`.

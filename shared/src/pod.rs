@@ -5,6 +5,13 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
+#[doc(hidden)]
+pub use k8s_openapi::NamespaceResourceScope as __NamespaceResourceScope;
+#[doc(hidden)]
+pub use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta as __ObjectMeta;
+#[doc(hidden)]
+pub use kube::Resource as __Resource;
+
 use crate::config::ResourcesConfig;
 use crate::error::{Error, Result};
 use crate::tee::TeeKind;
@@ -113,6 +120,47 @@ pub fn pod_display_name(pod: &Pod) -> String {
         (_, Some(g)) => format!("{ns}/{g}*"),
         _ => format!("{ns}/<unnamed>"),
     }
+}
+
+/// Implement [`kube::Resource`] as core/v1 `Pod` for a reduced pod type with a
+/// `metadata: ObjectMeta` field, so kube's watchers and `Api` read pods into it (skipping what the
+/// type does not name while decoding).
+///
+/// ```
+/// #[derive(Clone, Debug, Default, serde::Deserialize)]
+/// struct SlimPod {
+///     metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+/// }
+/// teeguard_shared::reduced_pod_resource!(SlimPod);
+/// assert_eq!(<SlimPod as kube::Resource>::plural(&()), "pods");
+/// ```
+#[macro_export]
+macro_rules! reduced_pod_resource {
+    ($ty:ty) => {
+        impl $crate::pod::__Resource for $ty {
+            type DynamicType = ();
+            type Scope = $crate::pod::__NamespaceResourceScope;
+
+            fn kind(_: &()) -> ::std::borrow::Cow<'_, str> {
+                ::std::borrow::Cow::Borrowed("Pod")
+            }
+            fn group(_: &()) -> ::std::borrow::Cow<'_, str> {
+                ::std::borrow::Cow::Borrowed("")
+            }
+            fn version(_: &()) -> ::std::borrow::Cow<'_, str> {
+                ::std::borrow::Cow::Borrowed("v1")
+            }
+            fn plural(_: &()) -> ::std::borrow::Cow<'_, str> {
+                ::std::borrow::Cow::Borrowed("pods")
+            }
+            fn meta(&self) -> &$crate::pod::__ObjectMeta {
+                &self.metadata
+            }
+            fn meta_mut(&mut self) -> &mut $crate::pod::__ObjectMeta {
+                &mut self.metadata
+            }
+        }
+    };
 }
 
 #[cfg(test)]

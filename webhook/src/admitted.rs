@@ -14,9 +14,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{
-    Affinity, Binding, Container, NodeAffinity, ObjectReference, Pod, PodSpec,
-};
+use k8s_openapi::api::core::v1::{Affinity, Binding, NodeAffinity, ObjectReference, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use serde::Deserialize;
@@ -142,15 +140,6 @@ pub struct AdmittedAffinity {
     pub node_affinity: Option<NodeAffinity>,
 }
 
-fn container(c: ContainerResources) -> Container {
-    Container {
-        name: c.name,
-        resources: c.resources,
-        restart_policy: c.restart_policy,
-        ..Container::default()
-    }
-}
-
 impl AdmittedMeta {
     /// A k8s-openapi [`ObjectMeta`] carrying exactly these fields (moved, not copied).
     pub fn into_meta(self) -> ObjectMeta {
@@ -179,10 +168,16 @@ impl AdmittedPod {
                     node_affinity: a.node_affinity,
                     ..Affinity::default()
                 }),
-                containers: s.containers.into_iter().map(container).collect(),
-                init_containers: s
-                    .init_containers
-                    .map(|v| v.into_iter().map(container).collect()),
+                containers: s
+                    .containers
+                    .into_iter()
+                    .map(ContainerResources::into_container)
+                    .collect(),
+                init_containers: s.init_containers.map(|v| {
+                    v.into_iter()
+                        .map(ContainerResources::into_container)
+                        .collect()
+                }),
                 overhead: s.overhead,
                 ..PodSpec::default()
             }),
@@ -259,26 +254,38 @@ impl<'a> AdmittedReview<'a> {
         }
     }
 
-    /// `request.object` as a pod (taken: a second call finds it missing).
+    /// `request.object` as a pod (taken: a second call finds it missing). A pod without a namespace
+    /// (a CREATE may leave it to the request's) gets the request's.
     pub fn pod(&mut self) -> Result<Pod> {
-        match &mut self.decoded {
+        let pod = match &mut self.decoded {
             Some((object, _)) => object
                 .take()
                 .map(AdmittedObject::into_pod)
-                .ok_or_else(|| missing("object")),
-            None => Ok(self.request.object::<AdmittedPod>()?.into_pod()),
-        }
+                .ok_or_else(|| missing("object"))?,
+            None => self.request.object::<AdmittedPod>()?.into_pod(),
+        };
+        Ok(self.in_request_namespace(pod))
     }
 
-    /// `request.oldObject` as a pod (taken).
+    /// `request.oldObject` as a pod (taken), its namespace defaulted as in [`AdmittedReview::pod`].
     pub fn old_pod(&mut self) -> Result<Pod> {
-        match &mut self.decoded {
+        let pod = match &mut self.decoded {
             Some((_, old)) => old
                 .take()
                 .map(AdmittedObject::into_pod)
-                .ok_or_else(|| missing("oldObject")),
-            None => Ok(self.request.old_object::<AdmittedPod>()?.into_pod()),
+                .ok_or_else(|| missing("oldObject"))?,
+            None => self.request.old_object::<AdmittedPod>()?.into_pod(),
+        };
+        Ok(self.in_request_namespace(pod))
+    }
+
+    fn in_request_namespace(&self, mut pod: Pod) -> Pod {
+        if pod.metadata.namespace.as_deref().is_none_or(str::is_empty)
+            && !self.request.namespace.is_empty()
+        {
+            pod.metadata.namespace = Some(self.request.namespace.clone());
         }
+        pod
     }
 
     /// `request.object` as a Binding (taken).

@@ -8,14 +8,11 @@
 //! labels, annotations and extended resources decisions read, in flat slices, so a cache of tens of
 //! thousands of pods stays small.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use kube::Resource;
 use serde::{Deserialize, Serialize};
 use teeguard_shared::names;
 
@@ -63,38 +60,21 @@ pub struct ContainerResources {
     pub restart_policy: Option<String>,
 }
 
-impl Resource for LauncherPod {
-    type DynamicType = ();
-    type Scope = NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("Pod")
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("")
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("v1")
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("pods")
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+teeguard_shared::reduced_pod_resource!(LauncherPod);
 
 impl ContainerResources {
-    fn to_container(&self) -> Container {
+    /// A k8s-openapi [`Container`] carrying exactly these fields (moved).
+    pub fn into_container(self) -> Container {
         Container {
-            name: self.name.clone(),
-            resources: self.resources.clone(),
-            restart_policy: self.restart_policy.clone(),
+            name: self.name,
+            resources: self.resources,
+            restart_policy: self.restart_policy,
             ..Container::default()
         }
+    }
+
+    fn to_container(&self) -> Container {
+        self.clone().into_container()
     }
 }
 
@@ -320,6 +300,7 @@ impl CachedLauncherPod {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::Resource;
     use serde_json::json;
     use teeguard_shared::config::Config;
     use teeguard_shared::pod::key_requests;

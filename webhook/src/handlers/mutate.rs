@@ -62,11 +62,8 @@ pub async fn review_mutation<L: Lookups>(
             outcome: Outcome::Allowed,
         });
     }
-    let mut pod = review.pod()?;
+    let pod = review.pod()?;
     let req = review.request;
-    if pod.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
-        pod.metadata.namespace = Some(req.namespace.clone());
-    }
     let decision = match classify_pod(&pod) {
         Err(skip) => MutationDecision::Skip(skip),
         Ok(vmi_ref) => match lookups.namespace_labels(&vmi_ref.namespace).await {

@@ -241,9 +241,6 @@ async fn pod_create<L: Lookups>(
     const REQ: &str = "pod_create";
     let mut pod = review.pod()?;
     let req = &review.request;
-    if pod.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
-        pod.metadata.namespace = Some(req.namespace.clone());
-    }
     if pod.metadata.name.as_deref().is_none_or(str::is_empty) && !req.name.is_empty() {
         pod.metadata.name = Some(req.name.clone());
     }
@@ -563,12 +560,8 @@ async fn binding<L: Lookups>(
 
 async fn pod_update<L: Lookups>(review: &mut AdmittedReview<'_>, lookups: &L) -> Result<Answer> {
     const REQ: &str = "pod_update";
-    let mut new = review.pod()?;
+    let new = review.pod()?;
     let old = review.old_pod()?;
-    let req = &review.request;
-    if new.metadata.namespace.as_deref().is_none_or(str::is_empty) && !req.namespace.is_empty() {
-        new.metadata.namespace = Some(req.namespace.clone());
-    }
     let Some(msg) = check_updated_limits(&old, &new) else {
         return Ok(Answer::skip(REQ, "limits-unchanged"));
     };
