@@ -17,10 +17,10 @@ use k8s_openapi::api::core::v1::Pod;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use support::{Stats, fmt_dur, full_run, section};
-use teeguard_shared::Config;
+use teeguard_shared::{Config, TeeKind};
 use teeguard_tests::fakeapi::{FakeApiServer, Verb};
 use teeguard_tests::fixtures::{
-    AdmissionReviewBuilder, NodeBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
+    AdmissionReviewBuilder, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
 };
 use teeguard_webhook::admission::ReviewRequest;
 use teeguard_webhook::admitted::AdmittedReview;
@@ -36,22 +36,12 @@ const NODES: usize = 20;
 
 /// A fresh report with plenty of free keys of every kind.
 fn report(node: &str) -> Value {
-    let kind = |name: &str| {
-        json!({"resourceName": name, "capacity": 1_000_000, "kernelUsed": 0, "podsUsed": 0,
-               "external": 0, "pending": 0, "free": 1_000_000})
-    };
-    json!({
-        "apiVersion": "teeguard.dev/v1alpha1",
-        "kind": "TeeCapacity",
-        "metadata": {"name": node},
-        "spec": {"nodeName": node},
-        "status": {
-            "tdx": kind("tdx.intel.com/keys"),
-            "sev": kind("sev.amd.com/asids"),
-            "sevEs": kind("sev-snp.amd.com/esids"),
-            "heartbeatTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
-        }
-    })
+    TeeKind::ALL
+        .iter()
+        .fold(ReportBuilder::new(node), |r, kind| {
+            r.kind(*kind, 1_000_000, 1_000_000)
+        })
+        .to_value()
 }
 
 /// (extended resource, misc.max annotation value) the mutating webhook gives a pod of `tee`.

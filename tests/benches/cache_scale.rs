@@ -22,8 +22,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde_json::{Value, json};
 use support::{Stats, fmt_dur, full_run, proc_status_kib, release_binary, section};
+use teeguard_shared::TeeKind;
 use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer};
-use teeguard_tests::fixtures::{self, NodeBuilder, Tee, VirtLauncherPod, Vmi, owned_by};
+use teeguard_tests::fixtures::{
+    self, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
+};
 use webhook_support::{
     Expected, H1, SecretDir, admin_get, ca_and_leaf, check_mutate, client_config,
 };
@@ -43,18 +46,9 @@ fn free_port() -> u16 {
 }
 
 fn report(node: &str, free: u64) -> Value {
-    json!({
-        "apiVersion": "teeguard.dev/v1alpha1",
-        "kind": "TeeCapacity",
-        "metadata": {"name": node},
-        "spec": {"nodeName": node},
-        "status": {
-            "tdx": {"resourceName": "tdx.intel.com/keys", "capacity": 64, "kernelUsed": 64 - free,
-                    "podsUsed": 64 - free, "external": 0, "pending": 0, "free": free},
-            "heartbeatTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
-            "agentVersion": "0.1.0"
-        }
-    })
+    ReportBuilder::new(node)
+        .kind(TeeKind::Tdx, 64, free)
+        .to_value()
 }
 
 /// The objects the measured reviews need: namespace, the TDX VMI, one TDX node with a report.

@@ -37,8 +37,9 @@ use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use serde_json::json;
 use support::{Stats, fmt_dur, full_run, section, threads_cpu};
+use teeguard_shared::TeeKind;
 use teeguard_tests::fakeapi::FakeApiServer;
-use teeguard_tests::fixtures::{NodeBuilder, Tee, VirtLauncherPod, Vmi, seed_vmi};
+use teeguard_tests::fixtures::{NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi, seed_vmi};
 use teeguard_webhook::server::ServerSettings;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -321,17 +322,11 @@ fn main() {
         // A TDX node whose fresh report has plenty of free keys, for /validate.
         api.create(&NodeBuilder::new("node01").tdx(1_000_000).to_value())
             .expect("node");
-        api.create(&json!({
-            "apiVersion": "teeguard.dev/v1alpha1",
-            "kind": "TeeCapacity",
-            "metadata": {"name": "node01"},
-            "spec": {"nodeName": "node01"},
-            "status": {
-                "tdx": {"resourceName": "tdx.intel.com/keys", "capacity": 1_000_000, "kernelUsed": 0,
-                        "podsUsed": 0, "external": 0, "pending": 0, "free": 1_000_000},
-                "heartbeatTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
-            }
-        }))
+        api.create(
+            &ReportBuilder::new("node01")
+                .kind(TeeKind::Tdx, 1_000_000, 1_000_000)
+                .to_value(),
+        )
         .expect("report");
         api.set_recording(false);
         let webhook = Webhook::start(api, &[]).await;

@@ -2268,3 +2268,105 @@ pub fn sample_files() -> Vec<(String, String)> {
     files.push(admission("validate-pod-delete", pod_delete(&running)));
     files
 }
+
+/// Builder for a node's `TeeCapacity` report as its agent publishes it: per kind, `capacity` keys of
+/// which `free` are free and `external` held outside Kubernetes (so `kernelUsed = capacity − free` and
+/// `podsUsed = kernelUsed − external`, nothing pending), the default resource names, a heartbeat `now`
+/// unless aged, and agent version `0.1.0`.
+#[derive(Clone, Debug)]
+pub struct ReportBuilder {
+    node: String,
+    status: teeguard_shared::TeeCapacityStatus,
+    heartbeat_age: std::time::Duration,
+}
+
+impl ReportBuilder {
+    /// A report for `node` with no TEE kind yet.
+    pub fn new(node: &str) -> Self {
+        ReportBuilder {
+            node: node.to_string(),
+            status: teeguard_shared::TeeCapacityStatus {
+                agent_version: Some("0.1.0".into()),
+                ..Default::default()
+            },
+            heartbeat_age: std::time::Duration::ZERO,
+        }
+    }
+
+    /// `capacity` keys of `kind`, `free` of them free, the rest used by pods.
+    pub fn kind(self, kind: teeguard_shared::TeeKind, capacity: u64, free: u64) -> Self {
+        self.kind_with_external(kind, capacity, free, 0)
+    }
+
+    /// `capacity` keys of `kind`, `free` of them free, `external` held outside Kubernetes, the rest
+    /// used by pods. Panics when the figures do not add up (`free + external > capacity`).
+    pub fn kind_with_external(
+        mut self,
+        kind: teeguard_shared::TeeKind,
+        capacity: u64,
+        free: u64,
+        external: u64,
+    ) -> Self {
+        assert!(
+            free + external <= capacity,
+            "report for {}: {free} free + {external} external > {capacity} capacity",
+            self.node
+        );
+        let figures = teeguard_shared::KindStatus {
+            resource_name: teeguard_shared::config::ResourcesConfig::default()
+                .resource_name(kind)
+                .to_string(),
+            capacity,
+            kernel_used: capacity - free,
+            pods_used: capacity - free - external,
+            external,
+            pending: 0,
+            free,
+            ..Default::default()
+        };
+        let slot = match kind {
+            teeguard_shared::TeeKind::Tdx => &mut self.status.tdx,
+            teeguard_shared::TeeKind::Sev => &mut self.status.sev,
+            teeguard_shared::TeeKind::SevEs => &mut self.status.sev_es,
+        };
+        *slot = Some(figures);
+        self
+    }
+
+    /// The last heartbeat `age` ago (a stale report).
+    pub fn heartbeat_age(mut self, age: std::time::Duration) -> Self {
+        self.heartbeat_age = age;
+        self
+    }
+
+    /// The status alone (what an agent's status patch carries), heartbeat taken now.
+    pub fn status(&self) -> teeguard_shared::TeeCapacityStatus {
+        let now = jiff::Timestamp::now();
+        let age = jiff::SignedDuration::try_from(self.heartbeat_age)
+            .expect("heartbeat age fits a signed duration");
+        let beat = now.checked_sub(age).expect("heartbeat within jiff's range");
+        // Reports carry whole seconds, as the agent writes them (truncated: never younger than asked).
+        let beat = jiff::Timestamp::from_second(beat.as_second()).expect("whole seconds");
+        teeguard_shared::TeeCapacityStatus {
+            heartbeat_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(beat)),
+            ..self.status.clone()
+        }
+    }
+
+    /// The report as the typed object.
+    pub fn build(&self) -> teeguard_shared::TeeCapacity {
+        let mut report = teeguard_shared::TeeCapacity::new(
+            &self.node,
+            teeguard_shared::TeeCapacitySpec {
+                node_name: self.node.clone(),
+            },
+        );
+        report.status = Some(self.status());
+        report
+    }
+
+    /// The report as JSON, ready for the fake API server.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(self.build()).expect("a TeeCapacity serialises")
+    }
+}

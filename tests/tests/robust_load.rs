@@ -17,10 +17,11 @@ use bytes::Bytes;
 use http::StatusCode;
 use robust_support::{Expected, H1, Webhook, bounded, check_mutate};
 use serde_json::{Value, json};
+use teeguard_shared::TeeKind;
 use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::{
-    self, AdmissionReviewBuilder, KataTee, NodeBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
-    seed_vmi,
+    self, AdmissionReviewBuilder, KataTee, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi,
+    owned_by, seed_vmi,
 };
 
 const REVIEWS: usize = 10_000;
@@ -63,18 +64,9 @@ fn case(name: &str, path: &'static str, review: AdmissionReviewBuilder, want: Wa
 }
 
 fn report(node: &str, free: u64) -> Value {
-    json!({
-        "apiVersion": "teeguard.dev/v1alpha1",
-        "kind": "TeeCapacity",
-        "metadata": {"name": node},
-        "spec": {"nodeName": node},
-        "status": {
-            "tdx": {"resourceName": "tdx.intel.com/keys", "capacity": free, "kernelUsed": 0,
-                    "podsUsed": 0, "external": 0, "pending": 0, "free": free},
-            "heartbeatTime": jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
-            "agentVersion": "0.1.0"
-        }
-    })
+    ReportBuilder::new(node)
+        .kind(TeeKind::Tdx, free, free)
+        .to_value()
 }
 
 /// The scenario: objects in the fake API server and the reviews with their expected answers.

@@ -12,48 +12,32 @@ use common::{Harness, WAIT, eventually};
 use http::StatusCode;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
+use teeguard_shared::TeeKind;
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, Verb};
 use teeguard_tests::fixtures::{
-    self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, NodeBuilder, TDX_KEYS, Tee, VirtLauncherPod,
-    Vmi, owned_by, seed_vmi,
+    self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, NodeBuilder, ReportBuilder, TDX_KEYS, Tee,
+    VirtLauncherPod, Vmi, owned_by, seed_vmi,
 };
 
 const HINT: &str =
     "free a key or add capacity; `kubectl get teecapacities` shows free keys per node";
 
 /// RFC 3339 time `age` ago.
-fn ago(age: Duration) -> String {
-    let t = jiff::Timestamp::now()
-        .checked_sub(jiff::SignedDuration::try_from(age).expect("duration"))
-        .expect("timestamp");
-    t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
-}
-
 /// A TDX report: `free` of `capacity` keys free, `external` held outside Kubernetes, heartbeat `age` ago.
 fn tdx_report(node: &str, capacity: u64, free: u64, external: u64, age: Duration) -> Value {
-    json!({
-        "apiVersion": "teeguard.dev/v1alpha1",
-        "kind": "TeeCapacity",
-        "metadata": {"name": node},
-        "spec": {"nodeName": node},
-        "status": tdx_status(capacity, free, external, age)
-    })
+    ReportBuilder::new(node)
+        .kind_with_external(TeeKind::Tdx, capacity, free, external)
+        .heartbeat_age(age)
+        .to_value()
 }
 
+/// The status of [`tdx_report`] alone, for status patches.
 fn tdx_status(capacity: u64, free: u64, external: u64, age: Duration) -> Value {
-    json!({
-        "tdx": {
-            "resourceName": TDX_KEYS,
-            "capacity": capacity,
-            "kernelUsed": capacity - free,
-            "podsUsed": capacity - free - external,
-            "external": external,
-            "pending": 0,
-            "free": free
-        },
-        "heartbeatTime": ago(age),
-        "agentVersion": "0.1.0"
-    })
+    let status = ReportBuilder::new("-")
+        .kind_with_external(TeeKind::Tdx, capacity, free, external)
+        .heartbeat_age(age)
+        .status();
+    serde_json::to_value(status).expect("status serialises")
 }
 
 const FRESH: Duration = Duration::from_secs(1);
@@ -694,10 +678,11 @@ async fn pod_create_checks_the_candidate_nodes() {
         .expect("report");
     api.create(&tdx_report("node-b", 31, 0, 0, FRESH))
         .expect("report");
-    api.create(&json!({"apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity",
-        "metadata": {"name": "sev-node"}, "spec": {"nodeName": "sev-node"},
-        "status": {"heartbeatTime": ago(FRESH), "sevEs": {"resourceName": "sev-snp.amd.com/esids",
-            "capacity": 100, "kernelUsed": 0, "podsUsed": 0, "external": 0, "pending": 0, "free": 100}}}))
+    api.create(
+        &ReportBuilder::new("sev-node")
+            .kind(TeeKind::SevEs, 100, 100)
+            .to_value(),
+    )
     .expect("report");
     api.create(&NodeBuilder::new("node-a").tdx(31).build())
         .expect("node");
