@@ -10,7 +10,8 @@
 //!    `cgroup.subtree_control` too, to tell whether pod cgroups get misc files at all); then pod-level
 //!    `misc.current` only, never containers:
 //!    - agent mode ([`Interest::Only`]): only the pods that request keys, opened by constructed path
-//!      (the place found first is remembered), without listing any directory;
+//!      (the place found first is remembered), without listing any directory, and then kept open: see
+//!      "Open files" below;
 //!    - walk mode ([`Interest::All`], the `scan` subcommand): every pod directory, by listing the
 //!      kubepods and QoS directories (QoS levels holding nothing are skipped);
 //! 4. the root `misc.current` again: when it moved while the pods were read (a VM started or stopped),
@@ -23,12 +24,39 @@
 //! recorded as a problem and treated as holding nothing (its request then counts as pending and its real
 //! usage as external: conservative in both directions).
 //!
-//! The scan reuses its path and content buffers, reads files with a plain read loop (no stat/seek), and
-//! in agent mode allocates only for pods that hold keys.
+//! The scan reuses its path and content buffers, reads files with positioned reads from offset 0 (no
+//! seek; a read that does not fill the buffer ends the file, so a small file costs one `pread`), and in
+//! agent mode allocates only for pods that hold keys.
+//!
+//! # Open files (agent mode)
+//!
+//! Opening a pod's `misc.current` walks a deep path (`kubepods.slice/kubepods-burstable.slice/
+//! kubepods-burstable-pod<uid>.slice/misc.current`) and opening, reading to EOF and closing costs four
+//! syscalls; with hundreds of pods requesting keys that dominated the poll. So the file of each pod of
+//! interest is kept open between polls and re-read with `pread(fd, buf, 0)`: an `fstat` and one `pread`
+//! per pod. The kernel's cgroup files are kernfs `seq_file`s, regenerated on every read at offset 0 (the
+//! way `top` re-reads `/proc` files), so an open file always shows current usage; the kernel updates them
+//! in place, never by replacing the file.
+//!
+//! A kept file goes stale in two ways, both sending the pod back to the open-by-path logic (which
+//! reports a vanished, undelegated or unreadable cgroup exactly as a first read does):
+//! - any read error: on the kernel, reading an open file of a removed cgroup fails with `ENODEV`, and a
+//!   cgroup recreated at the same path is a new file that the path finds (checked on Linux 6.18, cgroup
+//!   v2: after `rmdir`, `fstat` of the open file still says one link, and `pread` fails with `ENODEV`,
+//!   also once a cgroup of the same name exists again);
+//! - the file has no link left (`nlink == 0`, from the `fstat`): it was deleted or replaced by a rename,
+//!   which is how regular files behave (the simulated host in `teeguard-tests` replaces files by rename
+//!   and removes directories with their files; an open descriptor would keep reading the old content).
+//!
+//! Kept files are bounded by the interest set: a pod leaving it is forgotten and its file closed at the
+//! next scan (and by [`MAX_KEPT_FILES`], beyond which pods are opened by path each time). Permissions are checked when a file is opened only (plain Unix semantics): a file made
+//! unreadable by `chmod` after it was opened stays readable through the open descriptor, whereas one
+//! replaced (e.g. by a directory) is opened again and reported. Walk mode opens files by path every time.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::io::{ErrorKind, Read};
+use std::io::ErrorKind;
+use std::os::unix::fs::{FileExt as _, MetadataExt as _};
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
@@ -43,6 +71,11 @@ const MAX_SNAPSHOT_ATTEMPTS: u32 = 3;
 
 /// At most this many skipped names and problems are kept per scan (the counts are exact).
 const MAX_LISTED: usize = 16;
+
+/// At most this many pod files are kept open (agent mode), far above any node's pod count (the kubelet's
+/// `maxPods` defaults to 110), so a strange configuration cannot exhaust the process's descriptors
+/// (the soft limit is often 1024); pods beyond it are opened by path at every scan.
+const MAX_KEPT_FILES: usize = 512;
 
 /// Which pods' cgroups to read.
 #[derive(Clone, Copy, Debug)]
@@ -174,8 +207,19 @@ pub struct Scanner {
     path: PathBuf,
     buf: Vec<u8>,
     uid: String,
-    /// Where each pod of interest's cgroup was found last time (agent mode), to open it directly.
-    locations: HashMap<String, PathBuf>,
+    /// Agent mode: each pod of interest whose cgroup was found, by UID. Pruned to the interest set at
+    /// every scan, so it holds at most one entry (and one open file) per pod of interest.
+    known: HashMap<String, KnownPod>,
+}
+
+/// Where a pod of interest's cgroup was found, and its `misc.current` kept open (agent mode).
+#[derive(Debug)]
+struct KnownPod {
+    /// The pod's cgroup directory: where `misc.current` is opened again when the kept file is stale.
+    dir: PathBuf,
+    /// `misc.current`, open since the last successful read by path; re-read at offset 0 every poll.
+    /// `None` after a failed read (the next poll opens the file by path again). Dropping it closes it.
+    file: Option<File>,
 }
 
 impl Scanner {
@@ -186,8 +230,14 @@ impl Scanner {
             path: PathBuf::with_capacity(256),
             buf: Vec::with_capacity(512),
             uid: String::with_capacity(40),
-            locations: HashMap::new(),
+            known: HashMap::new(),
         }
+    }
+
+    /// How many pod `misc.current` files are kept open between scans (agent mode; at most one per pod
+    /// of interest).
+    pub fn open_pod_files(&self) -> usize {
+        self.known.values().filter(|k| k.file.is_some()).count()
     }
 
     /// The cgroup root this scanner reads.
@@ -198,6 +248,11 @@ impl Scanner {
     /// Read capacity and usage. `Err` means a file that must be readable (the root `misc.capacity` or
     /// `misc.current`) could not be read or parsed; pod-level trouble is reported inside the result.
     pub fn scan(&mut self, interest: Interest<'_>) -> Result<HostState> {
+        if let Interest::Only(set) = interest {
+            // Forget pods that no longer request keys (or left the node): this closes their files,
+            // also when this scan ends before the pods are read.
+            self.known.retain(|uid, _| set.contains(uid));
+        }
         let controller = match MiscController::locate(&self.root) {
             Ok(c) => c,
             Err(e @ teeguard_shared::Error::MiscControllerNotFound { .. }) => {
@@ -303,9 +358,6 @@ impl Scanner {
             Driver::Systemd => ["kubepods-burstable.slice", "kubepods-besteffort.slice"],
             Driver::Cgroupfs => ["burstable", "besteffort"],
         };
-        if let Interest::Only(set) = interest {
-            self.locations.retain(|uid, _| set.contains(uid));
-        }
         if top == LevelUsage::Zero || !matches!(interest, Interest::All) {
             // The answer must not depend on usage: check the QoS levels too.
             for q in qos_names {
@@ -372,9 +424,10 @@ impl Scanner {
         scan
     }
 
-    /// Agent mode: read a pod's cgroup by constructing its path (no directory listing). The QoS class is
-    /// not known from the UID, so the three possible places are tried once and the hit remembered.
-    /// Returns false when the pod showed the controller is not delegated (stop).
+    /// Agent mode: read a pod's cgroup through its kept-open `misc.current`, else by constructing its
+    /// path (no directory listing). The QoS class is not known from the UID, so the three possible places
+    /// are tried once and the hit remembered, with the file kept open. Returns false when the pod showed
+    /// the controller is not delegated (stop).
     fn direct_pod(
         &mut self,
         scan: &mut PodScan,
@@ -387,14 +440,39 @@ impl Scanner {
             tracing::debug!(uid, "pod UID is not a UUID; its cgroup is not read");
             return true;
         }
-        if let Some(dir) = self.locations.get(uid) {
+        // Files are kept only while the entries (a superset) stay within the bound.
+        let room = self.known.len() <= MAX_KEPT_FILES;
+        if let Some(known) = self.known.get_mut(uid) {
+            if let Some(file) = &known.file {
+                match reread(file, &mut self.buf) {
+                    Ok(Some(text)) => {
+                        self.path.clear();
+                        self.path.push(&known.dir);
+                        self.path.push("misc.current");
+                        record_pod(scan, uid, &self.path, text);
+                        return true;
+                    }
+                    Ok(None) => {
+                        tracing::debug!(uid, dir = %known.dir.display(), "kept-open misc.current was deleted or replaced; opening it again");
+                    }
+                    Err(e) => {
+                        // ENODEV on the kernel: the cgroup was removed (and maybe recreated).
+                        tracing::debug!(uid, dir = %known.dir.display(), error = %e, "kept-open misc.current unreadable; opening it again");
+                    }
+                }
+                // Close it; the path decides what happened.
+                known.file = None;
+            }
             self.path.clear();
-            self.path.push(dir);
-            match self.read_pod_file(scan, uid) {
-                PodRead::Done => return true,
+            self.path.push(&known.dir);
+            match read_pod_file(scan, &mut self.path, &mut self.buf, uid) {
+                PodRead::Done(file) => {
+                    known.file = file.filter(|_| room);
+                    return true;
+                }
                 PodRead::NotDelegated => return false,
                 PodRead::Gone => {
-                    self.locations.remove(uid);
+                    self.known.remove(uid);
                 }
             }
         }
@@ -419,9 +497,16 @@ impl Scanner {
                 self.path.push(q);
             }
             self.path.push(&self.uid);
-            match self.read_pod_file(scan, uid) {
-                PodRead::Done => {
-                    self.locations.insert(uid.to_string(), self.path.clone());
+            match read_pod_file(scan, &mut self.path, &mut self.buf, uid) {
+                PodRead::Done(file) => {
+                    let room = self.known.len() < MAX_KEPT_FILES;
+                    self.known.insert(
+                        uid.to_string(),
+                        KnownPod {
+                            dir: self.path.clone(),
+                            file: file.filter(|_| room),
+                        },
+                    );
                     return true;
                 }
                 PodRead::NotDelegated => return false,
@@ -430,54 +515,6 @@ impl Scanner {
         }
         // No cgroup yet: the kubelet has not started the pod. It holds nothing.
         true
-    }
-
-    /// Read `misc.current` in the pod directory `self.path` (left pointing at the directory).
-    fn read_pod_file(&mut self, scan: &mut PodScan, uid: &str) -> PodRead {
-        self.path.push("misc.current");
-        let result = match read_text(&self.path, &mut self.buf) {
-            Ok(text) => {
-                scan.pods_read += 1;
-                match parse_counts(&self.path, text) {
-                    Ok(c) => {
-                        if !c.is_zero() {
-                            scan.usage.insert(uid.to_string(), c);
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "pod cgroup misc.current is malformed; treating the pod as holding no key");
-                        scan.problem(e.to_string());
-                    }
-                }
-                PodRead::Done
-            }
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                self.path.pop();
-                let read = if self.path.is_dir() {
-                    scan.not_delegated(format!(
-                        "pod cgroup {} has no misc.current",
-                        self.path.display()
-                    ));
-                    PodRead::NotDelegated
-                } else {
-                    PodRead::Gone
-                };
-                self.path.push("misc.current");
-                read
-            }
-            Err(source) => {
-                scan.pods_read += 1;
-                let e = Error::PodCgroupRead {
-                    path: self.path.clone(),
-                    source,
-                };
-                tracing::warn!(error = %e, "cannot read a pod cgroup; treating the pod as holding no key");
-                scan.problem(e.to_string());
-                PodRead::Done
-            }
-        };
-        self.path.pop();
-        result
     }
 
     /// Walk mode: read one pod cgroup found by listing. Returns false when it showed the controller is
@@ -592,6 +629,68 @@ impl Scanner {
     }
 }
 
+/// Agent mode: open and read `misc.current` in the pod directory `path` (left pointing at the
+/// directory) and record what it holds. `Done` carries the file when it was read, to keep open.
+fn read_pod_file(scan: &mut PodScan, path: &mut PathBuf, buf: &mut Vec<u8>, uid: &str) -> PodRead {
+    path.push("misc.current");
+    let result = match File::open(&*path) {
+        Ok(file) => match read_from_start(&file, buf) {
+            Ok(text) => {
+                record_pod(scan, uid, path, text);
+                PodRead::Done(Some(file))
+            }
+            Err(source) => {
+                pod_unreadable(scan, path, source);
+                PodRead::Done(None)
+            }
+        },
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            path.pop();
+            let read = if path.is_dir() {
+                scan.not_delegated(format!("pod cgroup {} has no misc.current", path.display()));
+                PodRead::NotDelegated
+            } else {
+                PodRead::Gone
+            };
+            path.push("misc.current");
+            read
+        }
+        Err(source) => {
+            pod_unreadable(scan, path, source);
+            PodRead::Done(None)
+        }
+    };
+    path.pop();
+    result
+}
+
+/// Record the content of a pod's `misc.current` (`path`, named in messages).
+fn record_pod(scan: &mut PodScan, uid: &str, path: &Path, text: &str) {
+    scan.pods_read += 1;
+    match parse_counts(path, text) {
+        Ok(c) => {
+            if !c.is_zero() {
+                scan.usage.insert(uid.to_string(), c);
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "pod cgroup misc.current is malformed; treating the pod as holding no key");
+            scan.problem(e.to_string());
+        }
+    }
+}
+
+/// Record a pod's `misc.current` (`path`) that could not be read.
+fn pod_unreadable(scan: &mut PodScan, path: &Path, source: std::io::Error) {
+    scan.pods_read += 1;
+    let e = Error::PodCgroupRead {
+        path: path.to_path_buf(),
+        source,
+    };
+    tracing::warn!(error = %e, "cannot read a pod cgroup; treating the pod as holding no key");
+    scan.problem(e.to_string());
+}
+
 /// Where a pod's cgroup can be, by QoS class: (QoS directory under kubepods, name prefix).
 const SYSTEMD_PLACES: [(Option<&str>, &str); 3] = [
     (None, "kubepods-pod"),
@@ -604,9 +703,13 @@ const CGROUPFS_PLACES: [(Option<&str>, &str); 3] = [
     (Some("besteffort"), "pod"),
 ];
 
+/// What reading a pod's `misc.current` by path found.
 enum PodRead {
-    Done,
+    /// Read (and recorded) or reported as a problem; the file, open, when it could be read.
+    Done(Option<File>),
+    /// The pod cgroup exists without `misc.current`: the controller is not delegated to pods.
     NotDelegated,
+    /// No such pod cgroup (there).
     Gone,
 }
 
@@ -620,14 +723,37 @@ enum LevelUsage {
 /// Largest misc/cgroup control file read (real ones are a few lines).
 const MAX_FILE_BYTES: usize = 64 * 1024;
 
-/// Read a small file into `buf` and return it as text. A plain read loop: `File::read_to_string` would
-/// first stat and seek the file to size its buffer (two extra syscalls per file, per pod, per poll).
+/// Bytes asked for per read; any real misc or cgroup control file fits in one.
+const READ_CHUNK: usize = 512;
+
+/// Open a small file, read it into `buf` and return it as text.
 fn read_text<'b>(path: &Path, buf: &'b mut Vec<u8>) -> std::io::Result<&'b str> {
+    read_from_start(&File::open(path)?, buf)
+}
+
+/// Re-read a file kept open (see "Open files" in the module doc). `Ok(None)`: the file has no link left
+/// (deleted, or replaced by a rename), so its content is stale and it must be opened again by path.
+/// The `fstat` is what catches that on regular files; on the kernel's cgroup files a removed cgroup
+/// shows as a read error (`ENODEV`) instead.
+fn reread<'b>(file: &File, buf: &'b mut Vec<u8>) -> std::io::Result<Option<&'b str>> {
+    if file.metadata()?.nlink() == 0 {
+        return Ok(None);
+    }
+    read_from_start(file, buf).map(Some)
+}
+
+/// Read a whole small file from offset 0 into `buf` with positioned reads (`pread`; the file position
+/// is neither used nor moved, so the same open file can be read again the same way).
+///
+/// A read returning fewer bytes than asked ends the file, without the extra read that would return 0:
+/// a kernfs `seq_file` (every cgroup file) renders the whole content at offset 0 and hands out all of
+/// it that fits, and a regular file returns a short read only at its end. A full read is followed by
+/// the next one at the offset reached, until a read returns 0 or falls short.
+fn read_from_start<'b>(file: &File, buf: &'b mut Vec<u8>) -> std::io::Result<&'b str> {
     buf.clear();
-    let mut file = File::open(path)?;
-    let mut chunk = [0u8; 512];
+    let mut chunk = [0u8; READ_CHUNK];
     loop {
-        match file.read(&mut chunk) {
+        match file.read_at(&mut chunk, buf.len() as u64) {
             Ok(0) => break,
             Ok(n) => {
                 if buf.len() + n > MAX_FILE_BYTES {
@@ -637,6 +763,9 @@ fn read_text<'b>(path: &Path, buf: &'b mut Vec<u8>) -> std::io::Result<&'b str> 
                     ));
                 }
                 buf.extend_from_slice(&chunk[..n]);
+                if n < chunk.len() {
+                    break;
+                }
             }
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
@@ -1118,5 +1247,291 @@ mod tests {
             scan.kernel_used,
             KindCounts::from_pairs([(TeeKind::Tdx, 5)])
         );
+    }
+
+    // Kept-open files (agent mode).
+
+    const A: &str = "aaaaaaaa-2222-3333-4444-555555555555";
+    const B: &str = "bbbbbbbb-2222-3333-4444-555555555555";
+    const C: &str = "cccccccc-2222-3333-4444-555555555555";
+
+    /// A pod's `misc.current`, relative to the root (v2/systemd), in a QoS slice or not (guaranteed).
+    fn pod_file(uid: &str, qos: Option<&str>) -> String {
+        let uid_ = uid.replace('-', "_");
+        match qos {
+            Some(q) => format!(
+                "kubepods.slice/kubepods-{q}.slice/kubepods-{q}-pod{uid_}.slice/misc.current"
+            ),
+            None => format!("kubepods.slice/kubepods-pod{uid_}.slice/misc.current"),
+        }
+    }
+
+    /// A v2/systemd host where pods A (burstable), B (guaranteed) and C (besteffort) hold 1, 2 and 3
+    /// TDX keys. Returns the three files.
+    fn kept_open_host(r: &Path) -> [PathBuf; 3] {
+        write(r, "misc.capacity", "tdx 16\n");
+        write(r, "misc.current", "tdx 6\n");
+        write(r, "kubepods.slice/cgroup.controllers", "cpu misc\n");
+        write(r, "kubepods.slice/misc.current", "tdx 6\n");
+        for q in ["burstable", "besteffort"] {
+            write(
+                r,
+                &format!("kubepods.slice/kubepods-{q}.slice/misc.current"),
+                "tdx 1\n",
+            );
+        }
+        let files = [
+            pod_file(A, Some("burstable")),
+            pod_file(B, None),
+            pod_file(C, Some("besteffort")),
+        ];
+        for (n, f) in files.iter().enumerate() {
+            write(r, f, &format!("tdx {}\n", n + 1));
+        }
+        files.map(|f| r.join(f))
+    }
+
+    fn all_three() -> HashSet<String> {
+        HashSet::from([A, B, C].map(String::from))
+    }
+
+    fn tdx(n: u64) -> KindCounts {
+        KindCounts::from_pairs([(TeeKind::Tdx, n)])
+    }
+
+    /// Scan with `s` (keeping files open) and with a new scanner (opening every file), check both agree
+    /// and return the pods.
+    fn scan_both(s: &mut Scanner, interest: &HashSet<String>) -> PodScan {
+        let kept = s.scan(Interest::Only(interest)).expect("scan");
+        let fresh = Scanner::new(s.cgroup_root())
+            .scan(Interest::Only(interest))
+            .expect("fresh scan");
+        assert_eq!(kept, fresh, "kept-open files and a fresh scan disagree");
+        scanned(kept).pods.expect("pods")
+    }
+
+    /// Replace a file by writing a temporary file and renaming it over (as the simulated host does).
+    fn replace(path: &Path, content: &str) {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, content).expect("write");
+        std::fs::rename(&tmp, path).expect("rename");
+    }
+
+    fn ino(path: &Path) -> u64 {
+        std::fs::metadata(path).expect("stat").ino()
+    }
+
+    #[test]
+    fn kept_open_files_follow_changes_in_place_and_by_replacement() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let r = d.path();
+        let [a, b, c] = kept_open_host(r);
+        let interest = all_three();
+        let mut s = Scanner::new(r);
+        assert_eq!(s.open_pod_files(), 0);
+        for _ in 0..2 {
+            let pods = scan_both(&mut s, &interest);
+            assert_eq!(
+                pods.usage,
+                HashMap::from([
+                    (A.to_string(), tdx(1)),
+                    (B.to_string(), tdx(2)),
+                    (C.to_string(), tdx(3)),
+                ])
+            );
+            assert_eq!(pods.pods_read, 3);
+            assert_eq!(s.open_pod_files(), 3);
+        }
+
+        // In place (how the kernel updates its files): same inode, new content, here longer than one
+        // read chunk with the TDX line last, so the read continues past a full chunk.
+        let before = ino(&a);
+        let mut long = (0..150)
+            .map(|i| format!("res_{i:03} 0\n"))
+            .collect::<String>();
+        long.push_str("tdx 4\n");
+        assert!(long.len() > 2 * READ_CHUNK);
+        std::fs::write(&a, &long).expect("write");
+        assert_eq!(ino(&a), before, "written in place");
+        // By replacement: the kept file is unlinked and still holds "tdx 2".
+        let before = ino(&b);
+        replace(&b, "tdx 5\n");
+        assert_ne!(ino(&b), before, "replaced");
+        // Emptied in place (the VMs stopped): holds nothing.
+        std::fs::write(&c, "tdx 0\n").expect("write");
+
+        let pods = scan_both(&mut s, &interest);
+        assert_eq!(
+            pods.usage,
+            HashMap::from([(A.to_string(), tdx(4)), (B.to_string(), tdx(5))])
+        );
+        assert_eq!(pods.pods_read, 3);
+        assert_eq!(s.open_pod_files(), 3, "B's new file is kept open");
+        // And again from the files kept now (B's new one).
+        replace(&b, "tdx 6\n");
+        std::fs::write(&a, "tdx 1\n").expect("write");
+        let pods = scan_both(&mut s, &interest);
+        assert_eq!(
+            pods.usage,
+            HashMap::from([(A.to_string(), tdx(1)), (B.to_string(), tdx(6))])
+        );
+    }
+
+    #[test]
+    fn removed_pod_cgroups_are_gone_and_recreated_ones_read_again() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let r = d.path();
+        let [a, ..] = kept_open_host(r);
+        let a_dir = a.parent().expect("pod dir").to_path_buf();
+        let interest = all_three();
+        let mut s = Scanner::new(r);
+        scan_both(&mut s, &interest);
+        assert_eq!(s.open_pod_files(), 3);
+
+        // Removed: its keys are no longer counted (the kept file still reads "tdx 1").
+        std::fs::remove_dir_all(&a_dir).expect("rmdir");
+        let pods = scan_both(&mut s, &interest);
+        assert!(!pods.usage.contains_key(A), "{:?}", pods.usage);
+        assert_eq!(pods.usage.len(), 2);
+        assert_eq!(pods.pods_read, 2);
+        assert_eq!(pods.problem_count, 0, "{:?}", pods.problems);
+        assert_eq!(s.open_pod_files(), 2);
+        assert!(
+            !s.known.contains_key(A),
+            "a vanished pod's place is forgotten"
+        );
+
+        // Recreated at the same path.
+        write(r, &pod_file(A, Some("burstable")), "tdx 7\n");
+        let pods = scan_both(&mut s, &interest);
+        assert_eq!(pods.usage.get(A), Some(&tdx(7)));
+        assert_eq!(s.open_pod_files(), 3);
+
+        // Removed and recreated at once between two scans, then recreated in another place.
+        std::fs::remove_dir_all(&a_dir).expect("rmdir");
+        write(r, &pod_file(A, Some("burstable")), "tdx 8\n");
+        assert_eq!(scan_both(&mut s, &interest).usage.get(A), Some(&tdx(8)));
+        std::fs::remove_dir_all(&a_dir).expect("rmdir");
+        write(r, &pod_file(A, Some("besteffort")), "tdx 9\n");
+        assert_eq!(scan_both(&mut s, &interest).usage.get(A), Some(&tdx(9)));
+        assert_eq!(s.open_pod_files(), 3);
+    }
+
+    #[test]
+    fn kept_files_that_break_are_reported_as_before() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let r = d.path();
+        let [a, b, c] = kept_open_host(r);
+        let interest = all_three();
+        let mut s = Scanner::new(r);
+        scan_both(&mut s, &interest);
+
+        // Malformed, written in place into the kept file.
+        std::fs::write(&a, "tdx many\n").expect("write");
+        let pods = scan_both(&mut s, &interest);
+        assert_eq!(pods.problem_count, 1, "{:?}", pods.problems);
+        assert!(
+            pods.problems[0].contains(&format!("{}:1", a.display())),
+            "{:?}",
+            pods.problems
+        );
+        assert!(!pods.usage.contains_key(A));
+        assert_eq!(pods.pods_read, 3);
+        assert_eq!(s.open_pod_files(), 3, "a malformed file stays open");
+
+        // Unreadable: replaced by a directory (EISDIR, also for root).
+        std::fs::remove_file(&b).expect("rm");
+        std::fs::create_dir(&b).expect("mkdir");
+        let pods = scan_both(&mut s, &interest);
+        assert_eq!(pods.problem_count, 2, "{:?}", pods.problems);
+        assert!(
+            pods.problems
+                .iter()
+                .any(|p| p.contains("cannot read pod cgroup file")
+                    && p.contains(&b.display().to_string())),
+            "{:?}",
+            pods.problems
+        );
+        assert_eq!(pods.usage, HashMap::from([(C.to_string(), tdx(3))]));
+        assert_eq!(s.open_pod_files(), 2, "an unreadable file is not kept");
+
+        // misc.current removed, the pod directory kept: the controller is not delegated to pods.
+        std::fs::remove_file(&c).expect("rm");
+        let pods = scan_both(&mut s, &interest);
+        assert_eq!(pods.accounting, Accounting::RunningPods);
+        assert!(
+            pods.accounting_reason.contains("has no misc.current"),
+            "{}",
+            pods.accounting_reason
+        );
+
+        // Healed: read and kept again.
+        std::fs::write(&a, "tdx 1\n").expect("write");
+        std::fs::remove_dir(&b).expect("rmdir");
+        std::fs::write(&b, "tdx 2\n").expect("write");
+        std::fs::write(&c, "tdx 3\n").expect("write");
+        let pods = scan_both(&mut s, &interest);
+        assert_eq!(pods.accounting, Accounting::PerPod);
+        assert_eq!(pods.problem_count, 0, "{:?}", pods.problems);
+        assert_eq!(pods.usage.len(), 3);
+        assert_eq!(s.open_pod_files(), 3);
+    }
+
+    #[test]
+    fn kept_files_are_bounded_by_the_interest_set() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let r = d.path();
+        kept_open_host(r);
+        let mut s = Scanner::new(r);
+        scan_both(&mut s, &all_three());
+        assert_eq!(s.open_pod_files(), 3);
+
+        let only_a = HashSet::from([A.to_string()]);
+        assert_eq!(scan_both(&mut s, &only_a).pods_read, 1);
+        assert_eq!(s.open_pod_files(), 1);
+        assert_eq!(s.known.keys().collect::<Vec<_>>(), vec![A]);
+        scan_both(&mut s, &HashSet::new());
+        assert_eq!(s.open_pod_files(), 0);
+        assert!(s.known.is_empty());
+        scan_both(&mut s, &all_three());
+        assert_eq!(s.open_pod_files(), 3);
+
+        // Pruned also when the scan stops before the pods (no TEE capacity left).
+        write(r, "misc.capacity", "");
+        let scan = scanned(s.scan(Interest::Only(&only_a)).expect("scan"));
+        assert!(scan.pods.is_none());
+        assert_eq!(s.open_pod_files(), 1);
+        s.scan(Interest::Only(&HashSet::new())).expect("scan");
+        assert_eq!(s.open_pod_files(), 0);
+
+        write(r, "misc.capacity", "tdx 16\n");
+        // Never more than MAX_KEPT_FILES, however many pods request keys; the others are still read.
+        let many: HashSet<String> = (0..MAX_KEPT_FILES + 8)
+            .map(|i| format!("{i:08x}-2222-3333-4444-555555555555"))
+            .collect();
+        for (i, uid) in many.iter().enumerate() {
+            write(r, &pod_file(uid, None), &format!("tdx {}\n", i % 2));
+        }
+        let holding = many.len() / 2;
+        let mut big = Scanner::new(r);
+        for _ in 0..2 {
+            let pods = scan_both(&mut big, &many);
+            assert_eq!(pods.pods_read, many.len());
+            assert_eq!(pods.usage.len(), holding);
+            assert_eq!(big.open_pod_files(), MAX_KEPT_FILES);
+        }
+        let fewer: HashSet<String> = many.iter().take(100).cloned().collect();
+        scan_both(&mut big, &fewer);
+        assert_eq!(big.open_pod_files(), 100);
+        assert_eq!(scan_both(&mut big, &many).usage.len(), holding);
+        assert_eq!(big.open_pod_files(), MAX_KEPT_FILES);
+
+        // Walk mode keeps nothing open.
+        let mut walk = Scanner::new(r);
+        let pods = scanned(walk.scan(Interest::All).expect("scan"))
+            .pods
+            .expect("pods");
+        assert_eq!(pods.usage.len(), 3 + holding);
+        assert_eq!(walk.open_pod_files(), 0);
     }
 }

@@ -12,7 +12,7 @@ use teeguard_shared::names::{conditions as ct, reasons};
 use teeguard_shared::{Config, KindStatus, TeeKind};
 use teeguard_tests::host::{
     CgroupDriver, CgroupVersion, MiscDelegation, QosClass, SANDBOX, SEV_ES, SimHost, TDX,
-    docker_container_cgroup,
+    WriteMode, docker_container_cgroup,
 };
 
 const NODE: &str = "node01";
@@ -224,6 +224,109 @@ fn only_pods_of_interest_are_read() {
         scan.kernel_used,
         KindCounts::from_pairs([(TeeKind::Tdx, 5)])
     );
+}
+
+/// The agent keeps the pods' `misc.current` open between scans and re-reads them at offset 0. The
+/// simulated host replaces files by rename (`WriteMode::Atomic`, the default) or rewrites them in place
+/// (`WriteMode::InPlace`, like the kernel): either way every scan must read what a new scanner, opening
+/// every file, reads.
+#[test]
+fn kept_open_pod_files_track_the_simulated_host() {
+    let qos = [
+        QosClass::Burstable,
+        QosClass::Guaranteed,
+        QosClass::BestEffort,
+        QosClass::Burstable,
+    ];
+    for mode in [WriteMode::Atomic, WriteMode::InPlace] {
+        for (version, driver) in [
+            (CgroupVersion::V2, CgroupDriver::Systemd),
+            (CgroupVersion::V1, CgroupDriver::Cgroupfs),
+        ] {
+            let what = format!("{mode:?} {version:?}/{driver:?}");
+            let host = SimHost::builder()
+                .version(version)
+                .driver(driver)
+                .write_mode(mode)
+                .capacity(TDX, 16)
+                .build()
+                .expect("host");
+            for n in 0..4u32 {
+                host.add_pod(&uid(n), qos[n as usize], &["compute", "second"])
+                    .expect("pod");
+                host.start_vm(&uid(n), "compute", TDX).expect("vm");
+            }
+            let interest: HashSet<String> = (0..4).map(uid).collect();
+            let mut scanner = Scanner::new(host.root());
+            let check = |scanner: &mut Scanner, expected: &[(u32, u64)]| {
+                let kept = scanner.scan(Interest::Only(&interest)).expect("scan");
+                let fresh = Scanner::new(host.root())
+                    .scan(Interest::Only(&interest))
+                    .expect("fresh scan");
+                assert_eq!(
+                    kept, fresh,
+                    "{what}: kept-open files and a fresh scan disagree"
+                );
+                let pods = scanned(kept).pods.expect("pods");
+                let want: std::collections::HashMap<String, KindCounts> = expected
+                    .iter()
+                    .map(|(n, keys)| (uid(*n), KindCounts::from_pairs([(TeeKind::Tdx, *keys)])))
+                    .collect();
+                assert_eq!(pods.usage, want, "{what}");
+                pods
+            };
+            check(&mut scanner, &[(0, 1), (1, 1), (2, 1), (3, 1)]);
+            assert_eq!(scanner.open_pod_files(), 4, "{what}");
+
+            // Usage changes: a second VM in pod 0, pod 1's VM stops.
+            host.start_vm(&uid(0), "second", TDX).expect("vm");
+            host.stop_vm(&uid(1), "compute", TDX).expect("stop");
+            check(&mut scanner, &[(0, 2), (2, 1), (3, 1)]);
+            assert_eq!(scanner.open_pod_files(), 4, "{what}");
+
+            // Pod 2 removed: its keys are released and it is no longer read.
+            host.remove_pod(&uid(2)).expect("remove");
+            let pods = check(&mut scanner, &[(0, 2), (3, 1)]);
+            assert_eq!(pods.pods_read, 3, "{what}");
+            assert_eq!(scanner.open_pod_files(), 3, "{what}");
+            // Recreated with the same UID and QoS class: the same path, new files.
+            host.add_pod(&uid(2), qos[2], &["compute", "second"])
+                .expect("pod");
+            host.start_vm(&uid(2), "compute", TDX).expect("vm");
+            host.start_vm(&uid(2), "second", TDX).expect("vm");
+            check(&mut scanner, &[(0, 2), (2, 2), (3, 1)]);
+            assert_eq!(scanner.open_pod_files(), 4, "{what}");
+
+            // Broken after being kept open: unreadable (a directory) and garbage (replaced by rename;
+            // not UTF-8, so a read error too). Reported as a fresh scan reports them; not kept open.
+            let broken = host.break_pod_misc_current(&uid(3)).expect("break");
+            let pod0 = host.pod_cgroup_path(&uid(0)).expect("pod 0");
+            host.write_garbage(pod0.join("misc.current"))
+                .expect("garbage");
+            let pods = check(&mut scanner, &[(2, 2)]);
+            assert_eq!(pods.problem_count, 2, "{what}: {:?}", pods.problems);
+            assert!(
+                pods.problems
+                    .iter()
+                    .any(|p| p.contains(&broken.display().to_string())),
+                "{what}: {:?}",
+                pods.problems
+            );
+            assert_eq!(scanner.open_pod_files(), 2, "{what}");
+            // One at a time: `heal_all` in `WriteMode::InPlace` would rewrite the directory put in place of
+            // a file before removing it.
+            host.heal(&broken).expect("heal");
+            host.heal(pod0.join("misc.current")).expect("heal");
+            let pods = check(&mut scanner, &[(0, 2), (2, 2), (3, 1)]);
+            assert_eq!(pods.problem_count, 0, "{what}: {:?}", pods.problems);
+            assert_eq!(scanner.open_pod_files(), 4, "{what}");
+
+            // Fewer pods of interest: the others' files are closed.
+            let one = HashSet::from([uid(0)]);
+            scanner.scan(Interest::Only(&one)).expect("scan");
+            assert_eq!(scanner.open_pod_files(), 1, "{what}");
+        }
+    }
 }
 
 #[test]
