@@ -90,6 +90,66 @@ fn measure<F: FnMut()>(iterations: usize, mut f: F) -> (Stats, Duration) {
     (Stats::from_samples(&mut samples), wall)
 }
 
+/// The floor of the end-to-end bench: find the uid, skip the rest; the uid's length.
+#[inline(never)]
+fn floor_parse(body: &[u8]) -> usize {
+    #[derive(serde::Deserialize)]
+    struct Floor<'a> {
+        #[serde(borrow)]
+        request: FloorRequest<'a>,
+    }
+    #[derive(serde::Deserialize)]
+    struct FloorRequest<'a> {
+        #[serde(borrow)]
+        uid: std::borrow::Cow<'a, str>,
+    }
+    let floor: Floor<'_> = serde_json::from_slice(body).expect("floor parse");
+    floor.request.uid.len()
+}
+
+/// Names one case (`mutate tdx default`, `validate sev binding large`, ...): the bench then runs only
+/// that review [`PROFILE_ITERATIONS`] times and prints nothing else, for a profiler (`floor <case>`:
+/// the end-to-end floor's parse of that case's body instead):
+/// `TEEGUARD_BENCH_PROFILE='mutate tdx default' valgrind --tool=callgrind target/release/deps/admission-*`.
+const PROFILE_VAR: &str = "TEEGUARD_BENCH_PROFILE";
+const PROFILE_ITERATIONS: usize = 20_000;
+
+/// Run the case named `case` in a loop (`run(body, validating)`); unknown names list the known ones.
+#[inline(never)]
+fn profile(
+    case: &str,
+    mutations: &[(String, Vec<u8>)],
+    validations: &[(String, Vec<u8>)],
+    mut run: impl FnMut(&[u8], bool),
+) {
+    let (floor, case) = match case.strip_prefix("floor ") {
+        Some(rest) => (true, rest),
+        None => (false, case),
+    };
+    let found = mutations
+        .iter()
+        .map(|(n, b)| (n, b, false))
+        .chain(validations.iter().map(|(n, b)| (n, b, true)))
+        .find(|(n, _, _)| n.as_str() == case);
+    let Some((_, body, validating)) = found else {
+        let known: Vec<&str> = mutations
+            .iter()
+            .chain(validations)
+            .map(|(n, _)| n.as_str())
+            .collect();
+        eprintln!("{PROFILE_VAR}={case:?} names no case; known: {known:?}");
+        std::process::exit(2);
+    };
+    for _ in 0..PROFILE_ITERATIONS {
+        if floor {
+            std::hint::black_box(floor_parse(body));
+        } else {
+            run(body, validating);
+        }
+    }
+    println!("{case}: {PROFILE_ITERATIONS} reviews");
+}
+
 fn main() {
     let full = full_run();
     let iterations = if full { 20_000 } else { 200 };
@@ -154,14 +214,9 @@ fn main() {
         metrics: Some(&metrics),
     };
 
-    section(&format!(
-        "admission handler: review_mutation / review_validation + response JSON, warm caches ({} VMIs, {NODES} nodes), one thread",
-        caches.vmis.len()
-    ));
-    println!(
-        "{:<32} {:>9} {:>10} {:>10} {:>10} {:>12}",
-        "case", "body", "mean", "p50", "p99", "reviews/s"
-    );
+    // The mutating reviews: one per kind and size, each checked to be a patch from a cache hit (or the
+    // figure is meaningless).
+    let mut mutations = Vec::new();
     for (large, size) in [(false, "default"), (true, "large")] {
         for (tee, uid) in kinds.iter().zip(&uids) {
             let mut pod = VirtLauncherPod::for_tee(&format!("{}-vm", tee.slug()), *tee);
@@ -170,7 +225,6 @@ fn main() {
             }
             let review = AdmissionReviewBuilder::create(owned_by(&pod.to_value(), uid)).build();
             let body = serde_json::to_vec(&review).expect("json");
-            // The decision must be a patch from a cache hit, or the figure is meaningless.
             api.clear_requests();
             let reviewed = rt
                 .block_on(review_mutation(&body, &caches, &config))
@@ -178,24 +232,7 @@ fn main() {
             assert_eq!(reviewed.outcome, Outcome::Patched, "{tee:?}");
             let gets = api.requests_where(|r| r.verb == Verb::Get);
             assert!(gets.is_empty(), "cache miss: {gets:?}");
-            api.set_recording(false);
-
-            let (stats, wall) = measure(iterations, || {
-                let r = rt
-                    .block_on(review_mutation(&body, &caches, &config))
-                    .expect("review");
-                std::hint::black_box(r.response.to_json());
-            });
-            println!(
-                "{:<32} {:>6.1} KB {:>10} {:>10} {:>10} {:>12.0}",
-                format!("mutate {} {size}", tee.slug()),
-                body.len() as f64 / 1024.0,
-                fmt_dur(stats.mean),
-                fmt_dur(stats.p50),
-                fmt_dur(stats.p99),
-                iterations as f64 / wall.as_secs_f64()
-            );
-            api.set_recording(true);
+            mutations.push((format!("mutate {} {size}", tee.slug()), body));
         }
     }
 
@@ -228,6 +265,46 @@ fn main() {
     }
     // Let the reflectors (on this runtime) take the new pods in.
     rt.block_on(async { tokio::time::sleep(Duration::from_millis(500)).await });
+    if let Ok(case) = std::env::var(PROFILE_VAR) {
+        profile(&case, &mutations, &validations, |body, validating| {
+            let r = if validating {
+                rt.block_on(review_validation(body, &caches, &ctx))
+            } else {
+                rt.block_on(review_mutation(body, &caches, &config))
+            };
+            std::hint::black_box(r.expect("review").response.to_json());
+        });
+        token.cancel();
+        return;
+    }
+
+    section(&format!(
+        "admission handler: review_mutation / review_validation + response JSON, warm caches ({} VMIs, {NODES} nodes), one thread",
+        caches.vmis.len()
+    ));
+    println!(
+        "{:<32} {:>9} {:>10} {:>10} {:>10} {:>12}",
+        "case", "body", "mean", "p50", "p99", "reviews/s"
+    );
+    api.set_recording(false);
+    for (name, body) in &mutations {
+        let (stats, wall) = measure(iterations, || {
+            let r = rt
+                .block_on(review_mutation(body, &caches, &config))
+                .expect("review");
+            std::hint::black_box(r.response.to_json());
+        });
+        println!(
+            "{:<32} {:>6.1} KB {:>10} {:>10} {:>10} {:>12.0}",
+            name,
+            body.len() as f64 / 1024.0,
+            fmt_dur(stats.mean),
+            fmt_dur(stats.p50),
+            fmt_dur(stats.p99),
+            iterations as f64 / wall.as_secs_f64()
+        );
+    }
+    api.set_recording(true);
     for (name, body) in &validations {
         api.clear_requests();
         let reviewed = rt
@@ -283,20 +360,8 @@ fn main() {
                 .expect("review");
             std::hint::black_box(r.response.to_json());
         };
-        // The floor of the end-to-end bench: find the uid, skip the rest.
         let floor_fn = || {
-            #[derive(serde::Deserialize)]
-            struct Floor<'a> {
-                #[serde(borrow)]
-                request: FloorRequest<'a>,
-            }
-            #[derive(serde::Deserialize)]
-            struct FloorRequest<'a> {
-                #[serde(borrow)]
-                uid: std::borrow::Cow<'a, str>,
-            }
-            let floor: Floor<'_> = serde_json::from_slice(&body).expect("floor parse");
-            std::hint::black_box(floor.request.uid.len());
+            std::hint::black_box(floor_parse(&body));
         };
         let (envelope, _) = measure(iterations, envelope_fn);
         let (decode, _) = measure(iterations, decode_fn);

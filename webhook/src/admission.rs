@@ -280,31 +280,6 @@ pub struct ReviewResponse {
     pub warnings: Vec<String>,
 }
 
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct OutReview<'a> {
-    api_version: &'static str,
-    kind: &'static str,
-    response: OutResponse<'a>,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct OutResponse<'a> {
-    uid: &'a str,
-    allowed: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    status: Option<&'a DenyStatus>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    patch_type: Option<&'static str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    patch: Option<String>,
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    audit_annotations: &'a BTreeMap<String, String>,
-    #[serde(skip_serializing_if = "<[String]>::is_empty")]
-    warnings: &'a [String],
-}
-
 impl ReviewResponse {
     /// Allow, unchanged.
     pub fn allow(uid: impl Into<String>) -> Self {
@@ -360,28 +335,86 @@ impl ReviewResponse {
     }
 
     /// The full `admission.k8s.io/v1` AdmissionReview JSON carrying this response.
+    ///
+    /// Written straight into one buffer sized up front: the fixed parts as literals, strings through
+    /// serde_json's escaping, the patch base64-encoded in place (its alphabet needs no escaping).
+    /// Field order: uid, allowed, status, patchType, patch, auditAnnotations, warnings.
     pub fn to_json(&self) -> Vec<u8> {
-        let patch = self
-            .patch
-            .as_ref()
-            .filter(|p| !p.is_empty())
-            .map(|p| BASE64_STANDARD.encode(p));
-        let out = OutReview {
-            api_version: API_VERSION,
-            kind: KIND,
-            response: OutResponse {
-                uid: &self.uid,
-                allowed: self.allowed,
-                status: self.status.as_ref(),
-                patch_type: patch.as_ref().map(|_| "JSONPatch"),
-                patch,
-                audit_annotations: &self.audit_annotations,
-                warnings: &self.warnings,
-            },
-        };
-        // Serialising these plain structs (strings, bools, a string map) cannot fail.
-        serde_json::to_vec(&out).unwrap_or_else(|_| b"{}".to_vec())
+        let patch = self.patch.as_deref().filter(|p| !p.is_empty());
+        let strings = self.uid.len()
+            + self.status.as_ref().map_or(0, |s| s.message.len())
+            + self
+                .audit_annotations
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 6)
+                .sum::<usize>()
+            + self.warnings.iter().map(|w| w.len() + 3).sum::<usize>();
+        let patch_len = patch.map_or(0, |p| p.len().div_ceil(3) * 4);
+        // Escapes can make strings longer: the estimate only saves reallocations.
+        let mut out = Vec::with_capacity(192 + strings + strings / 8 + patch_len);
+        out.extend_from_slice(b"{\"apiVersion\":\"");
+        out.extend_from_slice(API_VERSION.as_bytes());
+        out.extend_from_slice(b"\",\"kind\":\"");
+        out.extend_from_slice(KIND.as_bytes());
+        out.extend_from_slice(b"\",\"response\":{\"uid\":");
+        json_str(&mut out, &self.uid);
+        out.extend_from_slice(if self.allowed {
+            b",\"allowed\":true"
+        } else {
+            b",\"allowed\":false"
+        });
+        if let Some(status) = &self.status {
+            out.extend_from_slice(b",\"status\":{\"code\":");
+            out.extend_from_slice(status.code.to_string().as_bytes());
+            out.extend_from_slice(b",\"message\":");
+            json_str(&mut out, &status.message);
+            out.extend_from_slice(b",\"reason\":");
+            json_str(&mut out, status.reason);
+            out.push(b'}');
+        }
+        if let Some(patch) = patch {
+            out.extend_from_slice(b",\"patchType\":\"JSONPatch\",\"patch\":\"");
+            let at = out.len();
+            out.resize(at + patch_len, 0);
+            // The buffer was sized for exactly this encoding (padded base64 of `patch`).
+            let written = BASE64_STANDARD
+                .encode_slice(patch, &mut out[at..])
+                .unwrap_or(0);
+            out.truncate(at + written);
+            out.push(b'"');
+        }
+        if !self.audit_annotations.is_empty() {
+            out.extend_from_slice(b",\"auditAnnotations\":{");
+            for (i, (k, v)) in self.audit_annotations.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                json_str(&mut out, k);
+                out.push(b':');
+                json_str(&mut out, v);
+            }
+            out.push(b'}');
+        }
+        if !self.warnings.is_empty() {
+            out.extend_from_slice(b",\"warnings\":[");
+            for (i, w) in self.warnings.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                json_str(&mut out, w);
+            }
+            out.push(b']');
+        }
+        out.extend_from_slice(b"}}");
+        out
     }
+}
+
+/// Append `s` as a JSON string (quoted and escaped).
+fn json_str(out: &mut Vec<u8>, s: &str) {
+    // Writing a string into a Vec cannot fail; an error would leave the output unparseable, which
+    // the response tests would catch.
+    let _ = serde_json::to_writer(&mut *out, s);
 }
 
 #[cfg(test)]
@@ -528,5 +561,54 @@ mod tests {
         assert_eq!(v["response"]["status"]["code"], 403);
         assert_eq!(v["response"]["status"]["message"], "no");
         assert_eq!(v["response"]["status"]["reason"], "Forbidden");
+    }
+
+    /// The hand-written JSON equals the same response built as a `serde_json::Value`, for every
+    /// field and strings that need escaping, and for patches of every length modulo 3 (padding).
+    #[test]
+    fn to_json_matches_a_value_built_independently() {
+        let nasty =
+            "quote \" backslash \\ newline \n tab \t nul \u{0} bell \u{7} é 漢 🔑 </script>";
+        for patch_len in 1..=7 {
+            let patch_bytes: Vec<u8> = (0..patch_len).map(|i| b"[{}]x\"\\"[i % 7]).collect();
+            for allowed in [true, false] {
+                let mut resp = if allowed {
+                    ReviewResponse::allow(format!("uid-{nasty}"))
+                } else {
+                    ReviewResponse::deny(format!("uid-{nasty}"), 422, format!("msg {nasty}"))
+                };
+                resp.patch = Some(patch_bytes.clone());
+                let resp = resp
+                    .audit("decision", nasty)
+                    .audit(format!("k{nasty}"), "v")
+                    .warn(nasty)
+                    .warn("second");
+                let mut expected = json!({
+                    "uid": format!("uid-{nasty}"),
+                    "allowed": allowed,
+                    "patchType": "JSONPatch",
+                    "patch": BASE64_STANDARD.encode(&patch_bytes),
+                    "auditAnnotations": {"decision": nasty, format!("k{nasty}"): "v"},
+                    "warnings": [nasty, "second"],
+                });
+                if !allowed {
+                    expected["status"] = json!({"code": 422, "message": format!("msg {nasty}"), "reason": "Invalid"});
+                }
+                let got: serde_json::Value =
+                    serde_json::from_slice(&resp.to_json()).expect("valid JSON");
+                assert_eq!(
+                    got,
+                    json!({"apiVersion": API_VERSION, "kind": KIND, "response": expected}),
+                    "patch of {patch_len} bytes, allowed {allowed}"
+                );
+            }
+        }
+        // The bare minimum: no optional field at all.
+        let got: serde_json::Value =
+            serde_json::from_slice(&ReviewResponse::allow("u").to_json()).expect("valid JSON");
+        assert_eq!(
+            got,
+            json!({"apiVersion": API_VERSION, "kind": KIND, "response": {"uid": "u", "allowed": true}})
+        );
     }
 }

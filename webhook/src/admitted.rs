@@ -6,7 +6,8 @@
 //! rest while scanning, without allocating. [`AdmittedPod::into_pod`] moves the fields into a
 //! k8s-openapi [`Pod`] so the pure decision functions keep one input type.
 //!
-//! Annotations are filtered while decoding: only [`read_annotation`] keys are kept.
+//! Labels and annotations are filtered while decoding: only [`read_label`] and [`read_annotation`]
+//! keys are kept, and the others are skipped without being allocated.
 //!
 //! A field not listed here reads as absent in the decisions. Adding logic that reads another pod field
 //! means adding that field here; the equivalence test at the bottom compares every decision on the
@@ -32,39 +33,82 @@ pub fn read_annotation(key: &str) -> bool {
     names::is_limit_annotation(key) || key == names::EPHEMERAL_PROVISIONING_ANNOTATION
 }
 
-/// `metadata.annotations` keeping only [`read_annotation`] keys; `null` or absent is `None`.
-fn decode_annotations<'de, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Option<BTreeMap<String, String>>, D::Error> {
-    struct Annotations;
-    impl<'de> Visitor<'de> for Annotations {
-        type Value = Option<BTreeMap<String, String>>;
+/// Whether the admission decisions read the pod label `key`: KubeVirt's component label and the
+/// exemption label (the webhook's pod cache keeps the same two).
+pub fn read_label(key: &str) -> bool {
+    key == names::KUBEVIRT_LABEL || key == names::EXEMPT_LABEL
+}
 
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a map of string annotations")
-        }
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_some<D2: Deserializer<'de>>(self, d: D2) -> Result<Self::Value, D2::Error> {
-            d.deserialize_map(self)
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            let mut out = BTreeMap::new();
-            while let Some(key) = map.next_key::<String>()? {
-                if read_annotation(&key) {
+/// A map key, owned only when `keep` accepts it: a skipped key is checked in place (borrowed from
+/// the body, or from the parser's scratch buffer when it had escapes) and never allocated.
+struct KeptKey(fn(&str) -> bool);
+
+impl<'de> de::DeserializeSeed<'de> for KeptKey {
+    type Value = Option<String>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeptKey {
+    type Value = Option<String>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a string key")
+    }
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<Self::Value, E> {
+        Ok((self.0)(key).then(|| key.to_owned()))
+    }
+}
+
+/// A string map (`metadata.labels`, `metadata.annotations`) keeping only the keys `keep` accepts;
+/// `null` or absent is `None`, any map (even one whose keys were all skipped) is `Some`.
+struct KeptMap(fn(&str) -> bool);
+
+impl<'de> Visitor<'de> for KeptMap {
+    type Value = Option<BTreeMap<String, String>>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a map of strings")
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = BTreeMap::new();
+        while let Some(key) = map.next_key_seed(KeptKey(self.0))? {
+            match key {
+                Some(key) => {
                     out.insert(key, map.next_value::<String>()?);
-                } else {
+                }
+                None => {
                     map.next_value::<IgnoredAny>()?;
                 }
             }
-            Ok(Some(out))
         }
+        Ok(Some(out))
     }
-    d.deserialize_option(Annotations)
+}
+
+/// `metadata.annotations` keeping only [`read_annotation`] keys.
+fn decode_annotations<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<BTreeMap<String, String>>, D::Error> {
+    d.deserialize_option(KeptMap(read_annotation))
+}
+
+/// `metadata.labels` keeping only [`read_label`] keys.
+fn decode_labels<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<BTreeMap<String, String>>, D::Error> {
+    d.deserialize_option(KeptMap(read_label))
 }
 
 /// A core/v1 Pod reduced to what admission decisions read.
@@ -94,8 +138,8 @@ pub struct AdmittedMeta {
     /// `uid`.
     #[serde(default)]
     pub uid: Option<String>,
-    /// `labels`.
-    #[serde(default)]
+    /// `labels`, only those the decisions read ([`read_label`]).
+    #[serde(default, deserialize_with = "decode_labels")]
     pub labels: Option<BTreeMap<String, String>>,
     /// `annotations`, only those the decisions read ([`read_annotation`]); present (possibly
     /// empty) exactly when the pod has an annotations map, which decides the shape of the patch.

@@ -15,7 +15,7 @@ use teeguard_shared::Config;
 use teeguard_shared::pod::{key_requests, pod_display_name};
 use teeguard_shared::vmi::VirtualMachineInstance;
 use teeguard_tests::fixtures::{self, KataTee, Tee, VirtLauncherPod};
-use teeguard_webhook::admitted::{AdmittedPod, read_annotation};
+use teeguard_webhook::admitted::{AdmittedPod, read_annotation, read_label};
 use teeguard_webhook::affinity::node_matches;
 use teeguard_webhook::mutation::{VmiLookup, classify_pod, decide_mutation};
 use teeguard_webhook::validation::{
@@ -47,7 +47,12 @@ fn project(pod: &Pod) -> Pod {
             generate_name: m.generate_name.clone(),
             namespace: m.namespace.clone(),
             uid: m.uid.clone(),
-            labels: m.labels.clone(),
+            labels: m.labels.as_ref().map(|l| {
+                l.iter()
+                    .filter(|(k, _)| read_label(k))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect()
+            }),
             annotations: m.annotations.as_ref().map(|a| {
                 a.iter()
                     .filter(|(k, _)| read_annotation(k))
@@ -423,4 +428,46 @@ fn fallback_keeps_precise_errors_and_skips() {
             .to_string();
         assert!(err.contains(want), "{err}");
     }
+}
+
+/// The server decodes from bytes, where a key with escapes is handed over from the parser's scratch
+/// buffer instead of borrowed: kept keys must still be kept (unescaped), skipped ones dropped, and
+/// kept values may carry escapes too.
+#[test]
+fn escaped_label_and_annotation_keys_decode_from_bytes() {
+    let body = br#"{"metadata": {
+        "labels": {"kubevirt\u002eio": "virt-\u006cauncher", "app\u002fname": "x", "teeguard.dev/exempt": "true"},
+        "annotations": {"misc-max.teeguard.dev\/compute": "tdx 1", "k8s.v1.cni\u002ecncf.io/network-status": "[]"}
+    }}"#;
+    let pod = serde_json::from_slice::<AdmittedPod>(body)
+        .expect("slim decode")
+        .into_pod();
+    let labels = pod.metadata.labels.expect("labels");
+    assert_eq!(
+        labels,
+        BTreeMap::from([
+            ("kubevirt.io".to_string(), "virt-launcher".to_string()),
+            ("teeguard.dev/exempt".to_string(), "true".to_string()),
+        ])
+    );
+    let annotations = pod.metadata.annotations.expect("annotations");
+    assert_eq!(
+        annotations,
+        BTreeMap::from([(
+            "misc-max.teeguard.dev/compute".to_string(),
+            "tdx 1".to_string()
+        )])
+    );
+    // A map whose keys were all skipped is still a map (the patch's shape depends on it).
+    let only_skipped = br#"{"metadata": {"labels": {"a": "b"}, "annotations": {"c": "d"}}}"#;
+    let meta = serde_json::from_slice::<AdmittedPod>(only_skipped)
+        .expect("slim decode")
+        .metadata;
+    assert_eq!(meta.labels, Some(BTreeMap::new()));
+    assert_eq!(meta.annotations, Some(BTreeMap::new()));
+    // A kept key with a non-string value is an error, a skipped one is not read.
+    let bad = br#"{"metadata": {"labels": {"kubevirt.io": 7}}}"#;
+    assert!(serde_json::from_slice::<AdmittedPod>(bad).is_err());
+    let skipped = br#"{"metadata": {"labels": {"other": 7}}}"#;
+    assert!(serde_json::from_slice::<AdmittedPod>(skipped).is_ok());
 }

@@ -29,7 +29,7 @@ use std::time::Instant;
 use axum::extract::{Request, State};
 use axum::response::Response;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::core::v1::{ObjectReference, PodSpec};
 use teeguard_shared::config::{Mode, StalePolicy};
 use teeguard_shared::pod::{KeyRequests, key_requests, pod_display_name};
 use teeguard_shared::{Config, names};
@@ -302,7 +302,8 @@ async fn pod_create<L: Lookups>(
     let pod_name = pod_display_name(&pod);
     let uid = pod.metadata.uid.clone().unwrap_or_else(|| pod_name.clone());
     let policy = Trigger::PodCreate.stale_policy(&config.admission);
-    let spec = pod.spec.clone().unwrap_or_default();
+    let no_spec = PodSpec::default();
+    let spec = pod.spec.as_ref().unwrap_or(&no_spec);
 
     let answer = match spec.node_name.as_deref().filter(|n| !n.is_empty()) {
         Some(node) => {
@@ -326,7 +327,7 @@ async fn pod_create<L: Lookups>(
             let now = Timestamp::now();
             let mono = Instant::now();
             let filter =
-                |name: &str, labels: &BTreeMap<String, String>| node_matches(&spec, name, labels);
+                |name: &str, labels: &BTreeMap<String, String>| node_matches(spec, name, labels);
             // Stops at the first node that fits; otherwise keeps counts and the few nodes a refusal
             // lists. Nothing is allocated per node (the ledger only for nodes holding reservations).
             let mut scan = CandidateScan::new(&requests);
