@@ -6,16 +6,20 @@
 //! rest while scanning, without allocating. [`AdmittedPod::into_pod`] moves the fields into a
 //! k8s-openapi [`Pod`] so the pure decision functions keep one input type.
 //!
-//! Labels and annotations are filtered while decoding: only [`read_label`] and [`read_annotation`]
-//! keys are kept, and the others are skipped without being allocated.
+//! Labels, annotations and resource lists are filtered while decoding: only [`read_label`],
+//! [`read_annotation`] and [`read_resource`] keys are kept, and the others are skipped without being
+//! allocated.
 //!
 //! A field not listed here reads as absent in the decisions. Adding logic that reads another pod field
 //! means adding that field here; the equivalence test at the bottom compares every decision on the
 //! committed fixtures decoded both ways, and fails when the two disagree.
 
 use std::collections::BTreeMap;
+use std::marker::PhantomData;
 
-use k8s_openapi::api::core::v1::{Affinity, Binding, NodeAffinity, ObjectReference, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{
+    Affinity, Binding, NodeAffinity, ObjectReference, Pod, PodSpec, ResourceRequirements,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use serde::Deserialize;
@@ -62,15 +66,30 @@ impl<'de> Visitor<'de> for KeptKey {
     }
 }
 
-/// A string map (`metadata.labels`, `metadata.annotations`) keeping only the keys `keep` accepts;
-/// `null` or absent is `None`, any map (even one whose keys were all skipped) is `Some`.
-struct KeptMap(fn(&str) -> bool);
+/// Whether the admission decisions may read the resource `name` of a container's `requests` or
+/// `limits`, or of the pod's `overhead`: extended resources only (`<domain>/<name>`). Every TEE
+/// resource name the configuration accepts is one ([`teeguard_shared::config::validate_resource_name`]);
+/// `cpu`, `memory`, `ephemeral-storage` and `hugepages-*` are skipped while decoding.
+pub fn read_resource(name: &str) -> bool {
+    name.contains('/')
+}
 
-impl<'de> Visitor<'de> for KeptMap {
-    type Value = Option<BTreeMap<String, String>>;
+/// A map (`metadata.labels`, `metadata.annotations`, resource lists) keeping only the keys `keep`
+/// accepts, with values of type `V`; `null` or absent is `None`, any map (even one whose keys were
+/// all skipped) is `Some`: the patch's shape depends on whether a map exists, not on what it holds.
+struct KeptMap<V>(fn(&str) -> bool, PhantomData<V>);
+
+impl<V> KeptMap<V> {
+    fn new(keep: fn(&str) -> bool) -> Self {
+        KeptMap(keep, PhantomData)
+    }
+}
+
+impl<'de, V: Deserialize<'de>> Visitor<'de> for KeptMap<V> {
+    type Value = Option<BTreeMap<String, V>>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a map of strings")
+        f.write_str("a map")
     }
     fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
         Ok(None)
@@ -86,7 +105,7 @@ impl<'de> Visitor<'de> for KeptMap {
         while let Some(key) = map.next_key_seed(KeptKey(self.0))? {
             match key {
                 Some(key) => {
-                    out.insert(key, map.next_value::<String>()?);
+                    out.insert(key, map.next_value::<V>()?);
                 }
                 None => {
                     map.next_value::<IgnoredAny>()?;
@@ -101,14 +120,42 @@ impl<'de> Visitor<'de> for KeptMap {
 fn decode_annotations<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Option<BTreeMap<String, String>>, D::Error> {
-    d.deserialize_option(KeptMap(read_annotation))
+    d.deserialize_option(KeptMap::new(read_annotation))
 }
 
 /// `metadata.labels` keeping only [`read_label`] keys.
 fn decode_labels<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Option<BTreeMap<String, String>>, D::Error> {
-    d.deserialize_option(KeptMap(read_label))
+    d.deserialize_option(KeptMap::new(read_label))
+}
+
+/// A resource list (`overhead`, `requests`, `limits`) keeping only [`read_resource`] names.
+pub(crate) fn decode_resource_list<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<BTreeMap<String, Quantity>>, D::Error> {
+    d.deserialize_option(KeptMap::new(read_resource))
+}
+
+/// A container's `resources`: `requests` and `limits` as [`decode_resource_list`]; `claims` and
+/// anything else skipped.
+pub(crate) fn decode_resources<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<ResourceRequirements>, D::Error> {
+    #[derive(Deserialize)]
+    struct Resources {
+        #[serde(default, deserialize_with = "decode_resource_list")]
+        requests: Option<BTreeMap<String, Quantity>>,
+        #[serde(default, deserialize_with = "decode_resource_list")]
+        limits: Option<BTreeMap<String, Quantity>>,
+    }
+    Ok(
+        Option::<Resources>::deserialize(d)?.map(|r| ResourceRequirements {
+            requests: r.requests,
+            limits: r.limits,
+            claims: None,
+        }),
+    )
 }
 
 /// A core/v1 Pod reduced to what admission decisions read.
@@ -170,8 +217,8 @@ pub struct AdmittedSpec {
     /// `initContainers`, reduced.
     #[serde(default)]
     pub init_containers: Option<Vec<ContainerResources>>,
-    /// `overhead`.
-    #[serde(default)]
+    /// `overhead`, extended resources only ([`read_resource`]).
+    #[serde(default, deserialize_with = "decode_resource_list")]
     pub overhead: Option<BTreeMap<String, Quantity>>,
 }
 

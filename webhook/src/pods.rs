@@ -52,8 +52,12 @@ pub struct ContainerResources {
     /// Name.
     #[serde(default)]
     pub name: String,
-    /// Requests and limits.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Requests and limits, extended resources only ([`crate::admitted::read_resource`]).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::admitted::decode_resources"
+    )]
     pub resources: Option<ResourceRequirements>,
     /// `Always` for a sidecar init container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -187,7 +191,7 @@ pub struct CachedContainer {
 fn extended(m: Option<BTreeMap<String, Quantity>>) -> Box<[(String, Quantity)]> {
     m.into_iter()
         .flatten()
-        .filter(|(k, _)| k.contains('/'))
+        .filter(|(k, _)| crate::admitted::read_resource(k))
         .collect()
 }
 

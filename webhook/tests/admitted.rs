@@ -8,14 +8,15 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Affinity, Container, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Affinity, Container, Pod, PodSpec, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Value, json};
 use teeguard_shared::Config;
 use teeguard_shared::pod::{key_requests, pod_display_name};
 use teeguard_shared::vmi::VirtualMachineInstance;
 use teeguard_tests::fixtures::{self, KataTee, Tee, VirtLauncherPod};
-use teeguard_webhook::admitted::{AdmittedPod, read_annotation, read_label};
+use teeguard_webhook::admitted::{AdmittedPod, read_annotation, read_label, read_resource};
 use teeguard_webhook::affinity::node_matches;
 use teeguard_webhook::mutation::{VmiLookup, classify_pod, decide_mutation};
 use teeguard_webhook::validation::{
@@ -35,9 +36,21 @@ fn full(value: &Value) -> Pod {
 /// The full pod with every field the slim type does not carry cleared.
 fn project(pod: &Pod) -> Pod {
     let m = &pod.metadata;
+    let resource_list = |l: &Option<BTreeMap<String, Quantity>>| {
+        l.as_ref().map(|l| {
+            l.iter()
+                .filter(|(k, _)| read_resource(k))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+    };
     let container = |c: &Container| Container {
         name: c.name.clone(),
-        resources: c.resources.clone(),
+        resources: c.resources.as_ref().map(|r| ResourceRequirements {
+            requests: resource_list(&r.requests),
+            limits: resource_list(&r.limits),
+            claims: None,
+        }),
         restart_policy: c.restart_policy.clone(),
         ..Container::default()
     };
@@ -74,7 +87,7 @@ fn project(pod: &Pod) -> Pod {
                 .init_containers
                 .as_ref()
                 .map(|v| v.iter().map(container).collect()),
-            overhead: s.overhead.clone(),
+            overhead: resource_list(&s.overhead),
             ..PodSpec::default()
         }),
         status: None,
@@ -303,7 +316,8 @@ fn bad_objects_are_errors_in_both_decodes() {
         json!({"metadata": {"name": 5}}),
         json!({"metadata": {"annotations": ["a"]}}),
         json!({"metadata": {"annotations": {"misc-max.teeguard.dev/compute": 1}}}),
-        json!({"spec": {"containers": [{"name": "compute", "resources": {"limits": {"x": {}}}}]}}),
+        json!({"spec": {"containers": [{"name": "compute", "resources": {"limits": {"example.com/x": {}}}}]}}),
+        json!({"spec": {"overhead": {"example.com/x": []}}}),
         json!({"spec": {"containers": "compute"}}),
         json!({"spec": {"nodeSelector": {"zone": 1}}}),
         json!([1, 2]),
@@ -312,6 +326,23 @@ fn bad_objects_are_errors_in_both_decodes() {
         assert!(
             serde_json::from_value::<AdmittedPod>(bad.clone()).is_err(),
             "{bad}"
+        );
+    }
+}
+
+/// Fields and keys the decisions never read are skipped without being interpreted (the API server
+/// decodes objects into typed structs before admission, so it never sends such values).
+#[test]
+fn unread_keys_are_not_interpreted() {
+    for odd in [
+        json!({"metadata": {"labels": {"app": 1}}}),
+        json!({"metadata": {"annotations": {"other": []}}}),
+        json!({"spec": {"containers": [{"name": "compute", "resources": {"limits": {"cpu": {}}, "claims": 7}}]}}),
+        json!({"spec": {"overhead": {"memory": null}}}),
+    ] {
+        assert!(
+            serde_json::from_value::<AdmittedPod>(odd.clone()).is_ok(),
+            "{odd}"
         );
     }
 }
