@@ -70,6 +70,15 @@ impl KindCounts {
         }
     }
 
+    /// `self - other` per kind, or `None` when `other` is larger for some kind.
+    pub fn checked_sub(&self, other: &KindCounts) -> Option<KindCounts> {
+        let mut out = KindCounts::ZERO;
+        for i in 0..3 {
+            out.0[i] = self.0[i].checked_sub(other.0[i])?;
+        }
+        Some(out)
+    }
+
     /// True when every kind is zero.
     pub fn is_zero(&self) -> bool {
         self.0 == [0; 3]

@@ -435,6 +435,7 @@ mod tests {
                     KindCounts::from_pairs([(TeeKind::Tdx, 1)]),
                 )]),
                 pods_read: 1,
+                pods_unchanged: 0,
                 skipped: vec![],
                 skipped_count: 0,
                 problems: vec![],

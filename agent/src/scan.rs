@@ -52,6 +52,24 @@
 //! next scan (and by [`MAX_KEPT_FILES`], beyond which pods are opened by path each time). Permissions are checked when a file is opened only (plain Unix semantics): a file made
 //! unreadable by `chmod` after it was opened stays readable through the open descriptor, whereas one
 //! replaced (e.g. by a directory) is opened again and reported. Walk mode opens files by path every time.
+//!
+//! # Unchanged key holders (agent mode)
+//!
+//! A pod's usage changes only when a VM in it starts or stops, and the kubepods `misc.current` (read
+//! anyway, to prune) is the sum of every pod below it. So a scan first reads only the pods of interest
+//! that held no key at their last reading (pending, new, or whose last read failed), and takes the
+//! key holders' last readings as they were. It keeps them only when the kubepods total equals exactly
+//! those readings plus what the last full read found held outside the pods of interest (pods that
+//! request no key, such as exempt VMs); any difference (a VM stopped, a pod left, another cgroup
+//! charged or released a key) reads every pod of interest again, as does every
+//! [`FULL_READ_EVERY`]th scan, a changed kubepods file that cannot be read, and the first scan.
+//!
+//! The totals cannot tell one case: a key holder releasing a key while, within the same poll, a
+//! cgroup that is not read (another holder, or a pod outside the interest set) charges one more of
+//! the same kind. Kernel usage is still read every scan; what lags, for at most [`FULL_READ_EVERY`]
+//! scans, is the attribution: the holder still shows its key, so while its pod lives on after its VM
+//! stopped it is not counted as pending (`free` is one higher per such event: the key is free in
+//! the kernel, but the conservative rule would keep it for the pod until the pod ends).
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -71,6 +89,10 @@ const MAX_SNAPSHOT_ATTEMPTS: u32 = 3;
 
 /// At most this many skipped names and problems are kept per scan (the counts are exact).
 const MAX_LISTED: usize = 16;
+
+/// Agent mode: every pod of interest is read at least every this many scans (10 s at the default 1 s
+/// poll interval), whatever the kubepods total says (see "Unchanged key holders").
+pub const FULL_READ_EVERY: u32 = 10;
 
 /// At most this many pod files are kept open (agent mode), far above any node's pod count (the kubelet's
 /// `maxPods` defaults to 110), so a strange configuration cannot exhaust the process's descriptors
@@ -153,6 +175,9 @@ pub struct PodScan {
     pub usage: HashMap<String, KindCounts>,
     /// Pod cgroups whose `misc.current` was read.
     pub pods_read: usize,
+    /// Agent mode: pods of interest not read because the kubepods total showed that no key holder
+    /// changed; their last reading is in [`PodScan::usage`].
+    pub pods_unchanged: usize,
     /// Directory names that look like pod cgroups but carry no valid UID (at most 16 listed).
     pub skipped: Vec<String>,
     /// How many such directories there were.
@@ -172,6 +197,7 @@ impl PodScan {
             accounting_reason: reason,
             usage: HashMap::new(),
             pods_read: 0,
+            pods_unchanged: 0,
             skipped: Vec::new(),
             skipped_count: 0,
             problems: Vec::new(),
@@ -210,6 +236,13 @@ pub struct Scanner {
     /// Agent mode: each pod of interest whose cgroup was found, by UID. Pruned to the interest set at
     /// every scan, so it holds at most one entry (and one open file) per pod of interest.
     known: HashMap<String, KnownPod>,
+    /// Agent mode: the kubepods usage held outside the pods of interest at the last full read, when it
+    /// may be used to skip unchanged key holders (see "Unchanged key holders").
+    outside: Option<KindCounts>,
+    /// Agent mode: scans since the last full read of the pods of interest.
+    scans_since_full: u32,
+    /// Agent mode: a full read is due after this many scans.
+    full_read_every: u32,
 }
 
 /// Where a pod of interest's cgroup was found, and its `misc.current` kept open (agent mode).
@@ -220,6 +253,8 @@ struct KnownPod {
     /// `misc.current`, open since the last successful read by path; re-read at offset 0 every poll.
     /// `None` after a failed read (the next poll opens the file by path again). Dropping it closes it.
     file: Option<File>,
+    /// What the pod held at its last reading (zero after a failed one).
+    last: KindCounts,
 }
 
 impl Scanner {
@@ -231,7 +266,18 @@ impl Scanner {
             buf: Vec::with_capacity(512),
             uid: String::with_capacity(40),
             known: HashMap::new(),
+            outside: None,
+            scans_since_full: 0,
+            full_read_every: FULL_READ_EVERY,
         }
+    }
+
+    /// Read every pod of interest at least every `scans` scans (default [`FULL_READ_EVERY`]; `1` reads
+    /// every pod at every scan, as walk mode does). See "Unchanged key holders" in the module doc.
+    #[must_use]
+    pub fn full_read_every(mut self, scans: u32) -> Self {
+        self.full_read_every = scans.max(1);
+        self
     }
 
     /// How many pod `misc.current` files are kept open between scans (agent mode; at most one per pod
@@ -252,6 +298,7 @@ impl Scanner {
             // Forget pods that no longer request keys (or left the node): this closes their files,
             // also when this scan ends before the pods are read.
             self.known.retain(|uid, _| set.contains(uid));
+            self.scans_since_full = self.scans_since_full.saturating_add(1);
         }
         let controller = match MiscController::locate(&self.root) {
             Ok(c) => c,
@@ -358,7 +405,7 @@ impl Scanner {
             Driver::Systemd => ["kubepods-burstable.slice", "kubepods-besteffort.slice"],
             Driver::Cgroupfs => ["burstable", "besteffort"],
         };
-        if top == LevelUsage::Zero || !matches!(interest, Interest::All) {
+        if top.is_zero() || !matches!(interest, Interest::All) {
             // The answer must not depend on usage: check the QoS levels too.
             for q in qos_names {
                 let qos = kubepods.join(q);
@@ -369,12 +416,12 @@ impl Scanner {
                     return scan;
                 }
             }
-            if let (Interest::Only(set), false) = (interest, top == LevelUsage::Zero) {
-                for uid in set {
-                    if !self.direct_pod(&mut scan, &kubepods, driver, uid) {
-                        return scan;
-                    }
+            match (interest, top.is_zero()) {
+                (Interest::Only(set), false) => {
+                    self.read_interest(&mut scan, &kubepods, driver, set, top);
                 }
+                // Nothing is held below kubepods: no pod was read, so no reading to reuse later.
+                _ => self.outside = None,
             }
             return scan;
         }
@@ -395,8 +442,8 @@ impl Scanner {
                             scan.not_delegated(reason);
                             return scan;
                         }
-                        Ok(LevelUsage::Zero) => continue,
-                        Ok(LevelUsage::Held | LevelUsage::Unknown) => {}
+                        Ok(u) if u.is_zero() => continue,
+                        Ok(_) => {}
                     }
                     let pods = match list_dirs(&qos) {
                         Ok(p) => p,
@@ -422,6 +469,91 @@ impl Scanner {
             }
         }
         scan
+    }
+
+    /// Agent mode: read the pods of interest (see "Unchanged key holders" in the module doc): first
+    /// only those that held nothing at their last reading, reusing the holders' last readings, and all
+    /// of them when the kubepods total (`top`) does not add up or a full read is due.
+    fn read_interest(
+        &mut self,
+        scan: &mut PodScan,
+        kubepods: &Path,
+        driver: Driver,
+        set: &HashSet<String>,
+        top: LevelUsage,
+    ) {
+        let total = match top {
+            LevelUsage::Read(c) => Some(c),
+            LevelUsage::Unknown => None,
+        };
+        let due = self.scans_since_full >= self.full_read_every;
+        if let (Some(total), Some(outside), false) = (total, self.outside, due) {
+            let before = scan.clone();
+            let mut predicted = outside;
+            let mut unchanged = 0;
+            for uid in set {
+                if let Some(k) = self.known.get(uid.as_str())
+                    && k.file.is_some()
+                    && !k.last.is_zero()
+                {
+                    predicted.add(&k.last);
+                    scan.usage.insert(uid.clone(), k.last);
+                    unchanged += 1;
+                    continue;
+                }
+                if !self.read_and_remember(scan, kubepods, driver, uid) {
+                    return;
+                }
+                if let Some(c) = scan.usage.get(uid.as_str()) {
+                    predicted.add(c);
+                }
+            }
+            if predicted == total {
+                scan.pods_unchanged = unchanged;
+                return;
+            }
+            tracing::debug!(
+                kubepods = %total,
+                predicted = %predicted,
+                "kubepods usage differs from the pods' last readings; reading every pod"
+            );
+            *scan = before;
+        }
+        for uid in set {
+            if !self.read_and_remember(scan, kubepods, driver, uid) {
+                return;
+            }
+        }
+        self.scans_since_full = 0;
+        // What the kubepods total holds beyond the pods of interest (pods that request no key, e.g.
+        // exempt VMs). Readings taken at different instants can exceed the total: then nothing is
+        // reused until the next full read.
+        self.outside = total.and_then(|t| {
+            let mut held = KindCounts::ZERO;
+            for c in scan.usage.values() {
+                held.add(c);
+            }
+            t.checked_sub(&held)
+        });
+    }
+
+    /// [`Scanner::direct_pod`], then remember what the pod held for the next scan. False: stop (the
+    /// controller is not delegated), and reuse nothing until a full read.
+    fn read_and_remember(
+        &mut self,
+        scan: &mut PodScan,
+        kubepods: &Path,
+        driver: Driver,
+        uid: &str,
+    ) -> bool {
+        if !self.direct_pod(scan, kubepods, driver, uid) {
+            self.outside = None;
+            return false;
+        }
+        if let Some(k) = self.known.get_mut(uid) {
+            k.last = scan.usage.get(uid).copied().unwrap_or(KindCounts::ZERO);
+        }
+        true
     }
 
     /// Agent mode: read a pod's cgroup through its kept-open `misc.current`, else by constructing its
@@ -505,6 +637,7 @@ impl Scanner {
                         KnownPod {
                             dir: self.path.clone(),
                             file: file.filter(|_| room),
+                            last: KindCounts::ZERO,
                         },
                     );
                     return true;
@@ -601,8 +734,7 @@ impl Scanner {
         self.set_path(dir, Some("misc.current"));
         let usage = match read_text(&self.path, &mut self.buf) {
             Ok(text) => match parse_counts(&self.path, text) {
-                Ok(c) if c.is_zero() => LevelUsage::Zero,
-                Ok(_) => LevelUsage::Held,
+                Ok(c) => LevelUsage::Read(c),
                 Err(e) => {
                     tracing::debug!(error = %e, "intermediate misc.current is malformed; reading below it anyway");
                     LevelUsage::Unknown
@@ -713,11 +845,20 @@ enum PodRead {
     Gone,
 }
 
+/// What an intermediate level's (kubepods, a QoS class) `misc.current` says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum LevelUsage {
-    Zero,
-    Held,
+    /// Read: the usage of the whole subtree.
+    Read(KindCounts),
+    /// Unreadable or malformed: the pods below are read anyway.
     Unknown,
+}
+
+impl LevelUsage {
+    /// Read, and no key is held anywhere below.
+    fn is_zero(self) -> bool {
+        self == LevelUsage::Read(KindCounts::ZERO)
+    }
 }
 
 /// Largest misc/cgroup control file read (real ones are a few lines).
@@ -1327,7 +1468,7 @@ mod tests {
         let r = d.path();
         let [a, b, c] = kept_open_host(r);
         let interest = all_three();
-        let mut s = Scanner::new(r);
+        let mut s = Scanner::new(r).full_read_every(1);
         assert_eq!(s.open_pod_files(), 0);
         for _ in 0..2 {
             let pods = scan_both(&mut s, &interest);
@@ -1384,7 +1525,7 @@ mod tests {
         let [a, ..] = kept_open_host(r);
         let a_dir = a.parent().expect("pod dir").to_path_buf();
         let interest = all_three();
-        let mut s = Scanner::new(r);
+        let mut s = Scanner::new(r).full_read_every(1);
         scan_both(&mut s, &interest);
         assert_eq!(s.open_pod_files(), 3);
 
@@ -1423,7 +1564,7 @@ mod tests {
         let r = d.path();
         let [a, b, c] = kept_open_host(r);
         let interest = all_three();
-        let mut s = Scanner::new(r);
+        let mut s = Scanner::new(r).full_read_every(1);
         scan_both(&mut s, &interest);
 
         // Malformed, written in place into the kept file.
@@ -1482,7 +1623,7 @@ mod tests {
         let d = tempfile::tempdir().expect("tempdir");
         let r = d.path();
         kept_open_host(r);
-        let mut s = Scanner::new(r);
+        let mut s = Scanner::new(r).full_read_every(1);
         scan_both(&mut s, &all_three());
         assert_eq!(s.open_pod_files(), 3);
 
@@ -1513,7 +1654,7 @@ mod tests {
             write(r, &pod_file(uid, None), &format!("tdx {}\n", i % 2));
         }
         let holding = many.len() / 2;
-        let mut big = Scanner::new(r);
+        let mut big = Scanner::new(r).full_read_every(1);
         for _ in 0..2 {
             let pods = scan_both(&mut big, &many);
             assert_eq!(pods.pods_read, many.len());
@@ -1533,5 +1674,152 @@ mod tests {
             .expect("pods");
         assert_eq!(pods.usage.len(), 3 + holding);
         assert_eq!(walk.open_pod_files(), 0);
+    }
+    // ---- unchanged key holders (agent mode) ----
+
+    const E: &str = "eeeeeeee-2222-3333-4444-555555555555";
+
+    /// A v2/systemd host whose burstable pods hold these TDX keys, with the kubepods and root totals
+    /// equal to their sum, as on a kernel. Files are rewritten in place (kept files see the change).
+    fn set_host(r: &Path, pods: &[(&str, u64)]) {
+        write(r, "misc.capacity", "tdx 64\n");
+        write(r, "kubepods.slice/cgroup.controllers", "cpu misc\n");
+        write(
+            r,
+            "kubepods.slice/kubepods-burstable.slice/misc.current",
+            "tdx 0\n",
+        );
+        let total: u64 = pods.iter().map(|(_, n)| n).sum();
+        write(r, "kubepods.slice/misc.current", &format!("tdx {total}\n"));
+        write(r, "misc.current", &format!("tdx {total}\n"));
+        for (uid, n) in pods {
+            write(r, &pod_file(uid, Some("burstable")), &format!("tdx {n}\n"));
+        }
+    }
+
+    fn interest(uids: &[&str]) -> HashSet<String> {
+        uids.iter().map(|u| u.to_string()).collect()
+    }
+
+    /// One scan: (pods read, pods taken as unchanged, usage).
+    fn agent_scan(
+        s: &mut Scanner,
+        set: &HashSet<String>,
+    ) -> (usize, usize, HashMap<String, KindCounts>) {
+        let pods = scanned(s.scan(Interest::Only(set)).expect("scan"))
+            .pods
+            .expect("pods");
+        (pods.pods_read, pods.pods_unchanged, pods.usage)
+    }
+
+    fn usage(pairs: &[(&str, u64)]) -> HashMap<String, KindCounts> {
+        pairs
+            .iter()
+            .map(|(u, n)| (u.to_string(), tdx(*n)))
+            .collect()
+    }
+
+    #[test]
+    fn key_holders_are_reused_while_the_kubepods_total_adds_up() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let r = d.path();
+        let set = interest(&[A, B, C]);
+        let mut s = Scanner::new(r);
+        set_host(r, &[(A, 1), (B, 2), (C, 0)]);
+        let steady = usage(&[(A, 1), (B, 2)]);
+        // The first scan reads everything; then only C, which holds nothing, is read.
+        assert_eq!(agent_scan(&mut s, &set), (3, 0, steady.clone()));
+        assert_eq!(agent_scan(&mut s, &set), (1, 2, steady.clone()));
+        // C's VM starts: C is read anyway and the total adds up with it.
+        set_host(r, &[(A, 1), (B, 2), (C, 1)]);
+        let with_c = usage(&[(A, 1), (B, 2), (C, 1)]);
+        assert_eq!(agent_scan(&mut s, &set), (1, 2, with_c.clone()));
+        assert_eq!(agent_scan(&mut s, &set), (0, 3, with_c));
+        // A's VM stops: the total no longer adds up, so every pod is read.
+        set_host(r, &[(A, 0), (B, 2), (C, 1)]);
+        let without_a = usage(&[(B, 2), (C, 1)]);
+        assert_eq!(agent_scan(&mut s, &set), (3, 0, without_a.clone()));
+        assert_eq!(agent_scan(&mut s, &set), (1, 2, without_a.clone()));
+        // Whatever was reused, a fresh scanner (reading every file) agrees.
+        let mut fresh = Scanner::new(r);
+        assert_eq!(agent_scan(&mut fresh, &set).2, without_a);
+    }
+
+    #[test]
+    fn keys_held_outside_the_pods_of_interest_are_carried_and_their_changes_noticed() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let r = d.path();
+        let set = interest(&[A]);
+        let mut s = Scanner::new(r);
+        // E (say an exempt VM) requests no key but holds two.
+        set_host(r, &[(A, 1), (E, 2)]);
+        assert_eq!(agent_scan(&mut s, &set), (1, 0, usage(&[(A, 1)])));
+        assert_eq!(agent_scan(&mut s, &set), (0, 1, usage(&[(A, 1)])));
+        // E releases them: the total drops, A is read again.
+        set_host(r, &[(A, 1), (E, 0)]);
+        assert_eq!(agent_scan(&mut s, &set), (1, 0, usage(&[(A, 1)])));
+        assert_eq!(agent_scan(&mut s, &set), (0, 1, usage(&[(A, 1)])));
+        // E charges keys again (counted outside by a full read), then joins the pods of interest: its
+        // keys would count twice, the total does not add up, everything is read.
+        set_host(r, &[(A, 1), (E, 2)]);
+        assert_eq!(agent_scan(&mut s, &set), (1, 0, usage(&[(A, 1)])));
+        let both = interest(&[A, E]);
+        assert_eq!(agent_scan(&mut s, &both), (2, 0, usage(&[(A, 1), (E, 2)])));
+        assert_eq!(agent_scan(&mut s, &both), (0, 2, usage(&[(A, 1), (E, 2)])));
+        // A leaves the pods of interest while its cgroup still holds its key: it now counts outside.
+        assert_eq!(
+            agent_scan(&mut s, &interest(&[E])),
+            (1, 0, usage(&[(E, 2)]))
+        );
+    }
+
+    #[test]
+    fn every_pod_is_read_again_every_full_read_period() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let r = d.path();
+        let set = interest(&[A, B]);
+        set_host(r, &[(A, 1), (B, 1)]);
+        let mut s = Scanner::new(r).full_read_every(3);
+        let read: Vec<usize> = (0..7).map(|_| agent_scan(&mut s, &set).0).collect();
+        assert_eq!(read, [2, 0, 0, 2, 0, 0, 2]);
+        // The default period.
+        let mut s = Scanner::new(r);
+        let read: Vec<usize> = (0..=FULL_READ_EVERY)
+            .map(|_| agent_scan(&mut s, &set).0)
+            .collect();
+        assert_eq!(read.iter().filter(|n| **n == 2).count(), 2, "{read:?}");
+        assert_eq!(read.last(), Some(&2), "{read:?}");
+    }
+
+    /// The one change the totals cannot show (see "Unchanged key holders"): a holder releases a key
+    /// while a cgroup that is not read charges one. The stale reading lasts until the next full read.
+    #[test]
+    fn offsetting_changes_lag_until_the_next_full_read() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let r = d.path();
+        let set = interest(&[A]);
+        set_host(r, &[(A, 1), (E, 0)]);
+        let mut s = Scanner::new(r).full_read_every(4);
+        assert_eq!(agent_scan(&mut s, &set), (1, 0, usage(&[(A, 1)])));
+        set_host(r, &[(A, 0), (E, 1)]);
+        for _ in 0..3 {
+            assert_eq!(agent_scan(&mut s, &set), (0, 1, usage(&[(A, 1)])));
+        }
+        assert_eq!(agent_scan(&mut s, &set), (1, 0, usage(&[])));
+        // From then on the new state is the baseline.
+        assert_eq!(agent_scan(&mut s, &set), (1, 0, usage(&[])));
+    }
+
+    #[test]
+    fn an_unreadable_kubepods_total_reads_every_pod() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let r = d.path();
+        let set = interest(&[A, B]);
+        set_host(r, &[(A, 1), (B, 1)]);
+        write(r, "kubepods.slice/misc.current", "tdx many\n");
+        let mut s = Scanner::new(r);
+        for _ in 0..3 {
+            assert_eq!(agent_scan(&mut s, &set), (2, 0, usage(&[(A, 1), (B, 1)])));
+        }
     }
 }

@@ -84,7 +84,8 @@ fn every_layout_attributes_per_pod() {
             host.add_external("outside", TDX, 2).expect("external");
             let what = format!("{version:?}/{driver:?}");
 
-            let mut scanner = Scanner::new(host.root());
+            // Every pod read at every scan: this test is about finding the files.
+            let mut scanner = Scanner::new(host.root()).full_read_every(1);
             let scan = scanned(scanner.scan(Interest::All).expect(&what));
             let p = scan.pods.as_ref().expect("pods");
             assert_eq!(
@@ -257,7 +258,9 @@ fn kept_open_pod_files_track_the_simulated_host() {
                 host.start_vm(&uid(n), "compute", TDX).expect("vm");
             }
             let interest: HashSet<String> = (0..4).map(uid).collect();
-            let mut scanner = Scanner::new(host.root());
+            // Every pod read at every scan: this test is about the kept files (the first change below,
+            // one pod charging while another releases, is one the kubepods total cannot show).
+            let mut scanner = Scanner::new(host.root()).full_read_every(1);
             let check = |scanner: &mut Scanner, expected: &[(u32, u64)]| {
                 let kept = scanner.scan(Interest::Only(&interest)).expect("scan");
                 let fresh = Scanner::new(host.root())
@@ -544,4 +547,60 @@ fn a_resource_that_disappears() {
     host.remove_pod(&uid(1)).expect("remove pod");
     let scan = scanned(scanner.scan(Interest::All).expect("scan"));
     assert!(scan.pods.expect("pods").usage.is_empty());
+}
+
+/// On a host whose totals add up (the simulated host updates every level, as the kernel does), the
+/// agent reads only the pods that held nothing at their last reading while the kubepods total matches,
+/// and reads every pod again when a VM stops or a pod goes away; its figures always equal a fresh
+/// scan's.
+#[test]
+fn unchanged_key_holders_are_not_read_again() {
+    for (version, driver) in [
+        (CgroupVersion::V2, CgroupDriver::Systemd),
+        (CgroupVersion::V1, CgroupDriver::Cgroupfs),
+    ] {
+        let what = format!("{version:?}/{driver:?}");
+        let host = SimHost::builder()
+            .version(version)
+            .driver(driver)
+            .write_mode(WriteMode::InPlace)
+            .capacity(TDX, 16)
+            .build()
+            .expect("host");
+        for n in 0..4u32 {
+            host.add_pod(&uid(n), QosClass::Burstable, &["compute"])
+                .expect("pod");
+        }
+        for n in 0..3u32 {
+            host.start_vm(&uid(n), "compute", TDX).expect("vm");
+        }
+        let interest: HashSet<String> = (0..4).map(uid).collect();
+        let mut scanner = Scanner::new(host.root());
+        // (pods read, pods taken as unchanged), and the usage equals a fresh scan's.
+        let scan = |scanner: &mut Scanner| {
+            let kept = scanned(scanner.scan(Interest::Only(&interest)).expect("scan"))
+                .pods
+                .expect("pods");
+            let fresh = scanned(
+                Scanner::new(host.root())
+                    .scan(Interest::Only(&interest))
+                    .expect("fresh scan"),
+            )
+            .pods
+            .expect("pods");
+            assert_eq!(kept.usage, fresh.usage, "{what}");
+            (kept.pods_read, kept.pods_unchanged)
+        };
+        assert_eq!(scan(&mut scanner), (4, 0), "{what}: first scan");
+        assert_eq!(scan(&mut scanner), (1, 3), "{what}: only pod 3 (no VM yet)");
+        host.start_vm(&uid(3), "compute", TDX).expect("vm");
+        assert_eq!(scan(&mut scanner), (1, 3), "{what}: pod 3 charged");
+        assert_eq!(scan(&mut scanner), (0, 4), "{what}: all hold");
+        host.stop_vm(&uid(1), "compute", TDX).expect("stop");
+        assert_eq!(scan(&mut scanner), (4, 0), "{what}: a VM stopped");
+        host.remove_pod(&uid(2)).expect("remove");
+        // Pod 2's cgroup is gone: looked for, not read.
+        assert_eq!(scan(&mut scanner), (3, 0), "{what}: a pod removed");
+        assert_eq!(scan(&mut scanner), (1, 2), "{what}: pod 1 holds nothing");
+    }
 }
