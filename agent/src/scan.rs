@@ -53,23 +53,24 @@
 //! unreadable by `chmod` after it was opened stays readable through the open descriptor, whereas one
 //! replaced (e.g. by a directory) is opened again and reported. Walk mode opens files by path every time.
 //!
-//! # Unchanged key holders (agent mode)
+//! # Unchanged pods (agent mode)
 //!
 //! A pod's usage changes only when a VM in it starts or stops, and the kubepods `misc.current` (read
-//! anyway, to prune) is the sum of every pod below it. So a scan first reads only the pods of interest
-//! that held no key at their last reading (pending, new, or whose last read failed), and takes the
-//! key holders' last readings as they were. It keeps them only when the kubepods total equals exactly
-//! those readings plus what the last full read found held outside the pods of interest (pods that
-//! request no key, such as exempt VMs); any difference (a VM stopped, a pod left, another cgroup
-//! charged or released a key) reads every pod of interest again, as does every
-//! [`FULL_READ_EVERY`]th scan, a changed kubepods file that cannot be read, and the first scan.
+//! anyway, to prune) is the sum of every pod below it. So a scan reads only the pods of interest that
+//! have no reading to reuse (new, not found yet, or whose last read failed) and takes the last
+//! readings of the others, but keeps them only when the kubepods total equals exactly those readings
+//! plus what the last full read found held outside the pods of interest (pods that request no key,
+//! such as exempt VMs). Any difference (a VM started or stopped, a pod left, another cgroup charged or
+//! released a key) reads every pod of interest again, as does every [`FULL_READ_EVERY`]th scan, a
+//! kubepods file that cannot be read, and the first scan. On a steady host a poll reads no pod file.
 //!
-//! The totals cannot tell one case: a key holder releasing a key while, within the same poll, a
-//! cgroup that is not read (another holder, or a pod outside the interest set) charges one more of
-//! the same kind. Kernel usage is still read every scan; what lags, for at most [`FULL_READ_EVERY`]
-//! scans, is the attribution: the holder still shows its key, so while its pod lives on after its VM
-//! stopped it is not counted as pending (`free` is one higher per such event: the key is free in
-//! the kernel, but the conservative rule would keep it for the pod until the pod ends).
+//! The totals cannot tell changes that cancel out within one poll interval: one cgroup charging a
+//! key of the same kind as another releases one. Kernel usage is still read at every scan; what lags,
+//! for at most [`FULL_READ_EVERY`] scans, is the attribution, and with it `pending`: a pod that
+//! charged still counts as pending (`free` one lower: conservative), and a pod that released while it
+//! lives on (its VM stopped before the pod ended) is not counted as pending (`free` one higher: the
+//! key is free in the kernel, but the conservative rule would keep it for the pod until the pod ends).
+//! When both happen among the pods of interest the two cancel and `free` is what a full read gives.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -91,7 +92,7 @@ const MAX_SNAPSHOT_ATTEMPTS: u32 = 3;
 const MAX_LISTED: usize = 16;
 
 /// Agent mode: every pod of interest is read at least every this many scans (10 s at the default 1 s
-/// poll interval), whatever the kubepods total says (see "Unchanged key holders").
+/// poll interval), whatever the kubepods total says (see "Unchanged pods").
 pub const FULL_READ_EVERY: u32 = 10;
 
 /// At most this many pod files are kept open (agent mode), far above any node's pod count (the kubelet's
@@ -175,8 +176,8 @@ pub struct PodScan {
     pub usage: HashMap<String, KindCounts>,
     /// Pod cgroups whose `misc.current` was read.
     pub pods_read: usize,
-    /// Agent mode: pods of interest not read because the kubepods total showed that no key holder
-    /// changed; their last reading is in [`PodScan::usage`].
+    /// Agent mode: pods of interest not read because the kubepods total showed that none of them
+    /// changed; their last reading is in [`PodScan::usage`] (when not zero).
     pub pods_unchanged: usize,
     /// Directory names that look like pod cgroups but carry no valid UID (at most 16 listed).
     pub skipped: Vec<String>,
@@ -237,7 +238,7 @@ pub struct Scanner {
     /// every scan, so it holds at most one entry (and one open file) per pod of interest.
     known: HashMap<String, KnownPod>,
     /// Agent mode: the kubepods usage held outside the pods of interest at the last full read, when it
-    /// may be used to skip unchanged key holders (see "Unchanged key holders").
+    /// may be used to skip unchanged pods (see "Unchanged pods").
     outside: Option<KindCounts>,
     /// Agent mode: scans since the last full read of the pods of interest.
     scans_since_full: u32,
@@ -273,7 +274,7 @@ impl Scanner {
     }
 
     /// Read every pod of interest at least every `scans` scans (default [`FULL_READ_EVERY`]; `1` reads
-    /// every pod at every scan, as walk mode does). See "Unchanged key holders" in the module doc.
+    /// every pod at every scan, as walk mode does). See "Unchanged pods" in the module doc.
     #[must_use]
     pub fn full_read_every(mut self, scans: u32) -> Self {
         self.full_read_every = scans.max(1);
@@ -471,9 +472,9 @@ impl Scanner {
         scan
     }
 
-    /// Agent mode: read the pods of interest (see "Unchanged key holders" in the module doc): first
-    /// only those that held nothing at their last reading, reusing the holders' last readings, and all
-    /// of them when the kubepods total (`top`) does not add up or a full read is due.
+    /// Agent mode: read the pods of interest (see "Unchanged pods" in the module doc): first only
+    /// those without a reading to reuse, taking the others' last readings, and all of them when the
+    /// kubepods total (`top`) does not add up or a full read is due.
     fn read_interest(
         &mut self,
         scan: &mut PodScan,
@@ -494,10 +495,11 @@ impl Scanner {
             for uid in set {
                 if let Some(k) = self.known.get(uid.as_str())
                     && k.file.is_some()
-                    && !k.last.is_zero()
                 {
                     predicted.add(&k.last);
-                    scan.usage.insert(uid.clone(), k.last);
+                    if !k.last.is_zero() {
+                        scan.usage.insert(uid.clone(), k.last);
+                    }
                     unchanged += 1;
                     continue;
                 }
@@ -1675,8 +1677,9 @@ mod tests {
         assert_eq!(pods.usage.len(), 3 + holding);
         assert_eq!(walk.open_pod_files(), 0);
     }
-    // ---- unchanged key holders (agent mode) ----
+    // ---- unchanged pods (agent mode) ----
 
+    const D: &str = "dddddddd-2222-3333-4444-555555555555";
     const E: &str = "eeeeeeee-2222-3333-4444-555555555555";
 
     /// A v2/systemd host whose burstable pods hold these TDX keys, with the kubepods and root totals
@@ -1720,26 +1723,29 @@ mod tests {
     }
 
     #[test]
-    fn key_holders_are_reused_while_the_kubepods_total_adds_up() {
+    fn unchanged_pods_are_not_read_while_the_kubepods_total_adds_up() {
         let d = tempfile::tempdir().expect("tempdir");
         let r = d.path();
         let set = interest(&[A, B, C]);
         let mut s = Scanner::new(r);
         set_host(r, &[(A, 1), (B, 2), (C, 0)]);
         let steady = usage(&[(A, 1), (B, 2)]);
-        // The first scan reads everything; then only C, which holds nothing, is read.
+        // The first scan reads everything; then nothing is read while the total adds up.
         assert_eq!(agent_scan(&mut s, &set), (3, 0, steady.clone()));
-        assert_eq!(agent_scan(&mut s, &set), (1, 2, steady.clone()));
-        // C's VM starts: C is read anyway and the total adds up with it.
+        assert_eq!(agent_scan(&mut s, &set), (0, 3, steady.clone()));
+        // C's VM starts: the total moves, every pod is read.
         set_host(r, &[(A, 1), (B, 2), (C, 1)]);
         let with_c = usage(&[(A, 1), (B, 2), (C, 1)]);
-        assert_eq!(agent_scan(&mut s, &set), (1, 2, with_c.clone()));
+        assert_eq!(agent_scan(&mut s, &set), (3, 0, with_c.clone()));
         assert_eq!(agent_scan(&mut s, &set), (0, 3, with_c));
-        // A's VM stops: the total no longer adds up, so every pod is read.
+        // A's VM stops: the same.
         set_host(r, &[(A, 0), (B, 2), (C, 1)]);
         let without_a = usage(&[(B, 2), (C, 1)]);
         assert_eq!(agent_scan(&mut s, &set), (3, 0, without_a.clone()));
-        assert_eq!(agent_scan(&mut s, &set), (1, 2, without_a.clone()));
+        assert_eq!(agent_scan(&mut s, &set), (0, 3, without_a.clone()));
+        // A pod with no cgroup yet is looked for at every scan (and holds nothing).
+        let with_d = interest(&[A, B, C, D]);
+        assert_eq!(agent_scan(&mut s, &with_d), (0, 3, without_a.clone()));
         // Whatever was reused, a fresh scanner (reading every file) agrees.
         let mut fresh = Scanner::new(r);
         assert_eq!(agent_scan(&mut fresh, &set).2, without_a);
@@ -1791,8 +1797,8 @@ mod tests {
         assert_eq!(read.last(), Some(&2), "{read:?}");
     }
 
-    /// The one change the totals cannot show (see "Unchanged key holders"): a holder releases a key
-    /// while a cgroup that is not read charges one. The stale reading lasts until the next full read.
+    /// Changes the totals cannot show (see "Unchanged pods"): a pod releases a key while a cgroup that
+    /// is not read charges one. The stale reading lasts until the next full read.
     #[test]
     fn offsetting_changes_lag_until_the_next_full_read() {
         let d = tempfile::tempdir().expect("tempdir");
@@ -1807,7 +1813,7 @@ mod tests {
         }
         assert_eq!(agent_scan(&mut s, &set), (1, 0, usage(&[])));
         // From then on the new state is the baseline.
-        assert_eq!(agent_scan(&mut s, &set), (1, 0, usage(&[])));
+        assert_eq!(agent_scan(&mut s, &set), (0, 1, usage(&[])));
     }
 
     #[test]
