@@ -49,7 +49,7 @@
 //!   and removes directories with their files; an open descriptor would keep reading the old content).
 //!
 //! Kept files are bounded by the interest set: a pod leaving it is forgotten and its file closed at the
-//! next scan (and by [`MAX_KEPT_FILES`], beyond which pods are opened by path each time). Permissions are checked when a file is opened only (plain Unix semantics): a file made
+//! next scan (and by `MAX_KEPT_FILES`, beyond which pods are opened by path each time). Permissions are checked when a file is opened only (plain Unix semantics): a file made
 //! unreadable by `chmod` after it was opened stays readable through the open descriptor, whereas one
 //! replaced (e.g. by a directory) is opened again and reported. Walk mode opens files by path every time.
 //!

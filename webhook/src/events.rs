@@ -3,7 +3,7 @@
 //!
 //! Off the hot path: a review only puts the Event on a bounded queue ([`EventSink::record`], never
 //! blocks, never fails the review); one background task writes them with kube's
-//! [`Recorder`](kube::runtime::events::Recorder) (`events.k8s.io/v1`; a repeat of the same Event within
+//! [`kube::runtime::events::Recorder`] (`events.k8s.io/v1`; a repeat of the same Event within
 //! a few minutes becomes a series patch). The scheduler retries a refused binding every 1–10 s, so each
 //! VMI gets at most one Event per [`EVENT_MIN_INTERVAL`]; further ones are counted as suppressed. A full
 //! queue drops the Event (counted, logged); a failed write is logged and counted.

@@ -111,7 +111,8 @@ fn respond(uid: String, pod_name: &str, dry_run: bool, decision: MutationDecisio
                 .audit(audit::TEE_KIND, inj.kind.kernel_name())
                 .audit(audit::RESOURCE, inj.resource.clone());
             let response = if patched {
-                match base.clone().with_patch(&inj.patch) {
+                let uid = base.uid.clone();
+                match base.with_patch(&inj.patch) {
                     Ok(r) => r.audit(audit::DECISION, "patched"),
                     // Serialising a patch of strings and maps cannot fail; refuse rather than
                     // admit a TEE pod without its key request if it ever does.
@@ -119,7 +120,7 @@ fn respond(uid: String, pod_name: &str, dry_run: bool, decision: MutationDecisio
                         tracing::error!(pod = pod_name, error = %e, "cannot serialise the patch");
                         return Reviewed {
                             response: ReviewResponse::deny(
-                                base.uid,
+                                uid,
                                 500,
                                 format!(
                                     "teeguard cannot serialise the patch for pod {pod_name}: {e}"
