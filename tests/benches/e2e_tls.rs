@@ -4,6 +4,9 @@
 //! rustls server with the webhook's own TLS configuration (same certificate, ring, TLS 1.3, same
 //! hyper-util connection builder) that parses the same body to get the uid and answers "allowed".
 //!
+//! Each point measures the floor and teeguard in alternating windows (`ROUNDS` of each, pooled), so a
+//! drift of this shared machine during the point weighs on both sides alike.
+//!
 //! Printed per endpoint and concurrency: p50/p99 latency and throughput of both, the teeguard/floor
 //! ratios, and the webhook's server-side latency from its `/metrics` histogram (body read to response;
 //! bucket bounds 50/100/250/500 µs/1 ms..., interpolated), and the on-CPU time per review of the server
@@ -142,6 +145,41 @@ struct Run {
     client_cpu: Duration,
 }
 
+/// What one measured window collected, before it is pooled with the other rounds of the same point.
+struct Window {
+    samples: Vec<Duration>,
+    measured: Duration,
+    server_cpu: Duration,
+    client_cpu: Duration,
+}
+
+impl Run {
+    /// Pool the windows of one server at one point.
+    fn pool(windows: Vec<Window>) -> Run {
+        let mut samples = Vec::new();
+        let (mut measured, mut server, mut client) =
+            (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        for w in windows {
+            samples.extend(w.samples);
+            measured += w.measured;
+            server += w.server_cpu;
+            client += w.client_cpu;
+        }
+        let n = samples.len().max(1) as u32;
+        Run {
+            rate: samples.len() as f64 / measured.as_secs_f64(),
+            stats: Stats::from_samples(&mut samples),
+            server_cpu: server / n,
+            client_cpu: client / n,
+        }
+    }
+}
+
+/// Rounds per point: the floor and teeguard are measured in alternating windows (floor, teeguard,
+/// floor, teeguard, ...) and each side's samples pooled, so that a drift of the machine during the
+/// point (another tenant of the VM host, frequency changes) weighs on both sides alike.
+const ROUNDS: usize = 3;
+
 /// One load run.
 async fn load(
     addr: SocketAddr,
@@ -152,6 +190,22 @@ async fn load(
     warmup: Duration,
     measure: Duration,
 ) -> Run {
+    Run::pool(vec![
+        window(addr, cfg, path, body, connections, warmup, measure).await,
+    ])
+}
+
+/// One measured window: `connections` keep-alive connections sending back to back, `warmup` then
+/// `measure`.
+async fn window(
+    addr: SocketAddr,
+    cfg: Arc<rustls::ClientConfig>,
+    path: &'static str,
+    body: Bytes,
+    connections: usize,
+    warmup: Duration,
+    measure: Duration,
+) -> Window {
     let mut conns = Vec::with_capacity(connections);
     for _ in 0..connections {
         conns.push(H1::connect(addr, cfg.clone()).await);
@@ -194,12 +248,11 @@ async fn load(
         all.extend(r.expect("load task"));
     }
     let (server, client) = cpu.await.expect("CPU sampler");
-    let n = all.len().max(1) as u32;
-    Run {
-        rate: all.len() as f64 / measure.as_secs_f64(),
-        stats: Stats::from_samples(&mut all),
-        server_cpu: server / n,
-        client_cpu: client / n,
+    Window {
+        samples: all,
+        measured: measure,
+        server_cpu: server,
+        client_cpu: client,
     }
 }
 
@@ -363,7 +416,7 @@ fn main() {
     let admin = webhook.admin;
 
     section(&format!(
-        "HTTPS keep-alive, HTTP/1.1, loopback; {} s per point after {} ms warm-up; client and servers share {} cores",
+        "HTTPS keep-alive, HTTP/1.1, loopback; {} s per point and server in {ROUNDS} alternating windows (floor, teeguard, ...), each after {} ms warm-up; client and servers share {} cores",
         measure.as_secs_f64(),
         warmup.as_millis(),
         std::thread::available_parallelism().map_or(0, |n| n.get())
@@ -387,27 +440,29 @@ fn main() {
     );
     for target in &targets {
         for conns in CONCURRENCY {
-            let floor_run = client_rt.block_on(load(
-                floor,
-                cfg.clone(),
-                target.path,
-                target.body.clone(),
-                conns,
-                warmup,
-                measure,
-            ));
+            // Only teeguard's windows reach the webhook, so its histogram between the two scrapes
+            // holds exactly those reviews.
             let before = client_rt
                 .block_on(webhook_support::admin_get(admin, "/metrics"))
                 .1;
-            let tg_run = client_rt.block_on(load(
-                webhook.https,
-                cfg.clone(),
-                target.path,
-                target.body.clone(),
-                conns,
-                warmup,
-                measure,
-            ));
+            let (mut floor_windows, mut tg_windows) = (Vec::new(), Vec::new());
+            for _ in 0..ROUNDS {
+                for (addr, windows) in [
+                    (floor, &mut floor_windows),
+                    (webhook.https, &mut tg_windows),
+                ] {
+                    windows.push(client_rt.block_on(window(
+                        addr,
+                        cfg.clone(),
+                        target.path,
+                        target.body.clone(),
+                        conns,
+                        warmup,
+                        measure / ROUNDS as u32,
+                    )));
+                }
+            }
+            let (floor_run, tg_run) = (Run::pool(floor_windows), Run::pool(tg_windows));
             let after = client_rt
                 .block_on(webhook_support::admin_get(admin, "/metrics"))
                 .1;
