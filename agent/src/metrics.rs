@@ -57,6 +57,10 @@ pub struct Metrics {
     pub scan_errors: Counter,
     /// Pod cgroups that could not be read.
     pub pod_cgroup_errors: Counter,
+    /// Pod `misc.current` files read.
+    pub pod_files_read: Counter,
+    /// Pod readings taken unchanged because the kubepods total matched them.
+    pub pod_readings_reused: Counter,
     /// Re-scans triggered by a `misc.events` change.
     pub events_rescans: Counter,
     api_errors: Family<OperationLabel, Counter>,
@@ -80,6 +84,8 @@ impl Metrics {
             scan_duration: Histogram::new(exponential_buckets(1e-5, 4.0, 9)),
             scan_errors: Counter::default(),
             pod_cgroup_errors: Counter::default(),
+            pod_files_read: Counter::default(),
+            pod_readings_reused: Counter::default(),
             events_rescans: Counter::default(),
             api_errors: Family::default(),
             publishes: Counter::default(),
@@ -130,6 +136,16 @@ impl Metrics {
             "pod_cgroup_errors",
             "Pod cgroup misc files that could not be read or parsed",
             m.pod_cgroup_errors.clone(),
+        );
+        r.register(
+            "pod_files_read",
+            "Pod cgroup misc.current files read",
+            m.pod_files_read.clone(),
+        );
+        r.register(
+            "pod_readings_reused",
+            "Pod readings taken from the previous scan because the kubepods total showed no change",
+            m.pod_readings_reused.clone(),
         );
         r.register(
             "events_rescans",

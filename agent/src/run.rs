@@ -291,11 +291,16 @@ impl Agent {
             Ok(state) => {
                 if let HostState::Scanned(s) = state
                     && let Some(p) = &s.pods
-                    && p.problem_count > 0
                 {
+                    self.metrics.pod_files_read.inc_by(p.pods_read as u64);
                     self.metrics
-                        .pod_cgroup_errors
-                        .inc_by(p.problem_count as u64);
+                        .pod_readings_reused
+                        .inc_by(p.pods_unchanged as u64);
+                    if p.problem_count > 0 {
+                        self.metrics
+                            .pod_cgroup_errors
+                            .inc_by(p.problem_count as u64);
+                    }
                 }
                 if self.kernel.error.is_some() {
                     tracing::info!("the misc files are readable again");

@@ -398,6 +398,19 @@ async fn api_outage_keeps_scanning_and_publishes_when_back() {
         agent.metrics()
     );
 
+    // The polls after the VM stopped read every pod once, then take their readings unchanged while
+    // the kubepods total matches them (agent/src/scan.rs, "Unchanged pods").
+    assert!(
+        agent.metric("teeguard_agent_pod_files_read_total") >= 4.0,
+        "{}",
+        agent.metrics()
+    );
+    assert!(
+        agent.metric("teeguard_agent_pod_readings_reused_total") >= 4.0,
+        "{}",
+        agent.metrics()
+    );
+
     api.set_unavailable(false);
     agent
         .wait_status("published after the outage", |s| {
