@@ -440,7 +440,8 @@ fn injection_patch(
     keys: u32,
     config: &Config,
 ) -> Result<Patch, Denial> {
-    let pod_name = teeguard_shared::pod::pod_display_name(pod);
+    // Only the refusals below name the pod: format it for them alone.
+    let pod_name = || teeguard_shared::pod::pod_display_name(pod);
     let containers = pod
         .spec
         .as_ref()
@@ -454,7 +455,8 @@ fn injection_patch(
         return Err(Denial {
             reason: DenyReason::NoComputeContainer,
             message: format!(
-                "pod {pod_name} of {} VirtualMachineInstance {vmi} has no {:?} container to charge the TEE key to",
+                "pod {} of {} VirtualMachineInstance {vmi} has no {:?} container to charge the TEE key to",
+                pod_name(),
                 kind.display_name(),
                 names::COMPUTE_CONTAINER
             ),
@@ -478,8 +480,9 @@ fn injection_patch(
                     return Err(Denial {
                         reason: DenyReason::ConflictingRequest,
                         message: format!(
-                            "pod {pod_name}: container {:?} already sets {field} {resource}: {:?}, but a {} VM holds exactly {keys}; \
+                            "pod {}: container {:?} already sets {field} {resource}: {:?}, but a {} VM holds exactly {keys}; \
                              remove it from the VirtualMachineInstance {vmi} and let teeguard set it",
+                            pod_name(),
                             names::COMPUTE_CONTAINER,
                             q.0,
                             kind.display_name()
@@ -490,7 +493,8 @@ fn injection_patch(
                     return Err(Denial {
                         reason: DenyReason::BadQuantity,
                         message: format!(
-                            "pod {pod_name}: container {:?} {field} {resource}: {:?} is not a whole number of keys",
+                            "pod {}: container {:?} {field} {resource}: {:?} is not a whole number of keys",
+                            pod_name(),
                             names::COMPUTE_CONTAINER,
                             q.0
                         ),
