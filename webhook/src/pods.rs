@@ -40,8 +40,12 @@ pub struct LauncherPodSpec {
     /// `spec.initContainers`, reduced.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub init_containers: Vec<ContainerResources>,
-    /// `spec.overhead`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// `spec.overhead`, extended resources only ([`crate::admitted::read_resource`]).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::admitted::decode_resource_list"
+    )]
     pub overhead: Option<BTreeMap<String, Quantity>>,
 }
 
@@ -188,11 +192,10 @@ pub struct CachedContainer {
     pub limits: Box<[(String, Quantity)]>,
 }
 
+/// A resource list as a flat slice. Only extended resources are in it already: container resources and
+/// overhead are decoded through [`crate::admitted::decode_resource_list`].
 fn extended(m: Option<BTreeMap<String, Quantity>>) -> Box<[(String, Quantity)]> {
-    m.into_iter()
-        .flatten()
-        .filter(|(k, _)| crate::admitted::read_resource(k))
-        .collect()
+    m.into_iter().flatten().collect()
 }
 
 fn kept(
@@ -242,9 +245,7 @@ impl From<LauncherPod> for CachedLauncherPod {
             name: m.name.unwrap_or_default(),
             namespace: m.namespace.unwrap_or_default(),
             uid: m.uid,
-            labels: kept(m.labels, |k| {
-                k == names::KUBEVIRT_LABEL || k == names::EXEMPT_LABEL
-            }),
+            labels: kept(m.labels, crate::admitted::read_label),
             annotations: kept(m.annotations, |k| {
                 k == names::EPHEMERAL_PROVISIONING_ANNOTATION || k == names::DOMAIN_ANNOTATION
             }),
