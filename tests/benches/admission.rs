@@ -75,6 +75,19 @@ fn measure_cold<F: FnMut()>(iterations: usize, mut f: F) -> Stats {
     Stats::from_samples(&mut samples)
 }
 
+/// One line of the handler table: case, body size, latency figures and the rate of the whole series.
+fn print_row(name: &str, body_bytes: usize, stats: &Stats, iterations: usize, wall: Duration) {
+    println!(
+        "{:<32} {:>6.1} KB {:>10} {:>10} {:>10} {:>12.0}",
+        name,
+        body_bytes as f64 / 1024.0,
+        fmt_dur(stats.mean),
+        fmt_dur(stats.p50),
+        fmt_dur(stats.p99),
+        iterations as f64 / wall.as_secs_f64()
+    );
+}
+
 fn measure<F: FnMut()>(iterations: usize, mut f: F) -> (Stats, Duration) {
     for _ in 0..iterations / 10 + 10 {
         f();
@@ -294,15 +307,7 @@ fn main() {
                 .expect("review");
             std::hint::black_box(r.response.to_json());
         });
-        println!(
-            "{:<32} {:>6.1} KB {:>10} {:>10} {:>10} {:>12.0}",
-            name,
-            body.len() as f64 / 1024.0,
-            fmt_dur(stats.mean),
-            fmt_dur(stats.p50),
-            fmt_dur(stats.p99),
-            iterations as f64 / wall.as_secs_f64()
-        );
+        print_row(name, body.len(), &stats, iterations, wall);
     }
     api.set_recording(true);
     for (name, body) in &validations {
@@ -325,15 +330,7 @@ fn main() {
             std::hint::black_box(r.response.to_json());
         });
         api.set_recording(true);
-        println!(
-            "{:<32} {:>6.1} KB {:>10} {:>10} {:>10} {:>12.0}",
-            name,
-            body.len() as f64 / 1024.0,
-            fmt_dur(stats.mean),
-            fmt_dur(stats.p50),
-            fmt_dur(stats.p99),
-            iterations as f64 / wall.as_secs_f64()
-        );
+        print_row(name, body.len(), &stats, iterations, wall);
     }
 
     section("where the time goes (tdx, default and large pod)");

@@ -180,21 +180,6 @@ impl Run {
 /// point (another tenant of the VM host, frequency changes) weighs on both sides alike.
 const ROUNDS: usize = 3;
 
-/// One load run.
-async fn load(
-    addr: SocketAddr,
-    cfg: Arc<rustls::ClientConfig>,
-    path: &'static str,
-    body: Bytes,
-    connections: usize,
-    warmup: Duration,
-    measure: Duration,
-) -> Run {
-    Run::pool(vec![
-        window(addr, cfg, path, body, connections, warmup, measure).await,
-    ])
-}
-
 /// One measured window: `connections` keep-alive connections sending back to back, `warmup` then
 /// `measure`.
 async fn window(
@@ -525,19 +510,16 @@ fn main() {
     );
     for target in &targets {
         let cpu = |addr| {
-            client_rt
-                .block_on(load(
-                    addr,
-                    cfg.clone(),
-                    target.path,
-                    target.body.clone(),
-                    BREAKDOWN_CONNECTIONS,
-                    warmup,
-                    measure,
-                ))
-                .server_cpu
-                .as_secs_f64()
-                * 1e6
+            let w = client_rt.block_on(window(
+                addr,
+                cfg.clone(),
+                target.path,
+                target.body.clone(),
+                BREAKDOWN_CONNECTIONS,
+                warmup,
+                measure,
+            ));
+            Run::pool(vec![w]).server_cpu.as_secs_f64() * 1e6
         };
         let (bare, stacked, teeguard) = (cpu(floor), cpu(floor_on_stack), cpu(webhook.https));
         println!(
