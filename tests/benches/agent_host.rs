@@ -263,7 +263,7 @@ fn main() {
         );
     }
     println!(
-        "scans                {scan_count} over the run, mean {} wall each (the agent's own histogram); each reads the root and kubepods totals, and the misc.current of every pod that requests keys ({} here) only when the totals moved or every 10th scan",
+        "scans                {scan_count} over the run, mean {} wall each (the agent's own histogram); each reads the root, kubepods and QoS-level files, and the misc.current of every pod that requests keys ({} here) only when the totals moved or every 10th scan",
         fmt_dur(Duration::from_secs_f64(
             scan_secs / scan_count.max(1) as f64
         )),
