@@ -323,8 +323,11 @@ impl AdmittedObject {
 pub struct AdmittedReview<'a> {
     /// The envelope.
     pub request: ReviewRequest<'a>,
-    decoded: Option<(Option<AdmittedObject>, Option<AdmittedObject>)>,
+    decoded: Option<Objects>,
 }
+
+/// `request.object` and `request.oldObject` decoded with the envelope (each taken when asked for).
+type Objects = (Option<Box<AdmittedObject>>, Option<Box<AdmittedObject>>);
 
 fn missing(field: &str) -> Error {
     Error::BadReview(format!("request.{field} is missing"))
@@ -333,7 +336,7 @@ fn missing(field: &str) -> Error {
 impl<'a> AdmittedReview<'a> {
     /// Parse `body` (errors are [`Error::BadReview`], HTTP 400).
     pub fn parse(body: &'a [u8]) -> Result<Self> {
-        match ReviewRequest::parse_decoded::<AdmittedObject>(body) {
+        match ReviewRequest::parse_decoded::<Box<AdmittedObject>>(body) {
             Ok(d) => Ok(AdmittedReview {
                 request: d.request,
                 decoded: Some((d.object, d.old_object)),
@@ -347,30 +350,34 @@ impl<'a> AdmittedReview<'a> {
 
     /// `request.object` as a pod (taken: a second call finds it missing). A pod without a namespace
     /// (a CREATE may leave it to the request's) gets the request's.
-    pub fn pod(&mut self) -> Result<Pod> {
+    ///
+    /// Boxed, like the decoded objects: a k8s-openapi `Pod` is over 2 KB, and the handlers hold it
+    /// across lookups, so inline it would be part of every handler future the server allocates and
+    /// moves per review.
+    pub fn pod(&mut self) -> Result<Box<Pod>> {
         let pod = match &mut self.decoded {
             Some((object, _)) => object
                 .take()
-                .map(AdmittedObject::into_pod)
+                .map(|o| Box::new(o.into_pod()))
                 .ok_or_else(|| missing("object"))?,
-            None => self.request.object::<AdmittedPod>()?.into_pod(),
+            None => Box::new(self.request.object::<AdmittedPod>()?.into_pod()),
         };
         Ok(self.in_request_namespace(pod))
     }
 
     /// `request.oldObject` as a pod (taken), its namespace defaulted as in [`AdmittedReview::pod`].
-    pub fn old_pod(&mut self) -> Result<Pod> {
+    pub fn old_pod(&mut self) -> Result<Box<Pod>> {
         let pod = match &mut self.decoded {
             Some((_, old)) => old
                 .take()
-                .map(AdmittedObject::into_pod)
+                .map(|o| Box::new(o.into_pod()))
                 .ok_or_else(|| missing("oldObject"))?,
-            None => self.request.old_object::<AdmittedPod>()?.into_pod(),
+            None => Box::new(self.request.old_object::<AdmittedPod>()?.into_pod()),
         };
         Ok(self.in_request_namespace(pod))
     }
 
-    fn in_request_namespace(&self, mut pod: Pod) -> Pod {
+    fn in_request_namespace(&self, mut pod: Box<Pod>) -> Box<Pod> {
         if pod.metadata.namespace.as_deref().is_none_or(str::is_empty)
             && !self.request.namespace.is_empty()
         {

@@ -538,17 +538,12 @@ impl Caches {
             )),
         }
     }
-}
 
-impl Lookups for Caches {
-    async fn namespace_labels(
+    /// The API fallback of [`Lookups::namespace_labels`] on a cache miss.
+    async fn namespace_from_api(
         &self,
         namespace: &str,
     ) -> Result<Option<BTreeMap<String, String>>, String> {
-        if let Some(labels) = self.namespaces.get(namespace) {
-            self.metrics.lookup(NAMESPACE_CACHE, LookupResult::CacheHit);
-            return Ok(Some((*labels).clone()));
-        }
         let api = Api::<PartialObjectMeta<Namespace>>::all(self.client.clone());
         let got = self.get_with_timeout(api.get_opt(namespace)).await;
         let result = match &got {
@@ -563,15 +558,8 @@ impl Lookups for Caches {
         got.map(|o| o.map(|ns| ns.metadata.labels.unwrap_or_default()))
     }
 
-    async fn vmi(&self, vmi: &VmiRef) -> VmiLookup {
-        if let Some(found) = self.vmis.get_namespaced(&vmi.namespace, &vmi.name) {
-            let uid = found.metadata.uid.as_deref().unwrap_or("");
-            // A cached VMI of the same name but another UID may be a deleted predecessor: ask.
-            if vmi.uid.is_empty() || uid == vmi.uid {
-                self.metrics.lookup(VMI_CACHE, LookupResult::CacheHit);
-                return VmiLookup::Found(found);
-            }
-        }
+    /// The API fallback of [`Lookups::vmi`] on a cache miss.
+    async fn vmi_from_api(&self, vmi: &VmiRef) -> VmiLookup {
         let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), &vmi.namespace);
         match self.get_with_timeout(api.get_opt(&vmi.name)).await {
             Ok(Some(mut found)) => {
@@ -592,15 +580,8 @@ impl Lookups for Caches {
         }
     }
 
-    async fn launcher_pod(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {
-        if let Some(found) = self.launcher_pods.get_namespaced(namespace, name) {
-            // A cached pod of the same name but another UID is a deleted predecessor: ask.
-            if uid.is_empty() || found.uid.as_deref() == Some(uid) {
-                self.metrics
-                    .lookup(LAUNCHER_POD_CACHE, LookupResult::CacheHit);
-                return PodLookup::Found(Arc::new(found.to_pod()));
-            }
-        }
+    /// The API fallback of [`Lookups::launcher_pod`] on a cache miss.
+    async fn launcher_pod_from_api(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {
         let api = Api::<LauncherPod>::namespaced(self.client.clone(), namespace);
         match self.get_with_timeout(api.get_opt(name)).await {
             Ok(Some(found)) if uid.is_empty() || found.metadata.uid.as_deref() == Some(uid) => {
@@ -621,6 +602,47 @@ impl Lookups for Caches {
                 PodLookup::Failed(e)
             }
         }
+    }
+}
+
+impl Lookups for Caches {
+    // A cache hit answers without awaiting anything; a miss awaits the API fallback boxed, so the
+    // kube client's request future (several KB) is not inlined into every admission handler's
+    // future, which the server allocates and moves on every review.
+
+    async fn namespace_labels(
+        &self,
+        namespace: &str,
+    ) -> Result<Option<BTreeMap<String, String>>, String> {
+        if let Some(labels) = self.namespaces.get(namespace) {
+            self.metrics.lookup(NAMESPACE_CACHE, LookupResult::CacheHit);
+            return Ok(Some((*labels).clone()));
+        }
+        Box::pin(self.namespace_from_api(namespace)).await
+    }
+
+    async fn vmi(&self, vmi: &VmiRef) -> VmiLookup {
+        if let Some(found) = self.vmis.get_namespaced(&vmi.namespace, &vmi.name) {
+            let uid = found.metadata.uid.as_deref().unwrap_or("");
+            // A cached VMI of the same name but another UID may be a deleted predecessor: ask.
+            if vmi.uid.is_empty() || uid == vmi.uid {
+                self.metrics.lookup(VMI_CACHE, LookupResult::CacheHit);
+                return VmiLookup::Found(found);
+            }
+        }
+        Box::pin(self.vmi_from_api(vmi)).await
+    }
+
+    async fn launcher_pod(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {
+        if let Some(found) = self.launcher_pods.get_namespaced(namespace, name) {
+            // A cached pod of the same name but another UID is a deleted predecessor: ask.
+            if uid.is_empty() || found.uid.as_deref() == Some(uid) {
+                self.metrics
+                    .lookup(LAUNCHER_POD_CACHE, LookupResult::CacheHit);
+                return PodLookup::Found(Arc::new(found.to_pod()));
+            }
+        }
+        Box::pin(self.launcher_pod_from_api(namespace, name, uid)).await
     }
 
     fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>> {

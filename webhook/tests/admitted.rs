@@ -382,12 +382,12 @@ fn single_pass_reads_the_same_objects_as_two_passes() {
         }
         if two.raw_object().is_some() {
             let want = two.object::<AdmittedPod>().expect("pod").into_pod();
-            assert_eq!(one.pod().expect("pod"), want, "{what}");
+            assert_eq!(*one.pod().expect("pod"), want, "{what}");
         } else {
             assert!(one.pod().is_err(), "{what}");
         }
         if let Ok(old) = two.old_object::<AdmittedPod>() {
-            assert_eq!(one.old_pod().expect("old pod"), old.into_pod(), "{what}");
+            assert_eq!(*one.old_pod().expect("old pod"), old.into_pod(), "{what}");
         }
     }
     assert!(bindings > 0, "no binding fixture");
