@@ -8,6 +8,11 @@
 //!
 //! `cargo bench -p teeguard-tests --bench admission` (quick: `TEEGUARD_BENCH_QUICK=1`).
 
+/// The allocator of the `teeguard-webhook` binary (webhook/src/main.rs): the handlers and the floor's
+/// parse allocate as in the shipped server.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod support;
 
 use std::sync::Arc;

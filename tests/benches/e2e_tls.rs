@@ -20,6 +20,11 @@
 //!
 //! `cargo bench -p teeguard-tests --bench e2e_tls` (quick: `TEEGUARD_BENCH_QUICK=1`).
 
+/// The allocator of the `teeguard-webhook` binary (webhook/src/main.rs): both servers (teeguard and
+/// the floor) and the load generator allocate as the shipped server does.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod support;
 #[path = "../tests/robust_support/mod.rs"]
 mod webhook_support;
