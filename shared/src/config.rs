@@ -446,6 +446,13 @@ pub fn validate_resource_name(name: &str) -> std::result::Result<(), String> {
             "{name:?}: the kubernetes.io domain is reserved; use a vendor domain"
         ));
     }
+    if domain == crate::names::KUBEVIRT_DEVICE_DOMAIN {
+        return Err(format!(
+            "{name:?}: {domain} is KubeVirt's device-plugin domain (its device plugin advertises \
+             devices.kubevirt.io/tdx and /sev with the whole capacity, the count teeguard corrects); \
+             use the Kata/NFD name, e.g. tdx.intel.com/keys or sev-snp.amd.com/esids"
+        ));
+    }
     let local_ok = !local.is_empty()
         && local.len() <= 63
         && local
@@ -609,6 +616,9 @@ mod tests {
         assert!(validate_resource_name("sev-snp.amd.com/esids").is_ok());
         assert!(validate_resource_name("keys").is_err());
         assert!(validate_resource_name("kubernetes.io/keys").is_err());
+        let kubevirt = validate_resource_name("devices.kubevirt.io/tdx").expect_err("KubeVirt's");
+        assert!(kubevirt.contains("device-plugin domain"), "{kubevirt}");
+        assert!(validate_resource_name("kubevirt.io/keys").is_ok());
         assert!(validate_resource_name("Intel.com/keys").is_err());
         assert!(validate_resource_name("intel.com/").is_err());
     }

@@ -51,6 +51,10 @@ pub const EPHEMERAL_PROVISIONING_ANNOTATION: &str = "kubevirt.io/ephemeral-provi
 pub const MIGRATION_JOB_LABEL: &str = "kubevirt.io/migrationJobUID";
 /// The container of a virt-launcher pod that runs QEMU and is charged the key.
 pub const COMPUTE_CONTAINER: &str = "compute";
+/// The domain of KubeVirt's device-plugin resources (`devices.kubevirt.io/kvm`, `/tun`, `/vhost-net`,
+/// `/tdx`, `/sev`, ...), which virt-launcher pods request and KubeVirt's device plugins advertise. No
+/// TEE key resource of teeguard's may live there, so admission decisions never read them.
+pub const KUBEVIRT_DEVICE_DOMAIN: &str = "devices.kubevirt.io";
 /// Name prefix of virt-launcher pods (`generateName: virt-launcher-<vmi>-`).
 pub const VIRT_LAUNCHER_NAME_PREFIX: &str = "virt-launcher-";
 

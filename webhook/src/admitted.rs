@@ -67,11 +67,14 @@ impl<'de> Visitor<'de> for KeptKey {
 }
 
 /// Whether the admission decisions may read the resource `name` of a container's `requests` or
-/// `limits`, or of the pod's `overhead`: extended resources only (`<domain>/<name>`). Every TEE
-/// resource name the configuration accepts is one ([`teeguard_shared::config::validate_resource_name`]);
-/// `cpu`, `memory`, `ephemeral-storage` and `hugepages-*` are skipped while decoding.
+/// `limits`, or of the pod's `overhead`: extended resources (`<domain>/<name>`) outside KubeVirt's
+/// device-plugin domain. Every TEE resource name the configuration accepts is one
+/// ([`teeguard_shared::config::validate_resource_name`]); `cpu`, `memory`, `ephemeral-storage`,
+/// `hugepages-*` and the `devices.kubevirt.io/*` devices every virt-launcher pod requests (`kvm`,
+/// `tun`, `vhost-net`, ...) are skipped while decoding.
 pub fn read_resource(name: &str) -> bool {
-    name.contains('/')
+    name.split_once('/')
+        .is_some_and(|(domain, _)| domain != names::KUBEVIRT_DEVICE_DOMAIN)
 }
 
 /// A map (`metadata.labels`, `metadata.annotations`, resource lists) keeping only the keys `keep`

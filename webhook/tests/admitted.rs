@@ -332,6 +332,44 @@ fn bad_objects_are_errors_in_both_decodes() {
 
 /// Fields and keys the decisions never read are skipped without being interpreted (the API server
 /// decodes objects into typed structs before admission, so it never sends such values).
+/// Resource lists keep extended resources outside KubeVirt's device-plugin domain: the TEE key names
+/// (whatever the configuration says, since it cannot name a `devices.kubevirt.io` resource) and
+/// anything else under a vendor domain; the device plugins' devices every virt-launcher pod requests
+/// are skipped with `cpu` and `memory`.
+#[test]
+fn resource_lists_keep_extended_resources_outside_kubevirt_devices() {
+    let pod: AdmittedPod = serde_json::from_value(json!({"spec": {
+        "containers": [{"name": "compute", "resources": {
+            "requests": {"cpu": "1", "memory": "1Gi", "devices.kubevirt.io/kvm": "1",
+                         "devices.kubevirt.io/tdx": "1", "tdx.intel.com/keys": "1", "example.com/x": "2"},
+            "limits": {"devices.kubevirt.io/vhost-net": "1"}}}],
+        "overhead": {"memory": "160Mi", "sev-snp.amd.com/esids": "1", "devices.kubevirt.io/sev": "1"}
+    }}))
+    .expect("decode");
+    let spec = pod.spec.expect("spec");
+    let res = spec.containers[0].resources.as_ref().expect("resources");
+    let keys = |m: &Option<BTreeMap<String, Quantity>>| -> Vec<String> {
+        m.iter().flatten().map(|(k, _)| k.clone()).collect()
+    };
+    assert_eq!(keys(&res.requests), ["example.com/x", "tdx.intel.com/keys"]);
+    assert_eq!(
+        keys(&res.limits),
+        Vec::<String>::new(),
+        "a map, even emptied"
+    );
+    assert!(res.limits.is_some());
+    assert_eq!(keys(&spec.overhead), ["sev-snp.amd.com/esids"]);
+    for (name, kept) in [
+        ("tdx.intel.com/keys", true),
+        ("kubevirt.io/keys", true),
+        ("devices.kubevirt.io/tdx", false),
+        ("cpu", false),
+        ("hugepages-2Mi", false),
+    ] {
+        assert_eq!(read_resource(name), kept, "{name}");
+    }
+}
+
 #[test]
 fn unread_keys_are_not_interpreted() {
     for odd in [
