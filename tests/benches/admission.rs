@@ -169,6 +169,7 @@ fn profile(
 }
 
 fn main() {
+    let steal = support::StealWatch::start();
     let full = full_run();
     let iterations = if full { 20_000 } else { 200 };
     if !full {
@@ -402,4 +403,5 @@ fn main() {
         EVICT_BYTES >> 20
     );
     token.cancel();
+    steal.report();
 }

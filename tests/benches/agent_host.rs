@@ -82,6 +82,7 @@ async fn scan_histogram(admin: SocketAddr) -> Option<(f64, u64)> {
 }
 
 fn main() {
+    let steal = support::StealWatch::start();
     let full = full_run();
     let (pods, vms, run_for) = if full {
         (500, 16, Duration::from_secs(20))
@@ -276,4 +277,5 @@ fn main() {
         "the agent did not publish the host's usage"
     );
     println!("targets: well under 1 ms CPU per scan, RSS under 20 MiB.");
+    steal.report();
 }

@@ -261,6 +261,7 @@ async fn run_webhook(
 }
 
 fn main() {
+    let steal = support::StealWatch::start();
     let full = full_run();
     let scale = if full {
         Scale {
@@ -397,4 +398,5 @@ fn main() {
     println!(
         "target: RSS under 300 MiB with full caches; no review latency growth from empty to full."
     );
+    steal.report();
 }

@@ -333,6 +333,7 @@ struct Target {
 }
 
 fn main() {
+    let steal = support::StealWatch::start();
     let full = full_run();
     let (warmup, measure) = if full {
         (Duration::from_millis(500), Duration::from_secs(3))
@@ -538,4 +539,5 @@ fn main() {
         );
     }
     server_rt.block_on(webhook.stop());
+    steal.report();
 }

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// True for a full run: `--bench` given and `TEEGUARD_BENCH_QUICK` unset (or `0`).
 pub fn full_run() -> bool {
@@ -155,4 +155,56 @@ pub fn release_binary(package: &str, bin: &str) -> PathBuf {
 /// Print a section title.
 pub fn section(title: &str) {
     println!("\n== {title}");
+}
+
+/// CPU time the hypervisor ran something else while this VM's vCPUs wanted to run (`steal` of the
+/// `cpu` line of `/proc/stat`, 10 ms ticks) since boot; `None` where it cannot be read.
+fn host_steal() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
+    // cpu user nice system idle iowait irq softirq steal ...
+    let ticks: u64 = cpu.split_whitespace().nth(8)?.parse().ok()?;
+    Some(Duration::from_millis(ticks * 10))
+}
+
+/// Counts the CPU time stolen by the VM's host during a bench run, so figures taken while the host was
+/// busy are recognisable: on a shared 2-vCPU VM a few seconds of steal skews every timing.
+#[derive(Debug)]
+pub struct StealWatch {
+    start: Option<Duration>,
+    began: Instant,
+}
+
+impl StealWatch {
+    /// Start counting.
+    pub fn start() -> Self {
+        StealWatch {
+            start: host_steal(),
+            began: Instant::now(),
+        }
+    }
+
+    /// Print the steal since [`StealWatch::start`] next to the wall time, with a warning above 1 % of
+    /// the machine's CPU time.
+    pub fn report(&self) {
+        let wall = self.began.elapsed();
+        let (Some(start), Some(now)) = (self.start, host_steal()) else {
+            println!("host steal: not readable (/proc/stat)");
+            return;
+        };
+        let stolen = now.saturating_sub(start);
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let share = stolen.as_secs_f64() / (wall.as_secs_f64() * cpus as f64).max(1e-9);
+        let verdict = if share > 0.01 {
+            "above 1 %: the host was busy, timings of this run are skewed; run again"
+        } else {
+            "ok"
+        };
+        println!(
+            "host steal during the run: {:.2} s over {:.0} s wall on {cpus} CPUs ({:.1} %): {verdict}",
+            stolen.as_secs_f64(),
+            wall.as_secs_f64(),
+            share * 100.0
+        );
+    }
 }
