@@ -114,11 +114,23 @@ pub fn parse_whole_quantity(s: &str) -> Option<u64> {
 
 /// `namespace/name` of a pod, or `namespace/<generateName>*` before the name is generated.
 pub fn pod_display_name(pod: &Pod) -> String {
-    let ns = pod.metadata.namespace.as_deref().unwrap_or("");
-    match (&pod.metadata.name, &pod.metadata.generate_name) {
-        (Some(n), _) if !n.is_empty() => format!("{ns}/{n}"),
-        (_, Some(g)) => format!("{ns}/{g}*"),
-        _ => format!("{ns}/<unnamed>"),
+    PodName(pod).to_string()
+}
+
+/// A pod shown as [`pod_display_name`] shows it, formatted only when displayed (for log fields that are
+/// usually filtered out).
+#[derive(Clone, Copy, Debug)]
+pub struct PodName<'a>(pub &'a Pod);
+
+impl std::fmt::Display for PodName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let meta = &self.0.metadata;
+        let ns = meta.namespace.as_deref().unwrap_or("");
+        match (&meta.name, &meta.generate_name) {
+            (Some(n), _) if !n.is_empty() => write!(f, "{ns}/{n}"),
+            (_, Some(g)) => write!(f, "{ns}/{g}*"),
+            _ => write!(f, "{ns}/<unnamed>"),
+        }
     }
 }
 

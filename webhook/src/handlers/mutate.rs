@@ -10,6 +10,7 @@ use std::sync::Arc;
 use axum::extract::{Request, State};
 use axum::response::Response;
 use teeguard_shared::Config;
+use teeguard_shared::pod::PodName;
 
 use super::{Reviewed, serve_review};
 use crate::admission::{Operation, ReviewResponse};
@@ -85,16 +86,21 @@ pub async fn review_mutation<L: Lookups>(
             }
         },
     };
-    let pod_name = teeguard_shared::pod::pod_display_name(&pod);
-    Ok(respond(req.uid, &pod_name, req.dry_run, decision))
+    let pod_name = PodName(&pod);
+    Ok(respond(req.uid, pod_name, req.dry_run, decision))
 }
 
-fn respond(uid: String, pod_name: &str, dry_run: bool, decision: MutationDecision) -> Reviewed {
+fn respond(
+    uid: String,
+    pod_name: PodName<'_>,
+    dry_run: bool,
+    decision: MutationDecision,
+) -> Reviewed {
     match decision {
         MutationDecision::Skip(reason) => {
             tracing::debug!(
                 uid,
-                pod = pod_name,
+                pod = %pod_name,
                 reason = reason.code(),
                 "pod left untouched"
             );
@@ -117,7 +123,7 @@ fn respond(uid: String, pod_name: &str, dry_run: bool, decision: MutationDecisio
                     // Serialising a patch of strings and maps cannot fail; refuse rather than
                     // admit a TEE pod without its key request if it ever does.
                     Err(e) => {
-                        tracing::error!(pod = pod_name, error = %e, "cannot serialise the patch");
+                        tracing::error!(pod = %pod_name, error = %e, "cannot serialise the patch");
                         return Reviewed {
                             response: ReviewResponse::deny(
                                 uid,
@@ -135,7 +141,7 @@ fn respond(uid: String, pod_name: &str, dry_run: bool, decision: MutationDecisio
                     .audit(audit::REASON, "already-injected")
             };
             tracing::debug!(
-                pod = pod_name,
+                pod = %pod_name,
                 vmi = %inj.vmi,
                 kind = %inj.kind,
                 resource = inj.resource,
@@ -154,7 +160,7 @@ fn respond(uid: String, pod_name: &str, dry_run: bool, decision: MutationDecisio
         }
         MutationDecision::Deny(d) => {
             tracing::info!(
-                pod = pod_name,
+                pod = %pod_name,
                 reason = d.reason.code(),
                 retryable = d.reason.retryable(),
                 message = d.message,
