@@ -266,6 +266,35 @@ pub fn decide_mutation(
     namespace_labels: Option<&BTreeMap<String, String>>,
     config: &Config,
 ) -> MutationDecision {
+    decide(pod, vmi, namespace_labels, config, Patching::Build)
+}
+
+/// [`decide_mutation`] without building the patch: the same decision, with an empty
+/// [`Injection::patch`]. The validating webhook re-runs the decision only for the kind, key count and
+/// refusals, to know which cgroup-limit annotations the pod may carry.
+pub fn decide_mutation_unpatched(
+    pod: &Pod,
+    vmi: Option<&VmiLookup>,
+    namespace_labels: Option<&BTreeMap<String, String>>,
+    config: &Config,
+) -> MutationDecision {
+    decide(pod, vmi, namespace_labels, config, Patching::Skip)
+}
+
+/// Whether [`injection_patch`] builds the patch or only makes its refusals.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Patching {
+    Build,
+    Skip,
+}
+
+fn decide(
+    pod: &Pod,
+    vmi: Option<&VmiLookup>,
+    namespace_labels: Option<&BTreeMap<String, String>>,
+    config: &Config,
+    patching: Patching,
+) -> MutationDecision {
     let vmi_ref = match classify_pod(pod) {
         Ok(r) => r,
         Err(skip) => return MutationDecision::Skip(skip),
@@ -336,6 +365,7 @@ pub fn decide_mutation(
         &kind_cfg.resource_name,
         kind_cfg.keys_per_vm,
         config,
+        patching,
     ) {
         Ok(patch) => MutationDecision::Inject(Injection {
             vmi: vmi_ref,
@@ -462,6 +492,7 @@ fn injection_patch(
     resource: &str,
     keys: u32,
     config: &Config,
+    patching: Patching,
 ) -> Result<Patch, Denial> {
     // Only the refusals below name the pod: format it for them alone.
     let pod_name = || teeguard_shared::pod::pod_display_name(pod);
@@ -485,10 +516,6 @@ fn injection_patch(
             ),
         });
     };
-    let idx = idx.to_string();
-    let qty = keys.to_string();
-    let mut ops = Vec::with_capacity(4);
-
     let res = compute.resources.as_ref();
     let mut missing: Vec<&'static str> = Vec::with_capacity(2);
     for (field, map) in [
@@ -526,6 +553,13 @@ fn injection_patch(
             },
         }
     }
+    if patching == Patching::Skip {
+        // The refusals are all above; what follows only builds operations.
+        return Ok(Patch(Vec::new()));
+    }
+    let idx = idx.to_string();
+    let qty = keys.to_string();
+    let mut ops = Vec::with_capacity(4);
     let base = ["spec", "containers", idx.as_str(), "resources"];
     match res {
         None if !missing.is_empty() => {

@@ -44,7 +44,7 @@ use crate::events::{EventSink, VmiEvent};
 use crate::ledger::{Ledger, ReportMark, Reservation};
 use crate::metrics::{Metrics, Outcome, ValidationOutcome};
 use crate::mutation::{
-    MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation,
+    MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation_unpatched,
     namespace_exempt,
 };
 use crate::state::AppState;
@@ -255,7 +255,7 @@ async fn pod_create<L: Lookups>(
         Ok(r) => Some(lookups.vmi(r).await),
         Err(_) => None,
     };
-    let mutation = decide_mutation(&pod, vmi.as_ref(), ns_labels.as_ref(), config);
+    let mutation = decide_mutation_unpatched(&pod, vmi.as_ref(), ns_labels.as_ref(), config);
 
     let forged = if limit_annotations(&pod).is_empty() {
         None
