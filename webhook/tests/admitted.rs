@@ -342,8 +342,6 @@ fn bad_objects_are_errors_in_both_decodes() {
     }
 }
 
-/// Fields and keys the decisions never read are skipped without being interpreted (the API server
-/// decodes objects into typed structs before admission, so it never sends such values).
 /// Resource lists keep extended resources outside KubeVirt's device-plugin domain: the TEE key names
 /// (whatever the configuration says, since it cannot name a `devices.kubevirt.io` resource) and
 /// anything else under a vendor domain; the device plugins' devices every virt-launcher pod requests
@@ -382,6 +380,8 @@ fn resource_lists_keep_extended_resources_outside_kubevirt_devices() {
     }
 }
 
+/// Fields and keys the decisions never read are skipped without being interpreted (the API server
+/// decodes objects into typed structs before admission, so it never sends such values).
 #[test]
 fn unread_keys_are_not_interpreted() {
     for odd in [
