@@ -458,17 +458,11 @@ fn ptr(tokens: &[&str]) -> PointerBuf {
     let mut s = String::with_capacity(len);
     for t in tokens {
         s.push('/');
-        for part in t.split_inclusive(['~', '/']) {
-            match part.as_bytes().last() {
-                Some(b'~') => {
-                    s.push_str(&part[..part.len() - 1]);
-                    s.push_str("~0");
-                }
-                Some(b'/') => {
-                    s.push_str(&part[..part.len() - 1]);
-                    s.push_str("~1");
-                }
-                _ => s.push_str(part),
+        for c in t.chars() {
+            match c {
+                '~' => s.push_str("~0"),
+                '/' => s.push_str("~1"),
+                c => s.push(c),
             }
         }
     }
