@@ -516,6 +516,10 @@ async fn malformed_reviews_get_400_json() {
         .remove("request");
     let mut bad_pod = good.clone();
     bad_pod["request"]["object"]["spec"]["containers"] = json!("not a list");
+    // The good review with one more top-level field holding a byte that is not UTF-8.
+    let mut not_utf8 = serde_json::to_vec(&good).expect("json");
+    assert_eq!(not_utf8.pop(), Some(b'}'));
+    not_utf8.extend_from_slice(b",\"x\":\"\xff\"}");
     let bodies: Vec<(Vec<u8>, &str)> = vec![
         (b"{\"apiVersion\":".to_vec(), "invalid JSON"),
         (b"".to_vec(), "invalid JSON"),
@@ -529,6 +533,8 @@ async fn malformed_reviews_get_400_json() {
             serde_json::to_vec(&bad_pod).expect("json"),
             "not a valid Pod",
         ),
+        // JSON is UTF-8: a body that is not, even inside a string no decision reads, is refused.
+        (not_utf8, "not UTF-8"),
     ];
     let mut conn = h.connect().await;
     for (body, want) in bodies {
