@@ -22,7 +22,7 @@ pub const LIMIT_ANNOTATION_PREFIXES: [&str; 3] = [
 
 /// The runtime-neutral misc.max annotation key for a container.
 pub fn misc_max_annotation(container: &str) -> String {
-    format!("{MISC_MAX_ANNOTATION_PREFIX}{container}")
+    [MISC_MAX_ANNOTATION_PREFIX, container].concat()
 }
 
 /// Whether an annotation key is one that sets a container's cgroup limits (teeguard's own or CRI-O's),

@@ -1,5 +1,6 @@
 //! The webhook's Prometheus metrics (served on the admin port's `/metrics`).
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -152,6 +153,79 @@ fn latency_histogram() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
 
+/// The series of one family that the admission path touches on every review, each resolved from the
+/// family once, on first use (so a series still appears in `/metrics` only once it has been counted).
+///
+/// A [`Family`] lookup hashes the label set and takes the family's read lock, an atomic
+/// read-modify-write on a line every server thread shares; a resolved series is a clone of the
+/// family's own (counters and histograms share their state with it), so after the first use a review
+/// touches only the metric. Label sets without a slot (see the `*_slot` functions) go through the
+/// family. Nothing removes series from these families, so a resolved series never goes stale.
+struct Resolved<M, const N: usize>([OnceLock<M>; N]);
+
+impl<M, const N: usize> Default for Resolved<M, N> {
+    fn default() -> Self {
+        Resolved([const { OnceLock::new() }; N])
+    }
+}
+
+impl<M, const N: usize> std::fmt::Debug for Resolved<M, N> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let resolved = self.0.iter().filter(|c| c.get().is_some()).count();
+        write!(f, "Resolved({resolved} of {N})")
+    }
+}
+
+impl<M: Clone, const N: usize> Resolved<M, N> {
+    /// Run `f` on the series of `labels`, whose slot is `slot`.
+    fn with<S, C>(
+        &self,
+        family: &Family<S, M, C>,
+        slot: Option<usize>,
+        labels: &S,
+        f: impl FnOnce(&M),
+    ) where
+        S: Clone + std::hash::Hash + Eq,
+        C: prometheus_client::metrics::family::MetricConstructor<M>,
+    {
+        match slot.and_then(|i| self.0.get(i)) {
+            Some(cell) => f(cell.get_or_init(|| family.get_or_create_owned(labels))),
+            None => f(&family.get_or_create(labels)),
+        }
+    }
+}
+
+/// The admission endpoints (`endpoint` label) with resolved series.
+const ENDPOINTS: [&str; 2] = ["mutate", "validate"];
+/// `request` values of the validations family.
+const VALIDATION_REQUESTS: [&str; 4] = ["pod_create", "pod_update", "binding", "other"];
+/// `kind` values of the validations family.
+const VALIDATION_KINDS: [&str; 4] = ["none", "tdx", "sev", "sev_es"];
+/// Caches looked up on the admission path.
+const LOOKUP_CACHES: [&str; 3] = [
+    crate::caches::NAMESPACE_CACHE,
+    crate::caches::VMI_CACHE,
+    crate::caches::LAUNCHER_POD_CACHE,
+];
+
+fn position(values: &[&str], value: &str) -> Option<usize> {
+    values.iter().position(|v| *v == value)
+}
+
+fn request_slot(l: &RequestLabels) -> Option<usize> {
+    Some(position(&ENDPOINTS, l.endpoint)? * 4 + l.outcome as usize)
+}
+
+fn validation_slot(l: &ValidationLabels) -> Option<usize> {
+    let request = position(&VALIDATION_REQUESTS, l.request)?;
+    let kind = position(&VALIDATION_KINDS, l.kind)?;
+    Some((request * 4 + kind) * 4 + l.outcome as usize)
+}
+
+fn lookup_slot(l: &LookupLabels) -> Option<usize> {
+    Some(position(&LOOKUP_CACHES, l.cache)? * 4 + l.result as usize)
+}
+
 /// All webhook metrics. Cheap to share behind an `Arc`; every method is lock-free or takes a short
 /// read lock.
 #[derive(Debug)]
@@ -165,6 +239,10 @@ pub struct Metrics {
     validations: Family<ValidationLabels, Counter>,
     ledger_reservations: Gauge,
     vmi_events: Family<EventLabels, Counter>,
+    resolved_requests: Resolved<Counter, 8>,
+    resolved_latency: Resolved<Histogram, 8>,
+    resolved_validations: Resolved<Counter, 64>,
+    resolved_lookups: Resolved<Counter, 12>,
 }
 
 impl Metrics {
@@ -180,6 +258,10 @@ impl Metrics {
             validations: Family::default(),
             ledger_reservations: Gauge::default(),
             vmi_events: Family::default(),
+            resolved_requests: Resolved::default(),
+            resolved_latency: Resolved::default(),
+            resolved_validations: Resolved::default(),
+            resolved_lookups: Resolved::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_webhook");
         r.register(
@@ -238,13 +320,15 @@ impl Metrics {
         kind: &'static str,
         outcome: ValidationOutcome,
     ) {
-        self.validations
-            .get_or_create(&ValidationLabels {
-                request,
-                kind,
-                outcome,
-            })
-            .inc();
+        let labels = ValidationLabels {
+            request,
+            kind,
+            outcome,
+        };
+        self.resolved_validations
+            .with(&self.validations, validation_slot(&labels), &labels, |c| {
+                c.inc();
+            });
     }
 
     /// Set the number of ledger reservations.
@@ -261,10 +345,15 @@ impl Metrics {
     /// Record one answered request.
     pub fn observe_request(&self, endpoint: &'static str, outcome: Outcome, elapsed: Duration) {
         let labels = RequestLabels { endpoint, outcome };
-        self.requests.get_or_create(&labels).inc();
-        self.latency
-            .get_or_create(&labels)
-            .observe(elapsed.as_secs_f64());
+        let slot = request_slot(&labels);
+        self.resolved_requests
+            .with(&self.requests, slot, &labels, |c| {
+                c.inc();
+            });
+        self.resolved_latency
+            .with(&self.latency, slot, &labels, |h| {
+                h.observe(elapsed.as_secs_f64())
+            });
     }
 
     /// Set the number of objects in a cache.
@@ -276,9 +365,11 @@ impl Metrics {
 
     /// Count a lookup on the admission path.
     pub fn lookup(&self, cache: &'static str, result: LookupResult) {
-        self.lookups
-            .get_or_create(&LookupLabels { cache, result })
-            .inc();
+        let labels = LookupLabels { cache, result };
+        self.resolved_lookups
+            .with(&self.lookups, lookup_slot(&labels), &labels, |c| {
+                c.inc();
+            });
     }
 
     /// Count a certificate reload attempt.
@@ -325,5 +416,108 @@ mod tests {
         ] {
             assert!(out.contains(want), "{want} missing from\n{out}");
         }
+    }
+
+    const OUTCOMES: [Outcome; 4] = [
+        Outcome::Allowed,
+        Outcome::Patched,
+        Outcome::Denied,
+        Outcome::Error,
+    ];
+    const VALIDATION_OUTCOMES: [ValidationOutcome; 4] = [
+        ValidationOutcome::Admitted,
+        ValidationOutcome::Warned,
+        ValidationOutcome::Denied,
+        ValidationOutcome::Skipped,
+    ];
+    const LOOKUP_RESULTS: [LookupResult; 4] = [
+        LookupResult::CacheHit,
+        LookupResult::ApiFound,
+        LookupResult::ApiNotFound,
+        LookupResult::ApiError,
+    ];
+
+    /// Every label set with a slot has its own, within the array.
+    fn assert_distinct(slots: Vec<Option<usize>>, n: usize) {
+        let mut seen = vec![false; n];
+        for slot in slots {
+            let slot = slot.expect("a slot");
+            assert!(slot < n, "slot {slot} out of {n}");
+            assert!(!seen[slot], "slot {slot} taken twice");
+            seen[slot] = true;
+        }
+        assert!(seen.iter().all(|s| *s), "every slot used");
+    }
+
+    #[test]
+    fn resolved_slots_are_distinct_and_in_range() {
+        let mut requests = Vec::new();
+        for endpoint in ENDPOINTS {
+            for outcome in OUTCOMES {
+                requests.push(request_slot(&RequestLabels { endpoint, outcome }));
+            }
+        }
+        assert_distinct(requests, 8);
+        let mut validations = Vec::new();
+        for request in VALIDATION_REQUESTS {
+            for kind in VALIDATION_KINDS {
+                for outcome in VALIDATION_OUTCOMES {
+                    validations.push(validation_slot(&ValidationLabels {
+                        request,
+                        kind,
+                        outcome,
+                    }));
+                }
+            }
+        }
+        assert_distinct(validations, 64);
+        let mut lookups = Vec::new();
+        for cache in LOOKUP_CACHES {
+            for result in LOOKUP_RESULTS {
+                lookups.push(lookup_slot(&LookupLabels { cache, result }));
+            }
+        }
+        assert_distinct(lookups, 12);
+        // The kinds the handlers pass are TeeKind's kernel names.
+        for kind in teeguard_shared::TeeKind::ALL {
+            assert!(VALIDATION_KINDS.contains(&kind.kernel_name()), "{kind}");
+        }
+    }
+
+    /// A resolved series is the family's own: counts through the slot and through the family (a label
+    /// set without a slot, the same series after a lookup) land in one series each.
+    #[test]
+    fn resolved_series_count_into_the_family() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry);
+        for _ in 0..3 {
+            m.observe_request("validate", Outcome::Denied, Duration::from_micros(80));
+            m.observe_request("other", Outcome::Allowed, Duration::from_micros(80));
+            m.validation("pod_create", "sev_es", ValidationOutcome::Warned);
+            m.validation("pod_create", "future_kind", ValidationOutcome::Warned);
+            m.lookup(crate::caches::VMI_CACHE, LookupResult::ApiError);
+            m.lookup("nodes", LookupResult::CacheHit);
+        }
+        m.requests
+            .get_or_create(&RequestLabels {
+                endpoint: "validate",
+                outcome: Outcome::Denied,
+            })
+            .inc();
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).expect("encode");
+        for want in [
+            r#"teeguard_webhook_admission_requests_total{endpoint="validate",outcome="denied"} 4"#,
+            r#"teeguard_webhook_admission_requests_total{endpoint="other",outcome="allowed"} 3"#,
+            r#"teeguard_webhook_admission_duration_seconds_count{endpoint="validate",outcome="denied"} 3"#,
+            r#"teeguard_webhook_validations_total{request="pod_create",kind="sev_es",outcome="warned"} 3"#,
+            r#"teeguard_webhook_validations_total{request="pod_create",kind="future_kind",outcome="warned"} 3"#,
+            r#"teeguard_webhook_cache_lookups_total{cache="vmis",result="api_error"} 3"#,
+            r#"teeguard_webhook_cache_lookups_total{cache="nodes",result="cache_hit"} 3"#,
+        ] {
+            assert!(out.contains(want), "{want} missing from\n{out}");
+        }
+        // Series appear once counted, not before.
+        assert!(!out.contains(r#"outcome="patched""#), "{out}");
     }
 }

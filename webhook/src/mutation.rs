@@ -410,7 +410,7 @@ pub fn wanted_annotations(
         CrioAnnotation::Current => Some(names::CRIO_UNIFIED_PREFIX),
     };
     if let Some(prefix) = crio_prefix {
-        let key = format!("{prefix}{}", names::COMPUTE_CONTAINER);
+        let key = [prefix, names::COMPUTE_CONTAINER].concat();
         let existing = pod
             .metadata
             .annotations

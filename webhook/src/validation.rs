@@ -21,7 +21,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use teeguard_shared::config::{AdmissionConfig, Mode, StalePolicy};
 use teeguard_shared::crd::TeeCapacityStatus;
-use teeguard_shared::pod::{KeyRequests, pod_display_name};
+use teeguard_shared::pod::{KeyRequests, PodName, pod_display_name};
 use teeguard_shared::{Config, TeeKind, names};
 
 use crate::metrics::ValidationOutcome;
@@ -356,7 +356,7 @@ pub fn decide_on_node(
     node: &NodeAssessment,
     policy: StalePolicy,
 ) -> Verdict {
-    let vm = vm_label(requests);
+    let vm = || vm_label(requests);
     match node.fit() {
         Fit::Fits => Verdict::Admit {
             reason: reason::ENOUGH_KEYS,
@@ -365,8 +365,9 @@ pub fn decide_on_node(
         Fit::Short => Verdict::Refuse {
             reason: reason::INSUFFICIENT_KEYS,
             message: format!(
-                "node {} cannot host {vm}: {}; {HINT}",
+                "node {} cannot host {}: {}; {HINT}",
                 node.node,
+                vm(),
                 node.figures()
             ),
         },
@@ -384,8 +385,9 @@ pub fn decide_on_node(
             StalePolicy::Deny => Verdict::Refuse {
                 reason: reason::REPORT_UNKNOWN,
                 message: format!(
-                    "teeguard cannot tell whether node {} can host {vm}: {} ({} denies unknown reports); {AGENT_HINT}",
+                    "teeguard cannot tell whether node {} can host {}: {} ({} denies unknown reports); {AGENT_HINT}",
                     node.node,
+                    vm(),
                     node.describe(),
                     trigger.policy_field()
                 ),
@@ -518,13 +520,13 @@ impl<'r> CandidateScan<'r> {
     /// The verdict over every candidate offered (or up to the first that fits).
     pub fn verdict(self, policy: StalePolicy) -> Verdict {
         let requests = self.requests;
-        let vm = vm_label(requests);
         if self.fits {
             return Verdict::Admit {
                 reason: reason::ENOUGH_KEYS,
                 warnings: Vec::new(),
             };
         }
+        let vm = vm_label(requests);
         if self.total == 0 {
             return Verdict::Refuse {
                 reason: reason::NO_CANDIDATE_NODES,
@@ -709,7 +711,7 @@ pub fn check_created_limits(pod: &Pod, expected: &ExpectedLimits) -> Option<Stri
     if present.is_empty() {
         return None;
     }
-    let name = pod_display_name(pod);
+    let name = PodName(pod);
     let (annotations, tee) = match expected {
         ExpectedLimits::Unverifiable(why) => {
             let keys: Vec<&str> = present.keys().copied().collect();

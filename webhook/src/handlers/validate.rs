@@ -22,6 +22,7 @@
 //! reserve nothing and record no Event. Denials for lack of keys in enforce mode record an
 //! `InsufficientTEEKeys` Event on the VMI (off the hot path, see [`crate::events`]).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,7 +32,7 @@ use axum::response::Response;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{ObjectReference, PodSpec};
 use teeguard_shared::config::{Mode, StalePolicy};
-use teeguard_shared::pod::{KeyRequests, key_requests, pod_display_name};
+use teeguard_shared::pod::{KeyRequests, PodName, key_requests};
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
@@ -264,7 +265,7 @@ async fn pod_create<L: Lookups>(
     };
     if let Some(msg) = forged {
         tracing::info!(
-            pod = pod_display_name(&pod),
+            pod = %PodName(&pod),
             message = msg,
             "pod denied: cgroup-limit annotation"
         );
@@ -299,8 +300,12 @@ async fn pod_create<L: Lookups>(
     let kind = primary_kind(&requests);
     let (mode, mode_warning) = namespace_mode(config.admission.mode, ns_labels.as_ref());
     warnings.extend(mode_warning);
-    let pod_name = pod_display_name(&pod);
-    let uid = pod.metadata.uid.clone().unwrap_or_else(|| pod_name.clone());
+    // Formatted only when needed: a reservation (spec.nodeName), a pod without a uid, a log line.
+    let pod_name = PodName(&pod);
+    let uid: Cow<'_, str> = match pod.metadata.uid.as_deref() {
+        Some(uid) => Cow::Borrowed(uid),
+        None => Cow::Owned(pod_name.to_string()),
+    };
     let policy = Trigger::PodCreate.stale_policy(&config.admission);
     let no_spec = PodSpec::default();
     let spec = pod.spec.as_ref().unwrap_or(&no_spec);
@@ -313,7 +318,7 @@ async fn pod_create<L: Lookups>(
                 &requests,
                 NodeCheck {
                     uid: &uid,
-                    pod: &pod_name,
+                    pod: &pod_name.to_string(),
                     mode,
                     policy,
                     dry_run: req.dry_run,
@@ -348,7 +353,7 @@ async fn pod_create<L: Lookups>(
         }
     };
     record_event(&answer, &vmi_ref, req.dry_run, ctx);
-    log_decision(&answer, &pod_name);
+    log_decision(&answer, pod_name);
     Ok(answer.with_warnings(warnings))
 }
 
@@ -437,10 +442,10 @@ fn record_event(answer: &Answer, vmi: &VmiRef, dry_run: bool, ctx: &ValidationCo
     });
 }
 
-fn log_decision(answer: &Answer, pod: &str) {
+fn log_decision(answer: &Answer, pod: impl std::fmt::Display) {
     match answer.outcome {
         ValidationOutcome::Denied => tracing::info!(
-            pod,
+            pod = %pod,
             request = answer.request,
             reason = answer.reason,
             node = answer.node.as_deref(),
@@ -448,7 +453,7 @@ fn log_decision(answer: &Answer, pod: &str) {
             "denied"
         ),
         ValidationOutcome::Warned => tracing::info!(
-            pod,
+            pod = %pod,
             request = answer.request,
             reason = answer.reason,
             node = answer.node.as_deref(),
@@ -456,7 +461,7 @@ fn log_decision(answer: &Answer, pod: &str) {
             "allowed with a warning"
         ),
         _ => tracing::debug!(
-            pod,
+            pod = %pod,
             request = answer.request,
             reason = answer.reason,
             node = answer.node.as_deref(),
@@ -572,7 +577,7 @@ async fn pod_update<L: Lookups>(review: &mut AdmittedReview<'_>, lookups: &L) ->
         return Ok(Answer::skip(REQ, "exempt-namespace"));
     }
     tracing::info!(
-        pod = pod_display_name(&new),
+        pod = %PodName(&new),
         message = msg,
         "pod update denied: cgroup-limit annotation"
     );
