@@ -18,7 +18,8 @@
 //! this machine's cores: on a 2-core box the client costs as much CPU as the server, so absolute
 //! throughput is a lower bound of what a dedicated core pair would serve.
 //!
-//! `cargo bench -p teeguard-tests --bench e2e_tls` (quick: `TEEGUARD_BENCH_QUICK=1`).
+//! `cargo bench -p teeguard-tests --bench e2e_tls` (quick: `TEEGUARD_BENCH_QUICK=1`; one point only,
+//! e.g. to profile it: `TEEGUARD_BENCH_POINTS=validate:16`).
 
 /// The allocator of the `teeguard-webhook` binary (webhook/src/main.rs): both servers (teeguard and
 /// the floor) and the load generator allocate as the shipped server does.
@@ -182,8 +183,11 @@ impl Run {
 
 /// Rounds per point: the floor and teeguard are measured in alternating windows (floor, teeguard,
 /// floor, teeguard, ...) and each side's samples pooled, so that a drift of the machine during the
-/// point (another tenant of the VM host, frequency changes) weighs on both sides alike.
-const ROUNDS: usize = 3;
+/// point (another tenant of the VM host, frequency changes) weighs on both sides alike. Six windows of
+/// 0.5 s rather than three of 1 s: on this 2-core VM a window can settle in a slower state (how the
+/// scheduler places the four busy threads), and with three windows one such window moved a point's
+/// p99 ratio by up to ±0.3 between runs; with six, five runs in a row stayed within 1.12-1.46.
+const ROUNDS: usize = 6;
 
 /// One measured window: `connections` keep-alive connections sending back to back, `warmup` then
 /// `measure`.
@@ -332,11 +336,31 @@ struct Target {
     body: Bytes,
 }
 
+/// `TEEGUARD_BENCH_POINTS=validate:16,mutate:4`: run only these points (endpoint:connections) and
+/// skip the breakdown, to repeat or profile one point. Unset: every point.
+fn points_filter() -> Option<Vec<(String, usize)>> {
+    let spec = std::env::var("TEEGUARD_BENCH_POINTS").ok()?;
+    let points = spec
+        .split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let (name, conns) = p.trim().split_once(':').unwrap_or_else(|| {
+                panic!("TEEGUARD_BENCH_POINTS: {p:?} is not endpoint:connections")
+            });
+            let conns = conns.parse().unwrap_or_else(|_| {
+                panic!("TEEGUARD_BENCH_POINTS: {conns:?} in {p:?} is not a number")
+            });
+            (name.to_string(), conns)
+        })
+        .collect();
+    Some(points)
+}
+
 fn main() {
     let steal = support::StealWatch::start();
     let full = full_run();
     let (warmup, measure) = if full {
-        (Duration::from_millis(500), Duration::from_secs(3))
+        (Duration::from_millis(250), Duration::from_secs(3))
     } else {
         println!("quick run (full figures: `cargo bench -p teeguard-tests --bench e2e_tls`)");
         (Duration::from_millis(100), Duration::from_millis(300))
@@ -429,8 +453,15 @@ fn main() {
         "client CPU µs",
         "server p99"
     );
+    let only = points_filter();
     for target in &targets {
         for conns in CONCURRENCY {
+            if only
+                .as_ref()
+                .is_some_and(|o| !o.contains(&(target.name.to_string(), conns)))
+            {
+                continue;
+            }
             // Only teeguard's windows reach the webhook, so its histogram between the two scrapes
             // holds exactly those reviews.
             let before = client_rt
@@ -505,6 +536,11 @@ fn main() {
     );
     println!("targets on 2 cores: p99 ratio ≤ 1.5, server-side p99 < 1 ms, ≥ 5 000 reviews/s.");
 
+    if only.is_some() {
+        server_rt.block_on(webhook.stop());
+        steal.report();
+        return;
+    }
     // Where teeguard's extra server CPU goes: the same floor handler on the bare stack and on the
     // webhook's `serve_https`, then teeguard itself; the steps are the stack's and the handler's cost.
     section(&format!(
