@@ -4,7 +4,10 @@
 //! Printed: time from spawn to `/readyz` 200, the webhook's RSS (VmRSS when ready and after the
 //! reviews, VmHWM peak) read from /proc, and client-side review latency over one keep-alive HTTPS
 //! connection, at empty vs full caches. The fake API server lives in this bench process (several
-//! GB for the full set), which is why the webhook runs as a separate process.
+//! GB for the full set), which is why the webhook runs as a separate process. Both webhooks (empty and
+//! full caches, each with its own fake API server) run side by side and take turns in alternating
+//! rounds of reviews, so that the comparison is not one process measured at a calmer moment than the
+//! other (single runs of one process after the other differed by ±30 % in either direction).
 //!
 //! `cargo bench -p teeguard-tests --bench cache_scale` (quick: `TEEGUARD_BENCH_QUICK=1`). The
 //! webhook binary is built first with this bench's own feature set (see `support::release_binary`; a
@@ -133,20 +136,18 @@ fn seed_bulk(api: &FakeApiServer, s: &Scale) {
     );
 }
 
-struct Measured {
+/// One webhook process and what was measured on it.
+struct Webhook {
+    child: Child,
+    pid: u32,
+    https: SocketAddr,
+    admin: SocketAddr,
     ready: Duration,
     rss_ready_kib: u64,
-    rss_after_kib: u64,
-    hwm_kib: u64,
-    mutate: Stats,
-    validate: Stats,
-    /// Mean server-side time per review (the webhook's own histogram: body read to response), for
-    /// `/mutate` and `/validate`: tells the webhook's share of the latency from the client's.
-    server_mean: [Option<Duration>; 2],
 }
 
-/// Mean of the webhook's `admission_duration_seconds` for `endpoint` (sum / count over every outcome).
-fn server_mean(metrics: &str, endpoint: &str) -> Option<Duration> {
+/// Mean of the webhook's `admission_duration_seconds` for `endpoint`: (sum, count) over every outcome.
+fn server_sum_count(metrics: &str, endpoint: &str) -> (f64, f64) {
     let label = format!("endpoint=\"{endpoint}\"");
     let (mut sum, mut count) = (0.0f64, 0.0f64);
     for line in metrics.lines().filter(|l| l.contains(&label)) {
@@ -162,7 +163,16 @@ fn server_mean(metrics: &str, endpoint: &str) -> Option<Duration> {
             count += value;
         }
     }
-    (count > 0.0).then(|| Duration::from_secs_f64(sum / count))
+    (sum, count)
+}
+
+/// Both endpoints' (sum, count) from a webhook's `/metrics`.
+async fn server_totals(admin: SocketAddr) -> [(f64, f64); 2] {
+    let (_, metrics) = admin_get(admin, "/metrics").await;
+    [
+        server_sum_count(&metrics, "mutate"),
+        server_sum_count(&metrics, "validate"),
+    ]
 }
 
 async fn wait_ready(admin: SocketAddr, child: &mut Child) -> Duration {
@@ -191,14 +201,8 @@ async fn wait_ready(admin: SocketAddr, child: &mut Child) -> Duration {
     }
 }
 
-async fn run_webhook(
-    binary: &Path,
-    kubeconfig: &Path,
-    certs: &SecretDir,
-    ca: rustls::pki_types::CertificateDer<'static>,
-    reviews: &[(Value, Bytes, &'static str)],
-    iterations: usize,
-) -> Measured {
+/// Spawn `teeguard-webhook serve` against `kubeconfig` and wait until it is ready.
+async fn start_webhook(binary: &Path, kubeconfig: &Path, certs: &SecretDir) -> Webhook {
     let (https, admin) = (free_port(), free_port());
     let spawned = Instant::now();
     let mut child = Command::new(binary)
@@ -218,47 +222,39 @@ async fn run_webhook(
         .spawn()
         .expect("spawn teeguard-webhook");
     let pid = child.id();
-    let admin_addr: SocketAddr = ([127, 0, 0, 1], admin).into();
-    let _ = wait_ready(admin_addr, &mut child).await;
-    let ready = spawned.elapsed();
-    let rss_ready_kib = proc_status_kib(pid, "VmRSS").unwrap_or(0);
-    let mut conn = H1::connect(([127, 0, 0, 1], https).into(), client_config(ca)).await;
-    let mut series: Vec<Vec<Duration>> = vec![Vec::new(), Vec::new()];
-    for (k, (review, body, path)) in reviews.iter().enumerate() {
-        for i in 0..iterations + iterations / 10 {
-            let t = Instant::now();
-            let (status, resp) = conn.post(path, body.clone()).await.expect("review");
-            let took = t.elapsed();
-            if *path == "/mutate" {
-                check_mutate(review, status, &resp, &Expected::for_tee(Tee::Tdx)).expect("answer");
-            } else {
-                let v: Value = serde_json::from_slice(&resp).expect("json");
-                assert_eq!(v["response"]["allowed"], true, "{v}");
-            }
-            if i >= iterations / 10 {
-                series[k].push(took);
-            }
-        }
-    }
-    let rss_after_kib = proc_status_kib(pid, "VmRSS").unwrap_or(0);
-    let hwm_kib = proc_status_kib(pid, "VmHWM").unwrap_or(0);
-    let (_, metrics) = admin_get(admin_addr, "/metrics").await;
-    let server = [
-        server_mean(&metrics, "mutate"),
-        server_mean(&metrics, "validate"),
-    ];
-    let _ = child.kill();
-    let _ = child.wait();
-    Measured {
-        ready,
-        rss_ready_kib,
-        rss_after_kib,
-        hwm_kib,
-        mutate: Stats::from_samples(&mut series[0]),
-        validate: Stats::from_samples(&mut series[1]),
-        server_mean: server,
+    let admin: SocketAddr = ([127, 0, 0, 1], admin).into();
+    let _ = wait_ready(admin, &mut child).await;
+    Webhook {
+        ready: spawned.elapsed(),
+        rss_ready_kib: proc_status_kib(pid, "VmRSS").unwrap_or(0),
+        child,
+        pid,
+        https: ([127, 0, 0, 1], https).into(),
+        admin,
     }
 }
+
+/// Send `n` copies of `review` on `conn`, checking each answer; the client-side latencies.
+async fn send(conn: &mut H1, review: &(Value, Bytes, &'static str), n: usize) -> Vec<Duration> {
+    let (review, body, path) = review;
+    let mut took = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let (status, resp) = conn.post(path, body.clone()).await.expect("review");
+        took.push(t.elapsed());
+        if *path == "/mutate" {
+            check_mutate(review, status, &resp, &Expected::for_tee(Tee::Tdx)).expect("answer");
+        } else {
+            let v: Value = serde_json::from_slice(&resp).expect("json");
+            assert_eq!(v["response"]["allowed"], true, "{v}");
+        }
+    }
+    took
+}
+
+/// Rounds in which the two webhooks take turns (empty caches, full caches, ...; the order flips every
+/// round), so that a drift of this shared machine weighs on both alike.
+const ROUNDS: usize = 10;
 
 fn main() {
     let steal = support::StealWatch::start();
@@ -292,11 +288,14 @@ fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
 
     section(&format!(
-        "webhook process ({}) against the fake API server over TCP; {} reviews per endpoint, one keep-alive connection",
+        "webhook processes ({}) against fake API servers over TCP; {} reviews per endpoint and process \
+         in {ROUNDS} alternating rounds, one keep-alive connection each",
         binary.display(),
         iterations
     ));
-    let mut results = Vec::new();
+    // Both webhooks run side by side, one per fake API server: started one after the other (so
+    // each start is timed alone), then measured in alternating rounds.
+    let mut sides = Vec::new();
     for bulk in [false, true] {
         // A big watch history would only cost memory here.
         let api = FakeApiServer::with_options(FakeApiOptions {
@@ -331,21 +330,12 @@ fn main() {
                     (review, body, path)
                 })
                 .collect();
-        let measured = rt.block_on(async {
+        let (served, webhook) = rt.block_on(async {
             let served = api.serve().await.expect("serve fake API");
-            let kubeconfig = dir.path().join("kubeconfig");
+            let kubeconfig = dir.path().join(format!("kubeconfig-{bulk}"));
             served.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-            let m = run_webhook(
-                &binary,
-                &kubeconfig,
-                &certs,
-                ca.cert_der(),
-                &reviews,
-                iterations,
-            )
-            .await;
-            drop(served);
-            m
+            let webhook = start_webhook(&binary, &kubeconfig, &certs).await;
+            (served, webhook)
         });
         let label = if bulk {
             format!(
@@ -357,9 +347,51 @@ fn main() {
         } else {
             "1 VMI, 0 pods, 1 node".to_string()
         };
-        results.push((label, measured));
-        drop(api);
+        sides.push((label, api, served, webhook, reviews));
     }
+
+    let per_round = (iterations / ROUNDS).max(1);
+    let measured = rt.block_on(async {
+        let mut conns = Vec::new();
+        for (_, _, _, webhook, reviews) in &sides {
+            let mut conn = H1::connect(webhook.https, client_config(ca.cert_der())).await;
+            // Warm-up, not measured: TLS session, first use of each code path and series.
+            for review in reviews {
+                send(&mut conn, review, per_round).await;
+            }
+            conns.push(conn);
+        }
+        let mut before = Vec::new();
+        for (_, _, _, webhook, _) in &sides {
+            before.push(server_totals(webhook.admin).await);
+        }
+        // samples[side][endpoint]
+        let mut samples = vec![vec![Vec::new(), Vec::new()]; sides.len()];
+        for round in 0..ROUNDS {
+            let order: Vec<usize> = if round % 2 == 0 {
+                (0..sides.len()).collect()
+            } else {
+                (0..sides.len()).rev().collect()
+            };
+            for i in order {
+                for (e, review) in sides[i].4.iter().enumerate() {
+                    let took = send(&mut conns[i], review, per_round).await;
+                    samples[i][e].extend(took);
+                }
+            }
+        }
+        let mut server = Vec::new();
+        for (i, (_, _, _, webhook, _)) in sides.iter().enumerate() {
+            let after = server_totals(webhook.admin).await;
+            server.push([0, 1].map(|e| {
+                let (sum, count) = (after[e].0 - before[i][e].0, after[e].1 - before[i][e].1);
+                (count > 0.0).then(|| Duration::from_secs_f64(sum / count))
+            }));
+        }
+        (samples, server)
+    });
+    let (mut samples, server) = measured;
+
     println!(
         "{:<34} {:>9} {:>10} {:>10} {:>10} | {:>10} {:>10} {:>10} | {:>10} {:>10} {:>10}",
         "caches",
@@ -375,25 +407,33 @@ fn main() {
         "server"
     );
     let mean = |d: Option<Duration>| d.map_or("n/a".to_string(), fmt_dur);
-    for (label, m) in &results {
+    for (i, (label, _, _, webhook, _)) in sides.iter_mut().enumerate() {
+        let rss_after_kib = proc_status_kib(webhook.pid, "VmRSS").unwrap_or(0);
+        let hwm_kib = proc_status_kib(webhook.pid, "VmHWM").unwrap_or(0);
+        let _ = webhook.child.kill();
+        let _ = webhook.child.wait();
+        let mutate = Stats::from_samples(&mut samples[i][0]);
+        let validate = Stats::from_samples(&mut samples[i][1]);
         println!(
             "{:<34} {:>9} {:>7} MiB {:>7} MiB {:>7} MiB | {:>10} {:>10} {:>10} | {:>10} {:>10} {:>10}",
             label,
-            fmt_dur(m.ready),
-            m.rss_ready_kib / 1024,
-            m.rss_after_kib / 1024,
-            m.hwm_kib / 1024,
-            fmt_dur(m.mutate.p50),
-            fmt_dur(m.mutate.p99),
-            mean(m.server_mean[0]),
-            fmt_dur(m.validate.p50),
-            fmt_dur(m.validate.p99),
-            mean(m.server_mean[1]),
+            fmt_dur(webhook.ready),
+            webhook.rss_ready_kib / 1024,
+            rss_after_kib / 1024,
+            hwm_kib / 1024,
+            fmt_dur(mutate.p50),
+            fmt_dur(mutate.p99),
+            mean(server[i][0]),
+            fmt_dur(validate.p50),
+            fmt_dur(validate.p99),
+            mean(server[i][1]),
         );
     }
+    drop(sides);
     println!(
-        "p50/p99: seen by the client (the bench process, which also serves the fake API server and its \
-         watches); server: the webhook's mean from its own histogram (body read to response)."
+        "p50/p99: seen by the client (the bench process, which also serves the fake API servers and \
+         their watches); server: the webhook's mean from its own histogram (body read to response), \
+         over the measured reviews."
     );
     println!(
         "target: RSS under 300 MiB with full caches; no review latency growth from empty to full."
