@@ -379,6 +379,15 @@ impl<K: Resource, T> NamedWriter<K, T> {
     }
 }
 
+/// What teeguard keeps of a namespace's labels: the two it reads (exemption and mode). Namespaces carry
+/// many others (`kubernetes.io/metadata.name`, Pod Security levels, mesh and team labels) that every
+/// review would otherwise copy out of the cache.
+pub fn namespace_labels(labels: Option<Labels>) -> Labels {
+    let mut labels = labels.unwrap_or_default();
+    labels.retain(|k, _| k == names::EXEMPT_LABEL || k == names::MODE_LABEL);
+    labels
+}
+
 /// What the VMI cache keeps of a VMI: identity, the exemption label, the controller owner and
 /// `launchSecurity` (the type reads nothing else of the spec).
 pub fn slim_vmi(vmi: &mut VirtualMachineInstance) {
@@ -468,7 +477,7 @@ impl Caches {
             NAMESPACE_CACHE,
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
-            |n: PartialObjectMeta<Namespace>| n.metadata.labels.unwrap_or_default(),
+            |n: PartialObjectMeta<Namespace>| namespace_labels(n.metadata.labels),
         );
         let tee_capacities = b.watch(
             TEE_CAPACITY_CACHE,
@@ -555,7 +564,7 @@ impl Caches {
         if let Err(e) = &got {
             tracing::warn!(namespace, error = %e, "namespace not cached and the GET failed");
         }
-        got.map(|o| o.map(|ns| ns.metadata.labels.unwrap_or_default()))
+        got.map(|o| o.map(|ns| namespace_labels(ns.metadata.labels)))
     }
 
     /// The API fallback of [`Lookups::vmi`] on a cache miss.
@@ -751,5 +760,31 @@ mod tests {
         assert!(slim.conditions.is_empty() && !full.conditions.is_empty());
         assert_eq!(slim.tdx, full.tdx);
         assert_eq!(slim.heartbeat_time, full.heartbeat_time);
+    }
+
+    #[test]
+    fn namespaces_keep_only_the_labels_teeguard_reads() {
+        let labels = |pairs: &[(&str, &str)]| -> Labels {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let all = labels(&[
+            ("kubernetes.io/metadata.name", "vms"),
+            ("pod-security.kubernetes.io/enforce", "privileged"),
+            (names::EXEMPT_LABEL, "true"),
+            (names::MODE_LABEL, "warn"),
+        ]);
+        assert_eq!(
+            namespace_labels(Some(all)),
+            labels(&[(names::EXEMPT_LABEL, "true"), (names::MODE_LABEL, "warn")])
+        );
+        // A namespace without labels, or without teeguard's, is still a namespace: an empty map.
+        assert_eq!(namespace_labels(None), Labels::new());
+        assert_eq!(
+            namespace_labels(Some(labels(&[("team", "a")]))),
+            Labels::new()
+        );
     }
 }

@@ -32,6 +32,7 @@
 //! late (a node looks fuller than it is, at most until the TTL) when the agent publishes rarely.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -149,6 +150,35 @@ impl State {
 pub struct Ledger {
     ttl: Duration,
     state: Mutex<State>,
+    /// The number of reservations, as of the last release of the lock: read without the lock by
+    /// [`Ledger::held`] (a scan over the candidate nodes of a pod asks once per node, and usually
+    /// nothing is held anywhere) and [`Ledger::len`].
+    reserved: AtomicUsize,
+}
+
+/// The locked state; on release, publishes the number of reservations to [`Ledger::reserved`].
+struct Locked<'a> {
+    state: MutexGuard<'a, State>,
+    reserved: &'a AtomicUsize,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.state
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        self.reserved.store(self.state.len, Ordering::Release);
+    }
 }
 
 impl Ledger {
@@ -157,6 +187,7 @@ impl Ledger {
         Ledger {
             ttl,
             state: Mutex::new(State::default()),
+            reserved: AtomicUsize::new(0),
         }
     }
 
@@ -165,14 +196,22 @@ impl Ledger {
         self.ttl
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> Locked<'_> {
         // The critical sections never panic half-way through a change; a poisoned lock still holds a
         // consistent state.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        Locked {
+            state: self.state.lock().unwrap_or_else(PoisonError::into_inner),
+            reserved: &self.reserved,
+        }
     }
 
     /// Keys reserved on `node` by pods other than `except_uid`, after dropping the node's expired and
     /// caught-up reservations.
+    ///
+    /// With nothing reserved on any node this takes no lock: a reservation made by another review at
+    /// the same moment is seen or not, exactly as if that review had taken the lock just after this one.
+    /// (A candidate scan reserves nothing; the check that reserves, [`Ledger::check_and_reserve`],
+    /// always locks.)
     pub fn held(
         &self,
         node: &str,
@@ -180,6 +219,9 @@ impl Ledger {
         now: Instant,
         except_uid: &str,
     ) -> KeyRequests {
+        if self.reserved.load(Ordering::Acquire) == 0 {
+            return KeyRequests::new();
+        }
         let mut st = self.lock();
         let ttl = self.ttl;
         st.retain_node(node, |r| !r.expired(now, ttl) && !r.caught_up(mark));
@@ -238,9 +280,9 @@ impl Ledger {
         st.len
     }
 
-    /// Reservations held.
+    /// Reservations held (as of the last change; no lock).
     pub fn len(&self) -> usize {
-        self.lock().len
+        self.reserved.load(Ordering::Acquire)
     }
 
     /// True when nothing is reserved.
