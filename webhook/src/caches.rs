@@ -91,9 +91,15 @@ pub trait Lookups: Send + Sync {
     /// The node's `TeeCapacity` report, if any (cache only: reports are cluster-scoped and cached).
     fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>>;
 
-    /// Call `visit` with the name of each known node for which `filter(name, labels)` holds, in no
-    /// particular order, until `visit` breaks. Allocates nothing per node.
-    fn scan_nodes(&self, filter: NodeFilter<'_>, visit: &mut dyn FnMut(&str) -> ControlFlow<()>);
+    /// Call `visit` with the name of each known node for which `filter(name, labels)` holds, until
+    /// `visit` breaks: `first` (when it is a known node) before the others, then in no particular order,
+    /// each node once. Allocates nothing per node.
+    fn scan_nodes(
+        &self,
+        filter: NodeFilter<'_>,
+        first: Option<&str>,
+        visit: &mut dyn FnMut(&str) -> ControlFlow<()>,
+    );
 }
 
 /// Spawns reflectors and collects what [`Caches::wait_synced`] waits for.
@@ -305,9 +311,28 @@ impl<T> NamedStore<T> {
 
     /// Visit every object (name and value), in no particular order, until `visit` breaks. The read
     /// lock is held throughout: keep `visit` short and never write to this store from it.
-    pub fn scan(&self, mut visit: impl FnMut(&str, &T) -> ControlFlow<()>) {
-        for names in self.read().by_namespace.values() {
+    pub fn scan(&self, visit: impl FnMut(&str, &T) -> ControlFlow<()>) {
+        self.scan_from(None, visit);
+    }
+
+    /// [`NamedStore::scan`], visiting the cluster-scoped object `first` (when stored) before the
+    /// others, and each object once.
+    pub fn scan_from(
+        &self,
+        first: Option<&str>,
+        mut visit: impl FnMut(&str, &T) -> ControlFlow<()>,
+    ) {
+        let objects = self.read();
+        if let Some((name, value)) = first.and_then(|f| Some((f, objects.get("", f)?))) {
+            if visit(name, value).is_break() {
+                return;
+            }
+        }
+        for (namespace, names) in &objects.by_namespace {
             for (name, value) in names {
+                if namespace.is_empty() && Some(name.as_str()) == first {
+                    continue;
+                }
                 if visit(name, value).is_break() {
                     return;
                 }
@@ -658,8 +683,13 @@ impl Lookups for Caches {
         self.tee_capacities.get(node)
     }
 
-    fn scan_nodes(&self, filter: NodeFilter<'_>, visit: &mut dyn FnMut(&str) -> ControlFlow<()>) {
-        self.nodes.scan(|name, labels| {
+    fn scan_nodes(
+        &self,
+        filter: NodeFilter<'_>,
+        first: Option<&str>,
+        visit: &mut dyn FnMut(&str) -> ControlFlow<()>,
+    ) {
+        self.nodes.scan_from(first, |name, labels| {
             if filter(name, labels) {
                 visit(name)
             } else {
@@ -736,6 +766,29 @@ mod tests {
             ControlFlow::Break(())
         });
         assert_eq!(seen, 1);
+        // A scan from a given object visits it first and every object once; an unknown first is
+        // just not visited.
+        for name in ["a", "b", "c", "d", "e", "f", "g"] {
+            w.apply(watcher::Event::Apply(node(name, "z1")));
+        }
+        for first in ["e", "a", "g", "unknown"] {
+            let mut order = Vec::new();
+            store.scan_from(Some(first), |name, _| {
+                order.push(name.to_string());
+                ControlFlow::Continue(())
+            });
+            if first != "unknown" {
+                assert_eq!(order[0], first);
+            }
+            order.sort();
+            assert_eq!(order, ["a", "b", "c", "d", "e", "f", "g"], "from {first}");
+        }
+        let mut seen = Vec::new();
+        store.scan_from(Some("f"), |name, _| {
+            seen.push(name.to_string());
+            ControlFlow::Break(())
+        });
+        assert_eq!(seen, ["f"]);
     }
 
     #[test]

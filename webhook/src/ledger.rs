@@ -33,10 +33,11 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use jiff::{SignedDuration, Timestamp};
+use teeguard_shared::TeeKind;
 use teeguard_shared::pod::KeyRequests;
 
 /// How long after an admission a report's heartbeat must be to count as having seen it.
@@ -154,6 +155,8 @@ pub struct Ledger {
     /// [`Ledger::held`] (a scan over the candidate nodes of a pod asks once per node, and usually
     /// nothing is held anywhere) and [`Ledger::len`].
     reserved: AtomicUsize,
+    /// Per TEE kind, the node that last fitted a pod not bound yet ([`Ledger::fit_hint`]).
+    fit_hints: [RwLock<Option<Arc<str>>>; 3],
 }
 
 /// The locked state; on release, publishes the number of reservations to [`Ledger::reserved`].
@@ -188,6 +191,37 @@ impl Ledger {
             ttl,
             state: Mutex::new(State::default()),
             reserved: AtomicUsize::new(0),
+            fit_hints: Default::default(),
+        }
+    }
+
+    fn hint_slot(&self, kind: TeeKind) -> &RwLock<Option<Arc<str>>> {
+        &self.fit_hints[match kind {
+            TeeKind::Tdx => 0,
+            TeeKind::Sev => 1,
+            TeeKind::SevEs => 2,
+        }]
+    }
+
+    /// The node that last fitted a pod requesting `kind` keys before it was bound, to look at first
+    /// next time: candidate scans stop at the first node that fits, and when most nodes are full a
+    /// scan in no particular order looks at many before finding one, while the last node that fitted
+    /// usually still does. Only an order: the verdict is the same whichever node is looked at first.
+    pub fn fit_hint(&self, kind: TeeKind) -> Option<Arc<str>> {
+        self.hint_slot(kind)
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Remember `node` as the one that fitted a pod requesting `kind` keys.
+    pub fn remember_fit(&self, kind: TeeKind, node: &str) {
+        let mut hint = self
+            .hint_slot(kind)
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if hint.as_deref() != Some(node) {
+            *hint = Some(Arc::from(node));
         }
     }
 

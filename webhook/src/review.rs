@@ -217,18 +217,34 @@ impl Lookups for FileLookups {
         self.tee_capacities.get(node).cloned()
     }
 
-    fn scan_nodes(&self, filter: NodeFilter<'_>, visit: &mut dyn FnMut(&str) -> ControlFlow<()>) {
-        if self.nodes.is_empty() {
-            // No node files: every reported node is a candidate (labels unknown).
-            for name in self.tee_capacities.keys() {
-                if visit(name).is_break() {
-                    return;
-                }
+    fn scan_nodes(
+        &self,
+        filter: NodeFilter<'_>,
+        first: Option<&str>,
+        visit: &mut dyn FnMut(&str) -> ControlFlow<()>,
+    ) {
+        // No node files: every reported node is a candidate (labels unknown, no filter).
+        let unlabelled = self.nodes.is_empty();
+        let no_labels = BTreeMap::new();
+        let labels_of = |name: &str| {
+            if unlabelled {
+                self.tee_capacities.contains_key(name).then_some(&no_labels)
+            } else {
+                self.nodes.get(name)
             }
-            return;
-        }
-        for (name, labels) in &self.nodes {
-            if filter(name, labels) && visit(name).is_break() {
+        };
+        let names: Box<dyn Iterator<Item = &String>> = if unlabelled {
+            Box::new(self.tee_capacities.keys())
+        } else {
+            Box::new(self.nodes.keys())
+        };
+        let first = first.filter(|f| labels_of(f).is_some());
+        let rest = names.map(String::as_str).filter(|n| Some(*n) != first);
+        for name in first.into_iter().chain(rest) {
+            let Some(labels) = labels_of(name) else {
+                continue;
+            };
+            if (unlabelled || filter(name, labels)) && visit(name).is_break() {
                 return;
             }
         }

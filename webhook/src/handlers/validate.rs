@@ -336,18 +336,29 @@ async fn pod_create<L: Lookups>(
             // Stops at the first node that fits; otherwise keeps counts and the few nodes a refusal
             // lists. Nothing is allocated per node (the ledger only for nodes holding reservations).
             let mut scan = CandidateScan::new(&requests);
-            lookups.scan_nodes(&filter, &mut |node| {
+            // The node that fitted last time is looked at first; the one that fits now is remembered.
+            let primary = requests.keys().next().copied();
+            let hint = primary.and_then(|k| ctx.ledger.fit_hint(k));
+            let mut fitted = None;
+            lookups.scan_nodes(&filter, hint.as_deref(), &mut |node| {
                 let cap = lookups.tee_capacity(node);
                 let status = cap.as_ref().and_then(|c| c.status.as_ref());
                 let held = ctx.ledger.held(node, mark(cap.as_deref()), mono, &uid);
-                scan.offer(
+                let flow = scan.offer(
                     node,
                     status,
                     &held,
                     now,
                     config.admission.stale_report_after,
-                )
+                );
+                if flow.is_break() && hint.as_deref() != Some(node) {
+                    fitted = Some(node.to_string());
+                }
+                flow
             });
+            if let (Some(kind), Some(node)) = (primary, fitted) {
+                ctx.ledger.remember_fit(kind, &node);
+            }
             let d = apply_mode(scan.verdict(policy), mode);
             Answer::from_decision(REQ, kind, d, None, mode)
         }
