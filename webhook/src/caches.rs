@@ -323,10 +323,10 @@ impl<T> NamedStore<T> {
         mut visit: impl FnMut(&str, &T) -> ControlFlow<()>,
     ) {
         let objects = self.read();
-        if let Some((name, value)) = first.and_then(|f| Some((f, objects.get("", f)?))) {
-            if visit(name, value).is_break() {
-                return;
-            }
+        if let Some((name, value)) = first.and_then(|f| Some((f, objects.get("", f)?)))
+            && visit(name, value).is_break()
+        {
+            return;
         }
         for (namespace, names) in &objects.by_namespace {
             for (name, value) in names {
