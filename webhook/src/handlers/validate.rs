@@ -12,7 +12,8 @@
 //! - **pod CREATE**: first the cgroup-limit annotations (only exactly what the mutating webhook writes
 //!   is accepted; denied in every mode). Then, for a virt-launcher pod requesting keys: with
 //!   `spec.nodeName` the same check and reservation as a binding; otherwise some node matching its node
-//!   selector and required affinity must have the keys (nothing is reserved: no node is chosen yet).
+//!   selector and required affinity must have the keys (nothing is reserved: no node is chosen yet;
+//!   the node that fitted the last pod of the same kind is looked at first, see [`Ledger::fit_hint`]).
 //! - **pod UPDATE**: cgroup-limit annotations must not change. Everything else, DELETE, other kinds and
 //!   subresources are allowed untouched.
 //!
