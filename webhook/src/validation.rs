@@ -669,6 +669,15 @@ pub fn limit_annotations(pod: &Pod) -> BTreeMap<&str, &str> {
         .collect()
 }
 
+/// Whether a pod carries any cgroup-limit annotation (without collecting them).
+pub fn has_limit_annotations(pod: &Pod) -> bool {
+    pod.metadata
+        .annotations
+        .iter()
+        .flatten()
+        .any(|(k, _)| names::is_limit_annotation(k))
+}
+
 /// The cgroup-limit annotations the mutating webhook writes on a pod.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ExpectedLimits {
@@ -1553,6 +1562,27 @@ mod tests {
             msg.contains("cannot check annotation") && msg.contains("not found yet"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn has_limit_annotations_agrees_with_the_collected_ones() {
+        for annotations in [
+            json!({}),
+            json!({"x": "1", "kubevirt.io/domain": "vm"}),
+            json!({"misc-max.teeguard.dev/compute": "tdx 1"}),
+            json!({"x": "1", "io.kubernetes.cri-o.UnifiedCgroup.compute": "misc.max=tdx 1"}),
+            json!({"unified-cgroup.crio.io/compute": "misc.max=sev 1"}),
+        ] {
+            let pod = launcher(annotations.clone());
+            assert_eq!(
+                has_limit_annotations(&pod),
+                !limit_annotations(&pod).is_empty(),
+                "{annotations}"
+            );
+        }
+        let mut bare = launcher(json!({}));
+        bare.metadata.annotations = None;
+        assert!(!has_limit_annotations(&bare));
     }
 
     #[test]

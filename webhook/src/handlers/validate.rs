@@ -52,7 +52,7 @@ use crate::mutation::{
 use crate::state::AppState;
 use crate::validation::{
     CandidateScan, Decision, NodeAssessment, Trigger, apply_mode, check_created_limits,
-    check_updated_limits, decide_on_node, expected_limits, limit_annotations, mode_name,
+    check_updated_limits, decide_on_node, expected_limits, has_limit_annotations, mode_name,
     namespace_mode, reason,
 };
 
@@ -259,7 +259,7 @@ async fn pod_create<L: Lookups>(
     };
     let mutation = decide_mutation_unpatched(&pod, vmi.as_ref(), ns_labels.as_ref(), config);
 
-    let forged = if limit_annotations(&pod).is_empty() {
+    let forged = if !has_limit_annotations(&pod) {
         None
     } else {
         check_created_limits(&pod, &expected_limits(&pod, &mutation, config))
