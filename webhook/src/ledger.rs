@@ -156,7 +156,7 @@ pub struct Ledger {
     /// nothing is held anywhere) and [`Ledger::len`].
     reserved: AtomicUsize,
     /// Per TEE kind, the node that last fitted a pod not bound yet ([`Ledger::fit_hint`]).
-    fit_hints: [RwLock<Option<Arc<str>>>; 3],
+    fit_hints: [RwLock<Option<Arc<str>>>; TeeKind::ALL.len()],
 }
 
 /// The locked state; on release, publishes the number of reservations to [`Ledger::reserved`].
@@ -196,11 +196,8 @@ impl Ledger {
     }
 
     fn hint_slot(&self, kind: TeeKind) -> &RwLock<Option<Arc<str>>> {
-        &self.fit_hints[match kind {
-            TeeKind::Tdx => 0,
-            TeeKind::Sev => 1,
-            TeeKind::SevEs => 2,
-        }]
+        let at = TeeKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
+        &self.fit_hints[at]
     }
 
     /// The node that last fitted a pod requesting `kind` keys before it was bound, to look at first

@@ -226,24 +226,21 @@ impl Lookups for FileLookups {
         // No node files: every reported node is a candidate (labels unknown, no filter).
         let unlabelled = self.nodes.is_empty();
         let no_labels = BTreeMap::new();
-        let labels_of = |name: &str| {
+        let candidates: Box<dyn Iterator<Item = (&String, &BTreeMap<String, String>)>> =
             if unlabelled {
-                self.tee_capacities.contains_key(name).then_some(&no_labels)
+                Box::new(self.tee_capacities.keys().map(|n| (n, &no_labels)))
             } else {
-                self.nodes.get(name)
-            }
-        };
-        let names: Box<dyn Iterator<Item = &String>> = if unlabelled {
-            Box::new(self.tee_capacities.keys())
-        } else {
-            Box::new(self.nodes.keys())
-        };
-        let first = first.filter(|f| labels_of(f).is_some());
-        let rest = names.map(String::as_str).filter(|n| Some(*n) != first);
-        for name in first.into_iter().chain(rest) {
-            let Some(labels) = labels_of(name) else {
-                continue;
+                Box::new(self.nodes.iter())
             };
+        let first = first.and_then(|f| {
+            if unlabelled {
+                Some((self.tee_capacities.get_key_value(f)?.0, &no_labels))
+            } else {
+                self.nodes.get_key_value(f)
+            }
+        });
+        let rest = candidates.filter(|(n, _)| Some(*n) != first.map(|(f, _)| f));
+        for (name, labels) in first.into_iter().chain(rest) {
             if (unlabelled || filter(name, labels)) && visit(name).is_break() {
                 return;
             }
@@ -549,6 +546,41 @@ mod tests {
         assert!(err.starts_with("x.yaml: invalid JSON"), "{err}");
         let err = parse_docs(&p, "\n").expect_err("empty").to_string();
         assert!(err.contains("no objects"), "{err}");
+    }
+
+    /// Nodes visited by `scan_nodes` from `first`, with a filter that keeps labelled `pick=yes` nodes.
+    fn scanned(l: &FileLookups, first: Option<&str>) -> Vec<String> {
+        let filter = |_: &str, labels: &BTreeMap<String, String>| {
+            labels.get("pick").map(String::as_str) == Some("yes")
+        };
+        let mut seen = Vec::new();
+        l.scan_nodes(&filter, first, &mut |n| {
+            seen.push(n.to_string());
+            ControlFlow::Continue(())
+        });
+        seen
+    }
+
+    #[test]
+    fn scan_nodes_visits_first_then_the_rest_once() {
+        let mut l = FileLookups::default();
+        for name in ["a", "b", "c"] {
+            let report = json!({"apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity",
+                "metadata": {"name": name}, "spec": {"nodeName": name}});
+            l.add_tee_capacity(serde_json::from_value(report).expect("report"));
+        }
+        // No node files: every reported node, unfiltered, `first` ahead when it is one of them.
+        assert_eq!(scanned(&l, None), ["a", "b", "c"]);
+        assert_eq!(scanned(&l, Some("c")), ["c", "a", "b"]);
+        assert_eq!(scanned(&l, Some("x")), ["a", "b", "c"]);
+        // Node files: only the nodes the filter keeps, `first` ahead only when it is kept.
+        let pick = |v: &str| BTreeMap::from([("pick".to_string(), v.to_string())]);
+        l.add_node("a".into(), pick("yes"));
+        l.add_node("b".into(), pick("no"));
+        l.add_node("c".into(), pick("yes"));
+        assert_eq!(scanned(&l, None), ["a", "c"]);
+        assert_eq!(scanned(&l, Some("c")), ["c", "a"]);
+        assert_eq!(scanned(&l, Some("b")), ["a", "c"]);
     }
 
     #[test]
