@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::{Value, json};
-use support::{Stats, fmt_dur, full_run, proc_status_kib, release_binary, section};
+use support::{
+    Stats, admission_histogram, fmt_dur, full_run, proc_status_kib, release_binary, section,
+};
 use teeguard_shared::TeeKind;
 use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer};
 use teeguard_tests::fixtures::{
@@ -146,33 +148,14 @@ struct Webhook {
     rss_ready_kib: u64,
 }
 
-/// Mean of the webhook's `admission_duration_seconds` for `endpoint`: (sum, count) over every outcome.
-fn server_sum_count(metrics: &str, endpoint: &str) -> (f64, f64) {
-    let label = format!("endpoint=\"{endpoint}\"");
-    let (mut sum, mut count) = (0.0f64, 0.0f64);
-    for line in metrics.lines().filter(|l| l.contains(&label)) {
-        let Some((series, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let Ok(value) = value.parse::<f64>() else {
-            continue;
-        };
-        if series.starts_with("teeguard_webhook_admission_duration_seconds_sum") {
-            sum += value;
-        } else if series.starts_with("teeguard_webhook_admission_duration_seconds_count") {
-            count += value;
-        }
-    }
-    (sum, count)
-}
-
-/// Both endpoints' (sum, count) from a webhook's `/metrics`.
-async fn server_totals(admin: SocketAddr) -> [(f64, f64); 2] {
+/// Both endpoints' (sum of seconds, count) of the webhook's `admission_duration_seconds`, from its
+/// `/metrics`.
+async fn server_totals(admin: SocketAddr) -> [(f64, u64); 2] {
     let (_, metrics) = admin_get(admin, "/metrics").await;
-    [
-        server_sum_count(&metrics, "mutate"),
-        server_sum_count(&metrics, "validate"),
-    ]
+    ["mutate", "validate"].map(|endpoint| {
+        let (_, sum, count) = admission_histogram(&metrics, endpoint);
+        (sum, count)
+    })
 }
 
 async fn wait_ready(admin: SocketAddr, child: &mut Child) -> Duration {
@@ -384,8 +367,11 @@ fn main() {
         for (i, (_, _, _, webhook, _)) in sides.iter().enumerate() {
             let after = server_totals(webhook.admin).await;
             server.push([0, 1].map(|e| {
-                let (sum, count) = (after[e].0 - before[i][e].0, after[e].1 - before[i][e].1);
-                (count > 0.0).then(|| Duration::from_secs_f64(sum / count))
+                let (sum, count) = (
+                    after[e].0 - before[i][e].0,
+                    after[e].1.saturating_sub(before[i][e].1),
+                );
+                (count > 0).then(|| Duration::from_secs_f64(sum / count as f64))
             }));
         }
         (samples, server)
