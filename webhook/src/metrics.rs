@@ -9,6 +9,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use teeguard_shared::TeeKind;
 
 /// How a review ended.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -196,11 +197,19 @@ impl<M: Clone, const N: usize> Resolved<M, N> {
 }
 
 /// The admission endpoints (`endpoint` label) with resolved series.
-const ENDPOINTS: [&str; 2] = ["mutate", "validate"];
+const ENDPOINTS: [&str; 2] = [
+    crate::handlers::mutate::ENDPOINT,
+    crate::handlers::validate::ENDPOINT,
+];
 /// `request` values of the validations family.
 const VALIDATION_REQUESTS: [&str; 4] = ["pod_create", "pod_update", "binding", "other"];
 /// `kind` values of the validations family.
-const VALIDATION_KINDS: [&str; 4] = ["none", "tdx", "sev", "sev_es"];
+const VALIDATION_KINDS: [&str; 4] = [
+    "none",
+    TeeKind::Tdx.kernel_name(),
+    TeeKind::Sev.kernel_name(),
+    TeeKind::SevEs.kernel_name(),
+];
 /// Caches looked up on the admission path.
 const LOOKUP_CACHES: [&str; 3] = [
     crate::caches::NAMESPACE_CACHE,
