@@ -268,6 +268,66 @@ pub fn attribute(input: &AttributionInput<'_>) -> BTreeMap<TeeKind, KindFigures>
     out
 }
 
+/// A pod whose keys the figures of [`attribute`] count.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CountedPod {
+    /// Its UID.
+    pub uid: String,
+    /// Still waiting for some of its keys (counted in `pending`), rather than holding them all.
+    pub pending: bool,
+}
+
+/// The pods whose requested keys the figures of [`attribute`] fully account for, in `pods` order:
+///
+/// - per-pod accounting: every pod not terminated that requests a kind the host has (what it holds
+///   counts in the kernel's usage, the rest in `pending`);
+/// - running-pod fallback: Pending pods (in `pending`), and Running or Unknown pods only while the
+///   kernel shows at least the keys all running pods request of each of their kinds (otherwise some
+///   running pod's key is in no figure yet, and which one cannot be told).
+///
+/// The webhook ends a reservation when the report lists its pod, so a pod is listed only once its
+/// keys are in the report's `free`.
+pub fn counted(input: &AttributionInput<'_>) -> Vec<CountedPod> {
+    let on_host = |pod: &PodSummary| {
+        pod.requests
+            .nonzero()
+            .any(|(kind, _)| input.capacity.get(kind) > 0)
+    };
+    let mut running = KindCounts::ZERO;
+    if *input.accounting == Accounting::RunningPods {
+        for pod in input.pods {
+            if matches!(pod.phase, PodPhase::Running | PodPhase::Unknown) {
+                running.add(&pod.requests);
+            }
+        }
+    }
+    let running_in_kernel = |pod: &PodSummary| {
+        pod.requests
+            .nonzero()
+            .all(|(kind, _)| running.get(kind) <= input.kernel_used.get(kind))
+    };
+    let mut out = Vec::new();
+    for pod in input.pods.iter().filter(|p| on_host(p)) {
+        let pending = match (input.accounting, pod.phase) {
+            (_, PodPhase::Succeeded | PodPhase::Failed) => continue,
+            (Accounting::PerPod, _) => {
+                let held = input.pod_usage.get(&pod.uid).copied().unwrap_or_default();
+                pod.requests
+                    .nonzero()
+                    .any(|(kind, want)| held.get(kind) < want)
+            }
+            (Accounting::RunningPods, PodPhase::Pending) => true,
+            (Accounting::RunningPods, _) if running_in_kernel(pod) => false,
+            (Accounting::RunningPods, _) => continue,
+        };
+        out.push(CountedPod {
+            uid: pod.uid.clone(),
+            pending,
+        });
+    }
+    out
+}
+
 fn per_pod(kind: TeeKind, pods: &[PodSummary], usage: &HashMap<String, KindCounts>) -> (u64, u64) {
     let mut used = 0u64;
     let mut pending = 0u64;
@@ -617,5 +677,76 @@ mod tests {
     fn kind_counts_display() {
         assert_eq!(counts(&[(TDX, 2), (ES, 1)]).to_string(), "tdx=2,sev_es=1");
         assert_eq!(KindCounts::ZERO.to_string(), "-");
+    }
+
+    fn counted_of(
+        accounting: Accounting,
+        kernel: &[(TeeKind, u64)],
+        usage: &[(&str, &[(TeeKind, u64)])],
+        pods: &[PodSummary],
+    ) -> Vec<(String, bool)> {
+        let usage: HashMap<String, KindCounts> = usage
+            .iter()
+            .map(|(uid, c)| (uid.to_string(), counts(c)))
+            .collect();
+        counted(&AttributionInput {
+            capacity: &counts(&[(TDX, 4), (ES, 4)]),
+            kernel_used: &counts(kernel),
+            accounting: &accounting,
+            pod_usage: &usage,
+            pods,
+        })
+        .into_iter()
+        .map(|c| (c.uid, c.pending))
+        .collect()
+    }
+
+    #[test]
+    fn per_pod_accounting_counts_every_live_pod_and_marks_those_still_waiting() {
+        let pods = [
+            pod("waiting", PodPhase::Pending, &[(TDX, 1)]),
+            pod("holding", PodPhase::Running, &[(TDX, 1)]),
+            pod("half", PodPhase::Running, &[(TDX, 1), (ES, 1)]),
+            pod("done", PodPhase::Succeeded, &[(TDX, 1)]),
+            pod("no-keys", PodPhase::Running, &[]),
+            pod("other-kind", PodPhase::Pending, &[(SEV, 1)]),
+        ];
+        let usage: &[(&str, &[(TeeKind, u64)])] =
+            &[("holding", &[(TDX, 1)]), ("half", &[(TDX, 1)])];
+        assert_eq!(
+            counted_of(Accounting::PerPod, &[(TDX, 2)], usage, &pods),
+            [
+                ("waiting".to_string(), true),
+                ("holding".to_string(), false),
+                ("half".to_string(), true),
+            ]
+        );
+    }
+
+    #[test]
+    fn running_pod_fallback_counts_running_pods_only_once_the_kernel_shows_their_keys() {
+        let pods = [
+            pod("a", PodPhase::Running, &[(TDX, 1)]),
+            pod("b", PodPhase::Running, &[(TDX, 1)]),
+            pod("c", PodPhase::Pending, &[(TDX, 1)]),
+            pod("d", PodPhase::Failed, &[(TDX, 1)]),
+            pod("e", PodPhase::Unknown, &[(ES, 1)]),
+        ];
+        // Both running TDX pods' keys are in the kernel's usage: counted as holding them.
+        assert_eq!(
+            counted_of(Accounting::RunningPods, &[(TDX, 2), (ES, 1)], &[], &pods),
+            [
+                ("a".to_string(), false),
+                ("b".to_string(), false),
+                ("c".to_string(), true),
+                ("e".to_string(), false),
+            ]
+        );
+        // One running pod's key is not charged yet: which one cannot be told, so neither is listed;
+        // the Pending pod is (its key is in `pending`), and so is the SEV-ES pod.
+        assert_eq!(
+            counted_of(Accounting::RunningPods, &[(TDX, 1), (ES, 1)], &[], &pods),
+            [("c".to_string(), true), ("e".to_string(), false)]
+        );
     }
 }

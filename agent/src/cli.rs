@@ -257,11 +257,17 @@ pub fn scan_report(
     let figures = kernel.figures(&view.pods);
     let desired = Desired::from_figures(config.agent.advertise, &figures);
     let advertising = AdvertiseOutcome::without_node(&desired);
+    let counted_pods = report::CountedPods::default().update(
+        &kernel.counted(&view.pods),
+        std::time::Instant::now(),
+        config.admission.ledger_ttl,
+    );
     let status = report::build_status(&StatusInput {
         kernel: &kernel,
         figures: &figures,
         advertising: &advertising,
         resources: &config.resources,
+        counted_pods: &counted_pods,
         previous: None,
         now: jiff::Timestamp::now(),
     });

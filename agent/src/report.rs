@@ -19,13 +19,14 @@ use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
-use teeguard_shared::crd::{KindStatus, TeeCapacityStatus};
+use teeguard_shared::crd::{KindStatus, MAX_COUNTED_PODS, TeeCapacityStatus};
 use teeguard_shared::misc::CgroupLayout;
 use teeguard_shared::names::{conditions as ct, reasons};
 
 use crate::advertise::{AdvertiseOutcome, KindAdvert};
 use crate::attribution::{
-    Accounting, AttributionInput, KindCounts, KindFigures, PodSummary, attribute,
+    Accounting, AttributionInput, CountedPod, KindCounts, KindFigures, PodSummary, attribute,
+    counted,
 };
 use crate::error::Error;
 use crate::scan::HostState;
@@ -56,21 +57,71 @@ impl KernelView {
 
     /// Attribute the last good scan's usage to `pods`.
     pub fn figures(&self, pods: &[PodSummary]) -> BTreeMap<TeeKind, KindFigures> {
+        self.with_input(pods, attribute).unwrap_or_default()
+    }
+
+    /// The pods whose keys [`KernelView::figures`] counts (see [`counted`]).
+    pub fn counted(&self, pods: &[PodSummary]) -> Vec<CountedPod> {
+        self.with_input(pods, counted).unwrap_or_default()
+    }
+
+    fn with_input<T>(
+        &self,
+        pods: &[PodSummary],
+        f: impl FnOnce(&AttributionInput<'_>) -> T,
+    ) -> Option<T> {
         let Some(HostState::Scanned(scan)) = &self.last_good else {
-            return BTreeMap::new();
+            return None;
         };
         let empty = HashMap::new();
         let (accounting, usage) = match &scan.pods {
             Some(p) => (&p.accounting, &p.usage),
             None => (&Accounting::PerPod, &empty),
         };
-        attribute(&AttributionInput {
+        Some(f(&AttributionInput {
             capacity: &scan.capacity,
             kernel_used: &scan.kernel_used,
             accounting,
             pod_usage: usage,
             pods,
-        })
+        }))
+    }
+}
+
+/// Which counted pods a report lists in `countedPods`: since when each pod has been counted, and the
+/// rule that keeps the list short (every pod still pending, and every pod first counted less than
+/// `window` ago, newest first, at most [`MAX_COUNTED_PODS`]). `window` is `admission.ledgerTtl`: the
+/// webhook holds a reservation no longer than that, so an older pod is of no use to it. Durations on
+/// the agent's own clock only: the webhook compares nothing with them.
+#[derive(Clone, Debug, Default)]
+pub struct CountedPods {
+    since: HashMap<String, Instant>,
+}
+
+impl CountedPods {
+    /// Record the pods counted now and return the UIDs to list. Pods no longer counted are forgotten.
+    pub fn update(
+        &mut self,
+        counted: &[CountedPod],
+        now: Instant,
+        window: Duration,
+    ) -> Vec<String> {
+        let mut since = HashMap::with_capacity(counted.len());
+        let mut listed = Vec::new();
+        for c in counted {
+            let first = self.since.get(&c.uid).copied().unwrap_or(now);
+            since.insert(c.uid.clone(), first);
+            if c.pending || now.saturating_duration_since(first) < window {
+                listed.push((first, c.uid.as_str()));
+            }
+        }
+        self.since = since;
+        listed.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));
+        listed
+            .into_iter()
+            .take(MAX_COUNTED_PODS)
+            .map(|(_, uid)| uid.to_string())
+            .collect()
     }
 }
 
@@ -305,6 +356,8 @@ pub struct StatusInput<'a> {
     pub advertising: &'a AdvertiseOutcome,
     /// Resource names per kind.
     pub resources: &'a ResourcesConfig,
+    /// The pods to list in `countedPods` (from [`CountedPods::update`]).
+    pub counted_pods: &'a [String],
     /// The status last published (for condition transition times).
     pub previous: Option<&'a TeeCapacityStatus>,
     /// The current time.
@@ -328,6 +381,7 @@ pub fn build_status(input: &StatusInput<'_>) -> TeeCapacityStatus {
             advertised: input.advertising.advertised(*kind),
         });
     }
+    status.counted_pods = input.counted_pods.to_vec();
     status.heartbeat_time = Some(Time(now));
     status.agent_version = Some(AGENT_VERSION.to_string());
     let specs = conditions(
@@ -349,17 +403,27 @@ pub fn whole_seconds(t: Timestamp) -> Timestamp {
     Timestamp::from_second(t.as_second()).unwrap_or(t)
 }
 
-/// True when two statuses differ in anything but the heartbeat time.
+/// True when two statuses differ in anything but the heartbeat time and `countedPods`.
 pub fn content_differs(a: &TeeCapacityStatus, b: &TeeCapacityStatus) -> bool {
     let strip = |s: &TeeCapacityStatus| TeeCapacityStatus {
         heartbeat_time: None,
+        counted_pods: Vec::new(),
         ..s.clone()
     };
     strip(a) != strip(b)
 }
 
-/// Whether to publish `new`: always the first time, immediately when the content changed, otherwise
-/// once the heartbeat interval has passed since the last publish.
+/// True when `new` lists a pod in `countedPods` that `prev` did not (a pod leaving the list is no
+/// news: it waits for the next heartbeat).
+pub fn lists_new_pods(prev: &TeeCapacityStatus, new: &TeeCapacityStatus) -> bool {
+    new.counted_pods
+        .iter()
+        .any(|uid| !prev.counted_pods.contains(uid))
+}
+
+/// Whether to publish `new`: always the first time, immediately when the content changed or a pod is
+/// newly counted (the webhook is holding its keys until it sees that), otherwise once the heartbeat
+/// interval has passed since the last publish.
 pub fn needs_publish(
     last: Option<(&TeeCapacityStatus, Instant)>,
     new: &TeeCapacityStatus,
@@ -369,7 +433,9 @@ pub fn needs_publish(
     match last {
         None => true,
         Some((prev, at)) => {
-            content_differs(prev, new) || now.saturating_duration_since(at) >= heartbeat
+            content_differs(prev, new)
+                || lists_new_pods(prev, new)
+                || now.saturating_duration_since(at) >= heartbeat
         }
     }
 }
@@ -658,6 +724,7 @@ mod tests {
             figures: &figures,
             advertising: &adv,
             resources: &res,
+            counted_pods: &["vm1".to_string()],
             previous: None,
             now: Timestamp::from_millisecond(100_500).expect("ts"),
         });
@@ -676,6 +743,7 @@ mod tests {
             }
         );
         assert_eq!(s1.heartbeat_time, Some(Time(ts(100))));
+        assert_eq!(s1.counted_pods, ["vm1"]);
         assert_eq!(s1.agent_version.as_deref(), Some(AGENT_VERSION));
         assert!(
             s1.conditions
@@ -689,11 +757,16 @@ mod tests {
             figures: &figures,
             advertising: &adv,
             resources: &res,
+            counted_pods: &[],
             previous: Some(&s1),
             now: ts(130),
         });
         assert_eq!(s2.heartbeat_time, Some(Time(ts(130))));
-        assert!(!content_differs(&s1, &s2));
+        assert!(
+            !content_differs(&s1, &s2),
+            "a pod leaving countedPods is no news"
+        );
+        assert!(!lists_new_pods(&s1, &s2) && lists_new_pods(&s2, &s1));
         assert!(
             s2.conditions
                 .iter()
@@ -707,6 +780,7 @@ mod tests {
             figures: &kernel.figures(&pods),
             advertising: &adv,
             resources: &res,
+            counted_pods: &[],
             previous: Some(&s2),
             now: ts(140),
         });
@@ -744,5 +818,73 @@ mod tests {
         ));
         assert!(needs_publish(Some((&a, t0)), &b, t0 + hb, hb));
         assert!(needs_publish(Some((&a, t0)), &c, t0, hb));
+        // A newly counted pod is published at once; one leaving the list waits for the heartbeat.
+        let mut listed = b.clone();
+        listed.counted_pods = vec!["vm2".into()];
+        assert!(needs_publish(Some((&a, t0)), &listed, t0, hb));
+        assert!(!needs_publish(Some((&listed, t0)), &b, t0, hb));
+    }
+
+    fn counted_pod(uid: &str, pending: bool) -> CountedPod {
+        CountedPod {
+            uid: uid.into(),
+            pending,
+        }
+    }
+
+    #[test]
+    fn counted_pods_lists_pending_and_recent_pods_newest_first() {
+        let window = Duration::from_secs(30);
+        let t0 = Instant::now();
+        let mut tracker = CountedPods::default();
+        let listed = tracker.update(&[counted_pod("a", false)], t0, window);
+        assert_eq!(listed, ["a"]);
+        let s = |n| t0 + Duration::from_secs(n);
+        // b arrives later: listed first.
+        let listed = tracker.update(
+            &[counted_pod("a", false), counted_pod("b", true)],
+            s(10),
+            window,
+        );
+        assert_eq!(listed, ["b", "a"]);
+        // Past the window, a holder drops out; a pod still pending stays however old.
+        let listed = tracker.update(
+            &[counted_pod("a", false), counted_pod("b", true)],
+            s(45),
+            window,
+        );
+        assert_eq!(listed, ["b"]);
+        let listed = tracker.update(
+            &[counted_pod("a", false), counted_pod("b", false)],
+            s(45),
+            window,
+        );
+        assert!(listed.is_empty(), "{listed:?}");
+        // A pod no longer counted is forgotten: counted again, it is new again.
+        tracker.update(&[counted_pod("b", false)], s(46), window);
+        let listed = tracker.update(
+            &[counted_pod("a", false), counted_pod("b", false)],
+            s(47),
+            window,
+        );
+        assert_eq!(listed, ["a"]);
+    }
+
+    #[test]
+    fn counted_pods_list_is_bounded_and_keeps_the_newest() {
+        let window = Duration::from_secs(30);
+        let t0 = Instant::now();
+        let mut tracker = CountedPods::default();
+        let old: Vec<String> = (0..MAX_COUNTED_PODS)
+            .map(|i| format!("old-{i:03}"))
+            .collect();
+        let pods: Vec<CountedPod> = old.iter().map(|u| counted_pod(u, true)).collect();
+        tracker.update(&pods, t0, window);
+        let mut all = pods.clone();
+        all.push(counted_pod("new", true));
+        let listed = tracker.update(&all, t0 + Duration::from_secs(1), window);
+        assert_eq!(listed.len(), MAX_COUNTED_PODS);
+        assert_eq!(listed[0], "new");
+        assert_eq!(listed[1..], old[..MAX_COUNTED_PODS - 1]);
     }
 }

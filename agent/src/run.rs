@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::pods::{self, Backoff, CachedPod, PodsView, Watched};
 use crate::publish::Publisher;
-use crate::report::{self, KernelView, StatusInput};
+use crate::report::{self, CountedPods, KernelView, StatusInput};
 use crate::scan::{HostState, Interest, Scanner};
 
 /// Readiness check: the first scan succeeded.
@@ -103,6 +103,7 @@ pub async fn run(
         nodes: Api::all(client),
         scanner: Some(Scanner::new(opts.cgroup_root.clone())),
         kernel: KernelView::default(),
+        counted_pods: CountedPods::default(),
         pods_view: PodsView::default(),
         pods_view_synced: false,
         patched_node: None,
@@ -137,6 +138,8 @@ struct Agent {
     nodes: Api<Node>,
     scanner: Option<Scanner>,
     kernel: KernelView,
+    /// Since when each pod has been counted (for the report's `countedPods`).
+    counted_pods: CountedPods,
     pods: Watched<CachedPod>,
     node: Watched<Node>,
     pods_view: PodsView,
@@ -334,6 +337,11 @@ impl Agent {
     async fn reconcile(&mut self) {
         let figures = self.kernel.figures(&self.pods_view.pods);
         self.metrics.set_figures(&figures);
+        let counted_pods = self.counted_pods.update(
+            &self.kernel.counted(&self.pods_view.pods),
+            Instant::now(),
+            self.opts.config.admission.ledger_ttl,
+        );
         let node = self.current_node();
         let desired = Desired::from_figures(self.opts.config.agent.advertise, &figures);
         let ready_to_write = self.pods_view_synced && self.kernel.last_good.is_some();
@@ -381,7 +389,7 @@ impl Agent {
             return;
         };
         self.warned_node_missing = false;
-        let mut status = self.build(&figures, &outcome);
+        let mut status = self.build(&figures, &counted_pods, &outcome);
         let now = Instant::now();
         let last = self.last_published.as_ref().map(|(s, at)| (s, *at));
         if !report::needs_publish(
@@ -405,7 +413,7 @@ impl Agent {
                 Ok(existing) => {
                     if self.last_published.is_none() && existing.is_some() {
                         self.seeded_previous = existing;
-                        status = self.build(&figures, &outcome);
+                        status = self.build(&figures, &counted_pods, &outcome);
                     }
                 }
                 Err(e) => {
@@ -442,6 +450,7 @@ impl Agent {
             teeguard_shared::TeeKind,
             crate::attribution::KindFigures,
         >,
+        counted_pods: &[String],
         outcome: &AdvertiseOutcome,
     ) -> TeeCapacityStatus {
         let previous = self
@@ -454,6 +463,7 @@ impl Agent {
             figures,
             advertising: outcome,
             resources: &self.opts.config.resources,
+            counted_pods,
             previous,
             now: jiff::Timestamp::now(),
         })

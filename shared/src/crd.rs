@@ -58,13 +58,27 @@ pub struct TeeCapacityStatus {
     /// Version of the agent that wrote the report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_version: Option<String>,
+    /// UIDs of the recently bound pods whose keys this report counts (as `pending` or as held): every
+    /// pod still waiting for its keys and every pod first counted within `admission.ledgerTtl`, newest
+    /// first, at most 64 (`MAX_COUNTED_PODS`). The webhook ends its reservation for a pod as soon as a
+    /// report lists it, so an admitted key is never counted twice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("maxItems" = MAX_COUNTED_PODS))]
+    pub counted_pods: Vec<String>,
     /// `KernelReadable`, `TeeHardware`, `PerPodAccounting`, `Advertising`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
 }
 
-/// Capacity and usage of one kind of TEE key on one node.
+/// The most pod UIDs a report lists in `countedPods` (about 2.5 KB): on a host with hundreds of TEE
+/// pods only those bound recently are listed, and a pod left out keeps its reservation until the next
+/// report that lists it or `admission.ledgerTtl` (a node looks fuller than it is, never emptier).
+pub const MAX_COUNTED_PODS: usize = 64;
+
+/// Capacity and usage of one kind of TEE key on one node. Counts are declared `int64` in the schema
+/// (`format: uint64`, schemars' default for `u64`, is not an OpenAPI format the API server knows and
+/// draws a warning on every install); `minimum: 0` still rules out negatives.
 ///
 /// `free = capacity − kernelUsed − pending` (never below zero); `external = kernelUsed − podsUsed`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -73,20 +87,27 @@ pub struct KindStatus {
     /// The extended resource pods request for this kind (`tdx.intel.com/keys`).
     pub resource_name: String,
     /// Keys the kernel can hand out (`misc.capacity`).
+    #[schemars(extend("format" = "int64"))]
     pub capacity: u64,
     /// Keys the kernel has handed out (`misc.current` at the root).
+    #[schemars(extend("format" = "int64"))]
     pub kernel_used: u64,
     /// Keys held by pods that request the resource (KubeVirt VMs, Kata pods).
+    #[schemars(extend("format" = "int64"))]
     pub pods_used: u64,
     /// Keys held by anything that does not request the resource: other runtimes, VMs outside Kubernetes.
+    #[schemars(extend("format" = "int64"))]
     pub external: u64,
     /// Keys requested by pods bound to the node that the kernel does not show yet.
+    #[schemars(extend("format" = "int64"))]
     pub pending: u64,
     /// Keys a new VM can still get.
+    #[schemars(extend("format" = "int64"))]
     pub free: u64,
     /// What the agent advertises as the node's capacity of the extended resource
     /// (`capacity − external`); absent when it does not advertise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "int64"))]
     pub advertised: Option<u64>,
 }
 

@@ -207,6 +207,75 @@ async fn vmi_to_running_vm_updates_the_report() {
     .await;
 }
 
+// 1b. The ledger must not count an admitted key twice: with the agent at its real cadence (poll 1 s,
+//     heartbeat 30 s, immediate publish on change), VM 2 created right after VM 1's report counts VM 1
+//     is admitted at once, and VM 3, refused on a full node, gets a message whose figures are the
+//     report's. (Before reservations ended on a report listing the pod, VM 2 was refused for ~30 s:
+//     "0/2 free (1 just admitted, not in the report yet)".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn back_to_back_vms_are_admitted_as_soon_as_the_report_counts_the_first() {
+    bounded(async {
+        let w = world(2, "").await;
+        let report_timeout = Duration::from_secs(10);
+        let admit_and_bind = |name: &'static str| {
+            let w = &w;
+            async move {
+                let (_, adm) = vm_pod(w, VmiSpec::new(name, Tee::Tdx)).await;
+                let pod = adm
+                    .pod
+                    .unwrap_or_else(|| panic!("{name} admitted at CREATE: {:?}", adm.validate));
+                let (ns, pod_name) = key(&pod);
+                let b = w.driver.bind(&ns, &pod_name, NODE).await.expect("binding");
+                assert!(b.bound, "{name} bound: {:?}", b.reply.raw);
+                pod
+            }
+        };
+
+        let pod1 = admit_and_bind("vm-1").await;
+        let first = std::time::Instant::now();
+        // The agent sees the binding and publishes at once: free 1, pending 1, vm-1 listed as counted.
+        let s = w
+            .driver
+            .wait_report_settled(NODE, teeguard_shared::TeeKind::Tdx, &w.host, report_timeout)
+            .await
+            .expect("the report counts vm-1");
+        assert_eq!((s.pending, s.free), (1, 1), "{s:?}");
+        let uid1 = pod1.metadata.uid.clone().expect("uid");
+        let counted = w.env.report(NODE).expect("report").counted_pods;
+        assert!(counted.contains(&uid1), "{counted:?}");
+        // Let the webhook's report cache take the new report.
+        tokio::time::sleep(teeguard_tests::e2e::PROCESS_WATCH_GRACE).await;
+
+        // VM 2, right away: one key is free and the webhook must not hold vm-1's key back on top.
+        admit_and_bind("vm-2").await;
+        let gap = first.elapsed();
+        assert!(
+            gap < Duration::from_secs(2),
+            "vm-2 admitted {gap:?} after vm-1"
+        );
+
+        // VM 3: the node is really full; the refusal's figures are the report's, with nothing
+        // "just admitted" on top.
+        let s = w
+            .driver
+            .wait_report_settled(NODE, teeguard_shared::TeeKind::Tdx, &w.host, report_timeout)
+            .await
+            .expect("the report counts vm-2");
+        assert_eq!((s.capacity, s.pending, s.free), (2, 2, 0), "{s:?}");
+        tokio::time::sleep(teeguard_tests::e2e::PROCESS_WATCH_GRACE).await;
+        let (_, adm3) = vm_pod(&w, VmiSpec::new("vm-3", Tee::Tdx)).await;
+        let v = adm3.validate.as_ref().expect("validated");
+        let msg = v.explanation();
+        assert!(!v.allowed, "vm-3 refused on a full node: {:?}", v.raw);
+        assert!(
+            msg.contains("no node can host this TDX VM") && msg.contains("node-a 0/2 free"),
+            "{msg}"
+        );
+        assert!(!msg.contains("just admitted"), "{msg}");
+    })
+    .await;
+}
+
 // 2. Host full (including keys held outside Kubernetes) → the next binding is denied, the VMI gets
 //    an Event, and once a key is freed the retry is admitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,13 +10,13 @@
 //! insert, never across an `await`).
 //!
 //! A reservation ends when
-//! - the report catches up ([`Reservation::caught_up`]): the cached report changed since the admission
-//!   (another `resourceVersion`) **and** its `heartbeatTime` is at least [`REPORT_SETTLE`] after the
-//!   admission instant, so the agent computed it after it could see the binding (the agent writes
-//!   whole-second heartbeats and its pod watch lags by milliseconds; the margin also absorbs modest clock
-//!   skew between the webhook and the node); or
-//! - `admission.ledgerTtl` has passed since the admission (the pod was deleted, the bind failed, or the
-//!   agent is not reporting).
+//! - a report that **counts the pod** arrives: the agent lists the UIDs of the recently bound pods whose
+//!   keys its figures count in `status.countedPods` (every pod still pending, and every pod first
+//!   counted within `admission.ledgerTtl`), so from that report on the pod's keys are in `free` and
+//!   holding them here too would count them twice ([`Reservation::counted_in`]). No clocks are
+//!   compared: skew between the node and the webhook does not matter; or
+//! - `admission.ledgerTtl` has passed since the admission: the backstop for pods that never reach the
+//!   node (deleted, the bind failed) or a node whose agent does not report.
 //!
 //! Reservations are keyed by pod UID: a retried binding of the same pod does not reserve twice; a
 //! binding of the same pod to another node moves the reservation.
@@ -27,21 +27,15 @@
 //! behind the Service, up to N concurrent admissions (one per replica) may pass against one last key.
 //! The backstops are the scheduler's own accounting of the extended resource (the agent advertises
 //! `capacity − external`, so the scheduler never binds more requesting pods than that) and, last, the
-//! kernel, which refuses the key to the VM that comes too late (its QEMU fails to start). A reservation
-//! can also end early if the node's clock runs ahead of the webhook's by more than [`REPORT_SETTLE`], or
-//! late (a node looks fuller than it is, at most until the TTL) when the agent publishes rarely.
+//! kernel, which refuses the key to the VM that comes too late (its QEMU fails to start).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use jiff::{SignedDuration, Timestamp};
 use teeguard_shared::TeeKind;
 use teeguard_shared::pod::KeyRequests;
-
-/// How long after an admission a report's heartbeat must be to count as having seen it.
-pub const REPORT_SETTLE: Duration = Duration::from_secs(2);
 
 /// One admitted pod's keys on one node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,21 +46,15 @@ pub struct Reservation {
     pub pod: String,
     /// Keys per kind.
     pub keys: KeyRequests,
-    /// Wall-clock admission time, compared with report heartbeats.
-    pub admitted_at: Timestamp,
     /// Monotonic admission time, for the TTL.
     pub admitted: Instant,
-    /// `resourceVersion` of the node's report when the pod was admitted (`None`: no report).
-    pub report_version: Option<String>,
 }
 
-/// What identifies the node's report as the webhook sees it now.
+/// The pods the node's cached report counts (its `status.countedPods`; empty without a report).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReportMark<'a> {
-    /// `metadata.resourceVersion` of the cached report.
-    pub resource_version: Option<&'a str>,
-    /// `status.heartbeatTime`.
-    pub heartbeat: Option<Timestamp>,
+    /// UIDs of the pods whose keys the report's figures count.
+    pub counted_pods: &'a [String],
 }
 
 impl Reservation {
@@ -75,16 +63,9 @@ impl Reservation {
         now.saturating_duration_since(self.admitted) >= ttl
     }
 
-    /// Whether the report `mark` accounts for this admission (see the module docs).
-    pub fn caught_up(&self, mark: ReportMark<'_>) -> bool {
-        let changed = mark
-            .resource_version
-            .is_some_and(|rv| Some(rv) != self.report_version.as_deref());
-        let settle = SignedDuration::try_from(REPORT_SETTLE).unwrap_or(SignedDuration::MAX);
-        let later = mark
-            .heartbeat
-            .is_some_and(|hb| hb.duration_since(self.admitted_at) >= settle);
-        changed && later
+    /// Whether the report `mark` counts this pod, so its keys are in the report's `free` already.
+    pub fn counted_in(&self, mark: ReportMark<'_>) -> bool {
+        mark.counted_pods.iter().any(|uid| *uid == self.pod_uid)
     }
 }
 
@@ -236,8 +217,8 @@ impl Ledger {
         }
     }
 
-    /// Keys reserved on `node` by pods other than `except_uid`, after dropping the node's expired and
-    /// caught-up reservations.
+    /// Keys reserved on `node` by pods other than `except_uid`, after dropping the node's expired
+    /// reservations and those the report counts.
     ///
     /// With nothing reserved on any node this takes no lock: a reservation made by another review at
     /// the same moment is seen or not, exactly as if that review had taken the lock just after this one.
@@ -255,11 +236,11 @@ impl Ledger {
         }
         let mut st = self.lock();
         let ttl = self.ttl;
-        st.retain_node(node, |r| !r.expired(now, ttl) && !r.caught_up(mark));
+        st.retain_node(node, |r| !r.expired(now, ttl) && !r.counted_in(mark));
         st.held_except(node, except_uid)
     }
 
-    /// Atomically: drop the node's expired and caught-up reservations, compute the keys held by other
+    /// Atomically: drop the node's expired reservations and those the report counts, compute the keys held by other
     /// pods, call `decide` with them (pure, quick: the lock is held), and when it returns `true` reserve
     /// `candidate` on `node`. A pod that already holds a reservation here keeps it (no double
     /// reservation); one held on another node moves here.
@@ -273,7 +254,7 @@ impl Ledger {
     ) -> (T, Reserved) {
         let mut st = self.lock();
         let ttl = self.ttl;
-        st.retain_node(node, |r| !r.expired(now, ttl) && !r.caught_up(mark));
+        st.retain_node(node, |r| !r.expired(now, ttl) && !r.counted_in(mark));
         let held = st.held_except(node, &candidate.pod_uid);
         let (out, reserve) = decide(&held);
         if !reserve {
@@ -335,26 +316,21 @@ mod tests {
 
     const TTL: Duration = Duration::from_secs(30);
 
-    fn ts(s: i64) -> Timestamp {
-        Timestamp::from_second(1_750_000_000 + s).expect("timestamp")
-    }
-
-    fn res(uid: &str, keys: u64, at: i64, mono: Instant, rv: Option<&str>) -> Reservation {
+    fn res(uid: &str, keys: u64, mono: Instant) -> Reservation {
         Reservation {
             pod_uid: uid.into(),
             pod: format!("ns/{uid}"),
             keys: KeyRequests::from([(TeeKind::Tdx, keys)]),
-            admitted_at: ts(at),
             admitted: mono,
-            report_version: rv.map(str::to_string),
         }
     }
 
-    fn mark(rv: &str, hb: i64) -> ReportMark<'_> {
-        ReportMark {
-            resource_version: Some(rv),
-            heartbeat: Some(ts(hb)),
-        }
+    fn uids(list: &[&str]) -> Vec<String> {
+        list.iter().map(|u| u.to_string()).collect()
+    }
+
+    fn counting(pods: &[String]) -> ReportMark<'_> {
+        ReportMark { counted_pods: pods }
     }
 
     /// Admit when `free − held ≥ 1` (the shape of the real decision).
@@ -366,56 +342,95 @@ mod tests {
     }
 
     #[test]
-    fn catch_up_needs_a_newer_report_and_a_later_heartbeat() {
-        let r = res("a", 1, 100, Instant::now(), Some("5"));
-        // (mark, caught up)
-        let cases = [
-            (mark("5", 200), false), // same report version, however late its heartbeat claims
-            (mark("6", 100), false), // newer report, but computed at the admission instant
-            (mark("6", 101), false), // ... or within the settle margin
-            (mark("6", 102), true),  // newer and at least REPORT_SETTLE later
-            (mark("6", 500), true),
-            (mark("6", 50), false), // heartbeat before the admission
-            (ReportMark::default(), false),
-            (
-                ReportMark {
-                    resource_version: Some("6"),
-                    heartbeat: None,
-                },
-                false,
-            ),
-        ];
-        for (m, want) in cases {
-            assert_eq!(r.caught_up(m), want, "{m:?}");
-        }
-        // Admitted when there was no report: any report counts as newer.
-        let r = res("a", 1, 100, Instant::now(), None);
-        assert!(r.caught_up(mark("1", 103)));
+    fn a_report_counts_a_reservation_only_when_it_lists_its_pod() {
+        let r = res("a", 1, Instant::now());
+        assert!(!r.counted_in(ReportMark::default()), "no report");
+        assert!(!r.counted_in(counting(&uids(&[]))));
+        assert!(!r.counted_in(counting(&uids(&["b", "c"]))));
+        assert!(
+            !r.counted_in(counting(&uids(&["ab", "A"]))),
+            "whole UIDs only"
+        );
+        assert!(r.counted_in(counting(&uids(&["b", "a"]))));
+    }
+
+    #[test]
+    fn released_by_the_first_report_that_counts_the_pod() {
+        let ledger = Ledger::new(TTL);
+        let t0 = Instant::now();
+        let before = uids(&["older"]);
+        let (ok, _) = ledger.check_and_reserve(
+            "n1",
+            counting(&before),
+            t0,
+            res("a", 1, t0),
+            admit_if_free(2),
+        );
+        assert!(ok);
+        // A report that does not list the pod (any number of them: heartbeats, other pods' changes)
+        // keeps the reservation.
+        let others = uids(&["older", "b"]);
+        assert_eq!(
+            ledger.held("n1", counting(&others), t0, ""),
+            KeyRequests::from([(TeeKind::Tdx, 1)])
+        );
+        // The report that counts it, published at once (no settle time), releases it: its `free`
+        // includes the pod now.
+        let with_a = uids(&["a", "older"]);
+        assert!(ledger.held("n1", counting(&with_a), t0, "").is_empty());
+        assert!(ledger.is_empty());
+        // A later report that no longer lists it (the pod aged out of the list) holds nothing back.
+        assert!(ledger.held("n1", counting(&others), t0, "").is_empty());
+    }
+
+    #[test]
+    fn released_by_the_ttl_when_the_pod_never_appears() {
+        let ledger = Ledger::new(TTL);
+        let t0 = Instant::now();
+        let none: Vec<String> = Vec::new();
+        ledger.check_and_reserve("n1", counting(&none), t0, res("a", 1, t0), admit_if_free(1));
+        let later = t0 + TTL - Duration::from_millis(1);
+        assert_eq!(ledger.held("n1", counting(&none), later, "").len(), 1);
+        assert_eq!(ledger.prune_expired(later), 1);
+        assert!(ledger.held("n1", counting(&none), t0 + TTL, "").is_empty());
+        assert!(ledger.is_empty());
+    }
+
+    #[test]
+    fn a_report_counting_the_pod_at_check_time_holds_nothing_back() {
+        // The pod is already in the report (a retried binding after the agent saw the first one):
+        // its keys are in `free`, the reservation made now is released by the next check.
+        let ledger = Ledger::new(TTL);
+        let t0 = Instant::now();
+        let with_a = uids(&["a"]);
+        ledger.check_and_reserve(
+            "n1",
+            counting(&with_a),
+            t0,
+            res("a", 1, t0),
+            admit_if_free(1),
+        );
+        let (ok, _) = ledger.check_and_reserve(
+            "n1",
+            counting(&with_a),
+            t0,
+            res("b", 1, t0),
+            admit_if_free(1),
+        );
+        assert!(ok, "a's key is counted once, in the report's free");
     }
 
     #[test]
     fn reserve_blocks_the_last_key_and_expires() {
         let ledger = Ledger::new(TTL);
         let t0 = Instant::now();
-        let m = mark("5", 99);
-        let (ok, r) = ledger.check_and_reserve(
-            "n1",
-            m,
-            t0,
-            res("a", 1, 100, t0, Some("5")),
-            admit_if_free(1),
-        );
+        let m = ReportMark::default();
+        let (ok, r) = ledger.check_and_reserve("n1", m, t0, res("a", 1, t0), admit_if_free(1));
         assert!(ok);
         assert_eq!(r, Reserved::Added);
         assert_eq!(ledger.len(), 1);
         // A second pod sees the key held.
-        let (ok, r) = ledger.check_and_reserve(
-            "n1",
-            m,
-            t0,
-            res("b", 1, 100, t0, Some("5")),
-            admit_if_free(1),
-        );
+        let (ok, r) = ledger.check_and_reserve("n1", m, t0, res("b", 1, t0), admit_if_free(1));
         assert!(!ok);
         assert_eq!(r, Reserved::No);
         assert_eq!(ledger.len(), 1);
@@ -435,44 +450,21 @@ mod tests {
         assert_eq!(ledger.prune_expired(later), 1);
         assert_eq!(ledger.prune_expired(t0 + TTL), 0);
         assert!(ledger.is_empty());
-        let (ok, _) = ledger.check_and_reserve(
-            "n1",
-            m,
-            t0 + TTL,
-            res("b", 1, 130, t0 + TTL, Some("5")),
-            admit_if_free(1),
-        );
+        let (ok, _) =
+            ledger.check_and_reserve("n1", m, t0 + TTL, res("b", 1, t0 + TTL), admit_if_free(1));
         assert!(ok);
-    }
-
-    #[test]
-    fn report_catch_up_releases() {
-        let ledger = Ledger::new(TTL);
-        let t0 = Instant::now();
-        ledger.check_and_reserve(
-            "n1",
-            mark("5", 99),
-            t0,
-            res("a", 1, 100, t0, Some("5")),
-            admit_if_free(3),
-        );
-        // A newer report computed too early keeps it.
-        assert_eq!(ledger.held("n1", mark("6", 100), t0, "").len(), 1);
-        // The report that accounts for it releases it; its `free` now includes the pod.
-        assert!(ledger.held("n1", mark("7", 103), t0, "").is_empty());
-        assert!(ledger.is_empty());
     }
 
     #[test]
     fn idempotent_per_pod_and_moves_between_nodes() {
         let ledger = Ledger::new(TTL);
         let t0 = Instant::now();
-        let m = mark("5", 99);
-        let first = res("a", 1, 100, t0, Some("5"));
+        let m = ReportMark::default();
+        let first = res("a", 1, t0);
         let (_, r) = ledger.check_and_reserve("n1", m, t0, first.clone(), admit_if_free(1));
         assert_eq!(r, Reserved::Added);
         // The scheduler retries the same pod: its own key does not count against it, nothing doubles.
-        let retry = res("a", 1, 105, t0 + Duration::from_secs(5), Some("5"));
+        let retry = res("a", 1, t0 + Duration::from_secs(5));
         let (ok, r) = ledger.check_and_reserve("n1", m, t0, retry, admit_if_free(1));
         assert!(ok);
         assert_eq!(r, Reserved::AlreadyHeld);
@@ -482,13 +474,7 @@ mod tests {
             "the original is kept"
         );
         // The same pod bound to another node: moved.
-        let (ok, r) = ledger.check_and_reserve(
-            "n2",
-            m,
-            t0,
-            res("a", 1, 106, t0, Some("5")),
-            admit_if_free(1),
-        );
+        let (ok, r) = ledger.check_and_reserve("n2", m, t0, res("a", 1, t0), admit_if_free(1));
         assert!(ok);
         assert_eq!(r, Reserved::Moved { from: "n1".into() });
         assert!(ledger.reservations("n1").is_empty());
@@ -506,7 +492,7 @@ mod tests {
             ("b", TeeKind::Tdx, 1),
             ("c", TeeKind::SevEs, 1),
         ] {
-            let mut r = res(uid, 0, 100, t0, None);
+            let mut r = res(uid, 0, t0);
             r.keys = KeyRequests::from([(kind, n)]);
             ledger.check_and_reserve("n", m, t0, r, |_| ((), true));
         }
@@ -524,9 +510,9 @@ mod tests {
             .map(|i| {
                 let ledger = ledger.clone();
                 std::thread::spawn(move || {
-                    let r = res(&format!("p{i}"), 1, 100, t0, Some("5"));
+                    let r = res(&format!("p{i}"), 1, t0);
                     ledger
-                        .check_and_reserve("n1", mark("5", 99), t0, r, admit_if_free(1))
+                        .check_and_reserve("n1", ReportMark::default(), t0, r, admit_if_free(1))
                         .0
                 })
             })

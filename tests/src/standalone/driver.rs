@@ -22,7 +22,6 @@ use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::crd::{KindStatus, TeeCapacity, TeeCapacityStatus};
 use teeguard_shared::pod::{key_requests, parse_whole_quantity};
-use teeguard_webhook::ledger::REPORT_SETTLE;
 
 use super::client::{ReviewReply, WebhookClient};
 use super::error::{Result, StandaloneError};
@@ -142,16 +141,17 @@ pub struct BindOutcome {
 }
 
 /// A binding `/validate` admitted: the webhook holds its keys in its ledger until the node's report
-/// has caught up (a report whose heartbeat is [`REPORT_SETTLE`] after the admission), or until
-/// `admission.ledgerTtl`.
+/// counts the pod (lists its UID in `countedPods`), or until `admission.ledgerTtl`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Admission {
     /// The node.
     pub node: String,
     /// `namespace/name` of the pod.
     pub pod: String,
+    /// The pod's UID (as the webhook keys the reservation).
+    pub uid: String,
     /// When the admission was answered (no earlier than the webhook's own admission time).
-    pub at: jiff::Timestamp,
+    pub at: std::time::Instant,
 }
 
 /// Plays kube-apiserver, virt-controller and kube-scheduler against one webhook and one fake API
@@ -349,39 +349,45 @@ impl ApiServerDriver {
     }
 
     /// Remember that the webhook admitted a pod onto `node` now (done by [`ApiServerDriver::bind`]; call
-    /// it for admissions made with [`ApiServerDriver::review`] directly).
+    /// it for admissions made with [`ApiServerDriver::review`] directly). `pod` is `namespace/name` of a
+    /// stored pod, whose UID the webhook keys its reservation by.
     pub fn note_admission(&self, node: &str, pod: &str) {
+        let (ns, name) = pod.split_once('/').unwrap_or(("", pod));
+        let uid = self
+            .api
+            .get("pods", Some(ns), name)
+            .and_then(|p| {
+                p.pointer("/metadata/uid")
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            })
+            .unwrap_or_else(|| pod.to_string());
         self.lock_admissions().push(Admission {
             node: node.to_string(),
             pod: pod.to_string(),
-            at: jiff::Timestamp::now(),
+            uid,
+            at: std::time::Instant::now(),
         });
     }
 
-    /// Admissions onto `node` the webhook may still hold in its ledger: the node's report has not yet
-    /// been re-published [`REPORT_SETTLE`] after them, and `ledgerTtl` has not passed.
+    /// Admissions onto `node` the webhook may still hold in its ledger: the node's report does not
+    /// list the pod in `countedPods` yet, and `ledgerTtl` has not passed.
     pub fn outstanding_admissions(&self, node: &str) -> Vec<Admission> {
-        let heartbeat = self
+        let counted = self
             .report(node)
-            .and_then(|s| s.heartbeat_time)
-            .map(|t| t.0);
-        let settle =
-            jiff::SignedDuration::try_from(REPORT_SETTLE).unwrap_or(jiff::SignedDuration::MAX);
-        let ttl =
-            jiff::SignedDuration::try_from(self.ledger_ttl).unwrap_or(jiff::SignedDuration::MAX);
-        let now = jiff::Timestamp::now();
+            .map(|s| s.counted_pods)
+            .unwrap_or_default();
         let mut all = self.lock_admissions();
         all.retain(|a| {
-            let caught_up =
-                a.node == node && heartbeat.is_some_and(|hb| hb.duration_since(a.at) >= settle);
-            !caught_up && now.duration_since(a.at) < ttl
+            let caught_up = a.node == node && counted.contains(&a.uid);
+            !caught_up && a.at.elapsed() < self.ledger_ttl
         });
         all.iter().filter(|a| a.node == node).cloned().collect()
     }
 
     /// Wait until the webhook's ledger holds nothing for `node` (see
-    /// [`ApiServerDriver::outstanding_admissions`]); the agent's heartbeats end reservations, so this
-    /// takes about `REPORT_SETTLE` + `agent.heartbeatInterval` after the last admission.
+    /// [`ApiServerDriver::outstanding_admissions`]); the agent's first report after it sees the binding
+    /// ends the reservation, so this takes about one agent poll after the last admission.
     pub async fn wait_admissions_settled(&self, node: &str, timeout: Duration) -> Result<()> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -602,7 +608,7 @@ impl ApiServerDriver {
     /// Wait until the next review sees the current state: `node`'s report shows what the host and the
     /// bound pods imply ([`ApiServerDriver::wait_report_settled`]); when pods admitted recently could
     /// still be held in the webhook's ledger and that could decide the next review (a key is free, but
-    /// no more than are held), until the agent's heartbeats have ended those reservations; then the
+    /// no more than are held), until the reports count those pods; then the
     /// watch grace. Returns the report's figures.
     pub async fn settle(
         &self,

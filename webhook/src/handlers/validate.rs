@@ -369,14 +369,12 @@ async fn pod_create<L: Lookups>(
     Ok(answer.with_warnings(warnings))
 }
 
-/// The identity of the node report, for the ledger.
+/// The pods the node's report counts, for the ledger.
 fn mark(cap: Option<&teeguard_shared::TeeCapacity>) -> ReportMark<'_> {
     ReportMark {
-        resource_version: cap.and_then(|c| c.metadata.resource_version.as_deref()),
-        heartbeat: cap
+        counted_pods: cap
             .and_then(|c| c.status.as_ref())
-            .and_then(|s| s.heartbeat_time.as_ref())
-            .map(|t| t.0),
+            .map_or(&[], |s| s.counted_pods.as_slice()),
     }
 }
 
@@ -409,9 +407,7 @@ fn check_node<L: Lookups>(
         pod_uid: p.uid.to_string(),
         pod: p.pod.to_string(),
         keys: requests.clone(),
-        admitted_at: now,
         admitted: mono,
-        report_version: m.resource_version.map(str::to_string),
     };
     let stale_after = ctx.config.admission.stale_report_after;
     let (decision, reserved) = ctx
