@@ -65,7 +65,7 @@ impl Reservation {
 
     /// Whether the report `mark` counts this pod, so its keys are in the report's `free` already.
     pub fn counted_in(&self, mark: ReportMark<'_>) -> bool {
-        mark.counted_pods.iter().any(|uid| *uid == self.pod_uid)
+        mark.counted_pods.contains(&self.pod_uid)
     }
 }
 
