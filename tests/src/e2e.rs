@@ -600,14 +600,11 @@ pub async fn peer_certificate(
 // The environment
 // ------------------------------------------------------------------------------------------------
 
-/// One end-to-end test's world: temporary directory, served fake API server, kubeconfig, configuration
-/// file and webhook certificates. Prints the logs of every process it started when the test panics.
-pub struct E2eEnv {
+/// The processes' side of an end-to-end test, whatever API server they talk to: temporary directory,
+/// kubeconfig, configuration file, webhook certificates, and the webhook and agent processes started
+/// from them. Prints the logs of every process it started when the test panics.
+pub struct ProcessEnv {
     dir: tempfile::TempDir,
-    /// The fake API server's state (the test's programmatic handle).
-    pub api: FakeApiServer,
-    /// The served fake API server (stop/restart to simulate an outage).
-    pub served: ServedFakeApi,
     /// The kubeconfig the processes use.
     pub kubeconfig: PathBuf,
     /// The configuration file both processes read.
@@ -622,18 +619,83 @@ pub struct E2eEnv {
     counter: Mutex<u32>,
 }
 
+impl std::fmt::Debug for ProcessEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessEnv")
+            .field("dir", &self.dir.path())
+            .field("kubeconfig", &self.kubeconfig)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One end-to-end test's world against the fake API server: the [`ProcessEnv`] (its fields and
+/// methods are reached through `Deref`) plus the served fake API server its kubeconfig points at.
+pub struct E2eEnv {
+    /// Files, certificates and processes.
+    pub procs: ProcessEnv,
+    /// The fake API server's state (the test's programmatic handle).
+    pub api: FakeApiServer,
+    /// The served fake API server (stop/restart to simulate an outage).
+    pub served: ServedFakeApi,
+}
+
 impl std::fmt::Debug for E2eEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("E2eEnv")
-            .field("dir", &self.dir.path())
+            .field("dir", &self.procs.dir.path())
             .field("api", &self.served.url())
             .finish_non_exhaustive()
+    }
+}
+
+impl std::ops::Deref for E2eEnv {
+    type Target = ProcessEnv;
+    fn deref(&self) -> &ProcessEnv {
+        &self.procs
+    }
+}
+
+impl std::ops::DerefMut for E2eEnv {
+    fn deref_mut(&mut self) -> &mut ProcessEnv {
+        &mut self.procs
     }
 }
 
 impl E2eEnv {
     /// A new world with configuration `config_yaml` (validated here, as the binaries would).
     pub async fn new(config_yaml: &str) -> Result<E2eEnv> {
+        let api = FakeApiServer::new();
+        let served = api.serve().await?;
+        let procs = ProcessEnv::new(config_yaml, |path| Ok(served.write_kubeconfig(path)?))?;
+        Ok(E2eEnv { procs, api, served })
+    }
+
+    /// A driver sending reviews to `webhook` and storing objects in this world's API server.
+    pub fn driver(&self, webhook: &WebhookProcess) -> Result<ApiServerDriver> {
+        Ok(ApiServerDriver::new(
+            self.api.clone(),
+            webhook.client()?,
+            self.config.resources.clone(),
+        ))
+    }
+
+    /// The `TeeCapacity` status of `node`, if published.
+    pub fn report(&self, node: &str) -> Option<TeeCapacityStatus> {
+        self.api
+            .get_typed::<TeeCapacity>(None, node)
+            .ok()
+            .flatten()
+            .and_then(|t| t.status)
+    }
+}
+
+impl ProcessEnv {
+    /// A new environment with configuration `config_yaml` (validated here, as the binaries would);
+    /// `write_kubeconfig` writes the kubeconfig the processes use at the path it is given.
+    pub fn new(
+        config_yaml: &str,
+        write_kubeconfig: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<ProcessEnv> {
         let config = Config::from_yaml(config_yaml).map_err(|e| E2eError::Config(e.to_string()))?;
         let dir = tempfile::Builder::new()
             .prefix("teeguard-e2e-")
@@ -642,19 +704,15 @@ impl E2eEnv {
                 "create a temporary directory in",
                 &std::env::temp_dir(),
             ))?;
-        let api = FakeApiServer::new();
-        let served = api.serve().await?;
         let kubeconfig = dir.path().join("kubeconfig");
-        served.write_kubeconfig(&kubeconfig)?;
+        write_kubeconfig(&kubeconfig)?;
         let config_path = dir.path().join("config.yaml");
         std::fs::write(&config_path, config_yaml).map_err(io_err("write", &config_path))?;
         let ca = CertificateAuthority::generate("teeguard-e2e-ca", 30)?;
         let leaf = ca.issue(&ServingCertRequest::localhost())?;
         let certs = SecretDir::new(&dir.path().join("certs"), leaf.cert_pem(), leaf.key_pem())?;
-        Ok(E2eEnv {
+        Ok(ProcessEnv {
             dir,
-            api,
-            served,
             kubeconfig,
             config_path,
             config,
@@ -777,24 +835,6 @@ impl E2eEnv {
         Ok(agent)
     }
 
-    /// A driver sending reviews to `webhook` and storing objects in this world's API server.
-    pub fn driver(&self, webhook: &WebhookProcess) -> Result<ApiServerDriver> {
-        Ok(ApiServerDriver::new(
-            self.api.clone(),
-            webhook.client()?,
-            self.config.resources.clone(),
-        ))
-    }
-
-    /// The `TeeCapacity` status of `node`, if published.
-    pub fn report(&self, node: &str) -> Option<TeeCapacityStatus> {
-        self.api
-            .get_typed::<TeeCapacity>(None, node)
-            .ok()
-            .flatten()
-            .and_then(|t| t.status)
-    }
-
     /// Every log so far, for failure messages.
     pub fn all_logs(&self) -> String {
         let mut out = String::new();
@@ -809,7 +849,7 @@ impl E2eEnv {
     }
 }
 
-impl Drop for E2eEnv {
+impl Drop for ProcessEnv {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!(

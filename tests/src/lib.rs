@@ -2,9 +2,11 @@
 //! cgroup tree ([`host`]) and builders for realistic objects ([`fixtures`]). Every crate's tests use it so
 //! that kube clients, watches, patches and file reads run through the real protocol.
 
+pub mod controlplane;
 pub mod e2e;
 pub mod fakeapi;
 pub mod fixtures;
 pub mod fuzzing;
 pub mod host;
+pub mod realcluster;
 pub mod standalone;

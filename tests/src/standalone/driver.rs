@@ -753,7 +753,7 @@ fn typed_pod(v: Value) -> Result<Pod> {
 }
 
 /// Remove what only the API server sets (UID, resourceVersion, timestamps) so a fixture can be created.
-fn strip_server_fields(v: &mut Value) {
+pub fn strip_server_fields(v: &mut Value) {
     if let Some(m) = v.get_mut("metadata").and_then(Value::as_object_mut) {
         for k in ["uid", "resourceVersion", "creationTimestamp", "generation"] {
             m.remove(k);

@@ -1,0 +1,508 @@
+//! A real Kubernetes control plane for tests: etcd, kube-apiserver, kube-scheduler and
+//! kube-controller-manager started from the binaries in the directory named by
+//! `TEEGUARD_CONTROL_PLANE` (plain binaries, or the `.xz` files as shipped, unpacked here once), all on
+//! free 127.0.0.1 ports.
+//!
+//! - One control plane per test binary, shared by its tests ([`ControlPlane::shared`]); each test works
+//!   in its own namespaces and Nodes ([`unique_name`]).
+//! - Set-up is in Rust: certificates from `teeguard-certs`, static token authentication, RBAC
+//!   authorization, `--enable-aggregator-routing` (a service-based webhook has no endpoints without a
+//!   kubelet, so such a call fails locally instead of leaving the machine), and no node-lifecycle
+//!   controller (Nodes without a kubelet would be tainted).
+//! - Stopping: statics are never dropped, so each component runs under a small `bash` watchdog that
+//!   stops it when the test process exits (or the component dies); a janitor then removes the state
+//!   directory, unless a test of the binary panicked: then the logs are kept and the panic message says
+//!   where.
+//! - Without binaries the tests skip with one line saying how to provide them; with `CI=true` a missing
+//!   or broken control plane fails the run instead.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use kube::Client;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use teeguard_certs::{CertificateAuthority, ServingCertRequest};
+
+/// The environment variable naming the directory with the binaries.
+pub const ENV: &str = "TEEGUARD_CONTROL_PLANE";
+
+/// The four binaries, in start order.
+pub const BINARIES: [&str; 4] = [
+    "etcd",
+    "kube-apiserver",
+    "kube-scheduler",
+    "kube-controller-manager",
+];
+
+/// Longest the control plane may take to become ready.
+pub const READY_DEADLINE: Duration = Duration::from_secs(60);
+
+/// What to do when a control plane cannot be had.
+const HOW_TO: &str = "set TEEGUARD_CONTROL_PLANE to a directory holding etcd, kube-apiserver, \
+    kube-scheduler and kube-controller-manager (>= 1.30; plain or .xz), e.g. ../shared/control-plane \
+    or the binaries envtest's setup tool downloads; scripts/test.sh does this when ../shared/control-plane exists";
+
+/// Errors of the harness; each names what failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlPlaneError {
+    /// No binaries (the tests skip, unless `CI=true`).
+    #[error("no control plane binaries: {0}; {HOW_TO}")]
+    Missing(String),
+    /// A file or process operation failed.
+    #[error("control plane: cannot {what}: {source}")]
+    Io {
+        /// What was attempted.
+        what: String,
+        /// Why it failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A component did not come up; the logs say why.
+    #[error("control plane: {what}; logs in {}", logs.display())]
+    NotReady {
+        /// What did not happen.
+        what: String,
+        /// The log directory.
+        logs: PathBuf,
+    },
+    /// Certificates could not be made.
+    #[error("control plane certificates: {0}")]
+    Certs(#[from] teeguard_certs::Error),
+    /// The kube client could not be built.
+    #[error("control plane client: {0}")]
+    Client(String),
+}
+
+type Result<T, E = ControlPlaneError> = std::result::Result<T, E>;
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ControlPlaneError {
+    let what = what.into();
+    move |source| ControlPlaneError::Io { what, source }
+}
+
+/// A running control plane.
+#[derive(Debug)]
+pub struct ControlPlane {
+    dir: PathBuf,
+    /// `https://127.0.0.1:PORT` of kube-apiserver.
+    pub url: String,
+    /// An admin kubeconfig (`system:masters`).
+    pub kubeconfig: PathBuf,
+    /// The CA that signed the API server's certificate.
+    pub ca_pem: String,
+    /// The admin's bearer token.
+    pub admin_token: String,
+    /// How long start-up took (binaries unpacked, certificates made, `/readyz` ok).
+    pub started_in: Duration,
+}
+
+static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+
+impl ControlPlane {
+    /// The control plane of this test binary, started on first use. `None` (after printing one line)
+    /// when no binaries are configured and `CI` is not `true`; panics when `CI=true` and there are
+    /// none, or when the control plane does not start.
+    pub fn shared() -> Option<&'static ControlPlane> {
+        let got = SHARED.get_or_init(|| {
+            // Started on its own thread: a test's tokio runtime cannot block on another runtime.
+            std::thread::spawn(Self::start)
+                .join()
+                .unwrap_or_else(|_| Err(ControlPlaneError::Client("start-up panicked".into())))
+                .map_err(|e| match e {
+                    ControlPlaneError::Missing(m) => format!("missing: {m}"),
+                    other => other.to_string(),
+                })
+        });
+        match got {
+            Ok(cp) => Some(cp),
+            Err(e) if e.starts_with("missing: ") && !ci() => {
+                eprintln!(
+                    "skipped: needs a real control plane ({}); {HOW_TO}",
+                    &e["missing: ".len()..]
+                );
+                None
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Start one: find or unpack the binaries, write certificates and tokens, start the four
+    /// components and wait until `/readyz` answers `ok`.
+    pub fn start() -> Result<ControlPlane> {
+        let started = Instant::now();
+        let source = std::env::var_os(ENV)
+            .map(PathBuf::from)
+            .ok_or_else(|| ControlPlaneError::Missing(format!("{ENV} is not set")))?;
+        let dir = tempfile::Builder::new()
+            .prefix("teeguard-control-plane-")
+            .tempdir()
+            .map_err(io("create the state directory"))?
+            .keep();
+        for sub in ["log", "etcd", "pki"] {
+            std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("create {sub}/")))?;
+        }
+        let bin = binaries(&source, &dir.join("bin"))?;
+        spawn_janitor(&dir)?;
+        install_panic_hook(&dir);
+
+        // Certificates and tokens.
+        let pki = dir.join("pki");
+        let ca = CertificateAuthority::generate("teeguard-test-control-plane", 7)?;
+        let serving = ca.issue(&ServingCertRequest::localhost())?;
+        let signing = ca.issue(&ServingCertRequest::localhost())?;
+        let write = |name: &str, body: &str| -> Result<PathBuf> {
+            let p = pki.join(name);
+            std::fs::write(&p, body).map_err(io(format!("write {}", p.display())))?;
+            Ok(p)
+        };
+        let ca_file = write("ca.crt", ca.cert_pem())?;
+        let cert_file = write("apiserver.crt", serving.cert_pem())?;
+        let key_file = write("apiserver.key", serving.key_pem())?;
+        // The API server reads the public key from the certificate; the private key is PKCS#8.
+        let sa_key = write("sa.key", signing.key_pem())?;
+        let sa_pub = write("sa.crt", signing.cert_pem())?;
+        let token = |who: &str| format!("{who}-{:016x}{:08x}", rand_u64(), std::process::id());
+        let (admin, scheduler, kcm) = (token("admin"), token("sched"), token("kcm"));
+        let tokens = write(
+            "tokens.csv",
+            &format!(
+                "{admin},admin,admin,system:masters\n\
+                 {scheduler},system:kube-scheduler,system:kube-scheduler\n\
+                 {kcm},system:kube-controller-manager,system:kube-controller-manager\n"
+            ),
+        )?;
+
+        let [etcd_port, peer_port, metrics_port, api_port] = free_ports()?;
+        let url = format!("https://127.0.0.1:{api_port}");
+        let kubeconfig = |name: &str, tok: &str| -> Result<PathBuf> {
+            write(
+                name,
+                &format!(
+                    "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster: {{server: \"{url}\", \
+                     certificate-authority: \"{}\"}}\nusers:\n- name: u\n  user: {{token: \"{tok}\"}}\n\
+                     contexts:\n- name: local\n  context: {{cluster: local, user: u}}\ncurrent-context: local\n",
+                    ca_file.display()
+                ),
+            )
+        };
+        let admin_kc = kubeconfig("admin.kubeconfig", &admin)?;
+        let sched_kc = kubeconfig("scheduler.kubeconfig", &scheduler)?;
+        let kcm_kc = kubeconfig("kcm.kubeconfig", &kcm)?;
+        let p = |path: &Path| path.display().to_string();
+
+        let etcd_url = format!("http://127.0.0.1:{etcd_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        spawn(
+            &dir,
+            &bin,
+            "etcd",
+            &[
+                "--name=default".into(),
+                format!("--data-dir={}", p(&dir.join("etcd"))),
+                format!("--listen-client-urls={etcd_url}"),
+                format!("--advertise-client-urls={etcd_url}"),
+                format!("--listen-peer-urls={peer_url}"),
+                format!("--initial-advertise-peer-urls={peer_url}"),
+                format!("--initial-cluster=default={peer_url}"),
+                format!("--listen-metrics-urls=http://127.0.0.1:{metrics_port}"),
+                // Test data: no fsync per write (etcd 3.4+); a lost control plane is simply restarted.
+                "--unsafe-no-fsync".into(),
+            ],
+        )?;
+        spawn(
+            &dir,
+            &bin,
+            "kube-apiserver",
+            &[
+                format!("--etcd-servers={etcd_url}"),
+                "--bind-address=127.0.0.1".into(),
+                "--advertise-address=127.0.0.1".into(),
+                format!("--secure-port={api_port}"),
+                format!("--tls-cert-file={}", p(&cert_file)),
+                format!("--tls-private-key-file={}", p(&key_file)),
+                format!("--client-ca-file={}", p(&ca_file)),
+                format!("--token-auth-file={}", p(&tokens)),
+                "--anonymous-auth=false".into(),
+                "--authorization-mode=RBAC".into(),
+                "--enable-aggregator-routing=true".into(),
+                "--service-account-issuer=https://kubernetes.default.svc".into(),
+                format!("--service-account-key-file={}", p(&sa_pub)),
+                format!("--service-account-signing-key-file={}", p(&sa_key)),
+                "--service-cluster-ip-range=10.96.0.0/24".into(),
+                "--allow-privileged=true".into(),
+            ],
+        )?;
+        let cp = ControlPlane {
+            dir: dir.clone(),
+            url,
+            kubeconfig: admin_kc,
+            ca_pem: ca.cert_pem().to_string(),
+            admin_token: admin,
+            started_in: Duration::ZERO,
+        };
+        cp.wait_ready(started + READY_DEADLINE)?;
+        spawn(
+            &dir,
+            &bin,
+            "kube-scheduler",
+            &[
+                format!("--kubeconfig={}", p(&sched_kc)),
+                format!("--authentication-kubeconfig={}", p(&sched_kc)),
+                format!("--authorization-kubeconfig={}", p(&sched_kc)),
+                "--bind-address=127.0.0.1".into(),
+                "--secure-port=0".into(),
+                "--leader-elect=false".into(),
+            ],
+        )?;
+        spawn(
+            &dir,
+            &bin,
+            "kube-controller-manager",
+            &[
+                format!("--kubeconfig={}", p(&kcm_kc)),
+                format!("--authentication-kubeconfig={}", p(&kcm_kc)),
+                format!("--authorization-kubeconfig={}", p(&kcm_kc)),
+                "--bind-address=127.0.0.1".into(),
+                "--secure-port=0".into(),
+                "--leader-elect=false".into(),
+                "--use-service-account-credentials=false".into(),
+                // Nodes without a kubelet would be tainted and their pods evicted.
+                "--controllers=*,-node-lifecycle-controller".into(),
+                format!("--service-account-private-key-file={}", p(&sa_key)),
+                format!("--root-ca-file={}", p(&ca_file)),
+                "--service-cluster-ip-range=10.96.0.0/24".into(),
+            ],
+        )?;
+        Ok(ControlPlane {
+            started_in: started.elapsed(),
+            ..cp
+        })
+    }
+
+    /// The state directory (`log/` holds each component's output).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The log of one component (`kube-apiserver`, ...).
+    pub fn log(&self, component: &str) -> String {
+        std::fs::read_to_string(self.dir.join("log").join(format!("{component}.log")))
+            .unwrap_or_default()
+    }
+
+    /// A new admin client (a client belongs to the tokio runtime it is made in: one per test).
+    pub async fn client(&self) -> Result<Client> {
+        let kc = Kubeconfig::read_from(&self.kubeconfig)
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        Client::try_from(config).map_err(|e| ControlPlaneError::Client(e.to_string()))
+    }
+
+    fn wait_ready(&self, deadline: Instant) -> Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(io("start a runtime"))?;
+        rt.block_on(async {
+            let client = self.client().await?;
+            let mut last = String::new();
+            while Instant::now() < deadline {
+                let req = http::Request::get("/readyz")
+                    .body(Vec::new())
+                    .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+                match client.request_text(req).await {
+                    Ok(body) if body.trim() == "ok" => return Ok(()),
+                    Ok(body) => last = body,
+                    Err(e) => last = e.to_string(),
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let log = self.log("kube-apiserver");
+            let tail: Vec<&str> = log.lines().rev().take(5).collect();
+            Err(ControlPlaneError::NotReady {
+                what: format!(
+                    "kube-apiserver's /readyz is not ok ({last}); its last log lines:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                ),
+                logs: self.dir.join("log"),
+            })
+        })
+    }
+}
+
+/// `CI=true`: the real-cluster tests must run.
+pub fn ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// A name no other test of this process uses: `<prefix>-<pid>-<n>` (namespaces, Nodes, webhook
+/// configurations).
+pub fn unique_name(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The four binaries in `source` (plain, or `.xz` unpacked into `unpack`).
+fn binaries(source: &Path, unpack: &Path) -> Result<PathBuf> {
+    if !source.is_dir() {
+        return Err(ControlPlaneError::Missing(format!(
+            "{ENV}={} is not a directory",
+            source.display()
+        )));
+    }
+    if BINARIES.iter().all(|b| is_executable(&source.join(b))) {
+        return Ok(source.to_path_buf());
+    }
+    std::fs::create_dir_all(unpack).map_err(io(format!("create {}", unpack.display())))?;
+    for b in BINARIES {
+        if is_executable(&source.join(b)) {
+            std::fs::copy(source.join(b), unpack.join(b))
+                .map_err(io(format!("copy {b} into {}", unpack.display())))?;
+            continue;
+        }
+        let xz = source.join(format!("{b}.xz"));
+        if !xz.is_file() {
+            return Err(ControlPlaneError::Missing(format!(
+                "{} has neither {b} nor {b}.xz",
+                source.display()
+            )));
+        }
+        let out = std::fs::File::create(unpack.join(b))
+            .map_err(io(format!("create {}", unpack.join(b).display())))?;
+        let status = Command::new("xz")
+            .arg("-dc")
+            .arg(&xz)
+            .stdout(out)
+            .status()
+            .map_err(io(
+                "run xz (Debian package xz-utils) to unpack the binaries",
+            ))?;
+        if !status.success() {
+            return Err(ControlPlaneError::Io {
+                what: format!("unpack {}", xz.display()),
+                source: std::io::Error::other(format!("xz exited with {status}")),
+            });
+        }
+        make_executable(&unpack.join(b))?;
+    }
+    Ok(unpack.to_path_buf())
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    p.metadata()
+        .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+fn make_executable(p: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
+        .map_err(io(format!("chmod {}", p.display())))
+}
+
+/// Four distinct free ports on 127.0.0.1 (held together while chosen, then released).
+fn free_ports() -> Result<[u16; 4]> {
+    let listeners: Vec<TcpListener> = (0..4)
+        .map(|_| TcpListener::bind("127.0.0.1:0").map_err(io("find a free port")))
+        .collect::<Result<_>>()?;
+    let mut ports = [0u16; 4];
+    for (slot, l) in ports.iter_mut().zip(&listeners) {
+        *slot = l.local_addr().map_err(io("read a port"))?.port();
+    }
+    Ok(ports)
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// Runs a component until the test process (`$1`) exits or the component dies, then stops it (TERM,
+/// then KILL after 5 s). Output goes to `$2`.
+const WATCHDOG: &str = r#"
+parent=$1; log=$2; shift 2
+"$@" >"$log" 2>&1 </dev/null &
+child=$!
+trap 'kill "$child" 2>/dev/null; exit 0' TERM INT
+while kill -0 "$parent" 2>/dev/null && kill -0 "$child" 2>/dev/null; do sleep 0.2; done
+kill "$child" 2>/dev/null
+for _ in $(seq 1 50); do kill -0 "$child" 2>/dev/null || exit 0; sleep 0.1; done
+kill -9 "$child" 2>/dev/null
+"#;
+
+/// Once the test process (`$1`) has exited and the components are gone, removes the state directory
+/// (`$2`), or only etcd's data when a test failed (the `FAILED` marker): the logs stay.
+const JANITOR: &str = r#"
+parent=$1; dir=$2
+while kill -0 "$parent" 2>/dev/null; do sleep 0.5; done
+sleep 6
+if [ -e "$dir/FAILED" ]; then rm -rf "$dir/etcd" "$dir/bin"; else rm -rf "$dir"; fi
+"#;
+
+fn spawn(dir: &Path, bin: &Path, name: &str, args: &[String]) -> Result<()> {
+    let log = dir.join("log").join(format!("{name}.log"));
+    Command::new("bash")
+        .arg("-c")
+        .arg(WATCHDOG)
+        .arg("watchdog")
+        .arg(std::process::id().to_string())
+        .arg(&log)
+        .arg(bin.join(name))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(io(format!("start {name} (needs bash)")))?;
+    Ok(())
+}
+
+fn spawn_janitor(dir: &Path) -> Result<()> {
+    Command::new("bash")
+        .arg("-c")
+        .arg(JANITOR)
+        .arg("janitor")
+        .arg(std::process::id().to_string())
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(io("start the janitor (needs bash)"))?;
+    Ok(())
+}
+
+/// On the first panic in this process, mark the state directory so the janitor keeps the logs, and
+/// say where they are.
+fn install_panic_hook(dir: &Path) {
+    let marker = dir.join("FAILED");
+    let logs = dir.join("log");
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !marker.exists() {
+            let _ = std::fs::write(&marker, info.to_string());
+        }
+        eprintln!(
+            "control plane: a test failed; the components' logs are kept in {}",
+            logs.display()
+        );
+        previous(info);
+    }));
+}

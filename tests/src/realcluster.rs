@@ -1,0 +1,434 @@
+//! Working against the real control plane of [`crate::controlplane`]: the objects a test needs
+//! (CRDs, namespaces, Nodes without a kubelet, VMIs and their virt-launcher pods, teeguard's webhook
+//! configurations taken from the rendered chart and pointed at a webhook process by URL), created
+//! through the real API with the real kube client.
+//!
+//! Every test works in its own namespaces and Nodes ([`crate::controlplane::unique_name`]); the
+//! webhook configurations a test registers are its own too, and match only namespaces labelled with
+//! the test's name, so tests sharing one control plane never call each other's webhooks.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use kube::{Api, Client, CustomResourceExt};
+use serde_json::{Value, json};
+use teeguard_shared::{TeeCapacity, names};
+
+use crate::controlplane::{ControlPlane, unique_name};
+use crate::e2e::{E2eError, ProcessEnv};
+use crate::fixtures::{NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi};
+use crate::standalone::driver::{own_by, strip_server_fields};
+
+/// The label that scopes a test's webhook configurations to its namespaces.
+pub const TEST_LABEL: &str = "teeguard-test";
+
+/// Errors of these helpers: what was asked and what the API server said.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {reason}")]
+pub struct ClusterError {
+    what: String,
+    reason: String,
+}
+
+/// Result alias of this module.
+pub type Result<T, E = ClusterError> = std::result::Result<T, E>;
+
+fn err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> ClusterError {
+    let what = what.into();
+    move |e| ClusterError {
+        what,
+        reason: e.to_string(),
+    }
+}
+
+fn fail(what: impl Into<String>, reason: impl std::fmt::Display) -> ClusterError {
+    ClusterError {
+        what: what.into(),
+        reason: reason.to_string(),
+    }
+}
+
+/// The CRD of KubeVirt's `VirtualMachineInstance` as far as teeguard needs it: the real group,
+/// version, kind and names, a schema that keeps every field (KubeVirt's own is structural; teeguard
+/// reads only `spec.domain.launchSecurity` and metadata).
+pub fn vmi_crd() -> Value {
+    json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "virtualmachineinstances.kubevirt.io"},
+        "spec": {
+            "group": "kubevirt.io",
+            "names": {"kind": "VirtualMachineInstance", "listKind": "VirtualMachineInstanceList",
+                "plural": "virtualmachineinstances", "singular": "virtualmachineinstance",
+                "shortNames": ["vmi", "vmis"], "categories": ["all"]},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": "v1", "served": true, "storage": true,
+                "schema": {"openAPIV3Schema": {"type": "object",
+                    "x-kubernetes-preserve-unknown-fields": true}},
+                "subresources": {"status": {}}
+            }]
+        }
+    })
+}
+
+/// A test's connection to the shared control plane.
+#[derive(Clone)]
+pub struct Cluster {
+    /// The control plane.
+    pub cp: &'static ControlPlane,
+    /// An admin client (made in the test's runtime).
+    pub client: Client,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("url", &self.cp.url)
+            .finish()
+    }
+}
+
+impl Cluster {
+    /// Connect to this test binary's control plane (started on first use) with the CRDs installed;
+    /// `None` when the test should skip (see [`ControlPlane::shared`]).
+    pub async fn connect() -> Option<Cluster> {
+        let cp = ControlPlane::shared()?;
+        let client = cp.client().await.unwrap_or_else(|e| panic!("{e}"));
+        let cluster = Cluster { cp, client };
+        cluster
+            .install_crds()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        Some(cluster)
+    }
+
+    /// Install the `TeeCapacity` and `VirtualMachineInstance` CRDs (once; idempotent) and wait until
+    /// both are established.
+    pub async fn install_crds(&self) -> Result<()> {
+        let crds: Api<CustomResourceDefinition> = Api::all(self.client.clone());
+        let wanted: Vec<CustomResourceDefinition> = vec![
+            teeguard_shared::TeeCapacity::crd(),
+            serde_json::from_value(vmi_crd()).map_err(|e| fail("the VMI CRD", e))?,
+        ];
+        for crd in &wanted {
+            let name = crd.metadata.name.clone().unwrap_or_default();
+            match crds.create(&PostParams::default(), crd).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 409 => {}
+                Err(e) => return Err(err(format!("create CRD {name}"))(e)),
+            }
+        }
+        for crd in &wanted {
+            let name = crd.metadata.name.clone().unwrap_or_default();
+            self.wait_for(&format!("CRD {name} to be established"), || async {
+                let c = crds.get(&name).await.ok()?;
+                c.status?
+                    .conditions?
+                    .iter()
+                    .any(|c| c.type_ == "Established" && c.status == "True")
+                    .then_some(())
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Poll `check` every 50 ms until it returns `Some`, for at most 30 s.
+    pub async fn wait_for<T, F, Fut>(&self, what: &str, mut check: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        self.wait_for_within(what, Duration::from_secs(30), move || check())
+            .await
+    }
+
+    /// [`Cluster::wait_for`] with a deadline of `timeout`.
+    pub async fn wait_for_within<T, F, Fut>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut check: F,
+    ) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(v) = check().await {
+                return Ok(v);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(fail(
+                    format!("waiting for {what}"),
+                    format!("not within {timeout:?}"),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A new namespace `<prefix>-<pid>-<n>` labelled [`TEST_LABEL`]`=<test>` (plus `labels`), once
+    /// its `default` ServiceAccount exists (pods cannot be created before).
+    pub async fn namespace(
+        &self,
+        test: &str,
+        prefix: &str,
+        labels: &[(&str, &str)],
+    ) -> Result<String> {
+        let name = unique_name(prefix);
+        let mut l = serde_json::Map::new();
+        l.insert(TEST_LABEL.into(), json!(test));
+        for (k, v) in labels {
+            l.insert((*k).into(), json!(v));
+        }
+        let ns: Namespace = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": l}
+        }))
+        .map_err(|e| fail("namespace", e))?;
+        Api::<Namespace>::all(self.client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .map_err(err(format!("create namespace {name}")))?;
+        let sas: Api<ServiceAccount> = Api::namespaced(self.client.clone(), &name);
+        self.wait_for(&format!("the default ServiceAccount of {name}"), || async {
+            sas.get("default").await.ok().map(|_| ())
+        })
+        .await?;
+        Ok(name)
+    }
+
+    /// Create a Node from `builder` (labels, annotations) and set its status (capacity, allocatable,
+    /// Ready) as a kubelet would; returns it as stored.
+    pub async fn node(&self, builder: &NodeBuilder) -> Result<Node> {
+        let mut v = builder.to_value();
+        strip_server_fields(&mut v);
+        let status = v.as_object_mut().and_then(|o| o.remove("status"));
+        let name = v["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let node: Node = serde_json::from_value(v).map_err(|e| fail("node", e))?;
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        nodes
+            .create(&PostParams::default(), &node)
+            .await
+            .map_err(err(format!("create Node {name}")))?;
+        nodes
+            .patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": status })),
+            )
+            .await
+            .map_err(err(format!("set the status of Node {name}")))
+    }
+
+    /// Store a VMI like `kubectl create` (phase `Scheduling`, no node); returns its UID.
+    pub async fn create_vmi(&self, namespace: &str, name: &str, tee: Tee) -> Result<String> {
+        let mut v = Vmi::new(name)
+            .namespace(namespace)
+            .tee(tee)
+            .scheduling()
+            .build();
+        strip_server_fields(&mut v);
+        let obj: DynamicObject = serde_json::from_value(v).map_err(|e| fail("VMI", e))?;
+        let created = self
+            .vmis(namespace)
+            .create(&PostParams::default(), &obj)
+            .await
+            .map_err(err(format!("create VMI {namespace}/{name}")))?;
+        created
+            .metadata
+            .uid
+            .ok_or_else(|| fail(format!("VMI {namespace}/{name}"), "stored without a UID"))
+    }
+
+    /// The VMI API of a namespace.
+    pub fn vmis(&self, namespace: &str) -> Api<DynamicObject> {
+        let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+            "kubevirt.io",
+            "v1",
+            "VirtualMachineInstance",
+        ));
+        Api::namespaced_with(self.client.clone(), namespace, &ar)
+    }
+
+    /// The virt-launcher pod virt-controller renders for VMI `vmi` (UID `vmi_uid`), ready to create
+    /// (`generateName`, owned by the VMI), with `node_selector` added to KubeVirt's (a test's own
+    /// Nodes carry a label of the test, so the scheduler and teeguard's candidate scan see only them).
+    pub fn launcher_pod(
+        namespace: &str,
+        vmi: &str,
+        vmi_uid: &str,
+        tee: Tee,
+        node_selector: &[(&str, &str)],
+    ) -> Result<Pod> {
+        let mut v = VirtLauncherPod::for_tee(vmi, tee)
+            .namespace(namespace)
+            .to_value();
+        own_by(&mut v, vmi_uid);
+        strip_server_fields(&mut v);
+        if let Some(obj) = v.as_object_mut() {
+            obj.remove("status");
+        }
+        for (k, val) in node_selector {
+            v["spec"]["nodeSelector"][*k] = json!(val);
+        }
+        serde_json::from_value(v).map_err(|e| fail("launcher pod", e))
+    }
+
+    /// Create a VMI and its virt-launcher pod through the API server (both admission webhooks run);
+    /// returns the VMI's UID and the API server's answer to the pod CREATE.
+    pub async fn create_vm(
+        &self,
+        namespace: &str,
+        vmi: &str,
+        tee: Tee,
+        node_selector: &[(&str, &str)],
+    ) -> Result<(String, kube::Result<Pod>)> {
+        let uid = self.create_vmi(namespace, vmi, tee).await?;
+        let pod = Self::launcher_pod(namespace, vmi, &uid, tee, node_selector)?;
+        let created = Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .create(&PostParams::default(), &pod)
+            .await;
+        Ok((uid, created))
+    }
+
+    /// Store a node's `TeeCapacity` report as its agent would (object, then status).
+    pub async fn report(&self, report: &ReportBuilder) -> Result<()> {
+        let obj = report.build();
+        let name = obj.metadata.name.clone().unwrap_or_default();
+        let api: Api<TeeCapacity> = Api::all(self.client.clone());
+        api.create(&PostParams::default(), &obj)
+            .await
+            .map_err(err(format!("create TeeCapacity {name}")))?;
+        api.patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": obj.status })),
+        )
+        .await
+        .map_err(err(format!("set the status of TeeCapacity {name}")))?;
+        Ok(())
+    }
+
+    /// Wait until the API server calls the webhooks registered for `namespace`'s test: a dry-run
+    /// CREATE of a TDX VM's pod is either mutated by teeguard or refused by it.
+    pub async fn wait_webhooks_called(&self, namespace: &str) -> Result<()> {
+        let vmi = unique_name("probe");
+        let uid = self.create_vmi(namespace, &vmi, Tee::Tdx).await?;
+        let pod = Self::launcher_pod(namespace, &vmi, &uid, Tee::Tdx, &[])?;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let dry = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        self.wait_for(
+            &format!("teeguard's webhooks to be called in {namespace}"),
+            || async {
+                match pods.create(&dry, &pod).await {
+                    Ok(p) => p
+                        .metadata
+                        .annotations
+                        .as_ref()?
+                        .keys()
+                        .any(|k| k.starts_with(names::MISC_MAX_ANNOTATION_PREFIX))
+                        .then_some(()),
+                    Err(kube::Error::Api(s)) => s.message.contains("TDX").then_some(()),
+                    Err(_) => None,
+                }
+            },
+        )
+        .await
+    }
+
+    /// Register teeguard's webhook configurations, taken from the rendered chart (`rendered`: every
+    /// object of `helm template`), under names of this test, calling `webhook` by URL
+    /// (`https://<addr>/<path of the chart's service reference>`) with `ca_bundle_b64`, and matching
+    /// only namespaces labelled [`TEST_LABEL`]`=<test>` on top of the chart's own selectors. Waits until
+    /// the API server uses them (a probe pod CREATE in `probe_namespace` is seen by the webhook).
+    pub async fn register_webhooks(
+        &self,
+        test: &str,
+        rendered: &[Value],
+        webhook: SocketAddr,
+        ca_bundle_b64: &str,
+    ) -> Result<Vec<String>> {
+        let mut names = Vec::new();
+        for kind in [
+            "MutatingWebhookConfiguration",
+            "ValidatingWebhookConfiguration",
+        ] {
+            for obj in rendered.iter().filter(|o| o["kind"] == kind) {
+                let mut obj = obj.clone();
+                let name = format!("{}-{test}", obj["metadata"]["name"].as_str().unwrap_or(""));
+                obj["metadata"] = json!({ "name": name });
+                for hook in obj["webhooks"].as_array_mut().into_iter().flatten() {
+                    let path = hook
+                        .pointer("/clientConfig/service/path")
+                        .and_then(Value::as_str)
+                        .unwrap_or("/")
+                        .to_string();
+                    hook["clientConfig"] = json!({
+                        "url": format!("https://{webhook}{path}"),
+                        "caBundle": ca_bundle_b64,
+                    });
+                    let selector = hook
+                        .get_mut("namespaceSelector")
+                        .filter(|s| s.is_object())
+                        .map(|s| s.take())
+                        .unwrap_or_else(|| json!({}));
+                    let mut exprs = selector
+                        .get("matchExpressions")
+                        .and_then(Value::as_array)
+                        .cloned()
+                        .unwrap_or_default();
+                    exprs.push(json!({"key": TEST_LABEL, "operator": "In", "values": [test]}));
+                    let mut selector = selector;
+                    selector["matchExpressions"] = Value::Array(exprs);
+                    hook["namespaceSelector"] = selector;
+                }
+                let plural = if kind.starts_with("Mutating") {
+                    "mutatingwebhookconfigurations"
+                } else {
+                    "validatingwebhookconfigurations"
+                };
+                let ar = ApiResource {
+                    group: "admissionregistration.k8s.io".into(),
+                    version: "v1".into(),
+                    api_version: "admissionregistration.k8s.io/v1".into(),
+                    kind: kind.into(),
+                    plural: plural.into(),
+                };
+                let api: Api<DynamicObject> = Api::all_with(self.client.clone(), &ar);
+                let dynamic: DynamicObject =
+                    serde_json::from_value(obj).map_err(|e| fail(kind, e))?;
+                api.create(&PostParams::default(), &dynamic)
+                    .await
+                    .map_err(err(format!("register {kind} {name}")))?;
+                names.push(name);
+            }
+        }
+        Ok(names)
+    }
+
+    /// A [`ProcessEnv`] whose processes talk to this control plane as its admin.
+    pub fn process_env(&self, config_yaml: &str) -> std::result::Result<ProcessEnv, E2eError> {
+        let source = self.cp.kubeconfig.clone();
+        ProcessEnv::new(config_yaml, |path| {
+            std::fs::copy(&source, path).map_err(|e| E2eError::Io {
+                op: "copy the control plane's kubeconfig to",
+                path: path.to_path_buf(),
+                source: e,
+            })?;
+            Ok(())
+        })
+    }
+}

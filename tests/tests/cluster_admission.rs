@@ -1,0 +1,328 @@
+//! Admission against a real kube-apiserver (see `teeguard_tests::controlplane`): the webhook process
+//! registered by URL with the webhook configurations the chart renders, pods created through the API
+//! server. What is checked is what the API server stores and answers, not what the webhook returns.
+//! Skipped (one line) without control plane binaries, unless `CI=true`.
+
+mod chart_support;
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use serde_json::json;
+use teeguard_shared::{TeeKind, names};
+use teeguard_tests::e2e::{ProcessEnv, WebhookProcess};
+use teeguard_tests::fixtures::{self, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL};
+use teeguard_tests::standalone::driver::strip_server_fields;
+
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// One test's world: the cluster, the webhook process and the namespace its webhooks apply to.
+struct World {
+    cluster: Cluster,
+    ns: String,
+    _webhook: WebhookProcess,
+    _env: ProcessEnv,
+}
+
+/// Connect, start the webhook, register the chart's webhook configurations for `test`, make a
+/// namespace of the test (extra `labels`), and wait until the API server calls the webhook there.
+async fn world(test: &str, labels: &[(&str, &str)]) -> Option<World> {
+    let cluster = Cluster::connect().await?;
+    let env = cluster.process_env("").expect("process env");
+    let webhook = env.start_webhook(&[]).await.expect("webhook starts");
+    let rendered = chart_support::render("default", &[]);
+    cluster
+        .register_webhooks(test, &rendered, webhook.https, &env.ca.ca_bundle_base64())
+        .await
+        .expect("webhook configurations registered");
+    let ns = cluster
+        .namespace(test, test, labels)
+        .await
+        .expect("namespace");
+    cluster
+        .wait_webhooks_called(&ns)
+        .await
+        .expect("the API server calls the webhooks");
+    Some(World {
+        cluster,
+        ns,
+        _webhook: webhook,
+        _env: env,
+    })
+}
+
+fn annotations(p: &Pod) -> std::collections::BTreeMap<String, String> {
+    p.metadata.annotations.clone().unwrap_or_default()
+}
+
+fn requests_of(p: &Pod, container: &str) -> std::collections::BTreeMap<String, String> {
+    p.spec
+        .as_ref()
+        .into_iter()
+        .flat_map(|s| s.containers.iter())
+        .find(|c| c.name == container)
+        .and_then(|c| c.resources.as_ref())
+        .and_then(|r| r.requests.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, q)| (k, q.0))
+        .collect()
+}
+
+fn tee_resources(p: &Pod) -> Vec<String> {
+    let wanted = ["tdx.intel.com/keys", "sev-snp.amd.com/esids", "amd.com/sev"];
+    p.spec
+        .as_ref()
+        .into_iter()
+        .flat_map(|s| s.containers.iter())
+        .filter_map(|c| c.resources.as_ref()?.requests.as_ref())
+        .flat_map(|r| r.keys())
+        .filter(|k| wanted.iter().any(|w| k.contains(w)) || k.ends_with("/keys"))
+        .cloned()
+        .collect()
+}
+
+/// A fixture pod moved into `ns`, as a client would send it.
+fn into_namespace(pod: Pod, ns: &str) -> Pod {
+    let mut v = serde_json::to_value(pod).expect("pod json");
+    strip_server_fields(&mut v);
+    if let Some(o) = v.as_object_mut() {
+        o.remove("status");
+    }
+    v["metadata"]["namespace"] = json!(ns);
+    if let Some(m) = v["metadata"].as_object_mut() {
+        m.remove("ownerReferences");
+    }
+    serde_json::from_value(v).expect("pod")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tee_vm_pods_created_through_the_api_server_carry_the_mutation() {
+    tokio::time::timeout(DEADLINE, async {
+        let Some(w) = world("mutation", &[]).await else {
+            return;
+        };
+        let c = &w.cluster;
+        let tdx = c
+            .node(&NodeBuilder::new(&format!("{}-tdx", w.ns)).tdx(8))
+            .await
+            .expect("TDX node");
+        let sev = c
+            .node(&NodeBuilder::new(&format!("{}-sev", w.ns)).sev(16, 16))
+            .await
+            .expect("SEV node");
+        let (tdx, sev) = (
+            tdx.metadata.name.expect("name"),
+            sev.metadata.name.expect("name"),
+        );
+        c.report(&ReportBuilder::new(&tdx).kind(TeeKind::Tdx, 8, 8))
+            .await
+            .expect("TDX report");
+        c.report(
+            &ReportBuilder::new(&sev)
+                .kind(TeeKind::Sev, 16, 16)
+                .kind(TeeKind::SevEs, 16, 16),
+        )
+        .await
+        .expect("SEV report");
+
+        // (VM, TEE, resource requested by `compute`, limit annotation)
+        let cases = [
+            ("vm-tdx", Tee::Tdx, "tdx.intel.com/keys", "tdx 1"),
+            ("vm-snp", Tee::Snp, "sev-snp.amd.com/esids", "sev_es 1"),
+            ("vm-sev-es", Tee::SevEs, "sev-snp.amd.com/esids", "sev_es 1"),
+        ];
+        for (vm, tee, resource, limit) in cases {
+            let (_, created) = c.create_vm(&w.ns, vm, tee, &[]).await.expect("VMI");
+            let created = created.unwrap_or_else(|e| panic!("{vm}: pod CREATE refused: {e}"));
+            // What the API server stored, read back.
+            let stored = Api::<Pod>::namespaced(c.client.clone(), &w.ns)
+                .get(created.metadata.name.as_deref().expect("generated name"))
+                .await
+                .expect("stored pod");
+            assert_eq!(
+                requests_of(&stored, "compute")
+                    .get(resource)
+                    .map(String::as_str),
+                Some("1"),
+                "{vm}: {:?}",
+                requests_of(&stored, "compute")
+            );
+            assert_eq!(
+                annotations(&stored)
+                    .get(&names::misc_max_annotation("compute"))
+                    .map(String::as_str),
+                Some(limit),
+                "{vm}"
+            );
+        }
+    })
+    .await
+    .expect("within the deadline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_tee_storage_hotplug_and_export_pods_are_stored_untouched() {
+    tokio::time::timeout(DEADLINE, async {
+        let Some(w) = world("untouched", &[]).await else {
+            return;
+        };
+        let c = &w.cluster;
+        let uid = c
+            .create_vmi(&w.ns, "vm-plain", Tee::None)
+            .await
+            .expect("VMI");
+        let plain = Cluster::launcher_pod(&w.ns, "vm-plain", &uid, Tee::None, &[]).expect("pod");
+        let storage = {
+            let v = VirtLauncherPod::for_tee("vm-disk", Tee::Tdx)
+                .namespace(&w.ns)
+                .ephemeral_provisioning()
+                .build();
+            into_namespace(v, &w.ns)
+        };
+        let hotplug = into_namespace(fixtures::hotplug_pod("vm-plain", "nowhere"), &w.ns);
+        let export = into_namespace(fixtures::export_pod("disk-export"), &w.ns);
+        let pods = Api::<Pod>::namespaced(c.client.clone(), &w.ns);
+        for (what, pod) in [
+            ("non-TEE VM", plain),
+            ("storage-binding", storage),
+            ("hotplug", hotplug),
+            ("export", export),
+        ] {
+            let created = pods
+                .create(&PostParams::default(), &pod)
+                .await
+                .unwrap_or_else(|e| panic!("{what} pod refused: {e}"));
+            let stored = pods
+                .get(created.metadata.name.as_deref().expect("name"))
+                .await
+                .expect("stored");
+            assert!(
+                !annotations(&stored)
+                    .keys()
+                    .any(|k| names::is_limit_annotation(k)),
+                "{what}: {:?}",
+                annotations(&stored)
+            );
+            assert!(
+                tee_resources(&stored).is_empty(),
+                "{what}: {:?}",
+                tee_resources(&stored)
+            );
+        }
+    })
+    .await
+    .expect("within the deadline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_or_changed_limit_annotations_are_denied_by_the_api_server() {
+    tokio::time::timeout(DEADLINE, async {
+        let Some(w) = world("forged", &[]).await else {
+            return;
+        };
+        let c = &w.cluster;
+        let node = c
+            .node(&NodeBuilder::new(&format!("{}-tdx", w.ns)).tdx(4))
+            .await
+            .expect("node");
+        let node = node.metadata.name.expect("name");
+        c.report(&ReportBuilder::new(&node).kind(TeeKind::Tdx, 4, 4))
+            .await
+            .expect("report");
+        let pods = Api::<Pod>::namespaced(c.client.clone(), &w.ns);
+
+        // A non-TEE VM's pod that carries a limit annotation of its own.
+        let uid = c
+            .create_vmi(&w.ns, "vm-forger", Tee::None)
+            .await
+            .expect("VMI");
+        let mut forged =
+            Cluster::launcher_pod(&w.ns, "vm-forger", &uid, Tee::None, &[]).expect("pod");
+        forged
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(names::misc_max_annotation("compute"), "tdx 5".into());
+        let refused = pods
+            .create(&PostParams::default(), &forged)
+            .await
+            .expect_err("a forged limit annotation is refused");
+        assert!(
+            matches!(&refused, kube::Error::Api(s) if s.code == 403),
+            "{refused}"
+        );
+
+        // A TDX VM's pod, stored with teeguard's limit; changing the limit afterwards is refused.
+        let (_, created) = c
+            .create_vm(&w.ns, "vm-tdx", Tee::Tdx, &[])
+            .await
+            .expect("VMI");
+        let stored = created.expect("TDX pod admitted");
+        let name = stored.metadata.name.clone().expect("name");
+        let key = names::misc_max_annotation("compute");
+        let patch = json!({"metadata": {"annotations": {key.clone(): "tdx 9"}}});
+        let refused = pods
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .expect_err("a changed limit annotation is refused");
+        assert!(
+            matches!(&refused, kube::Error::Api(s) if s.code == 403),
+            "{refused}"
+        );
+        let now = pods.get(&name).await.expect("pod");
+        assert_eq!(
+            annotations(&now).get(&key).map(String::as_str),
+            Some("tdx 1")
+        );
+    })
+    .await
+    .expect("within the deadline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warn_mode_warning_reaches_the_client() {
+    tokio::time::timeout(DEADLINE, async {
+        let Some(w) = world("warn", &[(names::MODE_LABEL, "warn")]).await else {
+            return;
+        };
+        let c = &w.cluster;
+        // No node of this test has TDX keys: enforce mode would refuse; warn mode admits and warns.
+        let uid = c
+            .create_vmi(&w.ns, "vm-nowhere", Tee::Tdx)
+            .await
+            .expect("VMI");
+        let selector = [(TEST_LABEL, "no-such-node")];
+        let pod =
+            Cluster::launcher_pod(&w.ns, "vm-nowhere", &uid, Tee::Tdx, &selector).expect("pod");
+        let body = serde_json::to_vec(&pod).expect("json");
+        let req = http::Request::post(format!("/api/v1/namespaces/{}/pods", w.ns))
+            .header("content-type", "application/json")
+            .body(body)
+            .expect("request");
+        let resp = c
+            .client
+            .send(req.map(kube::client::Body::from))
+            .await
+            .expect("the API server answers");
+        let status = resp.status();
+        let warnings: Vec<String> = resp
+            .headers()
+            .get_all("warning")
+            .iter()
+            .map(|v| v.to_str().unwrap_or("").to_string())
+            .collect();
+        assert_eq!(status.as_u16(), 201, "created in warn mode: {warnings:?}");
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("no node can host this TDX VM")),
+            "{warnings:?}"
+        );
+    })
+    .await
+    .expect("within the deadline");
+}
