@@ -139,12 +139,12 @@ impl Cluster {
     }
 
     /// Poll `check` every 50 ms until it returns `Some`, for at most 30 s.
-    pub async fn wait_for<T, F, Fut>(&self, what: &str, mut check: F) -> Result<T>
+    pub async fn wait_for<T, F, Fut>(&self, what: &str, check: F) -> Result<T>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Option<T>>,
     {
-        self.wait_for_within(what, Duration::from_secs(30), move || check())
+        self.wait_for_within(what, Duration::from_secs(30), check)
             .await
     }
 
