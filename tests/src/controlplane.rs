@@ -166,13 +166,12 @@ impl ControlPlane {
         let sa_key = write("sa.key", signing.key_pem())?;
         let sa_pub = write("sa.crt", signing.cert_pem())?;
         let token = |who: &str| format!("{who}-{:016x}{:08x}", rand_u64(), std::process::id());
-        let (admin, scheduler, kcm) = (token("admin"), token("sched"), token("kcm"));
+        let (admin, scheduler) = (token("admin"), token("sched"));
         let tokens = write(
             "tokens.csv",
             &format!(
                 "{admin},admin,admin,system:masters\n\
-                 {scheduler},system:kube-scheduler,system:kube-scheduler\n\
-                 {kcm},system:kube-controller-manager,system:kube-controller-manager\n"
+                 {scheduler},system:kube-scheduler,system:kube-scheduler\n"
             ),
         )?;
 
@@ -191,7 +190,6 @@ impl ControlPlane {
         };
         let admin_kc = kubeconfig("admin.kubeconfig", &admin)?;
         let sched_kc = kubeconfig("scheduler.kubeconfig", &scheduler)?;
-        let kcm_kc = kubeconfig("kcm.kubeconfig", &kcm)?;
         let p = |path: &Path| path.display().to_string();
 
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
@@ -258,18 +256,19 @@ impl ControlPlane {
                 "--leader-elect=false".into(),
             ],
         )?;
+        // As the admin: with its own identity and no per-controller credentials, controllers such
+        // as the ValidatingAdmissionPolicy type checker lack the rights to write their status.
         spawn(
             &dir,
             &bin,
             "kube-controller-manager",
             &[
-                format!("--kubeconfig={}", p(&kcm_kc)),
-                format!("--authentication-kubeconfig={}", p(&kcm_kc)),
-                format!("--authorization-kubeconfig={}", p(&kcm_kc)),
+                format!("--kubeconfig={}", p(&cp.kubeconfig)),
+                format!("--authentication-kubeconfig={}", p(&cp.kubeconfig)),
+                format!("--authorization-kubeconfig={}", p(&cp.kubeconfig)),
                 "--bind-address=127.0.0.1".into(),
                 "--secure-port=0".into(),
                 "--leader-elect=false".into(),
-                "--use-service-account-credentials=false".into(),
                 // Nodes without a kubelet would be tainted and their pods evicted.
                 "--controllers=*,-node-lifecycle-controller".into(),
                 format!("--service-account-private-key-file={}", p(&sa_key)),

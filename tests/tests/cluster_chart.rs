@@ -1,0 +1,368 @@
+//! The Helm chart against a real kube-apiserver, kube-controller-manager and kubectl (see
+//! `teeguard_tests::controlplane`): `helm install` is accepted without a single warning, the agent's
+//! own-node ValidatingAdmissionPolicy type-checks clean and holds an agent to its own node (checked
+//! by impersonating the agent's ServiceAccount), `kubectl get teecapacities` prints the CRD's
+//! columns, and `helm uninstall` leaves only what the README says. Skipped (one line) without
+//! control plane binaries, unless `CI=true`.
+
+mod chart_support;
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use kube::Api;
+use kube::api::DynamicObject;
+use kube::core::{ApiResource, GroupVersionKind};
+use serde_json::{Value, json};
+use teeguard_shared::TeeKind;
+use teeguard_tests::controlplane::ControlPlane;
+use teeguard_tests::fixtures::ReportBuilder;
+use teeguard_tests::realcluster::Cluster;
+
+/// The release every test but the uninstall one uses, installed once per control plane.
+const RELEASE: &str = "teeguard";
+const NAMESPACE: &str = "teeguard";
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// What `helm install` said.
+#[derive(Debug)]
+struct Installed {
+    stdout: String,
+    stderr: String,
+}
+
+fn helm(cp: &ControlPlane, args: &[&str]) -> chart_support::Run {
+    let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    all.push("--kubeconfig".into());
+    all.push(cp.kubeconfig.display().to_string());
+    chart_support::run(&chart_support::helm(), &all)
+}
+
+fn kubectl(cp: &ControlPlane, args: &[&str], extra_env: &[(&str, &str)]) -> chart_support::Run {
+    let bin = std::env::var_os("TEEGUARD_KUBECTL").map(PathBuf::from).expect(
+        "TEEGUARD_KUBECTL is not set: run scripts/test.sh, or `source scripts/chart-tools.sh` first",
+    );
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .env("KUBECONFIG", &cp.kubeconfig)
+        .envs(extra_env.iter().copied())
+        .output()
+        .expect("kubectl runs");
+    chart_support::Run {
+        success: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// `helm install` of the chart with its defaults, once per control plane (the CRD comes from the
+/// chart: nothing else installs it in this test binary).
+fn installed(cp: &'static ControlPlane) -> &'static Installed {
+    static ONCE: OnceLock<Installed> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let chart = chart_support::chart_dir().display().to_string();
+        let out = helm(
+            cp,
+            &[
+                "install",
+                RELEASE,
+                &chart,
+                "--namespace",
+                NAMESPACE,
+                "--create-namespace",
+            ],
+        );
+        assert!(out.success, "helm install failed:\n{}", out.stderr);
+        Installed {
+            stdout: out.stdout,
+            stderr: out.stderr,
+        }
+    })
+}
+
+/// kubectl's table output, read by column position (an empty cell is blank, not a word).
+struct Table {
+    header: Vec<String>,
+    starts: Vec<usize>,
+    rows: Vec<String>,
+}
+
+impl Table {
+    fn parse(text: &str) -> Table {
+        let mut lines = text.lines();
+        let head = lines.next().unwrap_or("");
+        let mut header = Vec::new();
+        let mut starts = Vec::new();
+        let mut prev = ' ';
+        for (i, ch) in head.char_indices() {
+            if ch != ' ' && prev == ' ' {
+                starts.push(i);
+                header.push(head[i..].split(' ').next().unwrap_or("").to_string());
+            }
+            prev = ch;
+        }
+        Table {
+            header,
+            starts,
+            rows: lines.map(str::to_string).collect(),
+        }
+    }
+
+    fn cell(&self, row: usize, col: &str) -> &str {
+        let Some(i) = self.header.iter().position(|h| h == col) else {
+            return "<no such column>";
+        };
+        let line = self.rows.get(row).map(String::as_str).unwrap_or("");
+        let start = self.starts[i].min(line.len());
+        let end = self
+            .starts
+            .get(i + 1)
+            .copied()
+            .unwrap_or(line.len())
+            .min(line.len());
+        line[start..end].trim()
+    }
+}
+
+/// A connection without the harness's CRD installation (the chart brings the CRD here).
+async fn connect() -> Option<Cluster> {
+    let cp = ControlPlane::shared()?;
+    let client = cp.client().await.expect("client");
+    Some(Cluster { cp, client })
+}
+
+fn policy_api(c: &Cluster) -> Api<DynamicObject> {
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "admissionregistration.k8s.io",
+        "v1",
+        "ValidatingAdmissionPolicy",
+    ));
+    Api::all_with(c.client.clone(), &ar)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_install_is_accepted_with_zero_warnings_and_the_policy_type_checks_clean() {
+    tokio::time::timeout(DEADLINE, async {
+        let Some(c) = connect().await else { return };
+        let out = installed(c.cp);
+        // The API server's warnings (deprecated fields, unknown formats, ...) reach helm's stderr.
+        assert!(
+            !out.stderr.to_lowercase().contains("warning"),
+            "helm install printed warnings:\n{}",
+            out.stderr
+        );
+        assert!(out.stdout.contains("STATUS: deployed"), "{}", out.stdout);
+
+        // kube-controller-manager type-checks the policy's CEL against the real schemas.
+        let name = format!("{RELEASE}-agent-own-node");
+        let api = policy_api(&c);
+        let checked = c
+            .wait_for("the own-node policy to be type-checked", || async {
+                let p = api.get(&name).await.ok()?;
+                let status = p.data.get("status")?;
+                (status.get("observedGeneration").and_then(Value::as_i64) == p.metadata.generation)
+                    .then(|| status.clone())
+            })
+            .await
+            .expect("type-checked");
+        assert_eq!(
+            checked.get("typeChecking"),
+            Some(&json!({})),
+            "type checking found problems: {checked}"
+        );
+    })
+    .await
+    .expect("within the deadline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_get_teecapacities_prints_the_report_columns() {
+    tokio::time::timeout(DEADLINE, async {
+        let Some(c) = connect().await else { return };
+        installed(c.cp);
+        c.wait_for("the TeeCapacity CRD to be served", || async {
+            let api: Api<teeguard_shared::TeeCapacity> = Api::all(c.client.clone());
+            api.list(&Default::default()).await.ok().map(|_| ())
+        })
+        .await
+        .expect("CRD served");
+        c.report(
+            &ReportBuilder::new("columns-node")
+                .kind_with_external(TeeKind::Tdx, 31, 27, 3)
+                .kind(TeeKind::SevEs, 100, 40),
+        )
+        .await
+        .expect("report");
+        let out = kubectl(c.cp, &["get", "teecapacities", "columns-node"], &[]);
+        assert!(out.success, "{}", out.stderr);
+        let table = Table::parse(&out.stdout);
+        assert_eq!(
+            table.header,
+            [
+                "NAME",
+                "TDX-FREE",
+                "SEV-FREE",
+                "SEV-ES-FREE",
+                "HEARTBEAT",
+                "AGE"
+            ],
+            "{}",
+            out.stdout
+        );
+        let cells: Vec<&str> = ["NAME", "TDX-FREE", "SEV-FREE", "SEV-ES-FREE"]
+            .iter()
+            .map(|col| table.cell(0, col))
+            .collect();
+        assert_eq!(cells, ["columns-node", "27", "", "40"], "{}", out.stdout);
+        let wide = kubectl(c.cp, &["get", "teecap", "columns-node", "-o", "wide"], &[]);
+        assert!(wide.success, "{}", wide.stderr);
+        let table = Table::parse(&wide.stdout);
+        assert_eq!(
+            (table.cell(0, "TDX-CAP"), table.cell(0, "EXTERNAL")),
+            ("31", "3"),
+            "{}",
+            wide.stdout
+        );
+    })
+    .await
+    .expect("within the deadline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn own_node_policy_lets_an_agent_write_only_its_own_node() {
+    tokio::time::timeout(DEADLINE, async {
+        let Some(c) = connect().await else { return };
+        installed(c.cp);
+        let agent = format!("system:serviceaccount:{NAMESPACE}:{RELEASE}-agent");
+        let dir = tempfile::tempdir().expect("tmp");
+        let manifest = dir.path().join("report.yaml");
+        std::fs::write(
+            &manifest,
+            "apiVersion: teeguard.dev/v1alpha1\nkind: TeeCapacity\nmetadata: {name: node-own}\n\
+             spec: {nodeName: node-own}\n",
+        )
+        .expect("manifest");
+        let file = manifest.display().to_string();
+        // The policy is enforced as soon as the API server has loaded it: retry briefly.
+        let create_as = |node: Option<&str>| {
+            let mut args = vec![
+                "create".to_string(),
+                "-f".into(),
+                file.clone(),
+                "--dry-run=server".into(),
+                format!("--as={agent}"),
+            ];
+            if let Some(n) = node {
+                args.push(format!("--as-user-extra=authentication.kubernetes.io/node-name={n}"));
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            kubectl(c.cp, &args, &[])
+        };
+        let other = c
+            .wait_for("the own-node policy to be enforced", || async {
+                let out = create_as(Some("node-other"));
+                (!out.success && out.stderr.contains("own-node")).then_some(out)
+            })
+            .await
+            .expect("another node's report refused");
+        assert!(
+            other
+                .stderr
+                .contains("the teeguard agent on node node-other may write only its own node, not teecapacities node-own"),
+            "{}",
+            other.stderr
+        );
+        let own = create_as(Some("node-own"));
+        assert!(own.success, "its own node's report is allowed: {}", own.stderr);
+        // A token without any `extra` (an old token, or a user impersonating without it): the
+        // policy's own message, not a CEL evaluation error.
+        let none = create_as(None);
+        assert!(!none.success);
+        assert!(
+            none.stderr.contains("carries no node name") && !none.stderr.contains("no such key"),
+            "{}",
+            none.stderr
+        );
+        // Nodes too: patching another node's Node is refused.
+        c.node(&teeguard_tests::fixtures::NodeBuilder::new("node-elsewhere"))
+            .await
+            .expect("node");
+        // (kubectl reads the Node first, which the agent may not: a raw PATCH as the agent.)
+        let patch = http::Request::patch("/api/v1/nodes/node-elsewhere?dryRun=All")
+            .header("content-type", "application/merge-patch+json")
+            .header("Impersonate-User", &agent)
+            .header(
+                "Impersonate-Extra-authentication.kubernetes.io%2fnode-name",
+                "node-own",
+            )
+            .body(br#"{"metadata":{"annotations":{"example.com/touched":"yes"}}}"#.to_vec())
+            .expect("request");
+        let refused = c
+            .client
+            .request_text(patch)
+            .await
+            .expect_err("another node's Node is refused");
+        assert!(
+            refused
+                .to_string()
+                .contains("may write only its own node, not nodes node-elsewhere"),
+            "{refused}"
+        );
+    })
+    .await
+    .expect("within the deadline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_uninstall_removes_everything_but_the_crd() {
+    tokio::time::timeout(DEADLINE, async {
+        let Some(c) = connect().await else { return };
+        installed(c.cp); // the CRD, from the first release
+        let (release, ns) = ("tg-uninstall", "tg-uninstall");
+        let chart = chart_support::chart_dir().display().to_string();
+        let out = helm(
+            c.cp,
+            &[
+                "install",
+                release,
+                &chart,
+                "--namespace",
+                ns,
+                "--create-namespace",
+            ],
+        );
+        assert!(out.success, "{}", out.stderr);
+        let manifest = helm(c.cp, &["get", "manifest", release, "--namespace", ns]);
+        assert!(manifest.success, "{}", manifest.stderr);
+        let objects = chart_support::parse_documents(&manifest.stdout);
+        assert!(objects.len() > 10, "{} objects", objects.len());
+        let out = helm(c.cp, &["uninstall", release, "--namespace", ns, "--wait"]);
+        assert!(out.success, "{}", out.stderr);
+        // Every object of the release is gone (namespaced ones: deleted, or going with finalizers).
+        for obj in &objects {
+            let kind = obj["kind"].as_str().unwrap_or("");
+            let name = obj["metadata"]["name"].as_str().unwrap_or("");
+            let namespaced = obj["metadata"]["namespace"].as_str();
+            let mut args = vec!["get", kind, name, "--ignore-not-found", "-o", "name"];
+            if let Some(n) = namespaced {
+                args.extend(["--namespace", n]);
+            }
+            let left = kubectl(c.cp, &args, &[]);
+            assert!(left.success, "{}", left.stderr);
+            assert!(
+                left.stdout.trim().is_empty(),
+                "{kind} {name} is left after helm uninstall"
+            );
+        }
+        // What the README says stays: the CRD (Helm never deletes CRDs) and with it the reports.
+        let crd = kubectl(
+            c.cp,
+            &["get", "crd", "teecapacities.teeguard.dev", "-o", "name"],
+            &[],
+        );
+        assert!(crd.success && crd.stdout.contains("teecapacities.teeguard.dev"));
+    })
+    .await
+    .expect("within the deadline");
+}
