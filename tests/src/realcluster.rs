@@ -214,12 +214,23 @@ impl Cluster {
             .as_str()
             .unwrap_or_default()
             .to_string();
+        let taints = v.pointer("/spec/taints").cloned().unwrap_or(Value::Null);
         let node: Node = serde_json::from_value(v).map_err(|e| fail("node", e))?;
         let nodes: Api<Node> = Api::all(self.client.clone());
         nodes
             .create(&PostParams::default(), &node)
             .await
             .map_err(err(format!("create Node {name}")))?;
+        // The API server's TaintNodesByCondition admission taints every new Node not-ready; the node
+        // lifecycle controller, off here, would lift it once the kubelet reports Ready.
+        nodes
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": { "taints": taints } })),
+            )
+            .await
+            .map_err(err(format!("lift the not-ready taint of Node {name}")))?;
         nodes
             .patch_status(
                 &name,
@@ -280,6 +291,15 @@ impl Cluster {
         }
         for (k, val) in node_selector {
             v["spec"]["nodeSelector"][*k] = json!(val);
+        }
+        // The VM's disks are PVCs, which a cluster without storage never binds (the scheduler would
+        // wait for them): the same volumes as emptyDirs, which teeguard does not look at either way.
+        for vol in v["spec"]["volumes"].as_array_mut().into_iter().flatten() {
+            if let Some(o) = vol.as_object_mut()
+                && o.remove("persistentVolumeClaim").is_some()
+            {
+                o.insert("emptyDir".into(), json!({}));
+            }
         }
         serde_json::from_value(v).map_err(|e| fail("launcher pod", e))
     }

@@ -1,0 +1,305 @@
+//! Scheduling against a real kube-apiserver and kube-scheduler (see `teeguard_tests::controlplane`):
+//! the agent process on simulated hosts for Nodes created through the API (no kubelet: pods stay
+//! Pending, bound pods count as `pending` keys), the webhook process registered by URL with the
+//! chart's webhook configurations, and the real scheduler binding the virt-launcher pods. Skipped
+//! (one line) without control plane binaries, unless `CI=true`.
+
+mod chart_support;
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams};
+use serde_json::json;
+use teeguard_shared::TeeCapacity;
+use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess};
+use teeguard_tests::fixtures::{NodeBuilder, TDX_KEYS, Tee};
+use teeguard_tests::host::{SimHost, TDX};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL};
+
+const DEADLINE: Duration = Duration::from_secs(150);
+
+/// One test's world: its namespace and Nodes (labelled with the test's name, which its pods select),
+/// an agent per Node on a simulated host, and the webhook.
+struct World {
+    cluster: Cluster,
+    test: String,
+    ns: String,
+    hosts: Vec<(String, SimHost)>,
+    _agents: Vec<AgentProcess>,
+    _webhook: WebhookProcess,
+    env: ProcessEnv,
+}
+
+impl World {
+    /// `nodes`: (suffix, TDX keys). `config`: the teeguard configuration of both processes.
+    async fn start(test: &str, nodes: &[(&str, u64)], config: &str) -> Option<World> {
+        let cluster = Cluster::connect().await?;
+        let env = cluster.process_env(config).expect("process env");
+        let ns = cluster.namespace(test, test, &[]).await.expect("namespace");
+        let mut hosts = Vec::new();
+        let mut agents = Vec::new();
+        for (suffix, keys) in nodes {
+            let name = format!("{ns}-{suffix}");
+            cluster
+                .node(&NodeBuilder::new(&name).tdx(*keys).label(TEST_LABEL, test))
+                .await
+                .expect("node");
+            let host = SimHost::builder()
+                .capacity(TDX, *keys)
+                .build()
+                .expect("simulated host");
+            agents.push(env.start_agent(&name, &host).await.expect("agent starts"));
+            hosts.push((name, host));
+        }
+        let webhook = env.start_webhook(&[]).await.expect("webhook starts");
+        let rendered = chart_support::render("default", &[]);
+        cluster
+            .register_webhooks(test, &rendered, webhook.https, &env.ca.ca_bundle_base64())
+            .await
+            .expect("webhooks registered");
+        cluster
+            .wait_webhooks_called(&ns)
+            .await
+            .expect("the API server calls the webhooks");
+        Some(World {
+            cluster,
+            test: test.to_string(),
+            ns,
+            hosts,
+            _agents: agents,
+            _webhook: webhook,
+            env,
+        })
+    }
+
+    fn host(&self, node: &str) -> &SimHost {
+        &self.hosts.iter().find(|(n, _)| n == node).expect("host").1
+    }
+
+    fn node(&self, i: usize) -> String {
+        self.hosts[i].0.clone()
+    }
+
+    /// Create a TDX VM (VMI and virt-launcher pod, selecting this test's Nodes).
+    async fn create_vm(&self, name: &str) -> kube::Result<Pod> {
+        let selector = [(TEST_LABEL, self.test.as_str())];
+        self.cluster
+            .create_vm(&self.ns, name, Tee::Tdx, &selector)
+            .await
+            .expect("VMI")
+            .1
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.cluster.client.clone(), &self.ns)
+    }
+
+    /// Wait until the scheduler has bound `pod`; returns the node.
+    async fn wait_bound(&self, pod: &Pod, timeout: Duration) -> String {
+        let name = pod.metadata.name.clone().expect("name");
+        let pods = self.pods();
+        let bound = self
+            .cluster
+            .wait_for_within(&format!("pod {name} to be bound"), timeout, || async {
+                pods.get(&name).await.ok()?.spec?.node_name
+            })
+            .await;
+        match bound {
+            Ok(node) => node,
+            Err(e) => panic!(
+                "{e}; its events: {:?}; logs:\n{}",
+                self.events_of(&name).await,
+                self.env.all_logs()
+            ),
+        }
+    }
+
+    /// `reason: message` of the events about pod `name`.
+    async fn events_of(&self, name: &str) -> Vec<String> {
+        let events: Api<Event> = Api::namespaced(self.cluster.client.clone(), &self.ns);
+        let list = events.list(&ListParams::default()).await;
+        list.map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
+            .map(|e| {
+                format!(
+                    "{}: {}",
+                    e.reason.unwrap_or_default(),
+                    e.message.unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+
+    /// The node's report, once it shows `pending` keys and `free`.
+    async fn wait_report(&self, node: &str, pending: u64, free: u64) -> TeeCapacity {
+        let api: Api<TeeCapacity> = Api::all(self.cluster.client.clone());
+        self.cluster
+            .wait_for(
+                &format!("{node}'s report: pending {pending}, free {free}"),
+                || async {
+                    let r = api.get(node).await.ok()?;
+                    let tdx = r.status.as_ref()?.tdx.as_ref()?;
+                    (tdx.pending == pending && tdx.free == free).then_some(r)
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}; logs:\n{}", self.env.all_logs()))
+    }
+}
+
+fn tdx_allocatable(n: &Node) -> Option<String> {
+    n.status
+        .as_ref()?
+        .allocatable
+        .as_ref()?
+        .get(TDX_KEYS)
+        .map(|q| q.0.clone())
+}
+
+// The ledger bug as seen on a real cluster: VM 1 and VM 2 created back to back onto a node with 2
+// free keys are both bound within 2 s; VM 3 is refused with the report's own figures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn back_to_back_vms_are_both_bound_and_a_third_is_refused_with_the_reports_figures() {
+    tokio::time::timeout(DEADLINE, async {
+        let Some(w) = World::start("ledger", &[("a", 2)], "").await else {
+            return;
+        };
+        let node = w.node(0);
+        // The agent published the report and the Node's allocatable keys.
+        let nodes: Api<Node> = Api::all(w.cluster.client.clone());
+        let allocatable = w
+            .cluster
+            .wait_for("the Node's allocatable TDX keys", || async {
+                tdx_allocatable(&nodes.get(&node).await.ok()?)
+            })
+            .await
+            .expect("advertised");
+        assert_eq!(allocatable, "2");
+
+        let vm1 = w.create_vm("vm-1").await.expect("vm-1 admitted");
+        let started = Instant::now();
+        assert_eq!(w.wait_bound(&vm1, Duration::from_secs(20)).await, node);
+        // The agent's report counts vm-1 (its immediate publish, not a heartbeat).
+        let report = w.wait_report(&node, 1, 1).await;
+        let uid1 = vm1.metadata.uid.clone().expect("uid");
+        assert!(
+            report
+                .status
+                .as_ref()
+                .is_some_and(|s| s.counted_pods.contains(&uid1)),
+            "{report:?}"
+        );
+        let vm2 = w
+            .create_vm("vm-2")
+            .await
+            .unwrap_or_else(|e| panic!("vm-2 refused right after vm-1: {e}"));
+        assert_eq!(w.wait_bound(&vm2, Duration::from_secs(20)).await, node);
+        let gap = started.elapsed();
+        assert!(
+            gap < Duration::from_secs(2),
+            "vm-2 bound {gap:?} after vm-1"
+        );
+
+        w.wait_report(&node, 2, 0).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let refused = w.create_vm("vm-3").await.expect_err("vm-3 refused");
+        let msg = refused.to_string();
+        assert!(
+            msg.contains("no node can host this TDX VM")
+                && msg.contains(&format!("{node} 0/2 free"))
+                && !msg.contains("just admitted"),
+            "{msg}"
+        );
+    })
+    .await
+    .expect("within the deadline");
+}
+
+// A node the scheduler still counts as having room (its extended resource was advertised once, as
+// Kata's NFD rule does, with teeguard's advertising off) but whose keys are taken outside
+// Kubernetes: teeguard refuses the binding, the pod shows FailedScheduling with teeguard's message,
+// and once a key is freed the scheduler's retry binds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_node_refuses_the_binding_until_a_key_is_freed() {
+    tokio::time::timeout(DEADLINE, async {
+        let config = "agent:\n  advertise: false\n";
+        let Some(w) = World::start("full", &[("a", 2), ("b", 2)], config).await else {
+            return;
+        };
+        let (full, cordoned) = (w.node(0), w.node(1));
+        let nodes: Api<Node> = Api::all(w.cluster.client.clone());
+        for n in [&full, &cordoned] {
+            nodes
+                .patch_status(
+                    n,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"status": {
+                        "capacity": {TDX_KEYS: "2"}, "allocatable": {TDX_KEYS: "2"}}})),
+                )
+                .await
+                .expect("advertise the total, as NFD does");
+        }
+        // Node b has free keys but takes no pods: teeguard's check at pod CREATE (some node of the
+        // pod's selector can host it) passes, and the scheduler can only try node a.
+        nodes
+            .patch(
+                &cordoned,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"unschedulable": true}})),
+            )
+            .await
+            .expect("cordon");
+        w.host(&full)
+            .add_external("legacy-vm", TDX, 2)
+            .expect("VMs outside Kubernetes take both keys");
+        w.wait_report(&full, 0, 0).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        let vm = w.create_vm("vm-1").await.expect("admitted at CREATE");
+        let name = vm.metadata.name.clone().expect("name");
+        let events: Api<Event> = Api::namespaced(w.cluster.client.clone(), &w.ns);
+        let event = w
+            .cluster
+            .wait_for("FailedScheduling with teeguard's message", || async {
+                let list = events.list(&ListParams::default()).await.ok()?;
+                list.items.into_iter().find(|e| {
+                    e.involved_object.name.as_deref() == Some(name.as_str())
+                        && e.reason.as_deref() == Some("FailedScheduling")
+                        && e.message.as_deref().is_some_and(|m| {
+                            m.contains(&format!("node {full} cannot host this TDX VM"))
+                        })
+                })
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e}; logs:\n{}", w.env.all_logs()));
+        let msg = event.message.unwrap_or_default();
+        assert!(
+            msg.contains("0/2 free (2 held outside Kubernetes)"),
+            "{msg}"
+        );
+        assert_eq!(
+            w.pods()
+                .get(&name)
+                .await
+                .expect("pod")
+                .spec
+                .and_then(|s| s.node_name),
+            None,
+            "not bound while the node is full"
+        );
+
+        // A key is freed: the scheduler's next retry (backoff up to 10 s) is admitted.
+        w.host(&full).remove_external("legacy-vm").expect("stop");
+        w.host(&full)
+            .add_external("legacy-vm-2", TDX, 1)
+            .expect("one key stays outside");
+        w.wait_report(&full, 0, 1).await;
+        assert_eq!(w.wait_bound(&vm, Duration::from_secs(40)).await, full);
+    })
+    .await
+    .expect("within the deadline");
+}
