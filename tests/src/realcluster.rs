@@ -370,10 +370,11 @@ impl Cluster {
     }
 
     /// Register teeguard's webhook configurations, taken from the rendered chart (`rendered`: every
-    /// object of `helm template`), under names of this test, calling `webhook` by URL
+    /// object of `helm template`), under names of this test (configurations `<name>-<test>`, webhooks
+    /// `<test>.<name>`), calling `webhook` by URL
     /// (`https://<addr>/<path of the chart's service reference>`) with `ca_bundle_b64`, and matching
-    /// only namespaces labelled [`TEST_LABEL`]`=<test>` on top of the chart's own selectors. Waits until
-    /// the API server uses them (a probe pod CREATE in `probe_namespace` is seen by the webhook).
+    /// only namespaces labelled [`TEST_LABEL`]`=<test>` on top of the chart's own selectors (see
+    /// [`Cluster::wait_webhooks_called`] for when the API server starts calling them).
     pub async fn register_webhooks(
         &self,
         test: &str,
@@ -391,6 +392,10 @@ impl Cluster {
                 let name = format!("{}-{test}", obj["metadata"]["name"].as_str().unwrap_or(""));
                 obj["metadata"] = json!({ "name": name });
                 for hook in obj["webhooks"].as_array_mut().into_iter().flatten() {
+                    // Prefixed with the test's name: the API server's metrics and messages name
+                    // webhooks by this name, so each test's are told apart.
+                    let hook_name = format!("{test}.{}", hook["name"].as_str().unwrap_or(""));
+                    hook["name"] = json!(hook_name);
                     let path = hook
                         .pointer("/clientConfig/service/path")
                         .and_then(Value::as_str)

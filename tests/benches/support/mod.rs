@@ -5,6 +5,8 @@
 
 #![allow(dead_code)]
 
+pub mod floor;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

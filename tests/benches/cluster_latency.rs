@@ -1,0 +1,273 @@
+//! Admission latency as kube-apiserver sees it: the `teeguard-webhook` process and a no-op webhook
+//! (the floor of the `e2e_tls` bench: parse the review, allow), both registered by URL with the
+//! webhook configurations the chart renders, each for its own namespace, and pod CREATEs sent at a
+//! steady rate to both namespaces in turn. The figures are the API server's own
+//! `apiserver_admission_webhook_admission_duration_seconds` per webhook (its `/metrics`): mean
+//! (sum / count, exact) and p50/p99 interpolated in its buckets (5 ms, 25 ms, 100 ms, ...: coarse, so
+//! the mean is the figure to compare), and the teeguard/no-op ratios. Target: ratio <= 1.2.
+//!
+//! The pods are TDX virt-launcher pods whose node (with a report of free keys) is cordoned, so the
+//! webhooks admit them at CREATE and the scheduler never binds them (no binding reviews mixed in).
+//!
+//! Needs a control plane (`TEEGUARD_CONTROL_PLANE`, see `teeguard_tests::controlplane`) and helm
+//! (`TEEGUARD_HELM`); without them it says so and exits. `cargo bench -p teeguard-tests --bench
+//! cluster_latency` (quick: `TEEGUARD_BENCH_QUICK=1`).
+
+#[path = "../tests/chart_support/mod.rs"]
+mod chart_support;
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use serde_json::json;
+use support::floor::{Stack, start_floor};
+use support::{full_run, section};
+use teeguard_shared::TeeKind;
+use teeguard_tests::controlplane::ControlPlane;
+use teeguard_tests::fixtures::{NodeBuilder, ReportBuilder, Tee};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL};
+
+const METRIC: &str = "apiserver_admission_webhook_admission_duration_seconds";
+const TARGET_RATIO: f64 = 1.2;
+
+/// One webhook's histogram from the API server's metrics, summed over its label sets.
+#[derive(Clone, Debug, Default)]
+struct Histogram {
+    buckets: BTreeMap<u64, f64>, // upper bound in µs -> cumulative count (`+Inf` = u64::MAX)
+    sum: f64,
+    count: f64,
+}
+
+impl Histogram {
+    fn mean(&self) -> Duration {
+        Duration::from_secs_f64(if self.count > 0.0 {
+            self.sum / self.count
+        } else {
+            0.0
+        })
+    }
+
+    /// Linear interpolation inside the bucket that holds quantile `q`.
+    fn quantile(&self, q: f64) -> Duration {
+        let target = q * self.count;
+        let (mut lower, mut below) = (0u64, 0.0);
+        for (&upper, &cum) in &self.buckets {
+            if cum >= target && cum > below {
+                let upper = if upper == u64::MAX { lower } else { upper };
+                let frac = (target - below) / (cum - below);
+                let us = lower as f64 + frac * (upper - lower) as f64;
+                return Duration::from_micros(us as u64);
+            }
+            lower = upper;
+            below = cum;
+        }
+        Duration::ZERO
+    }
+
+    fn minus(&self, before: &Histogram) -> Histogram {
+        Histogram {
+            buckets: self
+                .buckets
+                .iter()
+                .map(|(b, c)| (*b, c - before.buckets.get(b).copied().unwrap_or(0.0)))
+                .collect(),
+            sum: self.sum - before.sum,
+            count: self.count - before.count,
+        }
+    }
+}
+
+/// Parse the admission-duration histograms of the webhooks whose name starts with `prefix`, by
+/// webhook name.
+fn histograms(metrics: &str, prefix: &str) -> BTreeMap<String, Histogram> {
+    let mut out: BTreeMap<String, Histogram> = BTreeMap::new();
+    for line in metrics.lines().filter(|l| l.starts_with(METRIC)) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(value) = value.parse::<f64>() else {
+            continue;
+        };
+        let label = |key: &str| {
+            let at = series.find(&format!("{key}=\""))? + key.len() + 2;
+            series[at..].split('"').next()
+        };
+        let Some(name) = label("name").filter(|n| n.starts_with(prefix)) else {
+            continue;
+        };
+        let h = out.entry(name.to_string()).or_default();
+        if series.starts_with(&format!("{METRIC}_bucket")) {
+            let le = label("le").unwrap_or("+Inf");
+            let bound = if le == "+Inf" {
+                u64::MAX
+            } else {
+                (le.parse::<f64>().unwrap_or(0.0) * 1e6) as u64
+            };
+            *h.buckets.entry(bound).or_default() += value;
+        } else if series.starts_with(&format!("{METRIC}_sum")) {
+            h.sum += value;
+        } else if series.starts_with(&format!("{METRIC}_count")) {
+            h.count += value;
+        }
+    }
+    out
+}
+
+fn main() {
+    let Some(cp) = ControlPlane::shared() else {
+        println!("cluster_latency: skipped (no control plane; see above)");
+        return;
+    };
+    if std::env::var_os("TEEGUARD_HELM").is_none() {
+        println!(
+            "cluster_latency: skipped: TEEGUARD_HELM is not set (source scripts/chart-tools.sh)"
+        );
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(run(cp));
+}
+
+async fn run(cp: &'static ControlPlane) {
+    let (pods_per_side, rate) = if full_run() { (300, 20.0) } else { (20, 20.0) };
+    let cluster = Cluster::connect().await.expect("control plane");
+    let env = cluster.process_env("").expect("process env");
+    let webhook = env.start_webhook(&[]).await.expect("webhook starts");
+    let noop = start_floor(env.certs.path(), Stack::Bare).await;
+    let rendered = chart_support::render("default", &[]);
+    let bundle = env.ca.ca_bundle_base64();
+    let (tg, floor) = ("lat-teeguard", "lat-noop");
+    cluster
+        .register_webhooks(tg, &rendered, webhook.https, &bundle)
+        .await
+        .expect("teeguard registered");
+    cluster
+        .register_webhooks(floor, &rendered, noop, &bundle)
+        .await
+        .expect("no-op registered");
+
+    // One TDX node with plenty of free keys, cordoned: admitted at CREATE, never bound.
+    let node = format!("{tg}-node");
+    cluster
+        .node(&NodeBuilder::new(&node).tdx(4096).label(TEST_LABEL, tg))
+        .await
+        .expect("node");
+    Api::<Node>::all(cluster.client.clone())
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"unschedulable": true}})),
+        )
+        .await
+        .expect("cordon");
+    cluster
+        .report(&ReportBuilder::new(&node).kind(TeeKind::Tdx, 4096, 4096))
+        .await
+        .expect("report");
+    let ns_tg = cluster.namespace(tg, tg, &[]).await.expect("namespace");
+    let ns_floor = cluster
+        .namespace(floor, floor, &[])
+        .await
+        .expect("namespace");
+    cluster
+        .wait_webhooks_called(&ns_tg)
+        .await
+        .expect("teeguard called");
+
+    // One VMI per side: every pod is a launcher pod of it (the webhook looks the VMI up in its cache).
+    let selector = [(TEST_LABEL, tg)];
+    let mut templates = Vec::new();
+    for ns in [&ns_tg, &ns_floor] {
+        let uid = cluster.create_vmi(ns, "vm", Tee::Tdx).await.expect("VMI");
+        let pod = Cluster::launcher_pod(ns, "vm", &uid, Tee::Tdx, &selector).expect("pod");
+        templates.push((ns.clone(), pod));
+    }
+    let metrics = || async {
+        let req = http::Request::get("/metrics")
+            .body(Vec::new())
+            .expect("request");
+        cluster
+            .client
+            .request_text(req)
+            .await
+            .expect("API server metrics")
+    };
+    // Warm-up (connections to both webhooks, caches), then the measured run.
+    send(&cluster, &templates, 10, rate).await;
+    let before = metrics().await;
+    let started = Instant::now();
+    send(&cluster, &templates, pods_per_side, rate).await;
+    let took = started.elapsed();
+    let after = metrics().await;
+
+    section(&format!(
+        "Admission latency seen by kube-apiserver ({} {}): {pods_per_side} pod CREATEs per side at \
+         {rate}/s per side, alternating, in {:.1} s",
+        cp.url,
+        "v1.36",
+        took.as_secs_f64()
+    ));
+    println!(
+        "{:<34} {:>7} {:>10} {:>10} {:>10}",
+        "webhook", "calls", "mean", "p50", "p99"
+    );
+    let mut by_role = BTreeMap::new();
+    for (prefix, side) in [(tg, "teeguard"), (floor, "no-op")] {
+        let (b, a) = (histograms(&before, prefix), histograms(&after, prefix));
+        for (name, h) in &a {
+            let h = h.minus(&b.get(name).cloned().unwrap_or_default());
+            let hook = name.trim_start_matches(&format!("{prefix}.")).to_string();
+            println!(
+                "{:<34} {:>7} {:>10} {:>10} {:>10}",
+                format!("{side}: {hook}"),
+                h.count,
+                format!("{:.2?}", h.mean()),
+                format!("{:.2?}", h.quantile(0.50)),
+                format!("{:.2?}", h.quantile(0.99)),
+            );
+            by_role.insert((hook, side), h);
+        }
+    }
+    for hook in ["mutate.pods.teeguard.dev", "validate.pods.teeguard.dev"] {
+        let (Some(t), Some(f)) = (
+            by_role.get(&(hook.to_string(), "teeguard")),
+            by_role.get(&(hook.to_string(), "no-op")),
+        ) else {
+            println!("{hook}: no calls recorded on one side");
+            continue;
+        };
+        let ratio = t.mean().as_secs_f64() / f.mean().as_secs_f64().max(1e-9);
+        let p99 = t.quantile(0.99).as_secs_f64() / f.quantile(0.99).as_secs_f64().max(1e-9);
+        println!(
+            "{hook}: teeguard/no-op mean {ratio:.2}, p99 {p99:.2} (target <= {TARGET_RATIO}: {})",
+            if ratio <= TARGET_RATIO {
+                "met"
+            } else {
+                "NOT met"
+            }
+        );
+    }
+}
+
+/// Create `n` pods per side from `templates`, alternating sides, at `rate` per second per side.
+async fn send(cluster: &Cluster, templates: &[(String, Pod)], n: usize, rate: f64) {
+    let interval = Duration::from_secs_f64(1.0 / (rate * templates.len() as f64));
+    let mut tick = tokio::time::interval(interval);
+    for _ in 0..n {
+        for (ns, pod) in templates {
+            tick.tick().await;
+            Api::<Pod>::namespaced(cluster.client.clone(), ns)
+                .create(&PostParams::default(), pod)
+                .await
+                .unwrap_or_else(|e| panic!("pod CREATE in {ns}: {e}"));
+        }
+    }
+}
