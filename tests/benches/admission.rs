@@ -27,13 +27,13 @@ use teeguard_tests::fakeapi::{FakeApiServer, Verb};
 use teeguard_tests::fixtures::{
     AdmissionReviewBuilder, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
 };
-use teeguard_webhook::admission::ReviewRequest;
-use teeguard_webhook::admitted::AdmittedReview;
-use teeguard_webhook::caches::Caches;
-use teeguard_webhook::handlers::mutate::review_mutation;
-use teeguard_webhook::handlers::validate::{ValidationContext, review_validation};
-use teeguard_webhook::ledger::Ledger;
+use teeguard_webhook::cluster::caches::Caches;
+use teeguard_webhook::decide::ledger::Ledger;
 use teeguard_webhook::metrics::{Metrics, Outcome};
+use teeguard_webhook::web::admission::ReviewRequest;
+use teeguard_webhook::web::admitted::AdmittedReview;
+use teeguard_webhook::web::handlers::mutate::review_mutation;
+use teeguard_webhook::web::handlers::validate::{ValidationContext, review_validation};
 use tokio_util::sync::CancellationToken;
 
 const FILLER_VMIS: usize = 2_000;

@@ -265,7 +265,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    teeguard_webhook::tls::install_crypto_provider();
+    teeguard_webhook::web::tls::install_crypto_provider();
     let (ca, leaf) = ca_and_leaf();
     let certs = SecretDir::temporary(leaf.cert_pem(), leaf.key_pem()).expect("secret dir");
     let dir = tempfile::tempdir().expect("tempdir");

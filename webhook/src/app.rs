@@ -14,15 +14,15 @@ use teeguard_shared::ops::{Readiness, admin_router, bind_admin, cancel_on_signal
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::caches::Caches;
 use crate::cli::ServeArgs;
+use crate::cluster::caches::Caches;
+use crate::cluster::events::EventSink;
+use crate::decide::ledger::Ledger;
 use crate::error::{Error, Result};
-use crate::events::EventSink;
-use crate::ledger::Ledger;
 use crate::metrics::Metrics;
-use crate::server::{ServerSettings, serve_https};
-use crate::state::{AppState, RequestLimits, ValidationState};
-use crate::tls::{CertReloader, install_crypto_provider, server_config};
+use crate::web::server::{ServerSettings, serve_https};
+use crate::web::state::{AppState, RequestLimits, ValidationState};
+use crate::web::tls::{CertReloader, install_crypto_provider, server_config};
 
 /// Readiness check: every cache has synced.
 pub const READY_CACHES: &str = "caches";
@@ -81,7 +81,7 @@ pub async fn start(
     let (reloader, store) = CertReloader::load(&args.cert_dir, metrics.clone())?;
     let tls = server_config(store)?;
 
-    let listener = crate::server::bind(args.listen).await?;
+    let listener = crate::web::server::bind(args.listen).await?;
     let https_addr = listener.local_addr().map_err(|source| Error::Bind {
         addr: args.listen,
         source,
@@ -174,7 +174,7 @@ pub async fn start(
         max_connections: args.max_connections,
         ..ServerSettings::default()
     };
-    let router = crate::handlers::router(state);
+    let router = crate::web::handlers::router(state);
     let https_shutdown = shutdown.clone();
     let task = tokio::spawn(async move {
         let served = serve_https(listener, tls, router, settings, https_shutdown).await;
@@ -226,7 +226,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     if let Some(path) = &args.config {
         Config::load(path)?;
     }
-    crate::tls::load_pair(&args.cert_dir)?;
+    crate::web::tls::load_pair(&args.cert_dir)?;
     let client = Client::try_default().await.map_err(Error::KubeClient)?;
     let shutdown = CancellationToken::new();
     let running = start(&args, client, shutdown.clone()).await?;

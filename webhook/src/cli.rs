@@ -8,11 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use teeguard_shared::ops::LogFormat;
 
-use crate::error::Result;
-
-/// Default request body limit: 7 MiB (the API server sends at most 3 MiB objects, twice in an
-/// UPDATE review, plus the envelope).
-pub const DEFAULT_MAX_BODY_BYTES: usize = 7 * 1024 * 1024;
+pub use crate::web::state::DEFAULT_MAX_BODY_BYTES;
 
 /// teeguard admission webhook.
 #[derive(Debug, Parser)]
@@ -125,28 +121,6 @@ pub struct ReviewArgs {
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value_t = OutputFormat::Yaml)]
     pub output: OutputFormat,
-}
-
-/// Run a parsed command line.
-pub fn run(cli: Cli) -> Result<()> {
-    teeguard_shared::ops::init_tracing(cli.log_format);
-    match cli.command {
-        Command::Serve(args) => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .map_err(crate::error::Error::Runtime)?;
-            rt.block_on(crate::app::run(args))
-        }
-        Command::Review(args) => {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(crate::error::Error::Runtime)?;
-            let stdout = std::io::stdout();
-            rt.block_on(crate::review::run(&args, &mut stdout.lock()))
-        }
-    }
 }
 
 #[cfg(test)]

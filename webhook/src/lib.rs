@@ -1,40 +1,51 @@
-//! teeguard's admission webhook.
+//! teeguard's admission webhook, in layers; each imports only the ones below it (checked by
+//! `tests/structure.rs`):
 //!
-//! - [`mutation`]: the pure mutating decision (which pods get a TEE key request and misc.max
-//!   annotations, and the JSON Patch), tested without any server.
-//! - [`validation`]: the pure validating decision (free keys on a node or on any candidate node,
-//!   stale reports, enforce/warn, forged cgroup-limit annotations); [`affinity`]: node selection by
-//!   node selector and required node affinity; [`ledger`]: keys admitted but not reported yet.
-//! - [`admission`]: the AdmissionReview envelope (parse once, respond with a base64 patch).
-//! - [`handlers`]: the admission router; [`handlers::mutate`] is `POST /mutate`,
-//!   [`handlers::validate`] is `POST /validate`.
-//! - [`caches`]: reflector caches of VMIs, Namespaces, TeeCapacities, Nodes and virt-launcher pods
-//!   ([`caches::Caches`]) behind the [`caches::Lookups`] trait, with one GET on a miss; [`pods`]: the
-//!   reduced pod type of the pod cache.
-//! - [`events`]: `InsufficientTEEKeys` Events on VMIs, off the hot path.
-//! - [`tls`]: certificate loading, the hot-swappable resolver and directory watching.
-//! - [`server`]: the HTTPS server (rustls, HTTP/1.1 + HTTP/2, graceful drain).
-//! - [`app`]: `serve` wiring; [`review`]: the offline `review` command; [`cli`]: flags.
-//! - [`metrics`], [`state`], [`error`].
+//! - [`web`]: the HTTPS server, TLS and certificate reload, the stall guard, the AdmissionReview
+//!   envelope, and the handlers that turn a request into a decision and a response (`POST /mutate`,
+//!   `POST /validate`).
+//! - [`cluster`]: what talks to the API server: reflector caches of VMIs, Namespaces, TeeCapacities,
+//!   Nodes and virt-launcher pods with one GET on a miss, and `InsufficientTEEKeys` Events.
+//! - [`metrics`]: the Prometheus series; maps the decisions' outcomes to labels.
+//! - [`decide`]: the pure decisions: mutation (which pods get a TEE key request and limit
+//!   annotations, and the JSON Patch), validation (free keys on a node or any candidate node, stale
+//!   reports, enforce/warn, forged limit annotations), node selection, and the ledger of keys
+//!   admitted but not reported yet. No runtime, client, server or metrics: tested without any.
+//! - [`pods`]: the decoded pod types the decisions and the pod cache share; [`error`]: the error enum.
+//!
+//! On top: [`app`] wires `serve`, [`review`] is the offline `review` command on the same decision
+//! calls, [`cli`] parses the command line, and [`run`] dispatches it.
 
-pub mod admission;
-pub mod admitted;
-pub mod affinity;
 pub mod app;
-pub mod caches;
 pub mod cli;
+pub mod cluster;
+pub mod decide;
 pub mod error;
-pub mod events;
-pub mod handlers;
-pub mod ledger;
 pub mod metrics;
-pub mod mutation;
 pub mod pods;
 pub mod review;
-pub mod server;
-pub mod stall;
-pub mod state;
-pub mod tls;
-pub mod validation;
+pub mod web;
 
 pub use error::{Error, Result};
+
+/// Run one parsed command line: `serve` on a multi-threaded runtime, `review` on a single thread.
+pub fn run(cli: cli::Cli) -> Result<()> {
+    teeguard_shared::ops::init_tracing(cli.log_format);
+    match cli.command {
+        cli::Command::Serve(args) => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map_err(Error::Runtime)?;
+            rt.block_on(app::run(args))
+        }
+        cli::Command::Review(args) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(Error::Runtime)?;
+            let stdout = std::io::stdout();
+            rt.block_on(review::run(&args, &mut stdout.lock()))
+        }
+    }
+}

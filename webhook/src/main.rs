@@ -13,7 +13,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = teeguard_webhook::cli::Cli::parse();
-    match teeguard_webhook::cli::run(cli) {
+    match teeguard_webhook::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("teeguard-webhook: {e}");

@@ -46,17 +46,28 @@ pub enum LookupResult {
     ApiError,
 }
 
-/// How a validating review ended.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum ValidationOutcome {
-    /// Allowed: enough keys (or nothing to check).
-    Admitted,
-    /// Allowed with a warning (warn mode, or an unknown report allowed by policy).
-    Warned,
-    /// Denied.
-    Denied,
-    /// Not ours: left alone without a decision (not a TEE pod, exempt, other kinds).
-    Skipped,
+pub use crate::decide::validation::ValidationOutcome;
+
+/// `endpoint` label values: the admission handlers' names in metrics and logs.
+pub mod endpoint {
+    /// `POST /mutate`.
+    pub const MUTATE: &str = "mutate";
+    /// `POST /validate`.
+    pub const VALIDATE: &str = "validate";
+}
+
+/// `cache` label values: the caches' names in metrics and logs.
+pub mod cache {
+    /// VirtualMachineInstances.
+    pub const VMIS: &str = "vmis";
+    /// Namespace labels.
+    pub const NAMESPACES: &str = "namespaces";
+    /// TeeCapacity reports.
+    pub const TEE_CAPACITIES: &str = "teecapacities";
+    /// Node metadata.
+    pub const NODES: &str = "nodes";
+    /// virt-launcher pods.
+    pub const LAUNCHER_PODS: &str = "virt_launcher_pods";
 }
 
 /// What happened to an `InsufficientTEEKeys` Event on a VMI.
@@ -197,10 +208,7 @@ impl<M: Clone, const N: usize> Resolved<M, N> {
 }
 
 /// The admission endpoints (`endpoint` label) with resolved series.
-const ENDPOINTS: [&str; 2] = [
-    crate::handlers::mutate::ENDPOINT,
-    crate::handlers::validate::ENDPOINT,
-];
+const ENDPOINTS: [&str; 2] = [endpoint::MUTATE, endpoint::VALIDATE];
 /// `request` values of the validations family.
 const VALIDATION_REQUESTS: [&str; 4] = ["pod_create", "pod_update", "binding", "other"];
 /// `kind` values of the validations family.
@@ -211,11 +219,7 @@ const VALIDATION_KINDS: [&str; 4] = [
     TeeKind::SevEs.kernel_name(),
 ];
 /// Caches looked up on the admission path.
-const LOOKUP_CACHES: [&str; 3] = [
-    crate::caches::NAMESPACE_CACHE,
-    crate::caches::VMI_CACHE,
-    crate::caches::LAUNCHER_POD_CACHE,
-];
+const LOOKUP_CACHES: [&str; 3] = [cache::NAMESPACES, cache::VMIS, cache::LAUNCHER_PODS];
 
 fn position(values: &[&str], value: &str) -> Option<usize> {
     values.iter().position(|v| *v == value)
@@ -504,7 +508,7 @@ mod tests {
             m.observe_request("other", Outcome::Allowed, Duration::from_micros(80));
             m.validation("pod_create", "sev_es", ValidationOutcome::Warned);
             m.validation("pod_create", "future_kind", ValidationOutcome::Warned);
-            m.lookup(crate::caches::VMI_CACHE, LookupResult::ApiError);
+            m.lookup(cache::VMIS, LookupResult::ApiError);
             m.lookup("nodes", LookupResult::CacheHit);
         }
         m.requests

@@ -26,13 +26,13 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use teeguard_shared::{Config, TeeCapacity, VirtualMachineInstance};
 
-use crate::caches::{Lookups, NodeFilter, PodLookup};
 use crate::cli::{OutputFormat, ReviewArgs};
+use crate::cluster::caches::{Lookups, NodeFilter, PodLookup};
+use crate::decide::ledger::Ledger;
+use crate::decide::mutation::{VmiLookup, VmiRef};
 use crate::error::{Error, Result};
-use crate::handlers::mutate::review_mutation;
-use crate::handlers::validate::{ValidationContext, review_validation};
-use crate::ledger::Ledger;
-use crate::mutation::{VmiLookup, VmiRef};
+use crate::web::handlers::mutate::review_mutation;
+use crate::web::handlers::validate::{ValidationContext, review_validation};
 
 /// UID given to the AdmissionReview built around a bare Pod.
 pub const OFFLINE_UID: &str = "teeguard-offline-review";
@@ -343,8 +343,8 @@ pub fn review_body(path: &Path, doc: Value) -> Result<Vec<u8>> {
                 .unwrap_or("")
                 .to_string();
             json!({
-                "apiVersion": crate::admission::API_VERSION,
-                "kind": crate::admission::KIND,
+                "apiVersion": crate::web::admission::API_VERSION,
+                "kind": crate::web::admission::KIND,
                 "request": {
                     "uid": OFFLINE_UID,
                     "kind": {"group": "", "version": "v1", "kind": "Pod"},
@@ -590,7 +590,7 @@ mod tests {
             json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "p-"}}),
         )
         .expect("body");
-        let req = crate::admission::ReviewRequest::parse(&body).expect("review");
+        let req = crate::web::admission::ReviewRequest::parse(&body).expect("review");
         assert_eq!(req.uid, OFFLINE_UID);
         assert_eq!(req.namespace, "default");
         assert!(req.is_resource("", "pods"));

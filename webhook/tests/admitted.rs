@@ -16,14 +16,15 @@ use teeguard_shared::Config;
 use teeguard_shared::pod::{key_requests, pod_display_name};
 use teeguard_shared::vmi::VirtualMachineInstance;
 use teeguard_tests::fixtures::{self, KataTee, Tee, VirtLauncherPod};
-use teeguard_webhook::admitted::{AdmittedPod, read_annotation, read_label, read_resource};
-use teeguard_webhook::affinity::node_matches;
-use teeguard_webhook::mutation::{
+use teeguard_webhook::decide::affinity::node_matches;
+use teeguard_webhook::decide::mutation::{
     MutationDecision, VmiLookup, classify_pod, decide_mutation, decide_mutation_unpatched,
 };
-use teeguard_webhook::validation::{
+use teeguard_webhook::decide::validation::{
     check_created_limits, check_updated_limits, expected_limits, limit_annotations,
 };
+use teeguard_webhook::pods::admitted::AdmittedPod;
+use teeguard_webhook::pods::decode::{read_annotation, read_label, read_resource};
 
 fn slim(value: &Value) -> Pod {
     serde_json::from_value::<AdmittedPod>(value.clone())
@@ -406,8 +407,8 @@ fn body(review: &Value) -> Vec<u8> {
 /// The objects of every committed fixture, read in one pass, equal the two-pass reading.
 #[test]
 fn single_pass_reads_the_same_objects_as_two_passes() {
-    use teeguard_webhook::admission::ReviewRequest;
-    use teeguard_webhook::admitted::AdmittedReview;
+    use teeguard_webhook::web::admission::ReviewRequest;
+    use teeguard_webhook::web::admitted::AdmittedReview;
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/admission");
     let mut bindings = 0;
     for entry in std::fs::read_dir(&dir).expect("fixtures dir") {
@@ -447,7 +448,7 @@ fn single_pass_reads_the_same_objects_as_two_passes() {
 /// object of another shape does not fail a request that never reads it.
 #[test]
 fn fallback_keeps_precise_errors_and_skips() {
-    use teeguard_webhook::admitted::AdmittedReview;
+    use teeguard_webhook::web::admitted::AdmittedReview;
     let pod = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx).to_value();
     let review = |object: Value| {
         json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
@@ -551,4 +552,31 @@ fn escaped_label_and_annotation_keys_decode_from_bytes() {
     assert!(serde_json::from_slice::<AdmittedPod>(bad).is_err());
     let skipped = br#"{"metadata": {"labels": {"other": 7}}}"#;
     assert!(serde_json::from_slice::<AdmittedPod>(skipped).is_ok());
+}
+
+/// The pod cache's reduction (`CachedLauncherPod`) keeps what the mutation's classification reads: a
+/// cached virt-launcher pod classifies as the full one.
+#[test]
+fn cached_launcher_pods_classify_as_the_full_pod() {
+    let full: teeguard_webhook::pods::LauncherPod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "virt-launcher-vm-abcde", "namespace": "ns", "uid": "u1",
+            "resourceVersion": "9", "generateName": "virt-launcher-vm-",
+            "labels": {"kubevirt.io": "virt-launcher", "kubevirt.io/vm": "vm",
+                "teeguard.dev/exempt": "false"},
+            "annotations": {"kubevirt.io/domain": "vm", "x": "y"},
+            "ownerReferences": [
+                {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "name": "vm",
+                 "uid": "vmi-uid", "controller": true}]},
+        "spec": {"containers": [
+            {"name": "compute", "resources": {"requests": {"tdx.intel.com/keys": "1"}}}]}
+    }))
+    .expect("launcher pod");
+    let before = full.to_pod();
+    let after = teeguard_webhook::pods::CachedLauncherPod::from(full).to_pod();
+    let classified = teeguard_webhook::decide::mutation::classify_pod(&after);
+    assert!(classified.is_ok(), "{classified:?}");
+    assert_eq!(
+        classified,
+        teeguard_webhook::decide::mutation::classify_pod(&before)
+    );
 }

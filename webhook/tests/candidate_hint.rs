@@ -16,11 +16,11 @@ use teeguard_tests::fixtures::{
     AdmissionReviewBuilder, NodeBuilder, ReportBuilder, TDX_KEYS, Tee, VirtLauncherPod, Vmi,
     owned_by,
 };
-use teeguard_webhook::caches::{Lookups, NodeFilter, PodLookup};
-use teeguard_webhook::handlers::validate::{ValidationContext, review_validation};
-use teeguard_webhook::ledger::Ledger;
-use teeguard_webhook::mutation::{VmiLookup, VmiRef};
+use teeguard_webhook::cluster::caches::{Lookups, NodeFilter, PodLookup};
+use teeguard_webhook::decide::ledger::Ledger;
+use teeguard_webhook::decide::mutation::{VmiLookup, VmiRef};
 use teeguard_webhook::review::FileLookups;
+use teeguard_webhook::web::handlers::validate::{ValidationContext, review_validation};
 
 const VMI_UID: &str = "5f0c1a2e-0000-4000-8000-000000000001";
 

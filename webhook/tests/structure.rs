@@ -9,8 +9,8 @@
 //! | 1 | `pods` | decoded pod types (what the decisions take as input) |
 //! | 2 | `decide` | mutation, validation, node selection, the ledger: pure |
 //! | 3 | `metrics` | Prometheus series; maps the decisions' outcomes to labels |
-//! | 4 | `kube` | caches (reflectors, lookups, cache-miss GETs), Events |
-//! | 5 | `http` | server, TLS, stall guard, the AdmissionReview envelope, handlers |
+//! | 4 | `cluster` | what talks to the API server: caches (reflectors, lookups, cache-miss GETs), Events |
+//! | 5 | `web` | server, TLS, stall guard, the AdmissionReview envelope, handlers |
 //! | 6 | `app`, `cli`, `review`, `lib`, `main` | wiring, command line, the offline `review` |
 //!
 //! `decide/` may import nothing of the crate but itself and `pods`, and no runtime, client, server
@@ -39,8 +39,8 @@ fn rank(top: &str) -> Option<u8> {
         "pods" => 1,
         "decide" => 2,
         "metrics" => 3,
-        "kube" => 4,
-        "http" => 5,
+        "cluster" => 4,
+        "web" => 5,
         "app" | "cli" | "review" | "lib" | "main" => 6,
         _ => return None,
     })
@@ -181,7 +181,9 @@ fn problems(root: &Path) -> Vec<String> {
             out.push(format!("{name}: {lines} lines (at most {MAX_LINES})"));
         }
         if !f.text.starts_with("//!") {
-            out.push(format!("{name}: no opening //! comment saying what it holds"));
+            out.push(format!(
+                "{name}: no opening //! comment saying what it holds"
+            ));
         }
         for r in references(&f.text, &f.module) {
             let target_top = r[0].as_str();
@@ -278,23 +280,50 @@ fn the_checker_reports_upward_imports_impure_decisions_circles_and_long_files() 
         std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
         std::fs::write(p, body).expect("write");
     };
-    write("lib.rs", "//! root\npub mod decide;\npub mod http;\npub mod kube;\n");
+    write(
+        "lib.rs",
+        "//! root\npub mod decide;\npub mod web;\npub mod cluster;\n",
+    );
     write(
         "decide/mod.rs",
-        "//! core\nuse crate::http::envelope::Review;\nuse tokio::sync::Mutex;\n",
+        "//! core\nuse crate::web::envelope::Review;\nuse tokio::sync::Mutex;\n",
     );
-    write("http/mod.rs", "//! http\nuse crate::kube::{caches, events::Sink};\n");
-    write("kube/caches.rs", "//! caches\nuse crate::kube::events::Sink;\n");
-    write("kube/events.rs", "//! events\nuse super::caches::Cache;\n");
-    write("kube/mod.rs", &format!("//! kube\n{}", "// line\n".repeat(MAX_LINES)));
+    write(
+        "web/mod.rs",
+        "//! web\nuse crate::cluster::{caches, events::Sink};\n",
+    );
+    write(
+        "cluster/caches.rs",
+        "//! caches\nuse crate::cluster::events::Sink;\n",
+    );
+    write(
+        "cluster/events.rs",
+        "//! events\nuse super::caches::Cache;\n",
+    );
+    write(
+        "cluster/mod.rs",
+        &format!("//! cluster\n{}", "// line\n".repeat(MAX_LINES)),
+    );
     write("stray.rs", "fn f() {}\n");
     let got = problems(dir.path());
     let has = |needle: &str| got.iter().any(|p| p.contains(needle));
-    assert!(has("decide: imports http::envelope::Review from a layer above it"), "{got:#?}");
-    assert!(has("decide: the decision core imports http::envelope::Review"), "{got:#?}");
-    assert!(has("decide: the decision core uses the tokio crate"), "{got:#?}");
-    assert!(has("import circle: kube::caches -> kube::events"), "{got:#?}");
-    assert!(has("kube: 651 lines"), "{got:#?}");
+    assert!(
+        has("decide: imports web::envelope::Review from a layer above it"),
+        "{got:#?}"
+    );
+    assert!(
+        has("decide: the decision core imports web::envelope::Review"),
+        "{got:#?}"
+    );
+    assert!(
+        has("decide: the decision core uses the tokio crate"),
+        "{got:#?}"
+    );
+    assert!(
+        has("import circle: cluster::caches -> cluster::events"),
+        "{got:#?}"
+    );
+    assert!(has("cluster: 651 lines"), "{got:#?}");
     assert!(has("stray: module outside the layers"), "{got:#?}");
-    assert!(!has("http: imports"), "http may import kube: {got:#?}");
+    assert!(!has("web: imports"), "web may import cluster: {got:#?}");
 }

@@ -21,8 +21,8 @@ use rustls::pki_types::CertificateDer;
 use teeguard_certs::ServingCertRequest;
 use teeguard_tests::fixtures::{self, AdmissionReviewBuilder};
 use teeguard_webhook::metrics::Metrics;
-use teeguard_webhook::server::{ServerSettings, serve_https};
-use teeguard_webhook::tls::{CertReloader, install_crypto_provider, server_config};
+use teeguard_webhook::web::server::{ServerSettings, serve_https};
+use teeguard_webhook::web::tls::{CertReloader, install_crypto_provider, server_config};
 use tokio_util::sync::CancellationToken;
 
 /// The certificate a new connection is served.

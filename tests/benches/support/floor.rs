@@ -16,7 +16,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use serde_json::json;
-use teeguard_webhook::server::ServerSettings;
+use teeguard_webhook::web::server::ServerSettings;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -61,9 +61,9 @@ pub enum Stack {
 
 /// Start the floor server with the webhook's TLS configuration, serving `cert_dir`'s pair.
 pub async fn start_floor(cert_dir: &std::path::Path, stack: Stack) -> SocketAddr {
-    let pair = teeguard_webhook::tls::load_pair(cert_dir).expect("certificate pair");
-    let store = Arc::new(teeguard_webhook::tls::CertStore::new(pair.key));
-    let tls = teeguard_webhook::tls::server_config(store).expect("TLS config");
+    let pair = teeguard_webhook::web::tls::load_pair(cert_dir).expect("certificate pair");
+    let store = Arc::new(teeguard_webhook::web::tls::CertStore::new(pair.key));
+    let tls = teeguard_webhook::web::tls::server_config(store).expect("TLS config");
     let router = Router::new()
         .route("/mutate", post(floor_allow))
         .route("/validate", post(floor_allow));
@@ -71,7 +71,7 @@ pub async fn start_floor(cert_dir: &std::path::Path, stack: Stack) -> SocketAddr
     let addr = listener.local_addr().expect("floor addr");
     if stack == Stack::Webhook {
         // Runs until the bench process exits (the token is never cancelled).
-        tokio::spawn(teeguard_webhook::server::serve_https(
+        tokio::spawn(teeguard_webhook::web::server::serve_https(
             listener,
             tls,
             router,

@@ -115,9 +115,11 @@ fn report(node: &str, age_secs: i64) -> teeguard_shared::TeeCapacity {
     }
 }
 
-fn ledger() -> &'static teeguard_webhook::ledger::Ledger {
-    static L: OnceLock<teeguard_webhook::ledger::Ledger> = OnceLock::new();
-    L.get_or_init(|| teeguard_webhook::ledger::Ledger::new(std::time::Duration::from_secs(30)))
+fn ledger() -> &'static teeguard_webhook::decide::ledger::Ledger {
+    static L: OnceLock<teeguard_webhook::decide::ledger::Ledger> = OnceLock::new();
+    L.get_or_init(|| {
+        teeguard_webhook::decide::ledger::Ledger::new(std::time::Duration::from_secs(30))
+    })
 }
 
 fn config() -> &'static Config {
@@ -132,7 +134,7 @@ fn run_now<F: Future>(fut: F) -> F::Output {
 
 /// `/mutate` on arbitrary bytes; panics if a property is violated.
 pub fn mutate(data: &[u8]) -> Seen {
-    let result = run_now(teeguard_webhook::handlers::mutate::review_mutation(
+    let result = run_now(teeguard_webhook::web::handlers::mutate::review_mutation(
         data,
         lookups(),
         config(),
@@ -152,17 +154,15 @@ pub fn mutate(data: &[u8]) -> Seen {
 
 /// `/validate` on arbitrary bytes; panics if a property is violated.
 pub fn validate(data: &[u8]) -> Seen {
-    let ctx = teeguard_webhook::handlers::validate::ValidationContext {
+    let ctx = teeguard_webhook::web::handlers::validate::ValidationContext {
         config: config(),
         ledger: ledger(),
         events: None,
         metrics: None,
     };
-    let result = run_now(teeguard_webhook::handlers::validate::review_validation(
-        data,
-        lookups(),
-        &ctx,
-    ));
+    let result = run_now(
+        teeguard_webhook::web::handlers::validate::review_validation(data, lookups(), &ctx),
+    );
     match result {
         Err(e) => {
             let status = e.status();

@@ -92,7 +92,7 @@ pub struct Webhook {
 impl Webhook {
     /// Start with extra `serve` flags and wait until `/readyz` would say ready.
     pub async fn start(api: FakeApiServer, extra: &[&str]) -> Webhook {
-        teeguard_webhook::tls::install_crypto_provider();
+        teeguard_webhook::web::tls::install_crypto_provider();
         let (ca, leaf) = ca_and_leaf();
         let certs = SecretDir::temporary(leaf.cert_pem(), leaf.key_pem()).expect("secret dir");
         let args = serve_args(certs.path(), extra);

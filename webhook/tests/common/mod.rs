@@ -99,7 +99,7 @@ impl Harness {
         config_yaml: Option<&str>,
         extra: &[&str],
     ) -> Harness {
-        teeguard_webhook::tls::install_crypto_provider();
+        teeguard_webhook::web::tls::install_crypto_provider();
         let (ca, leaf) = ca_and_leaf();
         let certs = SecretDir::temporary(leaf.cert_pem(), leaf.key_pem()).expect("secret dir");
         let config_dir = tempfile::tempdir().expect("tempdir");
@@ -152,7 +152,7 @@ impl Harness {
     }
 
     /// The running webhook's caches.
-    pub fn caches(&self) -> teeguard_webhook::caches::Caches {
+    pub fn caches(&self) -> teeguard_webhook::cluster::caches::Caches {
         self.running.as_ref().expect("running").caches.clone()
     }
 

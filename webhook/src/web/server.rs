@@ -24,7 +24,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
-use crate::stall::WriteStallGuard;
+use crate::web::stall::WriteStallGuard;
 
 /// Connection-level limits of the HTTPS server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,8 +1,8 @@
 //! `POST /validate`: the validating webhook for pod CREATE and UPDATE and the scheduler's
 //! `CREATE pods/binding`.
 //!
-//! Envelope and lookups only; the decisions are the pure functions of [`crate::validation`],
-//! [`crate::affinity`] and [`crate::ledger`].
+//! Envelope and lookups only; the decisions are the pure functions of [`crate::decide::validation`],
+//! [`crate::decide::affinity`] and [`crate::decide::ledger`].
 //!
 //! - **pods/binding**: only bindings of pods named `virt-launcher-*` are ours; any other is allowed at
 //!   once, without an API call. The pod is looked up in the virt-launcher pod cache, else by one GET
@@ -21,7 +21,7 @@
 //! capacity check but not the annotation check (a pod's and a VMI's labels are in the user's hands, and
 //! teeguard writes no limit annotation on exempt pods anyway). Dry-run requests are decided normally but
 //! reserve nothing and record no Event. Denials for lack of keys in enforce mode record an
-//! `InsufficientTEEKeys` Event on the VMI (off the hot path, see [`crate::events`]).
+//! `InsufficientTEEKeys` Event on the VMI (off the hot path, see [`crate::cluster::events`]).
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -37,27 +37,27 @@ use teeguard_shared::pod::{KeyRequests, PodName, key_requests};
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
-use crate::admission::{Operation, ReviewResponse};
-use crate::admitted::AdmittedReview;
-use crate::affinity::node_matches;
-use crate::caches::{Lookups, PodLookup};
-use crate::error::Result;
-use crate::events::{EventSink, VmiEvent};
-use crate::ledger::{Ledger, ReportMark, Reservation};
-use crate::metrics::{Metrics, Outcome, ValidationOutcome};
-use crate::mutation::{
+use crate::cluster::caches::{Lookups, PodLookup};
+use crate::cluster::events::{EventSink, VmiEvent};
+use crate::decide::affinity::node_matches;
+use crate::decide::ledger::{Ledger, ReportMark, Reservation};
+use crate::decide::mutation::{
     MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation_unpatched,
     namespace_exempt,
 };
-use crate::state::AppState;
-use crate::validation::{
+use crate::decide::validation::{
     CandidateScan, Decision, NodeAssessment, Trigger, apply_mode, check_created_limits,
     check_updated_limits, decide_on_node, expected_limits, has_limit_annotations, mode_name,
     namespace_mode, reason,
 };
+use crate::error::Result;
+use crate::metrics::{Metrics, Outcome, ValidationOutcome};
+use crate::web::admission::{Operation, ReviewResponse};
+use crate::web::admitted::AdmittedReview;
+use crate::web::state::AppState;
 
 /// Endpoint name in metrics and logs.
-pub const ENDPOINT: &str = "validate";
+pub const ENDPOINT: &str = crate::metrics::endpoint::VALIDATE;
 
 /// Audit annotation keys (the API server prefixes them with the webhook's name).
 pub mod audit {

@@ -5,10 +5,14 @@ use std::time::Duration;
 
 use teeguard_shared::Config;
 
-use crate::caches::Caches;
-use crate::events::EventSink;
-use crate::ledger::Ledger;
+use crate::cluster::caches::Caches;
+use crate::cluster::events::EventSink;
+use crate::decide::ledger::Ledger;
 use crate::metrics::Metrics;
+
+/// Default request body limit: 7 MiB (the API server sends at most 3 MiB objects, twice in an
+/// UPDATE review, plus the envelope).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 7 * 1024 * 1024;
 
 /// Per-request limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,7 +26,7 @@ pub struct RequestLimits {
 impl Default for RequestLimits {
     fn default() -> Self {
         RequestLimits {
-            max_body_bytes: crate::cli::DEFAULT_MAX_BODY_BYTES,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             request_timeout: Duration::from_secs(30),
         }
     }

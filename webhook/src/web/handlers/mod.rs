@@ -18,10 +18,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http_body_util::BodyExt;
 
-use crate::admission::ReviewResponse;
 use crate::error::{Error, Result};
 use crate::metrics::Outcome;
-use crate::state::AppState;
+use crate::web::admission::ReviewResponse;
+use crate::web::state::AppState;
 
 /// The HTTPS router: `POST /mutate`, `POST /validate`. Unknown paths get a JSON 404.
 ///

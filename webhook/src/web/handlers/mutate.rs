@@ -13,18 +13,18 @@ use teeguard_shared::Config;
 use teeguard_shared::pod::PodName;
 
 use super::{Reviewed, serve_review};
-use crate::admission::{Operation, ReviewResponse};
-use crate::admitted::AdmittedReview;
-use crate::caches::Lookups;
-use crate::error::Result;
-use crate::metrics::Outcome;
-use crate::mutation::{
+use crate::cluster::caches::Lookups;
+use crate::decide::mutation::{
     Denial, DenyReason, MutationDecision, classify_pod, decide_mutation, namespace_exempt,
 };
-use crate::state::AppState;
+use crate::error::Result;
+use crate::metrics::Outcome;
+use crate::web::admission::{Operation, ReviewResponse};
+use crate::web::admitted::AdmittedReview;
+use crate::web::state::AppState;
 
 /// Endpoint name in metrics and logs.
-pub const ENDPOINT: &str = "mutate";
+pub const ENDPOINT: &str = crate::metrics::endpoint::MUTATE;
 
 /// Audit annotation keys (the API server prefixes them with the webhook's name).
 pub mod audit {

@@ -1,0 +1,400 @@
+//! In-memory caches of the cluster objects reviews need, so the hot path makes no API call.
+//!
+//! Every cache is fed by a kube `watcher` (with `default_backoff`) started through
+//! [`CacheBuilder::watch`], which strips `managedFields` (and `kubectl`'s last-applied annotation) from
+//! every object, reduces it to what decisions read, keeps an object-count gauge and registers the cache
+//! for [`Caches::wait_synced`]. Each cache is a [`NamedStore`] (by namespace and name: borrowed
+//! lookups and allocation-free scans).
+//!
+//! Caches: VMIs and Namespace labels (mutation and validation), TeeCapacity reports, Node labels
+//! (node selection for pod CREATE) and virt-launcher pods (label `kubevirt.io=virt-launcher`, reduced to
+//! [`CachedLauncherPod`], for bindings). Memory: everything not read is dropped when the object arrives
+//! (see [`slim_vmi`], [`CachedLauncherPod`], [`slim_report`]).
+//!
+//! Adding a cache: add a field to [`Caches`], create it in [`Caches::start`] with one
+//! `builder.watch(...)` call, and add a lookup method (cache first, one GET on a miss if a miss can be a
+//! race).
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::core::PartialObjectMeta;
+use kube::runtime::watcher;
+use kube::{Api, Client, ResourceExt};
+use teeguard_shared::{TeeCapacity, VirtualMachineInstance, names};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::decide::mutation::{VmiLookup, VmiRef};
+use crate::metrics::{LookupResult, Metrics};
+use crate::pods::{CachedLauncherPod, LauncherPod, slim_meta};
+
+mod store;
+#[cfg(test)]
+mod tests;
+
+pub use store::{CacheBuilder, NamedStore};
+
+/// Name of the VMI cache (metrics label).
+pub const VMI_CACHE: &str = crate::metrics::cache::VMIS;
+/// Name of the Namespace cache (metrics label).
+pub const NAMESPACE_CACHE: &str = crate::metrics::cache::NAMESPACES;
+/// Name of the TeeCapacity cache (metrics label).
+pub const TEE_CAPACITY_CACHE: &str = crate::metrics::cache::TEE_CAPACITIES;
+/// Name of the Node metadata cache (metrics label).
+pub const NODE_CACHE: &str = crate::metrics::cache::NODES;
+/// Name of the virt-launcher pod cache (metrics label).
+pub const LAUNCHER_POD_CACHE: &str = crate::metrics::cache::LAUNCHER_PODS;
+
+/// What looking a pod up gave.
+#[derive(Clone, Debug)]
+pub enum PodLookup {
+    /// Found (in the cache or by a GET); only metadata and container resources are filled in.
+    Found(Arc<Pod>),
+    /// Not cached and the API server says 404 (or the pod of that name has another UID now).
+    NotFound,
+    /// The API server could not be asked (the message says why).
+    Failed(String),
+}
+
+/// An object's labels, as the node and namespace caches keep them.
+pub type Labels = BTreeMap<String, String>;
+
+/// A node-selection predicate: node name and labels.
+pub type NodeFilter<'a> = &'a (dyn Fn(&str, &BTreeMap<String, String>) -> bool + Sync);
+
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Where a review looks up the objects it needs. The server answers from its caches (with one GET
+/// on a miss); the offline `review` command answers from files. Both run the same decision code.
+pub trait Lookups: Send + Sync {
+    /// Labels of a namespace: `Ok(None)` if it does not exist, `Err` if it could not be asked.
+    fn namespace_labels(
+        &self,
+        namespace: &str,
+    ) -> impl Future<Output = Result<Option<BTreeMap<String, String>>, String>> + Send;
+
+    /// The VMI a pod belongs to.
+    fn vmi(&self, vmi: &VmiRef) -> impl Future<Output = VmiLookup> + Send;
+
+    /// A pod by name for a binding (`uid`: the Binding's, empty if unknown): cache first, one GET on a
+    /// miss or when the cached pod has another UID.
+    fn launcher_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> impl Future<Output = PodLookup> + Send;
+
+    /// The node's `TeeCapacity` report, if any (cache only: reports are cluster-scoped and cached).
+    fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>>;
+
+    /// Call `visit` with the name of each known node for which `filter(name, labels)` holds, until
+    /// `visit` breaks: `first` (when it is a known node) before the others, then in no particular order,
+    /// each node once. Allocates nothing per node.
+    fn scan_nodes(
+        &self,
+        filter: NodeFilter<'_>,
+        first: Option<&str>,
+        visit: &mut dyn FnMut(&str) -> ControlFlow<()>,
+    );
+}
+
+/// What teeguard keeps of a namespace's labels: the two it reads (exemption and mode). Namespaces carry
+/// many others (`kubernetes.io/metadata.name`, Pod Security levels, mesh and team labels) that every
+/// review would otherwise copy out of the cache.
+pub fn namespace_labels(labels: Option<Labels>) -> Labels {
+    let mut labels = labels.unwrap_or_default();
+    labels.retain(|k, _| k == names::EXEMPT_LABEL || k == names::MODE_LABEL);
+    labels
+}
+
+/// What the VMI cache keeps of a VMI: identity, the exemption label, the controller owner and
+/// `launchSecurity` (the type reads nothing else of the spec).
+pub fn slim_vmi(vmi: &mut VirtualMachineInstance) {
+    slim_meta(&mut vmi.metadata, |k| k == names::EXEMPT_LABEL, |_| false);
+}
+
+/// What the report cache keeps of a `TeeCapacity`: name, `resourceVersion` and the status figures
+/// and heartbeat (no labels, annotations, owners or conditions).
+pub fn slim_report(mut cap: TeeCapacity) -> TeeCapacity {
+    let m = &mut cap.metadata;
+    m.labels = None;
+    m.annotations = None;
+    m.owner_references = None;
+    m.finalizers = None;
+    m.managed_fields = None;
+    if let Some(status) = cap.status.as_mut() {
+        status.conditions = Vec::new();
+        status.agent_version = None;
+    }
+    cap
+}
+
+/// The running reflector tasks; they end when the shutdown token is cancelled.
+#[derive(Debug)]
+pub struct CacheTasks {
+    tasks: JoinSet<()>,
+}
+
+impl CacheTasks {
+    /// Wait for every reflector task to end.
+    pub async fn join(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Every cache the webhook keeps, plus the client for GETs on a miss. Cheap to clone.
+#[derive(Clone)]
+pub struct Caches {
+    client: Client,
+    metrics: Arc<Metrics>,
+    api_timeout: Duration,
+    /// All VirtualMachineInstances (the few fields teeguard models), reduced by [`slim_vmi`].
+    pub vmis: NamedStore<VirtualMachineInstance>,
+    /// The labels of every Namespace, by name.
+    pub namespaces: NamedStore<Labels>,
+    /// All TeeCapacity reports (named after their node), reduced by [`slim_report`].
+    pub tee_capacities: NamedStore<TeeCapacity>,
+    /// The labels of every Node (for node selection), by node name.
+    pub nodes: NamedStore<Labels>,
+    /// Pods labelled `kubevirt.io=virt-launcher`, reduced to what a binding decision reads.
+    pub launcher_pods: NamedStore<CachedLauncherPod>,
+    synced: Arc<tokio::sync::watch::Receiver<bool>>,
+}
+
+impl Debug for Caches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Caches")
+            .field("vmis", &self.vmis.len())
+            .field("namespaces", &self.namespaces.len())
+            .field("tee_capacities", &self.tee_capacities.len())
+            .field("nodes", &self.nodes.len())
+            .field("launcher_pods", &self.launcher_pods.len())
+            .field("synced", &self.is_synced())
+            .finish()
+    }
+}
+
+impl Caches {
+    /// Start every reflector. `api_timeout` bounds the GET made on a cache miss.
+    pub fn start(
+        client: Client,
+        metrics: Arc<Metrics>,
+        api_timeout: Duration,
+        shutdown: CancellationToken,
+    ) -> (Caches, CacheTasks) {
+        let mut b = CacheBuilder::new(metrics.clone(), shutdown);
+        let vmis = b.watch(
+            VMI_CACHE,
+            Api::<VirtualMachineInstance>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+            |mut v: VirtualMachineInstance| {
+                slim_vmi(&mut v);
+                v
+            },
+        );
+        let namespaces = b.watch(
+            NAMESPACE_CACHE,
+            Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+            |n: PartialObjectMeta<Namespace>| namespace_labels(n.metadata.labels),
+        );
+        let tee_capacities = b.watch(
+            TEE_CAPACITY_CACHE,
+            Api::<TeeCapacity>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+            slim_report,
+        );
+        let nodes = b.watch(
+            NODE_CACHE,
+            Api::<PartialObjectMeta<Node>>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+            |n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default(),
+        );
+        let launcher_pods = b.watch(
+            LAUNCHER_POD_CACHE,
+            Api::<LauncherPod>::all(client.clone()),
+            watcher::Config::default()
+                .labels(&format!(
+                    "{}={}",
+                    names::KUBEVIRT_LABEL,
+                    names::VIRT_LAUNCHER
+                ))
+                .any_semantic(),
+            CachedLauncherPod::from,
+        );
+        let (tasks, ready) = b.finish();
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            futures::future::join_all(ready).await;
+            let _ = tx.send(true);
+        });
+        let caches = Caches {
+            client,
+            metrics,
+            api_timeout,
+            vmis,
+            namespaces,
+            tee_capacities,
+            nodes,
+            launcher_pods,
+            synced: Arc::new(rx),
+        };
+        (caches, tasks)
+    }
+
+    /// True once every cache has completed its initial list.
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// Wait until every cache has completed its initial list.
+    pub async fn wait_synced(&self) {
+        let mut rx = (*self.synced).clone();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    async fn get_with_timeout<K, F>(&self, fut: F) -> Result<Option<K>, String>
+    where
+        F: Future<Output = kube::Result<Option<K>>>,
+    {
+        match tokio::time::timeout(self.api_timeout, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "the API server did not answer within {:?}",
+                self.api_timeout
+            )),
+        }
+    }
+
+    /// The API fallback of [`Lookups::namespace_labels`] on a cache miss.
+    async fn namespace_from_api(
+        &self,
+        namespace: &str,
+    ) -> Result<Option<BTreeMap<String, String>>, String> {
+        let api = Api::<PartialObjectMeta<Namespace>>::all(self.client.clone());
+        let got = self.get_with_timeout(api.get_opt(namespace)).await;
+        let result = match &got {
+            Ok(Some(_)) => LookupResult::ApiFound,
+            Ok(None) => LookupResult::ApiNotFound,
+            Err(_) => LookupResult::ApiError,
+        };
+        self.metrics.lookup(NAMESPACE_CACHE, result);
+        if let Err(e) = &got {
+            tracing::warn!(namespace, error = %e, "namespace not cached and the GET failed");
+        }
+        got.map(|o| o.map(|ns| namespace_labels(ns.metadata.labels)))
+    }
+
+    /// The API fallback of [`Lookups::vmi`] on a cache miss.
+    async fn vmi_from_api(&self, vmi: &VmiRef) -> VmiLookup {
+        let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), &vmi.namespace);
+        match self.get_with_timeout(api.get_opt(&vmi.name)).await {
+            Ok(Some(mut found)) => {
+                self.metrics.lookup(VMI_CACHE, LookupResult::ApiFound);
+                tracing::debug!(vmi = %vmi, "VMI not cached yet; found by GET");
+                found.managed_fields_mut().clear();
+                VmiLookup::Found(Arc::new(found))
+            }
+            Ok(None) => {
+                self.metrics.lookup(VMI_CACHE, LookupResult::ApiNotFound);
+                VmiLookup::NotFound
+            }
+            Err(e) => {
+                self.metrics.lookup(VMI_CACHE, LookupResult::ApiError);
+                tracing::warn!(vmi = %vmi, error = %e, "VMI not cached and the GET failed");
+                VmiLookup::Failed(e)
+            }
+        }
+    }
+
+    /// The API fallback of [`Lookups::launcher_pod`] on a cache miss.
+    async fn launcher_pod_from_api(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {
+        let api = Api::<LauncherPod>::namespaced(self.client.clone(), namespace);
+        match self.get_with_timeout(api.get_opt(name)).await {
+            Ok(Some(found)) if uid.is_empty() || found.metadata.uid.as_deref() == Some(uid) => {
+                self.metrics
+                    .lookup(LAUNCHER_POD_CACHE, LookupResult::ApiFound);
+                tracing::debug!(namespace, name, "pod not cached yet; found by GET");
+                PodLookup::Found(Arc::new(found.to_pod()))
+            }
+            Ok(_) => {
+                self.metrics
+                    .lookup(LAUNCHER_POD_CACHE, LookupResult::ApiNotFound);
+                PodLookup::NotFound
+            }
+            Err(e) => {
+                self.metrics
+                    .lookup(LAUNCHER_POD_CACHE, LookupResult::ApiError);
+                tracing::warn!(namespace, name, error = %e, "pod not cached and the GET failed");
+                PodLookup::Failed(e)
+            }
+        }
+    }
+}
+
+impl Lookups for Caches {
+    // A cache hit answers without awaiting anything; a miss awaits the API fallback boxed, so the
+    // kube client's request future (several KB) is not inlined into every admission handler's
+    // future, which the server allocates and moves on every review.
+
+    async fn namespace_labels(
+        &self,
+        namespace: &str,
+    ) -> Result<Option<BTreeMap<String, String>>, String> {
+        if let Some(labels) = self.namespaces.get(namespace) {
+            self.metrics.lookup(NAMESPACE_CACHE, LookupResult::CacheHit);
+            return Ok(Some((*labels).clone()));
+        }
+        Box::pin(self.namespace_from_api(namespace)).await
+    }
+
+    async fn vmi(&self, vmi: &VmiRef) -> VmiLookup {
+        if let Some(found) = self.vmis.get_namespaced(&vmi.namespace, &vmi.name) {
+            let uid = found.metadata.uid.as_deref().unwrap_or("");
+            // A cached VMI of the same name but another UID may be a deleted predecessor: ask.
+            if vmi.uid.is_empty() || uid == vmi.uid {
+                self.metrics.lookup(VMI_CACHE, LookupResult::CacheHit);
+                return VmiLookup::Found(found);
+            }
+        }
+        Box::pin(self.vmi_from_api(vmi)).await
+    }
+
+    async fn launcher_pod(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {
+        if let Some(found) = self.launcher_pods.get_namespaced(namespace, name) {
+            // A cached pod of the same name but another UID is a deleted predecessor: ask.
+            if uid.is_empty() || found.uid.as_deref() == Some(uid) {
+                self.metrics
+                    .lookup(LAUNCHER_POD_CACHE, LookupResult::CacheHit);
+                return PodLookup::Found(Arc::new(found.to_pod()));
+            }
+        }
+        Box::pin(self.launcher_pod_from_api(namespace, name, uid)).await
+    }
+
+    fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>> {
+        self.tee_capacities.get(node)
+    }
+
+    fn scan_nodes(
+        &self,
+        filter: NodeFilter<'_>,
+        first: Option<&str>,
+        visit: &mut dyn FnMut(&str) -> ControlFlow<()>,
+    ) {
+        self.nodes.scan_from(first, |name, labels| {
+            if filter(name, labels) {
+                visit(name)
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+    }
+}

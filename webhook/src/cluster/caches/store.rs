@@ -1,0 +1,325 @@
+//! The store behind every cache: [`CacheBuilder`] starts a reflector per cache (reducing each object
+//! on arrival, counting objects, registering it for the sync wait), and [`NamedStore`] keeps the
+//! objects by namespace and name for borrowed lookups and allocation-free scans.
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::ops::ControlFlow;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+
+use super::*;
+
+/// Spawns reflectors and collects what [`Caches::wait_synced`] waits for.
+pub struct CacheBuilder {
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+    tasks: JoinSet<()>,
+    ready: Vec<BoxFuture<'static, ()>>,
+}
+
+impl Debug for CacheBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheBuilder")
+            .field("caches", &self.ready.len())
+            .finish()
+    }
+}
+
+impl CacheBuilder {
+    /// A builder whose reflectors stop when `shutdown` is cancelled.
+    pub fn new(metrics: Arc<Metrics>, shutdown: CancellationToken) -> Self {
+        CacheBuilder {
+            metrics,
+            shutdown,
+            tasks: JoinSet::new(),
+            ready: Vec::new(),
+        }
+    }
+
+    /// Start a cache over `api` holding `reduce(object)` by namespace and name (after `managedFields`
+    /// and the last-applied annotation are stripped). Use `Api<PartialObjectMeta<K>>` for a
+    /// metadata-only watch.
+    pub fn watch<K, T>(
+        &mut self,
+        name: &'static str,
+        api: Api<K>,
+        config: watcher::Config,
+        reduce: fn(K) -> T,
+    ) -> NamedStore<T>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+        T: Send + Sync + 'static,
+    {
+        let (store, mut writer) = NamedStore::new(reduce);
+        let mut ready = store.ready.clone();
+        self.ready.push(Box::pin(async move {
+            // Only fails if the writer is dropped, i.e. the cache is shutting down.
+            let _ = ready.wait_for(|r| *r).await;
+        }));
+        let stream = watcher(api, config)
+            .default_backoff()
+            .modify(move |o: &mut K| {
+                o.managed_fields_mut().clear();
+                o.annotations_mut().remove(LAST_APPLIED);
+            });
+        let metrics = self.metrics.clone();
+        let shutdown = self.shutdown.clone();
+        self.tasks.spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    event = stream.next() => match event {
+                        Some(Ok(event)) => {
+                            writer.apply(event);
+                            metrics.set_cache_objects(name, writer.len());
+                        }
+                        Some(Err(e)) => tracing::warn!(cache = name, error = %e, "watch failed; retrying with backoff"),
+                        None => break,
+                    }
+                }
+            }
+        });
+        store
+    }
+
+    pub(super) fn finish(self) -> (CacheTasks, Vec<BoxFuture<'static, ()>>) {
+        (CacheTasks { tasks: self.tasks }, self.ready)
+    }
+}
+
+/// Objects by namespace (`""` for cluster-scoped kinds), then name: a namespace's name is stored once
+/// for all its objects, and lookups take `&str`s.
+#[derive(Debug)]
+pub(super) struct Objects<T> {
+    by_namespace: HashMap<String, HashMap<String, Arc<T>>>,
+    len: usize,
+}
+
+impl<T> Default for Objects<T> {
+    fn default() -> Self {
+        Objects {
+            by_namespace: HashMap::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T> Objects<T> {
+    fn get(&self, namespace: &str, name: &str) -> Option<&Arc<T>> {
+        self.by_namespace.get(namespace)?.get(name)
+    }
+
+    fn insert(&mut self, namespace: &str, name: String, value: Arc<T>) {
+        if !self.by_namespace.contains_key(namespace) {
+            self.by_namespace
+                .insert(namespace.to_string(), HashMap::new());
+        }
+        let Some(names) = self.by_namespace.get_mut(namespace) else {
+            return;
+        };
+        if names.insert(name, value).is_none() {
+            self.len += 1;
+        }
+    }
+
+    fn remove(&mut self, namespace: &str, name: &str) {
+        let Some(names) = self.by_namespace.get_mut(namespace) else {
+            return;
+        };
+        if names.remove(name).is_some() {
+            self.len -= 1;
+        }
+        if names.is_empty() {
+            self.by_namespace.remove(namespace);
+        }
+    }
+}
+
+/// A cache of objects by namespace and name, each reduced to a `T` when it arrives (kube's reflector
+/// `Store` keeps the whole object, keyed by an `ObjectRef` holding four more strings). Cheap to clone.
+///
+/// Lookups take `&str`s (no key to build) and [`NamedStore::scan`] visits the entries under the read
+/// lock without cloning them.
+pub struct NamedStore<T> {
+    map: Arc<RwLock<Objects<T>>>,
+    ready: tokio::sync::watch::Receiver<bool>,
+}
+
+impl<T> Clone for NamedStore<T> {
+    fn clone(&self) -> Self {
+        NamedStore {
+            map: self.map.clone(),
+            ready: self.ready.clone(),
+        }
+    }
+}
+
+impl<T> Debug for NamedStore<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NamedStore")
+            .field("len", &self.len())
+            .field("ready", &*self.ready.borrow())
+            .finish()
+    }
+}
+
+impl<T: Send + Sync + 'static> NamedStore<T> {
+    /// An empty store and the writer that fills it from watch events of `K`.
+    pub(super) fn new<K: Resource + Send + 'static>(
+        reduce: fn(K) -> T,
+    ) -> (Self, NamedWriter<K, T>) {
+        let map = Arc::new(RwLock::new(Objects::default()));
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        (
+            NamedStore {
+                map: map.clone(),
+                ready: rx,
+            },
+            NamedWriter {
+                map,
+                buffer: None,
+                reduce,
+                ready: tx,
+            },
+        )
+    }
+}
+
+impl<T> NamedStore<T> {
+    fn read(&self) -> RwLockReadGuard<'_, Objects<T>> {
+        // Writers never panic half-way through a change: a poisoned lock still holds a consistent map.
+        self.map.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The cluster-scoped object named `name`.
+    pub fn get(&self, name: &str) -> Option<Arc<T>> {
+        self.read().get("", name).cloned()
+    }
+
+    /// The object `namespace/name`.
+    pub fn get_namespaced(&self, namespace: &str, name: &str) -> Option<Arc<T>> {
+        self.read().get(namespace, name).cloned()
+    }
+
+    /// Number of objects.
+    pub fn len(&self) -> usize {
+        self.read().len
+    }
+
+    /// Whether the store is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the initial list has been stored.
+    pub fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
+    /// Visit every object (name and value), in no particular order, until `visit` breaks. The read
+    /// lock is held throughout: keep `visit` short and never write to this store from it.
+    pub fn scan(&self, visit: impl FnMut(&str, &T) -> ControlFlow<()>) {
+        self.scan_from(None, visit);
+    }
+
+    /// [`NamedStore::scan`], visiting the cluster-scoped object `first` (when stored) before the
+    /// others, and each object once.
+    pub fn scan_from(
+        &self,
+        first: Option<&str>,
+        mut visit: impl FnMut(&str, &T) -> ControlFlow<()>,
+    ) {
+        let objects = self.read();
+        if let Some((name, value)) = first.and_then(|f| Some((f, objects.get("", f)?)))
+            && visit(name, value).is_break()
+        {
+            return;
+        }
+        for (namespace, names) in &objects.by_namespace {
+            for (name, value) in names {
+                if namespace.is_empty() && Some(name.as_str()) == first {
+                    continue;
+                }
+                if visit(name, value).is_break() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Fills a [`NamedStore`] from watch events (the initial list is buffered and swapped in whole, like
+/// kube's reflector).
+pub(super) struct NamedWriter<K, T> {
+    map: Arc<RwLock<Objects<T>>>,
+    buffer: Option<Objects<T>>,
+    reduce: fn(K) -> T,
+    ready: tokio::sync::watch::Sender<bool>,
+}
+
+impl<K, T> NamedWriter<K, T> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<T>> {
+        self.map.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn key<K: Resource>(o: &K) -> (String, String) {
+    let m = o.meta();
+    (
+        m.namespace.clone().unwrap_or_default(),
+        m.name.clone().unwrap_or_default(),
+    )
+}
+
+impl<K: Resource, T> NamedWriter<K, T> {
+    /// Apply one watch event.
+    pub(super) fn apply(&mut self, event: watcher::Event<K>) {
+        match event {
+            watcher::Event::Apply(o) => {
+                let (namespace, name) = key(&o);
+                let value = Arc::new((self.reduce)(o));
+                self.write().insert(&namespace, name, value);
+            }
+            watcher::Event::Delete(o) => {
+                let m = o.meta();
+                let (namespace, name) = (
+                    m.namespace.as_deref().unwrap_or_default(),
+                    m.name.as_deref().unwrap_or_default(),
+                );
+                self.write().remove(namespace, name);
+            }
+            watcher::Event::Init => self.buffer = Some(Objects::default()),
+            watcher::Event::InitApply(o) => {
+                let (namespace, name) = key(&o);
+                let value = Arc::new((self.reduce)(o));
+                self.buffer
+                    .get_or_insert_default()
+                    .insert(&namespace, name, value);
+            }
+            watcher::Event::InitDone => {
+                let fresh = self.buffer.take().unwrap_or_default();
+                let old = std::mem::replace(&mut *self.write(), fresh);
+                // The old map is dropped after the lock is released.
+                drop(old);
+                self.ready.send_replace(true);
+            }
+        }
+    }
+    /// Number of objects stored.
+    pub(super) fn len(&self) -> usize {
+        self.map.read().unwrap_or_else(PoisonError::into_inner).len
+    }
+}

@@ -1,0 +1,141 @@
+//! Tests of the caches' stores and reductions.
+
+use super::*;
+use kube::api::ObjectMeta;
+
+fn node(name: &str, zone: &str) -> PartialObjectMeta<Node> {
+    PartialObjectMeta {
+        types: None,
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(BTreeMap::from([("zone".to_string(), zone.to_string())])),
+            ..ObjectMeta::default()
+        },
+        _phantom: std::marker::PhantomData,
+    }
+}
+
+fn names(store: &NamedStore<Labels>) -> Vec<String> {
+    let mut out = Vec::new();
+    store.scan(|name, _| {
+        out.push(name.to_string());
+        ControlFlow::Continue(())
+    });
+    out.sort();
+    out
+}
+
+#[test]
+fn named_store_follows_watch_events() {
+    let (store, mut w) =
+        NamedStore::new(|n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default());
+    assert!(!store.is_ready() && store.is_empty());
+    w.apply(watcher::Event::Init);
+    w.apply(watcher::Event::InitApply(node("a", "z1")));
+    w.apply(watcher::Event::InitApply(node("b", "z2")));
+    // The initial list is not visible until it is complete.
+    assert!(store.is_empty() && !store.is_ready());
+    w.apply(watcher::Event::InitDone);
+    assert!(store.is_ready());
+    assert_eq!(names(&store), ["a", "b"]);
+    assert_eq!(
+        store.get("b").and_then(|l| l.get("zone").cloned()),
+        Some("z2".into())
+    );
+    w.apply(watcher::Event::Apply(node("b", "z3")));
+    w.apply(watcher::Event::Apply(node("c", "z1")));
+    w.apply(watcher::Event::Delete(node("a", "z1")));
+    assert_eq!(names(&store), ["b", "c"]);
+    assert_eq!(
+        store.get("b").and_then(|l| l.get("zone").cloned()),
+        Some("z3".into())
+    );
+    assert_eq!(w.len(), 2);
+    // A relist replaces everything at once; objects gone meanwhile disappear.
+    w.apply(watcher::Event::Init);
+    w.apply(watcher::Event::InitApply(node("d", "z1")));
+    assert_eq!(names(&store), ["b", "c"]);
+    w.apply(watcher::Event::InitDone);
+    assert_eq!(names(&store), ["d"]);
+    // A scan stops when told to.
+    w.apply(watcher::Event::Apply(node("e", "z1")));
+    let mut seen = 0;
+    store.scan(|_, _| {
+        seen += 1;
+        ControlFlow::Break(())
+    });
+    assert_eq!(seen, 1);
+    // A scan from a given object visits it first and every object once; an unknown first is
+    // just not visited.
+    for name in ["a", "b", "c", "d", "e", "f", "g"] {
+        w.apply(watcher::Event::Apply(node(name, "z1")));
+    }
+    for first in ["e", "a", "g", "unknown"] {
+        let mut order = Vec::new();
+        store.scan_from(Some(first), |name, _| {
+            order.push(name.to_string());
+            ControlFlow::Continue(())
+        });
+        if first != "unknown" {
+            assert_eq!(order[0], first);
+        }
+        order.sort();
+        assert_eq!(order, ["a", "b", "c", "d", "e", "f", "g"], "from {first}");
+    }
+    let mut seen = Vec::new();
+    store.scan_from(Some("f"), |name, _| {
+        seen.push(name.to_string());
+        ControlFlow::Break(())
+    });
+    assert_eq!(seen, ["f"]);
+}
+
+#[test]
+fn reports_keep_only_what_decisions_read() {
+    let cap: TeeCapacity = serde_json::from_value(serde_json::json!({
+        "apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity",
+        "metadata": {"name": "n1", "resourceVersion": "7", "labels": {"a": "b"},
+            "annotations": {"x": "y"}},
+        "spec": {"nodeName": "n1"},
+        "status": {"tdx": {"resourceName": "tdx.intel.com/keys", "capacity": 4, "kernelUsed": 1,
+            "podsUsed": 1, "external": 0, "pending": 0, "free": 3},
+            "heartbeatTime": "2025-01-01T00:00:00Z", "agentVersion": "0.1.0",
+            "conditions": [{"type": "Ready", "status": "True", "reason": "Ok", "message": "m",
+                "lastTransitionTime": "2025-01-01T00:00:00Z"}]}
+    }))
+    .expect("report");
+    let slim = slim_report(cap.clone());
+    assert_eq!(slim.metadata.name.as_deref(), Some("n1"));
+    assert_eq!(slim.metadata.resource_version.as_deref(), Some("7"));
+    assert!(slim.metadata.labels.is_none() && slim.metadata.annotations.is_none());
+    let (full, slim) = (cap.status.expect("status"), slim.status.expect("status"));
+    assert!(slim.conditions.is_empty() && !full.conditions.is_empty());
+    assert_eq!(slim.tdx, full.tdx);
+    assert_eq!(slim.heartbeat_time, full.heartbeat_time);
+}
+
+#[test]
+fn namespaces_keep_only_the_labels_teeguard_reads() {
+    let labels = |pairs: &[(&str, &str)]| -> Labels {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let all = labels(&[
+        ("kubernetes.io/metadata.name", "vms"),
+        ("pod-security.kubernetes.io/enforce", "privileged"),
+        (names::EXEMPT_LABEL, "true"),
+        (names::MODE_LABEL, "warn"),
+    ]);
+    assert_eq!(
+        namespace_labels(Some(all)),
+        labels(&[(names::EXEMPT_LABEL, "true"), (names::MODE_LABEL, "warn")])
+    );
+    // A namespace without labels, or without teeguard's, is still a namespace: an empty map.
+    assert_eq!(namespace_labels(None), Labels::new());
+    assert_eq!(
+        namespace_labels(Some(labels(&[("team", "a")]))),
+        Labels::new()
+    );
+}
