@@ -1082,7 +1082,7 @@ mod tests {
         touch(&bins.agent, later(10));
         assert_eq!(stale_reason(&bins, r), None);
         // A source edited after the build, however deep.
-        touch(&r.join("webhook/src/handlers/validate.rs"), later(20));
+        touch(&r.join("webhook/src/web/handlers/validate.rs"), later(20));
         let why = stale_reason(&bins, r).expect("stale");
         assert!(why.contains("validate.rs"), "{why}");
         touch(&bins.webhook, later(30));

@@ -44,7 +44,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "kubevirt.io",
         resource: "virtualmachineinstances",
         subresource: "",
-        why: "webhook/src/caches.rs vmi: GET on /mutate when the pod's VMI is not cached yet (or has \
+        why: "webhook/src/cluster/caches/mod.rs vmi: GET on /mutate when the pod's VMI is not cached yet (or has \
               another UID); the scenario sends the pod right after creating the VMI, so whether the \
               reflector already has it is a race",
     },
@@ -54,7 +54,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "",
         resource: "namespaces",
         subresource: "",
-        why: "webhook/src/caches.rs namespace_labels: GET when the namespace is not in the reflector's \
+        why: "webhook/src/cluster/caches/mod.rs namespace_labels: GET when the namespace is not in the reflector's \
               cache yet (the scenario's namespace exists before the webhook starts)",
     },
     NotExercised {
@@ -63,7 +63,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "",
         resource: "pods",
         subresource: "",
-        why: "webhook/src/caches.rs launcher_pod: GET on pods/binding when the pod is not cached yet or \
+        why: "webhook/src/cluster/caches/mod.rs launcher_pod: GET on pods/binding when the pod is not cached yet or \
               the cached one has another UID (the scenario binds after the pod reached the cache)",
     },
     NotExercised {
@@ -72,7 +72,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "events.k8s.io",
         resource: "events",
         subresource: "",
-        why: "webhook/src/events.rs: kube's Recorder merge-patches a repeat of the same Event within its \
+        why: "webhook/src/cluster/events.rs: kube's Recorder merge-patches a repeat of the same Event within its \
               6-minute cache (a VMI refused again after EVENT_MIN_INTERVAL, 30 s); the scenario is shorter, \
               so only creates go out",
     },

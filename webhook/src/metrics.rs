@@ -48,26 +48,27 @@ pub enum LookupResult {
 
 pub use crate::decide::validation::ValidationOutcome;
 
-/// `endpoint` label values: the admission handlers' names in metrics and logs.
+/// `endpoint` label values: the admission handlers' names in metrics and logs (`POST /mutate`,
+/// `POST /validate`).
+#[allow(missing_docs)]
 pub mod endpoint {
-    /// `POST /mutate`.
     pub const MUTATE: &str = "mutate";
-    /// `POST /validate`.
     pub const VALIDATE: &str = "validate";
 }
 
-/// `cache` label values: the caches' names in metrics and logs.
-pub mod cache {
+/// The caches, by their `cache` label in metrics and logs.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Cache {
     /// VirtualMachineInstances.
-    pub const VMIS: &str = "vmis";
+    Vmis,
     /// Namespace labels.
-    pub const NAMESPACES: &str = "namespaces";
+    Namespaces,
     /// TeeCapacity reports.
-    pub const TEE_CAPACITIES: &str = "teecapacities";
+    TeeCapacities,
     /// Node metadata.
-    pub const NODES: &str = "nodes";
+    Nodes,
     /// virt-launcher pods.
-    pub const LAUNCHER_PODS: &str = "virt_launcher_pods";
+    LauncherPods,
 }
 
 /// What happened to an `InsufficientTEEKeys` Event on a VMI.
@@ -106,6 +107,13 @@ label_values!(ValidationOutcome {
     Warned => "warned",
     Denied => "denied",
     Skipped => "skipped",
+});
+label_values!(Cache {
+    Vmis => "vmis",
+    Namespaces => "namespaces",
+    TeeCapacities => "teecapacities",
+    Nodes => "nodes",
+    LauncherPods => "virt_launcher_pods",
 });
 label_values!(EventResult {
     Recorded => "recorded",
@@ -219,7 +227,11 @@ const VALIDATION_KINDS: [&str; 4] = [
     TeeKind::SevEs.kernel_name(),
 ];
 /// Caches looked up on the admission path.
-const LOOKUP_CACHES: [&str; 3] = [cache::NAMESPACES, cache::VMIS, cache::LAUNCHER_PODS];
+const LOOKUP_CACHES: [&str; 3] = [
+    Cache::Namespaces.as_str(),
+    Cache::Vmis.as_str(),
+    Cache::LauncherPods.as_str(),
+];
 
 fn position(values: &[&str], value: &str) -> Option<usize> {
     values.iter().position(|v| *v == value)
@@ -508,7 +520,7 @@ mod tests {
             m.observe_request("other", Outcome::Allowed, Duration::from_micros(80));
             m.validation("pod_create", "sev_es", ValidationOutcome::Warned);
             m.validation("pod_create", "future_kind", ValidationOutcome::Warned);
-            m.lookup(cache::VMIS, LookupResult::ApiError);
+            m.lookup(Cache::Vmis.as_str(), LookupResult::ApiError);
             m.lookup("nodes", LookupResult::CacheHit);
         }
         m.requests

@@ -30,7 +30,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::decide::mutation::{VmiLookup, VmiRef};
-use crate::metrics::{LookupResult, Metrics};
+use crate::metrics::{Cache, LookupResult, Metrics};
 use crate::pods::{CachedLauncherPod, LauncherPod, slim_meta};
 
 mod store;
@@ -38,17 +38,6 @@ mod store;
 mod tests;
 
 pub use store::{CacheBuilder, NamedStore};
-
-/// Name of the VMI cache (metrics label).
-pub const VMI_CACHE: &str = crate::metrics::cache::VMIS;
-/// Name of the Namespace cache (metrics label).
-pub const NAMESPACE_CACHE: &str = crate::metrics::cache::NAMESPACES;
-/// Name of the TeeCapacity cache (metrics label).
-pub const TEE_CAPACITY_CACHE: &str = crate::metrics::cache::TEE_CAPACITIES;
-/// Name of the Node metadata cache (metrics label).
-pub const NODE_CACHE: &str = crate::metrics::cache::NODES;
-/// Name of the virt-launcher pod cache (metrics label).
-pub const LAUNCHER_POD_CACHE: &str = crate::metrics::cache::LAUNCHER_PODS;
 
 /// What looking a pod up gave.
 #[derive(Clone, Debug)]
@@ -190,7 +179,7 @@ impl Caches {
     ) -> (Caches, CacheTasks) {
         let mut b = CacheBuilder::new(metrics.clone(), shutdown);
         let vmis = b.watch(
-            VMI_CACHE,
+            Cache::Vmis.as_str(),
             Api::<VirtualMachineInstance>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             |mut v: VirtualMachineInstance| {
@@ -199,25 +188,25 @@ impl Caches {
             },
         );
         let namespaces = b.watch(
-            NAMESPACE_CACHE,
+            Cache::Namespaces.as_str(),
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Namespace>| namespace_labels(n.metadata.labels),
         );
         let tee_capacities = b.watch(
-            TEE_CAPACITY_CACHE,
+            Cache::TeeCapacities.as_str(),
             Api::<TeeCapacity>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             slim_report,
         );
         let nodes = b.watch(
-            NODE_CACHE,
+            Cache::Nodes.as_str(),
             Api::<PartialObjectMeta<Node>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default(),
         );
         let launcher_pods = b.watch(
-            LAUNCHER_POD_CACHE,
+            Cache::LauncherPods.as_str(),
             Api::<LauncherPod>::all(client.clone()),
             watcher::Config::default()
                 .labels(&format!(
@@ -285,7 +274,7 @@ impl Caches {
             Ok(None) => LookupResult::ApiNotFound,
             Err(_) => LookupResult::ApiError,
         };
-        self.metrics.lookup(NAMESPACE_CACHE, result);
+        self.metrics.lookup(Cache::Namespaces.as_str(), result);
         if let Err(e) = &got {
             tracing::warn!(namespace, error = %e, "namespace not cached and the GET failed");
         }
@@ -297,17 +286,20 @@ impl Caches {
         let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), &vmi.namespace);
         match self.get_with_timeout(api.get_opt(&vmi.name)).await {
             Ok(Some(mut found)) => {
-                self.metrics.lookup(VMI_CACHE, LookupResult::ApiFound);
+                self.metrics
+                    .lookup(Cache::Vmis.as_str(), LookupResult::ApiFound);
                 tracing::debug!(vmi = %vmi, "VMI not cached yet; found by GET");
                 found.managed_fields_mut().clear();
                 VmiLookup::Found(Arc::new(found))
             }
             Ok(None) => {
-                self.metrics.lookup(VMI_CACHE, LookupResult::ApiNotFound);
+                self.metrics
+                    .lookup(Cache::Vmis.as_str(), LookupResult::ApiNotFound);
                 VmiLookup::NotFound
             }
             Err(e) => {
-                self.metrics.lookup(VMI_CACHE, LookupResult::ApiError);
+                self.metrics
+                    .lookup(Cache::Vmis.as_str(), LookupResult::ApiError);
                 tracing::warn!(vmi = %vmi, error = %e, "VMI not cached and the GET failed");
                 VmiLookup::Failed(e)
             }
@@ -320,18 +312,18 @@ impl Caches {
         match self.get_with_timeout(api.get_opt(name)).await {
             Ok(Some(found)) if uid.is_empty() || found.metadata.uid.as_deref() == Some(uid) => {
                 self.metrics
-                    .lookup(LAUNCHER_POD_CACHE, LookupResult::ApiFound);
+                    .lookup(Cache::LauncherPods.as_str(), LookupResult::ApiFound);
                 tracing::debug!(namespace, name, "pod not cached yet; found by GET");
                 PodLookup::Found(Arc::new(found.to_pod()))
             }
             Ok(_) => {
                 self.metrics
-                    .lookup(LAUNCHER_POD_CACHE, LookupResult::ApiNotFound);
+                    .lookup(Cache::LauncherPods.as_str(), LookupResult::ApiNotFound);
                 PodLookup::NotFound
             }
             Err(e) => {
                 self.metrics
-                    .lookup(LAUNCHER_POD_CACHE, LookupResult::ApiError);
+                    .lookup(Cache::LauncherPods.as_str(), LookupResult::ApiError);
                 tracing::warn!(namespace, name, error = %e, "pod not cached and the GET failed");
                 PodLookup::Failed(e)
             }
@@ -349,7 +341,8 @@ impl Lookups for Caches {
         namespace: &str,
     ) -> Result<Option<BTreeMap<String, String>>, String> {
         if let Some(labels) = self.namespaces.get(namespace) {
-            self.metrics.lookup(NAMESPACE_CACHE, LookupResult::CacheHit);
+            self.metrics
+                .lookup(Cache::Namespaces.as_str(), LookupResult::CacheHit);
             return Ok(Some((*labels).clone()));
         }
         Box::pin(self.namespace_from_api(namespace)).await
@@ -360,7 +353,8 @@ impl Lookups for Caches {
             let uid = found.metadata.uid.as_deref().unwrap_or("");
             // A cached VMI of the same name but another UID may be a deleted predecessor: ask.
             if vmi.uid.is_empty() || uid == vmi.uid {
-                self.metrics.lookup(VMI_CACHE, LookupResult::CacheHit);
+                self.metrics
+                    .lookup(Cache::Vmis.as_str(), LookupResult::CacheHit);
                 return VmiLookup::Found(found);
             }
         }
@@ -372,7 +366,7 @@ impl Lookups for Caches {
             // A cached pod of the same name but another UID is a deleted predecessor: ask.
             if uid.is_empty() || found.uid.as_deref() == Some(uid) {
                 self.metrics
-                    .lookup(LAUNCHER_POD_CACHE, LookupResult::CacheHit);
+                    .lookup(Cache::LauncherPods.as_str(), LookupResult::CacheHit);
                 return PodLookup::Found(Arc::new(found.to_pod()));
             }
         }
