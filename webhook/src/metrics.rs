@@ -1,6 +1,5 @@
 //! The webhook's Prometheus metrics (served on the admin port's `/metrics`).
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -9,7 +8,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use teeguard_shared::TeeKind;
 
 /// How a review ended.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -173,84 +171,6 @@ fn latency_histogram() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
 
-/// The series of one family that the admission path touches on every review, each resolved from the
-/// family once, on first use (so a series still appears in `/metrics` only once it has been counted).
-///
-/// A [`Family`] lookup hashes the label set and takes the family's read lock, an atomic
-/// read-modify-write on a line every server thread shares; a resolved series is a clone of the
-/// family's own (counters and histograms share their state with it), so after the first use a review
-/// touches only the metric. Label sets without a slot (see the `*_slot` functions) go through the
-/// family. Nothing removes series from these families, so a resolved series never goes stale.
-struct Resolved<M, const N: usize>([OnceLock<M>; N]);
-
-impl<M, const N: usize> Default for Resolved<M, N> {
-    fn default() -> Self {
-        Resolved([const { OnceLock::new() }; N])
-    }
-}
-
-impl<M, const N: usize> std::fmt::Debug for Resolved<M, N> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let resolved = self.0.iter().filter(|c| c.get().is_some()).count();
-        write!(f, "Resolved({resolved} of {N})")
-    }
-}
-
-impl<M: Clone, const N: usize> Resolved<M, N> {
-    /// Run `f` on the series of `labels`, whose slot is `slot`.
-    fn with<S, C>(
-        &self,
-        family: &Family<S, M, C>,
-        slot: Option<usize>,
-        labels: &S,
-        f: impl FnOnce(&M),
-    ) where
-        S: Clone + std::hash::Hash + Eq,
-        C: prometheus_client::metrics::family::MetricConstructor<M>,
-    {
-        match slot.and_then(|i| self.0.get(i)) {
-            Some(cell) => f(cell.get_or_init(|| family.get_or_create_owned(labels))),
-            None => f(&family.get_or_create(labels)),
-        }
-    }
-}
-
-/// The admission endpoints (`endpoint` label) with resolved series.
-const ENDPOINTS: [&str; 2] = [endpoint::MUTATE, endpoint::VALIDATE];
-/// `request` values of the validations family.
-const VALIDATION_REQUESTS: [&str; 4] = ["pod_create", "pod_update", "binding", "other"];
-/// `kind` values of the validations family.
-const VALIDATION_KINDS: [&str; 4] = [
-    "none",
-    TeeKind::Tdx.kernel_name(),
-    TeeKind::Sev.kernel_name(),
-    TeeKind::SevEs.kernel_name(),
-];
-/// Caches looked up on the admission path.
-const LOOKUP_CACHES: [&str; 3] = [
-    Cache::Namespaces.as_str(),
-    Cache::Vmis.as_str(),
-    Cache::LauncherPods.as_str(),
-];
-
-fn position(values: &[&str], value: &str) -> Option<usize> {
-    values.iter().position(|v| *v == value)
-}
-
-fn request_slot(l: &RequestLabels) -> Option<usize> {
-    Some(position(&ENDPOINTS, l.endpoint)? * 4 + l.outcome as usize)
-}
-
-fn validation_slot(l: &ValidationLabels) -> Option<usize> {
-    let request = position(&VALIDATION_REQUESTS, l.request)?;
-    let kind = position(&VALIDATION_KINDS, l.kind)?;
-    Some((request * 4 + kind) * 4 + l.outcome as usize)
-}
-
-fn lookup_slot(l: &LookupLabels) -> Option<usize> {
-    Some(position(&LOOKUP_CACHES, l.cache)? * 4 + l.result as usize)
-}
-
 /// All webhook metrics. Cheap to share behind an `Arc`; every method is lock-free or takes a short
 /// read lock.
 #[derive(Debug)]
@@ -264,10 +184,6 @@ pub struct Metrics {
     validations: Family<ValidationLabels, Counter>,
     ledger_reservations: Gauge,
     vmi_events: Family<EventLabels, Counter>,
-    resolved_requests: Resolved<Counter, 8>,
-    resolved_latency: Resolved<Histogram, 8>,
-    resolved_validations: Resolved<Counter, 64>,
-    resolved_lookups: Resolved<Counter, 12>,
 }
 
 impl Metrics {
@@ -283,10 +199,6 @@ impl Metrics {
             validations: Family::default(),
             ledger_reservations: Gauge::default(),
             vmi_events: Family::default(),
-            resolved_requests: Resolved::default(),
-            resolved_latency: Resolved::default(),
-            resolved_validations: Resolved::default(),
-            resolved_lookups: Resolved::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_webhook");
         r.register(
@@ -345,15 +257,13 @@ impl Metrics {
         kind: &'static str,
         outcome: ValidationOutcome,
     ) {
-        let labels = ValidationLabels {
-            request,
-            kind,
-            outcome,
-        };
-        self.resolved_validations
-            .with(&self.validations, validation_slot(&labels), &labels, |c| {
-                c.inc();
-            });
+        self.validations
+            .get_or_create(&ValidationLabels {
+                request,
+                kind,
+                outcome,
+            })
+            .inc();
     }
 
     /// Set the number of ledger reservations.
@@ -370,15 +280,10 @@ impl Metrics {
     /// Record one answered request.
     pub fn observe_request(&self, endpoint: &'static str, outcome: Outcome, elapsed: Duration) {
         let labels = RequestLabels { endpoint, outcome };
-        let slot = request_slot(&labels);
-        self.resolved_requests
-            .with(&self.requests, slot, &labels, |c| {
-                c.inc();
-            });
-        self.resolved_latency
-            .with(&self.latency, slot, &labels, |h| {
-                h.observe(elapsed.as_secs_f64())
-            });
+        self.requests.get_or_create(&labels).inc();
+        self.latency
+            .get_or_create(&labels)
+            .observe(elapsed.as_secs_f64());
     }
 
     /// Set the number of objects in a cache.
@@ -390,11 +295,9 @@ impl Metrics {
 
     /// Count a lookup on the admission path.
     pub fn lookup(&self, cache: &'static str, result: LookupResult) {
-        let labels = LookupLabels { cache, result };
-        self.resolved_lookups
-            .with(&self.lookups, lookup_slot(&labels), &labels, |c| {
-                c.inc();
-            });
+        self.lookups
+            .get_or_create(&LookupLabels { cache, result })
+            .inc();
     }
 
     /// Count a certificate reload attempt.
@@ -443,76 +346,9 @@ mod tests {
         }
     }
 
-    const OUTCOMES: [Outcome; 4] = [
-        Outcome::Allowed,
-        Outcome::Patched,
-        Outcome::Denied,
-        Outcome::Error,
-    ];
-    const VALIDATION_OUTCOMES: [ValidationOutcome; 4] = [
-        ValidationOutcome::Admitted,
-        ValidationOutcome::Warned,
-        ValidationOutcome::Denied,
-        ValidationOutcome::Skipped,
-    ];
-    const LOOKUP_RESULTS: [LookupResult; 4] = [
-        LookupResult::CacheHit,
-        LookupResult::ApiFound,
-        LookupResult::ApiNotFound,
-        LookupResult::ApiError,
-    ];
-
-    /// Every label set with a slot has its own, within the array.
-    fn assert_distinct(slots: Vec<Option<usize>>, n: usize) {
-        let mut seen = vec![false; n];
-        for slot in slots {
-            let slot = slot.expect("a slot");
-            assert!(slot < n, "slot {slot} out of {n}");
-            assert!(!seen[slot], "slot {slot} taken twice");
-            seen[slot] = true;
-        }
-        assert!(seen.iter().all(|s| *s), "every slot used");
-    }
-
+    /// Every count lands in its label set's one series, whatever the label values.
     #[test]
-    fn resolved_slots_are_distinct_and_in_range() {
-        let mut requests = Vec::new();
-        for endpoint in ENDPOINTS {
-            for outcome in OUTCOMES {
-                requests.push(request_slot(&RequestLabels { endpoint, outcome }));
-            }
-        }
-        assert_distinct(requests, 8);
-        let mut validations = Vec::new();
-        for request in VALIDATION_REQUESTS {
-            for kind in VALIDATION_KINDS {
-                for outcome in VALIDATION_OUTCOMES {
-                    validations.push(validation_slot(&ValidationLabels {
-                        request,
-                        kind,
-                        outcome,
-                    }));
-                }
-            }
-        }
-        assert_distinct(validations, 64);
-        let mut lookups = Vec::new();
-        for cache in LOOKUP_CACHES {
-            for result in LOOKUP_RESULTS {
-                lookups.push(lookup_slot(&LookupLabels { cache, result }));
-            }
-        }
-        assert_distinct(lookups, 12);
-        // The kinds the handlers pass are TeeKind's kernel names.
-        for kind in teeguard_shared::TeeKind::ALL {
-            assert!(VALIDATION_KINDS.contains(&kind.kernel_name()), "{kind}");
-        }
-    }
-
-    /// A resolved series is the family's own: counts through the slot and through the family (a label
-    /// set without a slot, the same series after a lookup) land in one series each.
-    #[test]
-    fn resolved_series_count_into_the_family() {
+    fn counts_land_in_one_series_per_label_set() {
         let mut registry = Registry::default();
         let m = Metrics::new(&mut registry);
         for _ in 0..3 {

@@ -17,9 +17,7 @@ use teeguard_shared::pod::{key_requests, pod_display_name};
 use teeguard_shared::vmi::VirtualMachineInstance;
 use teeguard_tests::fixtures::{self, KataTee, Tee, VirtLauncherPod};
 use teeguard_webhook::decide::affinity::node_matches;
-use teeguard_webhook::decide::mutation::{
-    MutationDecision, VmiLookup, classify_pod, decide_mutation, decide_mutation_unpatched,
-};
+use teeguard_webhook::decide::mutation::{VmiLookup, classify_pod, decide_mutation};
 use teeguard_webhook::decide::validation::{
     check_created_limits, check_updated_limits, expected_limits, limit_annotations,
 };
@@ -170,16 +168,6 @@ fn assert_same_decisions(what: &str, value: &Value) {
             let df = decide_mutation(&f, vmi.as_ref(), labels.as_ref(), &config);
             let ds = decide_mutation(&s, vmi.as_ref(), labels.as_ref(), &config);
             assert_eq!(df, ds, "{what}: decide_mutation with {vmi:?}");
-            // What /validate runs: the same decision without the patch.
-            let mut unpatched = ds.clone();
-            if let MutationDecision::Inject(i) = &mut unpatched {
-                i.patch = json_patch::Patch(Vec::new());
-            }
-            assert_eq!(
-                decide_mutation_unpatched(&s, vmi.as_ref(), labels.as_ref(), &config),
-                unpatched,
-                "{what}: decide_mutation_unpatched with {vmi:?}"
-            );
             let ef = expected_limits(&f, &df, &config);
             let es = expected_limits(&s, &ds, &config);
             assert_eq!(ef, es, "{what}: expected_limits");

@@ -34,19 +34,47 @@ struct FloorRequest<'a> {
 
 /// The floor's handler: parse the review (the whole body, like any webhook) and allow it.
 async fn floor_allow(body: Bytes) -> Response {
-    match serde_json::from_slice::<FloorReview<'_>>(&body) {
-        Ok(r) => (
-            [(header::CONTENT_TYPE, "application/json")],
-            json!({
-                "apiVersion": "admission.k8s.io/v1",
-                "kind": "AdmissionReview",
-                "response": {"uid": r.request.uid, "allowed": true}
-            })
-            .to_string(),
-        )
-            .into_response(),
+    floor_answer(&body, None)
+}
+
+/// Allow the review in `body`, with `patch` (base64 JSON Patch) when given.
+fn floor_answer(body: &[u8], patch: Option<&str>) -> Response {
+    match serde_json::from_slice::<FloorReview<'_>>(body) {
+        Ok(r) => {
+            let mut response = json!({"uid": r.request.uid, "allowed": true});
+            if let Some(p) = patch {
+                response["patchType"] = json!("JSONPatch");
+                response["patch"] = json!(p);
+            }
+            (
+                [(header::CONTENT_TYPE, "application/json")],
+                json!({
+                    "apiVersion": "admission.k8s.io/v1",
+                    "kind": "AdmissionReview",
+                    "response": response
+                })
+                .to_string(),
+            )
+                .into_response()
+        }
         Err(e) => (axum::http::StatusCode::BAD_REQUEST, e.to_string()).into_response(),
     }
+}
+
+/// A floor whose `/mutate` answers every review with the same JSON Patch (`patch_b64`): what the API
+/// server spends applying a patch, without any decision behind it.
+pub async fn start_patching_floor(cert_dir: &std::path::Path, patch_b64: String) -> SocketAddr {
+    let patch: Arc<str> = patch_b64.into();
+    let router = Router::new()
+        .route(
+            "/mutate",
+            post(move |body: Bytes| {
+                let patch = patch.clone();
+                async move { floor_answer(&body, Some(&patch)) }
+            }),
+        )
+        .route("/validate", post(floor_allow));
+    serve(cert_dir, router, Stack::Bare).await
 }
 
 /// Which server stack serves the floor's handler.
@@ -61,12 +89,17 @@ pub enum Stack {
 
 /// Start the floor server with the webhook's TLS configuration, serving `cert_dir`'s pair.
 pub async fn start_floor(cert_dir: &std::path::Path, stack: Stack) -> SocketAddr {
-    let pair = teeguard_webhook::web::tls::load_pair(cert_dir).expect("certificate pair");
-    let store = Arc::new(teeguard_webhook::web::tls::CertStore::new(pair.key));
-    let tls = teeguard_webhook::web::tls::server_config(store).expect("TLS config");
     let router = Router::new()
         .route("/mutate", post(floor_allow))
         .route("/validate", post(floor_allow));
+    serve(cert_dir, router, stack).await
+}
+
+/// Serve `router` over HTTPS on a free port of 127.0.0.1 with `stack`, until the process exits.
+async fn serve(cert_dir: &std::path::Path, router: Router, stack: Stack) -> SocketAddr {
+    let pair = teeguard_webhook::web::tls::load_pair(cert_dir).expect("certificate pair");
+    let store = Arc::new(teeguard_webhook::web::tls::CertStore::new(pair.key));
+    let tls = teeguard_webhook::web::tls::server_config(store).expect("TLS config");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind floor");
     let addr = listener.local_addr().expect("floor addr");
     if stack == Stack::Webhook {

@@ -269,26 +269,7 @@ pub fn decide_mutation(
     namespace_labels: Option<&BTreeMap<String, String>>,
     config: &Config,
 ) -> MutationDecision {
-    decide(pod, vmi, namespace_labels, config, Patching::Build)
-}
-
-/// [`decide_mutation`] without building the patch: the same decision, with an empty
-/// [`Injection::patch`]. The validating webhook re-runs the decision only for the kind, key count and
-/// refusals, to know which cgroup-limit annotations the pod may carry.
-pub fn decide_mutation_unpatched(
-    pod: &Pod,
-    vmi: Option<&VmiLookup>,
-    namespace_labels: Option<&BTreeMap<String, String>>,
-    config: &Config,
-) -> MutationDecision {
-    decide(pod, vmi, namespace_labels, config, Patching::Skip)
-}
-
-/// Whether [`injection_patch`] builds the patch or only makes its refusals.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Patching {
-    Build,
-    Skip,
+    decide(pod, vmi, namespace_labels, config)
 }
 
 fn decide(
@@ -296,7 +277,6 @@ fn decide(
     vmi: Option<&VmiLookup>,
     namespace_labels: Option<&BTreeMap<String, String>>,
     config: &Config,
-    patching: Patching,
 ) -> MutationDecision {
     let vmi_ref = match classify_pod(pod) {
         Ok(r) => r,
@@ -368,7 +348,6 @@ fn decide(
         &kind_cfg.resource_name,
         kind_cfg.keys_per_vm,
         config,
-        patching,
     ) {
         Ok(patch) => MutationDecision::Inject(Injection {
             vmi: vmi_ref,

@@ -116,7 +116,6 @@ pub(super) fn injection_patch(
     resource: &str,
     keys: u32,
     config: &Config,
-    patching: Patching,
 ) -> Result<Patch, Denial> {
     // Only the refusals below name the pod: format it for them alone.
     let pod_name = || teeguard_shared::pod::pod_display_name(pod);
@@ -176,10 +175,6 @@ pub(super) fn injection_patch(
                 }
             },
         }
-    }
-    if patching == Patching::Skip {
-        // The refusals are all above; what follows only builds operations.
-        return Ok(Patch(Vec::new()));
     }
     let idx = idx.to_string();
     let qty = keys.to_string();

@@ -42,7 +42,7 @@ use crate::cluster::events::{EventSink, VmiEvent};
 use crate::decide::affinity::node_matches;
 use crate::decide::ledger::{Ledger, ReportMark, Reservation};
 use crate::decide::mutation::{
-    MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation_unpatched,
+    MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation,
     namespace_exempt,
 };
 use crate::decide::validation::{
@@ -257,7 +257,7 @@ async fn pod_create<L: Lookups>(
         Ok(r) => Some(lookups.vmi(r).await),
         Err(_) => None,
     };
-    let mutation = decide_mutation_unpatched(&pod, vmi.as_ref(), ns_labels.as_ref(), config);
+    let mutation = decide_mutation(&pod, vmi.as_ref(), ns_labels.as_ref(), config);
 
     let forged = if !has_limit_annotations(&pod) {
         None
