@@ -23,6 +23,13 @@ use crate::e2e::{E2eError, ProcessEnv};
 use crate::fixtures::{NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi};
 use crate::standalone::driver::{own_by, strip_server_fields};
 
+/// Run a test body, failing the test when it takes longer than `deadline`.
+pub async fn within(deadline: Duration, body: impl std::future::Future<Output = ()>) {
+    tokio::time::timeout(deadline, body)
+        .await
+        .unwrap_or_else(|_| panic!("the test did not finish within {deadline:?}"));
+}
+
 /// The label that scopes a test's webhook configurations to its namespaces.
 pub const TEST_LABEL: &str = "teeguard-test";
 

@@ -14,7 +14,7 @@ use serde_json::json;
 use teeguard_shared::{TeeKind, names};
 use teeguard_tests::e2e::{ProcessEnv, WebhookProcess};
 use teeguard_tests::fixtures::{self, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod};
-use teeguard_tests::realcluster::{Cluster, TEST_LABEL};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
 use teeguard_tests::standalone::driver::strip_server_fields;
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -101,7 +101,7 @@ fn into_namespace(pod: Pod, ns: &str) -> Pod {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tee_vm_pods_created_through_the_api_server_carry_the_mutation() {
-    tokio::time::timeout(DEADLINE, async {
+    within(DEADLINE, async {
         let Some(w) = world("mutation", &[]).await else {
             return;
         };
@@ -160,13 +160,12 @@ async fn tee_vm_pods_created_through_the_api_server_carry_the_mutation() {
             );
         }
     })
-    .await
-    .expect("within the deadline");
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_tee_storage_hotplug_and_export_pods_are_stored_untouched() {
-    tokio::time::timeout(DEADLINE, async {
+    within(DEADLINE, async {
         let Some(w) = world("untouched", &[]).await else {
             return;
         };
@@ -214,13 +213,12 @@ async fn non_tee_storage_hotplug_and_export_pods_are_stored_untouched() {
             );
         }
     })
-    .await
-    .expect("within the deadline");
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_or_changed_limit_annotations_are_denied_by_the_api_server() {
-    tokio::time::timeout(DEADLINE, async {
+    within(DEADLINE, async {
         let Some(w) = world("forged", &[]).await else {
             return;
         };
@@ -279,13 +277,12 @@ async fn forged_or_changed_limit_annotations_are_denied_by_the_api_server() {
             Some("tdx 1")
         );
     })
-    .await
-    .expect("within the deadline");
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warn_mode_warning_reaches_the_client() {
-    tokio::time::timeout(DEADLINE, async {
+    within(DEADLINE, async {
         let Some(w) = world("warn", &[(names::MODE_LABEL, "warn")]).await else {
             return;
         };
@@ -323,6 +320,5 @@ async fn warn_mode_warning_reaches_the_client() {
             "{warnings:?}"
         );
     })
-    .await
-    .expect("within the deadline");
+    .await;
 }

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use teeguard_shared::TeeKind;
 use teeguard_tests::controlplane::ControlPlane;
 use teeguard_tests::fixtures::ReportBuilder;
-use teeguard_tests::realcluster::Cluster;
+use teeguard_tests::realcluster::{Cluster, within};
 
 /// The release every test but the uninstall one uses, installed once per control plane.
 const RELEASE: &str = "teeguard";
@@ -143,7 +143,7 @@ fn policy_api(c: &Cluster) -> Api<DynamicObject> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn helm_install_is_accepted_with_zero_warnings_and_the_policy_type_checks_clean() {
-    tokio::time::timeout(DEADLINE, async {
+    within(DEADLINE, async {
         let Some(c) = connect().await else { return };
         let out = installed(c.cp);
         // The API server's warnings (deprecated fields, unknown formats, ...) reach helm's stderr.
@@ -172,13 +172,12 @@ async fn helm_install_is_accepted_with_zero_warnings_and_the_policy_type_checks_
             "type checking found problems: {checked}"
         );
     })
-    .await
-    .expect("within the deadline");
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_get_teecapacities_prints_the_report_columns() {
-    tokio::time::timeout(DEADLINE, async {
+    within(DEADLINE, async {
         let Some(c) = connect().await else { return };
         installed(c.cp);
         c.wait_for("the TeeCapacity CRD to be served", || async {
@@ -225,13 +224,12 @@ async fn kubectl_get_teecapacities_prints_the_report_columns() {
             wide.stdout
         );
     })
-    .await
-    .expect("within the deadline");
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn own_node_policy_lets_an_agent_write_only_its_own_node() {
-    tokio::time::timeout(DEADLINE, async {
+    within(DEADLINE, async {
         let Some(c) = connect().await else { return };
         installed(c.cp);
         let agent = format!("system:serviceaccount:{NAMESPACE}:{RELEASE}-agent");
@@ -310,13 +308,12 @@ async fn own_node_policy_lets_an_agent_write_only_its_own_node() {
             "{refused}"
         );
     })
-    .await
-    .expect("within the deadline");
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn helm_uninstall_removes_everything_but_the_crd() {
-    tokio::time::timeout(DEADLINE, async {
+    within(DEADLINE, async {
         let Some(c) = connect().await else { return };
         installed(c.cp); // the CRD, from the first release
         let (release, ns) = ("tg-uninstall", "tg-uninstall");
@@ -363,6 +360,5 @@ async fn helm_uninstall_removes_everything_but_the_crd() {
         );
         assert!(crd.success && crd.stdout.contains("teecapacities.teeguard.dev"));
     })
-    .await
-    .expect("within the deadline");
+    .await;
 }
