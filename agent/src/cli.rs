@@ -44,6 +44,9 @@ pub enum Command {
     Run(RunArgs),
     /// Scan the host once and print the result, without a cluster.
     Scan(ScanArgs),
+    /// After uninstalling, remove from one Node what the agent added (its extended resources and
+    /// their annotation) and the node's TeeCapacity; nothing else.
+    Cleanup(CleanupArgs),
 }
 
 /// Flags both subcommands take.
@@ -83,6 +86,30 @@ pub enum OutputFormat {
     Json,
     /// YAML.
     Yaml,
+}
+
+/// `teeguard-agent cleanup`.
+#[derive(Debug, Args)]
+pub struct CleanupArgs {
+    /// The Node to clean up.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// The teeguard configuration file (resource names); defaults apply when absent.
+    #[arg(long, env = "TEEGUARD_CONFIG")]
+    pub config: Option<PathBuf>,
+}
+
+/// `teeguard-agent cleanup`: see [`crate::cleanup`]. Prints what it changed.
+pub async fn cleanup_command(args: &CleanupArgs, out: &mut dyn Write) -> Result<()> {
+    let config = load_config(args.config.as_deref())?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| Error::kube("build the Kubernetes client (in-cluster or kubeconfig)", e))?;
+    let cleaned = crate::cleanup::cleanup(client, &args.node_name, &config.resources).await?;
+    writeln!(out, "node {}: {cleaned}", args.node_name).map_err(|e| Error::Render {
+        what: "the cleanup summary",
+        reason: e.to_string(),
+    })
 }
 
 /// `teeguard-agent scan`.

@@ -15,6 +15,7 @@
 
 pub mod advertise;
 pub mod attribution;
+pub mod cleanup;
 pub mod cli;
 pub mod error;
 pub mod metrics;

@@ -234,8 +234,16 @@ fn exported() -> BTreeSet<String> {
     use teeguard_webhook::metrics::{EventResult, LookupResult, Outcome, ReloadResult};
     let mut registry = prometheus_client::registry::Registry::default();
     let webhook = teeguard_webhook::metrics::Metrics::new(&mut registry);
-    webhook.observe_request("mutate", Outcome::Patched, std::time::Duration::from_micros(10));
-    webhook.validation("binding", "tdx", teeguard_webhook::metrics::ValidationOutcome::Denied);
+    webhook.observe_request(
+        "mutate",
+        Outcome::Patched,
+        std::time::Duration::from_micros(10),
+    );
+    webhook.validation(
+        "binding",
+        "tdx",
+        teeguard_webhook::metrics::ValidationOutcome::Denied,
+    );
     webhook.lookup("vmis", LookupResult::CacheHit);
     webhook.set_cache_objects("vmis", 1);
     webhook.cert_reload(ReloadResult::Ok);
