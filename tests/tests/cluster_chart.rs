@@ -362,3 +362,85 @@ async fn helm_uninstall_removes_everything_but_the_crd() {
     })
     .await;
 }
+
+/// After uninstalling, `teeguard-agent cleanup` against the real API server removes the extended
+/// resource the agent advertised and its annotation from a Node, and the node's report, and leaves
+/// what NFD owns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_removes_what_the_agent_added_to_a_real_node() {
+    within(DEADLINE, async {
+        let Some(c) = connect().await else { return };
+        installed(c.cp); // the TeeCapacity CRD
+        let name = "node-cleanup";
+        c.node(&teeguard_tests::fixtures::NodeBuilder::new(name).tdx(4))
+            .await
+            .expect("node");
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(c.client.clone());
+        let pp = kube::api::PatchParams::default();
+        nodes
+            .patch(
+                name,
+                &pp,
+                &kube::api::Patch::Merge(json!({"metadata": {"annotations": {
+                    "teeguard.dev/extended-resources": "tdx.intel.com/keys",
+                    "nfd.node.kubernetes.io/extended-resources": "sev-snp.amd.com/esids"}}})),
+            )
+            .await
+            .expect("annotations");
+        nodes
+            .patch_status(
+                name,
+                &pp,
+                &kube::api::Patch::Merge(json!({"status": {
+                    "capacity": {"tdx.intel.com/keys": "3", "sev-snp.amd.com/esids": "10"},
+                    "allocatable": {"tdx.intel.com/keys": "3", "sev-snp.amd.com/esids": "10"}}})),
+            )
+            .await
+            .expect("advertised resources");
+        c.wait_for("the TeeCapacity CRD to be served", || async {
+            let api: Api<teeguard_shared::TeeCapacity> = Api::all(c.client.clone());
+            api.list(&Default::default()).await.ok().map(|_| ())
+        })
+        .await
+        .expect("CRD served");
+        c.report(&ReportBuilder::new(name).kind(TeeKind::Tdx, 4, 1))
+            .await
+            .expect("report");
+
+        let cleaned = teeguard_agent::cleanup::cleanup(
+            c.client.clone(),
+            name,
+            &teeguard_shared::config::ResourcesConfig::default(),
+        )
+        .await
+        .expect("cleanup");
+        assert_eq!(cleaned.resources, ["tdx.intel.com/keys"]);
+        assert!(cleaned.annotation && cleaned.report, "{cleaned:?}");
+        let n = nodes.get(name).await.expect("the Node stays");
+        let status = n.status.expect("status");
+        for map in [
+            status.capacity.expect("capacity"),
+            status.allocatable.expect("allocatable"),
+        ] {
+            assert!(!map.contains_key("tdx.intel.com/keys"), "{map:?}");
+            assert!(
+                map.contains_key("sev-snp.amd.com/esids"),
+                "NFD's stays: {map:?}"
+            );
+        }
+        let annotations = n.metadata.annotations.unwrap_or_default();
+        assert!(!annotations.contains_key("teeguard.dev/extended-resources"));
+        assert!(annotations.contains_key("nfd.node.kubernetes.io/extended-resources"));
+        let reports: Api<teeguard_shared::TeeCapacity> = Api::all(c.client.clone());
+        assert!(reports.get_opt(name).await.expect("get").is_none());
+        let again = teeguard_agent::cleanup::cleanup(
+            c.client.clone(),
+            name,
+            &teeguard_shared::config::ResourcesConfig::default(),
+        )
+        .await
+        .expect("cleanup");
+        assert_eq!(again, teeguard_agent::cleanup::Cleaned::default());
+    })
+    .await;
+}
