@@ -467,6 +467,58 @@ async fn dead_agent_goes_stale_and_a_restart_does_not_double_count() {
     .await;
 }
 
+// Lifecycle: restarting (or upgrading: a new process replaces the old) the agent while a TEE VM runs
+// never takes the key resource off the Node nor sets it to 0, and the report resumes with the same
+// figures. Every write the new agent makes to the Node is in the fake API server's request log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_restart_with_a_running_vm_keeps_the_nodes_key_resource() {
+    bounded(async {
+        let mut w = world(4, CONFIG).await;
+        run_vm(&w, "vm-1").await;
+        let before = w.settle().await.expect("settled");
+        let advertised = node_resource(&node(&w), "allocatable", TDX_KEYS);
+        assert_eq!(advertised.as_deref(), Some("4"));
+        let from = w.env.api.requests().last().map_or(0, |r| r.seq);
+
+        w.restart_agent().await.expect("agent restarts");
+        let after = w.settle().await.expect("settled");
+        let figures = |s: &teeguard_shared::KindStatus| {
+            (
+                s.capacity,
+                s.kernel_used,
+                s.pods_used,
+                s.pending,
+                s.external,
+                s.free,
+            )
+        };
+        assert_eq!(figures(&after), figures(&before));
+        assert_eq!(
+            node_resource(&node(&w), "allocatable", TDX_KEYS),
+            advertised
+        );
+        assert_eq!(node_resource(&node(&w), "capacity", TDX_KEYS), advertised);
+        // No write in between removed the resource or set it to anything else.
+        let escaped = TDX_KEYS.replace('/', "~1");
+        for r in w
+            .env
+            .api
+            .requests_where(|r| r.seq > from && r.resource.as_deref() == Some("nodes"))
+            .into_iter()
+            .filter(|r| r.method != "GET")
+        {
+            let body = r.body.map(|b| b.to_string()).unwrap_or_default();
+            assert!(
+                !body.contains(&escaped) && !body.contains(TDX_KEYS),
+                "the restarted agent wrote the key resource: {} {} {body}",
+                r.method,
+                r.path
+            );
+        }
+    })
+    .await;
+}
+
 // 5. API server unavailable for a while → the webhook keeps answering from its caches; the agent
 //    keeps scanning and publishes when it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
