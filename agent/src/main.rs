@@ -16,47 +16,42 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
-        Command::Cleanup(args) => {
-            let runtime = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(r) => r,
-                Err(e) => {
-                    eprintln!("teeguard-agent: cannot start the async runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            match runtime.block_on(cleanup_command(&args, &mut std::io::stdout().lock())) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("teeguard-agent cleanup: {e}");
-                    ExitCode::FAILURE
-                }
+        Command::Cleanup(args) => on_one_thread(
+            "teeguard-agent cleanup",
+            cleanup_command(&args, &mut std::io::stdout().lock()),
+        ),
+        // One thread runs everything: the work is one loop plus two watches and the admin endpoint,
+        // and every extra worker costs a stack and a malloc arena (scans run on the blocking pool).
+        Command::Run(args) => on_one_thread("teeguard-agent", async {
+            let result = run_command(args).await;
+            if let Err(e) = &result {
+                tracing::error!(error = %e, "teeguard-agent stopped");
             }
+            result
+        }),
+    }
+}
+
+/// Run `work` on a single-threaded runtime; an error is printed after `what`.
+fn on_one_thread(
+    what: &str,
+    work: impl std::future::Future<Output = teeguard_agent::error::Result<()>>,
+) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("teeguard-agent: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
         }
-        Command::Run(args) => {
-            // One thread runs everything: the work is one loop plus two watches and the admin
-            // endpoint, and every extra worker costs a stack and a malloc arena (scans run on the
-            // blocking pool).
-            let runtime = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(r) => r,
-                Err(e) => {
-                    eprintln!("teeguard-agent: cannot start the async runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            match runtime.block_on(run_command(args)) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    tracing::error!(error = %e, "teeguard-agent stopped");
-                    eprintln!("teeguard-agent: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+    };
+    match runtime.block_on(work) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{what}: {e}");
+            ExitCode::FAILURE
         }
     }
 }
