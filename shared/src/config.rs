@@ -7,9 +7,13 @@
 //!   tdx:   { resourceName: tdx.intel.com/keys,    keysPerVm: 1 }
 //!   sev:   { resourceName: sev.amd.com/asids,     keysPerVm: 1 }
 //!   sevEs: { resourceName: sev-snp.amd.com/esids, keysPerVm: 1 }
-//! enforcement:               # misc.max annotations the webhook adds for the runtime
-//!   miscMaxAnnotation: true  # misc-max.teeguard.dev/compute: "tdx 1"
+//! enforcement:               # per-pod key limits (misc.max)
+//!   miscMaxAnnotation: true  # the webhook adds misc-max.teeguard.dev/compute: "tdx 1"
 //!   crioAnnotation: none     # none | legacy (io.kubernetes.cri-o.UnifiedCgroup.compute) | current (unified-cgroup.crio.io/compute)
+//!   mode: auto               # the agent applies the limits: auto | nri | cgroup | off
+//!   strict: false            # pods requesting no keys get misc.max 0 for every kind the host has
+//!   nriSocket: /var/run/nri/nri.sock
+//!   nriPluginIndex: "50"     # two digits: NRI calls plugins in ascending index order
 //! admission:                 # validating webhook policy
 //!   mode: enforce            # enforce | warn
 //!   staleReportAfter: 90s
@@ -34,7 +38,7 @@ use crate::tee::TeeKind;
 pub struct Config {
     /// Per-kind extended resource names and keys per VM.
     pub resources: ResourcesConfig,
-    /// The misc.max annotations the mutating webhook adds.
+    /// Per-pod key limits: the webhook's annotations and the agent's enforcement.
     pub enforcement: EnforcementConfig,
     /// Validating webhook policy.
     pub admission: AdmissionConfig,
@@ -75,7 +79,23 @@ pub enum CrioAnnotation {
     Current,
 }
 
-/// The misc.max annotations the mutating webhook adds to a TEE virt-launcher pod.
+/// How the agent applies each pod's key limit (`misc.max`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EnforcementMode {
+    /// NRI when the runtime's NRI socket exists, else the cgroup writer.
+    #[default]
+    Auto,
+    /// Only the NRI plugin (container-level `linux.resources.unified["misc.max"]`).
+    Nri,
+    /// Only the cgroup writer (the pod cgroup's `misc.max`, written by the agent).
+    Cgroup,
+    /// Apply no limit.
+    Off,
+}
+
+/// Per-pod key limits: the annotations the mutating webhook adds to a TEE virt-launcher pod, and how
+/// the agent applies the limits.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EnforcementConfig {
     /// Add `misc-max.teeguard.dev/<container>: "<kernel name> <keys>"` (read by a node-side enforcer).
@@ -83,7 +103,20 @@ pub struct EnforcementConfig {
     /// Also add CRI-O's unified-cgroup annotation (`misc.max=tdx 1`); only effective when the runtime
     /// handler allows that annotation.
     pub crio_annotation: CrioAnnotation,
+    /// How the agent applies the limits.
+    pub mode: EnforcementMode,
+    /// Pods that request no keys get `misc.max` 0 for every kind the host has.
+    pub strict: bool,
+    /// The runtime's NRI socket (as the agent sees it).
+    pub nri_socket: std::path::PathBuf,
+    /// The plugin's NRI index: two digits; plugins are called in ascending order.
+    pub nri_plugin_index: String,
 }
+
+/// The NRI socket containerd and CRI-O listen on.
+pub const DEFAULT_NRI_SOCKET: &str = "/var/run/nri/nri.sock";
+/// teeguard's default NRI plugin index.
+pub const DEFAULT_NRI_PLUGIN_INDEX: &str = "50";
 
 /// Admission outcome when a pod cannot get a key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -208,6 +241,10 @@ impl Default for EnforcementConfig {
         EnforcementConfig {
             misc_max_annotation: true,
             crio_annotation: CrioAnnotation::None,
+            mode: EnforcementMode::Auto,
+            strict: false,
+            nri_socket: DEFAULT_NRI_SOCKET.into(),
+            nri_plugin_index: DEFAULT_NRI_PLUGIN_INDEX.into(),
         }
     }
 }
@@ -265,6 +302,10 @@ struct RawKind {
 struct RawEnforcement {
     misc_max_annotation: Option<bool>,
     crio_annotation: Option<CrioAnnotation>,
+    mode: Option<EnforcementMode>,
+    strict: Option<bool>,
+    nri_socket: Option<String>,
+    nri_plugin_index: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -373,6 +414,30 @@ impl Config {
             }
             if let Some(v) = e.crio_annotation {
                 cfg.enforcement.crio_annotation = v;
+            }
+            if let Some(v) = e.mode {
+                cfg.enforcement.mode = v;
+            }
+            if let Some(v) = e.strict {
+                cfg.enforcement.strict = v;
+            }
+            if let Some(v) = e.nri_socket {
+                if !v.starts_with('/') {
+                    return Err(err(
+                        "enforcement.nriSocket".into(),
+                        format!("{v:?} is not an absolute path"),
+                    ));
+                }
+                cfg.enforcement.nri_socket = v.into();
+            }
+            if let Some(v) = e.nri_plugin_index {
+                if v.len() != 2 || !v.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(err(
+                        "enforcement.nriPluginIndex".into(),
+                        format!("{v:?} is not two digits (00-99)"),
+                    ));
+                }
+                cfg.enforcement.nri_plugin_index = v;
             }
         }
         if let Some(a) = raw.admission {
@@ -579,12 +644,37 @@ mod tests {
                 "enforcement:\n  crioAnnotation: yes\n",
                 "enforcement.crioAnnotation",
             ),
+            ("enforcement:\n  mode: kernel\n", "enforcement.mode"),
+            (
+                "enforcement:\n  nriSocket: nri.sock\n",
+                "enforcement.nriSocket",
+            ),
+            (
+                "enforcement:\n  nriPluginIndex: \"5\"\n",
+                "enforcement.nriPluginIndex",
+            ),
             ("nonsense: 1\n", "nonsense"),
         ];
         for (yaml, field) in cases {
             let err = Config::from_yaml(yaml).expect_err(yaml).to_string();
             assert!(err.contains(&format!("`{field}")), "{yaml:?} -> {err}");
         }
+    }
+
+    #[test]
+    fn enforcement_settings_are_read() {
+        let cfg = Config::from_yaml(
+            "enforcement:\n  mode: cgroup\n  strict: true\n  nriSocket: /run/nri/x.sock\n  nriPluginIndex: \"07\"\n",
+        )
+        .expect("valid");
+        assert_eq!(cfg.enforcement.mode, EnforcementMode::Cgroup);
+        assert!(cfg.enforcement.strict);
+        assert_eq!(cfg.enforcement.nri_socket, Path::new("/run/nri/x.sock"));
+        assert_eq!(cfg.enforcement.nri_plugin_index, "07");
+        let defaults = Config::default().enforcement;
+        assert_eq!(defaults.mode, EnforcementMode::Auto);
+        assert!(!defaults.strict);
+        assert_eq!(defaults.nri_socket, Path::new(DEFAULT_NRI_SOCKET));
     }
 
     #[test]
