@@ -21,6 +21,36 @@
 //! [`SimHost::truncate`], [`SimHost::write_half`], ...) deliberately break files; a broken file stays
 //! broken ("pinned") until [`SimHost::heal`] or [`SimHost::heal_all`].
 //!
+//! # `misc.max` written by other processes
+//!
+//! Like on a real host, another process (the agent's enforcement, a runtime) may set a limit by opening
+//! `<cgroup>/misc.max` for writing *without* `O_CREAT` and writing `"<resource> <n>"` or
+//! `"<resource> max"`. A cgroup without the misc controller has no `misc.max`, so that open fails with
+//! `ENOENT` (`NotFound`), as on the kernel. The simulator takes such writes in ("absorbs" them) the way
+//! the kernel's `misc_cg_max_write` would have handled them:
+//! - each line of the file is one write: surrounding whitespace is stripped, then `name value` with a
+//!   single space, `value` being `max` or a number as `kstrtou64(…, 0)` reads it (decimal, `0x` hex,
+//!   leading-`0` octal, optional `+`; `u64::MAX` is `max`);
+//! - a line naming a resource with a capacity > 0 sets that cgroup's limit; any other line (unknown
+//!   resource, capacity 0, garbage, negative or overflowing number, several values) is refused
+//!   (`EINVAL`) and changes nothing;
+//! - afterwards the file is rewritten from the model, so it shows the kernel's full view again (every
+//!   resource with capacity, in kernel order, e.g. `sev max\nsev_es 1\n`).
+//!
+//! Limits only matter when something is charged, so every charge first absorbs the `misc.max` of each
+//! level it walks (the charged cgroup up to the root); the readers of one cgroup ([`SimHost::max_of`],
+//! [`SimHost::usage_at`], [`SimHost::events`], ...) absorb that cgroup's file; every rewrite of a
+//! cgroup's files absorbs its `misc.max` first, so the simulator never overwrites a limit it has not
+//! taken in; [`SimHost::absorb_limit_writes`] and [`SimHost::resync`] absorb every file. This behaves
+//! like absorbing before every operation. Pinned (deliberately broken) files are never absorbed.
+//!
+//! Race: the simulator sees only a file's content, never the writes themselves. If it absorbs between a
+//! writer's truncating `open` and its `write`, it sees an empty file and rewrites it: in the default
+//! [`WriteMode::Atomic`] the rewrite renames a new file into place, so the writer's `write` lands in the
+//! old, unlinked file and is lost; in [`WriteMode::InPlace`] the write lands over the rewritten content
+//! and is refused as garbage. Either way the limit is not set and the read-back shows it: a writer must
+//! read the file back and retry, as the agent does.
+//!
 //! Cgroup arguments named `cgroup` are paths relative to [`SimHost::misc_root`] (`""` is the root), for
 //! example `kubepods.slice` or `machine.slice/machine-qemu\x2d1\x2dvm.scope`.
 //!
@@ -519,6 +549,9 @@ struct State {
     next_vm_id: u32,
     /// Content last written per file, to rewrite only what changed.
     written: HashMap<PathBuf, String>,
+    /// Per `misc.max` file, the content last accounted for: written by the simulator or absorbed. A
+    /// different content on disk was written by another process (see the module docs).
+    max_seen: HashMap<PathBuf, String>,
     /// Files broken on purpose: not rewritten until healed.
     pinned: BTreeSet<PathBuf>,
     dirty: BTreeSet<String>,
@@ -628,6 +661,36 @@ pub fn parse_misc(text: &str) -> Result<BTreeMap<String, u64>, String> {
         }
     }
     Ok(out)
+}
+
+/// One write into `misc.max` as the kernel's `misc_cg_max_write` reads it: surrounding whitespace
+/// stripped, `name value` split at the first space, `value` either `max` or a number for `kstrtou64`
+/// with base 0. `None` where the kernel answers `EINVAL`/`ERANGE` (the name is checked by the caller).
+/// The limit is `None` for `max` (a number equal to `u64::MAX` is `max` too).
+fn parse_max_write(line: &str) -> Option<(&str, Option<u64>)> {
+    let line = line.trim_matches(|c: char| c.is_ascii_whitespace() || c == '\u{b}');
+    let (name, value) = line.split_once(' ')?;
+    if value == "max" {
+        return Some((name, None));
+    }
+    let value = kstrtou64(value)?;
+    Some((name, (value != u64::MAX).then_some(value)))
+}
+
+/// `kstrtou64(s, 0, …)`: optional `+`, then `0x`/`0X` + hex digits, `0` + octal digits, or decimal;
+/// nothing else, no overflow.
+fn kstrtou64(s: &str) -> Option<u64> {
+    let s = s.strip_prefix('+').unwrap_or(s);
+    let bytes = s.as_bytes();
+    let (radix, digits) = match bytes {
+        [b'0', x, d, ..] if x.eq_ignore_ascii_case(&b'x') && d.is_ascii_hexdigit() => (16, &s[2..]),
+        [b'0', _, ..] => (8, &s[1..]),
+        _ => (10, s),
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    u64::from_str_radix(digits, radix).ok()
 }
 
 impl SimHost {
@@ -743,7 +806,7 @@ impl SimHost {
     /// Hierarchical usage of a cgroup; `None` if the cgroup does not exist. A cgroup without the misc
     /// controller reports 0 (its charges land on an ancestor).
     pub fn usage_at(&self, cgroup: &str, resource: impl AsRef<str>) -> Option<u64> {
-        let st = self.lock();
+        let st = self.lock_absorbed(cgroup);
         st.nodes
             .get(cgroup)
             .map(|n| n.res.get(resource.as_ref()).map_or(0, |r| r.usage))
@@ -759,7 +822,7 @@ impl SimHost {
 
     /// The `<resource>.max` count of a cgroup's `misc.events` (0 if unknown).
     pub fn events(&self, cgroup: &str, resource: impl AsRef<str>) -> u64 {
-        let st = self.lock();
+        let st = self.lock_absorbed(cgroup);
         st.nodes
             .get(cgroup)
             .and_then(|n| n.res.get(resource.as_ref()))
@@ -768,11 +831,40 @@ impl SimHost {
 
     /// The `<resource>.max` count of a cgroup's `misc.events.local` (0 if unknown).
     pub fn events_local(&self, cgroup: &str, resource: impl AsRef<str>) -> u64 {
-        let st = self.lock();
+        let st = self.lock_absorbed(cgroup);
         st.nodes
             .get(cgroup)
             .and_then(|n| n.res.get(resource.as_ref()))
             .map_or(0, |r| r.events_local)
+    }
+
+    /// A cgroup's limit for a resource as its `misc.max` shows it, after taking in what other processes
+    /// wrote there: `Some(None)` is `max` (no limit), `Some(Some(n))` a limit of `n`; `None` when the
+    /// cgroup does not exist, has no `misc.max` (the root, or the misc controller is not enabled), or the
+    /// resource has no capacity (the kernel leaves it out of `misc.max`).
+    pub fn max_of(&self, cgroup: &str, resource: impl AsRef<str>) -> Option<Option<u64>> {
+        let resource = resource.as_ref();
+        let st = self.lock_absorbed(cgroup);
+        if cgroup.is_empty() || st.capacity.get(resource).copied().unwrap_or(0) == 0 {
+            return None;
+        }
+        let node = st.nodes.get(cgroup).filter(|n| n.misc)?;
+        Some(node.res.get(resource).and_then(|r| r.max))
+    }
+
+    /// [`SimHost::max_of`] for a pod's cgroup (`None` also when the pod is unknown).
+    pub fn pod_max(&self, uid: &str, resource: impl AsRef<str>) -> Option<Option<u64>> {
+        let rel = self.pod_cgroup_rel(uid)?;
+        self.max_of(&rel, resource)
+    }
+
+    /// Take in what other processes wrote into every `misc.max` file (see the module docs) and rewrite
+    /// those files with the kernel's full view. The simulator does this by itself where it matters (before
+    /// a charge, for the levels the charge walks); call it to make every file show the kernel's view now.
+    pub fn absorb_limit_writes(&self) -> HostResult<()> {
+        let mut st = self.lock();
+        self.absorb_all(&mut st);
+        self.sync(&mut st)
     }
 
     /// Whether the misc controller is enabled in a cgroup (it has `misc.*` files); `None` if unknown.
@@ -1028,6 +1120,8 @@ impl SimHost {
         if cgroup.is_empty() {
             return Err(HostError::Unsupported("the root cgroup has no misc.max"));
         }
+        // Keep what other processes wrote for other resources.
+        self.absorb_max(&mut st, cgroup);
         let has_capacity = st.capacity.get(resource).copied().unwrap_or(0) > 0;
         let node = st
             .nodes
@@ -1049,6 +1143,8 @@ impl SimHost {
     /// lines in other files stay while usage or events are non-zero, like the kernel).
     pub fn set_capacity(&self, resource: impl AsRef<str>, n: u64) -> HostResult<()> {
         let mut st = self.lock();
+        // Limits written before the change were accepted or refused under the old capacities.
+        self.absorb_all(&mut st);
         st.capacity.insert(resource.as_ref().to_owned(), n);
         st.all_dirty = true;
         self.sync(&mut st)
@@ -1058,6 +1154,7 @@ impl SimHost {
     pub fn remove_resource(&self, resource: impl AsRef<str>) -> HostResult<()> {
         let resource = resource.as_ref();
         let mut st = self.lock();
+        self.absorb_all(&mut st);
         st.capacity.remove(resource);
         st.charges.retain(|(_, name), _| name != resource);
         for node in st.nodes.values_mut() {
@@ -1212,6 +1309,12 @@ impl SimHost {
         let mut st = self.lock();
         st.pinned.remove(&path);
         st.written.remove(&path);
+        // The broken content was a fault, not a write by another process: a `misc.max` is not absorbed
+        // from it.
+        if let Ok(bytes) = fs::read(&path) {
+            st.max_seen
+                .insert(path.clone(), String::from_utf8_lossy(&bytes).into_owned());
+        }
         if path.is_dir() {
             fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
         }
@@ -1234,12 +1337,74 @@ impl SimHost {
     /// files excepted).
     pub fn resync(&self) -> HostResult<()> {
         let mut st = self.lock();
+        self.absorb_all(&mut st);
         st.written.clear();
         st.all_dirty = true;
         self.sync(&mut st)
     }
 
     // ----- internals -----
+
+    /// Lock the state after taking in what other processes wrote into `cgroup`'s `misc.max` (rewriting
+    /// it with the kernel's view; a failed rewrite is retried by the next operation).
+    fn lock_absorbed(&self, cgroup: &str) -> MutexGuard<'_, State> {
+        let mut st = self.lock();
+        self.absorb_max(&mut st, cgroup);
+        if !st.dirty.is_empty() {
+            // Best effort in readers: the model is already up to date, only the file may lag.
+            let _ = self.sync(&mut st);
+        }
+        st
+    }
+
+    /// Take in what another process wrote into the `misc.max` of one cgroup, like the kernel's
+    /// `misc_cg_max_write` (one write per line), and mark the cgroup for a rewrite with the kernel's
+    /// view. No-op for the root, unknown cgroups, cgroups without the controller and pinned files.
+    fn absorb_max(&self, st: &mut State, rel: &str) {
+        if rel.is_empty() || !st.nodes.get(rel).is_some_and(|n| n.misc) {
+            return;
+        }
+        let path = self.path(rel).join("misc.max");
+        if st.pinned.contains(&path) {
+            return;
+        }
+        let text = match fs::read(&path) {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                // Removed behind the simulator's back (cgroupfs files cannot be): recreate it.
+                st.written.remove(&path);
+                st.dirty.insert(rel.to_owned());
+                return;
+            }
+            // Unreadable (made so on purpose): leave it alone.
+            Err(_) => return,
+        };
+        if st.max_seen.get(&path) == Some(&text) {
+            return;
+        }
+        for line in text.split('\n') {
+            let Some((name, max)) = parse_max_write(line) else {
+                continue;
+            };
+            if st.capacity.get(name).copied().unwrap_or(0) == 0 {
+                continue; // EINVAL: unknown resource or capacity 0
+            }
+            if let Some(node) = st.nodes.get_mut(rel) {
+                node.res.entry(name.to_owned()).or_default().max = max;
+            }
+        }
+        st.max_seen.insert(path.clone(), text);
+        st.written.remove(&path);
+        st.dirty.insert(rel.to_owned());
+    }
+
+    /// [`SimHost::absorb_max`] for every cgroup.
+    fn absorb_all(&self, st: &mut State) {
+        let rels: Vec<String> = st.nodes.keys().cloned().collect();
+        for rel in rels {
+            self.absorb_max(st, &rel);
+        }
+    }
 
     fn container_rel_checked(&self, uid: &str, container: &str) -> HostResult<String> {
         let st = self.lock();
@@ -1320,6 +1485,11 @@ impl SimHost {
             .ok_or_else(|| HostError::UnknownResource(resource.to_owned()))?;
         let at = self.effective(st, rel)?;
         let chain = Self::chain(&at);
+        // The limits that decide this charge are those of the levels it walks: take in what other
+        // processes wrote there first.
+        for level in &chain {
+            self.absorb_max(st, level);
+        }
         for level in &chain {
             let res = st
                 .nodes
@@ -1422,6 +1592,7 @@ impl SimHost {
         }
         let dir = self.path(rel);
         st.written.retain(|p, _| !p.starts_with(&dir));
+        st.max_seen.retain(|p, _| !p.starts_with(&dir));
         st.pinned.retain(|p| !p.starts_with(&dir));
         if dir.exists() {
             // A pod made unreadable must still be removable.
@@ -1555,6 +1726,11 @@ impl SimHost {
         };
         st.all_dirty = false;
         st.dirty.clear();
+        // Never overwrite a limit another process wrote without taking it in.
+        for rel in &rels {
+            self.absorb_max(st, rel);
+        }
+        st.dirty.clear();
         let resources = Self::resources(st);
         for rel in rels {
             let dir = self.path(&rel);
@@ -1569,6 +1745,9 @@ impl SimHost {
                 match self.layout.write_mode {
                     WriteMode::Atomic => self.write_atomic(st, &path, content.as_bytes())?,
                     WriteMode::InPlace => write_in_place(&path, content.as_bytes())?,
+                }
+                if name == "misc.max" {
+                    st.max_seen.insert(path.clone(), content.clone());
                 }
                 st.written.insert(path, content);
             }
