@@ -295,6 +295,8 @@ pub fn scan_report(
         advertising: &advertising,
         resources: &config.resources,
         counted_pods: &counted_pods,
+        // `scan` applies no limit.
+        enforcing: None,
         previous: None,
         now: jiff::Timestamp::now(),
     });

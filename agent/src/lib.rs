@@ -17,6 +17,7 @@ pub mod advertise;
 pub mod attribution;
 pub mod cleanup;
 pub mod cli;
+pub mod enforce;
 pub mod error;
 pub mod metrics;
 pub mod pods;

@@ -16,6 +16,10 @@
 //! | `teeguard_agent_publishes_total` | counter | |
 //! | `teeguard_agent_last_publish_timestamp_seconds` | gauge | |
 //! | `teeguard_agent_node_patches_total` | counter | |
+//! | `teeguard_agent_limits_applied_total` | counter | `mechanism` (`nri`, `cgroup`), `kind` |
+//! | `teeguard_agent_limit_mismatches_total` | counter | `mechanism` |
+//! | `teeguard_agent_limit_failures_total` | counter | `mechanism` |
+//! | `teeguard_agent_nri_connected` | gauge (0/1) | |
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -42,6 +46,22 @@ pub struct KindLabel {
 pub struct OperationLabel {
     /// What the agent was doing.
     pub operation: String,
+}
+
+/// Label set `mechanism="nri"`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MechanismLabel {
+    /// `nri` or `cgroup`.
+    pub mechanism: &'static str,
+}
+
+/// Label set `mechanism="nri",kind="tdx"`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimitLabel {
+    /// `nri` or `cgroup`.
+    pub mechanism: &'static str,
+    /// Kernel name of the TEE kind.
+    pub kind: &'static str,
 }
 
 /// The agent's metrics. Cheap to clone (all handles are shared).
@@ -71,6 +91,11 @@ pub struct Metrics {
     pub last_publish: Gauge,
     /// Successful Node writes (annotation or extended resources).
     pub node_patches: Counter,
+    limits_applied: Family<LimitLabel, Counter>,
+    limit_mismatches: Family<MechanismLabel, Counter>,
+    limit_failures: Family<MechanismLabel, Counter>,
+    /// 1 while the NRI plugin is registered with the runtime.
+    pub nri_connected: Gauge,
 }
 
 impl Metrics {
@@ -94,6 +119,10 @@ impl Metrics {
             publishes: Counter::default(),
             last_publish: Gauge::default(),
             node_patches: Counter::default(),
+            limits_applied: Family::default(),
+            limit_mismatches: Family::default(),
+            limit_failures: Family::default(),
+            nri_connected: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_agent");
         r.register(
@@ -176,7 +205,51 @@ impl Metrics {
             "Writes to the Node (extended resources and their annotation)",
             m.node_patches.clone(),
         );
+        r.register(
+            "limits_applied",
+            "Per-pod key limits (misc.max) applied, by mechanism and kind",
+            m.limits_applied.clone(),
+        );
+        r.register(
+            "limit_mismatches",
+            "Limits where teeguard's annotation disagreed with the pod's requests (the requests were applied)",
+            m.limit_mismatches.clone(),
+        );
+        r.register(
+            "limit_failures",
+            "Limits that could not be applied",
+            m.limit_failures.clone(),
+        );
+        r.register(
+            "nri_connected",
+            "1 while the NRI plugin is registered with the container runtime",
+            m.nri_connected.clone(),
+        );
         m
+    }
+
+    /// Count an applied limit.
+    pub fn limit_applied(&self, mechanism: &'static str, kind: TeeKind) {
+        self.limits_applied
+            .get_or_create(&LimitLabel {
+                mechanism,
+                kind: kind.kernel_name(),
+            })
+            .inc();
+    }
+
+    /// Count an annotation that disagreed with the requests.
+    pub fn limit_mismatch(&self, mechanism: &'static str) {
+        self.limit_mismatches
+            .get_or_create(&MechanismLabel { mechanism })
+            .inc();
+    }
+
+    /// Count a limit that could not be applied.
+    pub fn limit_failure(&self, mechanism: &'static str) {
+        self.limit_failures
+            .get_or_create(&MechanismLabel { mechanism })
+            .inc();
     }
 
     /// Set the per-kind gauges; kinds no longer present are removed.

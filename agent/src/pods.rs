@@ -23,7 +23,8 @@ use serde::de::DeserializeOwned;
 use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::{
-    AGENT_EXTENDED_RESOURCES_ANNOTATION, NFD_EXTENDED_RESOURCES_ANNOTATION,
+    AGENT_EXTENDED_RESOURCES_ANNOTATION, EXEMPT_LABEL, MISC_MAX_ANNOTATION_PREFIX,
+    NFD_EXTENDED_RESOURCES_ANNOTATION,
 };
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -32,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use crate::attribution::PodSummary;
 use crate::metrics::Metrics;
 
-/// A pod bound to the node, as the agent caches it: only what attribution reads.
+/// A pod bound to the node, as the agent caches it: only what attribution and the limits read.
 ///
 /// It is decoded straight from the API server's JSON into these few fields (labels, annotations,
 /// managed fields, volumes, env, probes... are skipped by the decoder, never allocated), and the
@@ -41,7 +42,8 @@ use crate::metrics::Metrics;
 /// (`teeguard_shared::pod::key_requests`) is used.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct CachedPod {
-    /// Name, namespace, generate name, UID and resource version only.
+    /// Name, namespace, generate name, UID, resource version, the exempt label and teeguard's
+    /// limit annotations only.
     #[serde(default, deserialize_with = "slim_meta")]
     metadata: ObjectMeta,
     #[serde(default)]
@@ -64,6 +66,9 @@ struct CachedSpec {
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct CachedContainer {
+    /// Kept for the container-level limits (NRI `CreateContainer` names the container).
+    #[serde(default)]
+    name: String,
     #[serde(default)]
     resources: Option<CachedResources>,
     #[serde(default)]
@@ -97,6 +102,19 @@ struct SlimMeta {
     uid: Option<String>,
     #[serde(default)]
     resource_version: Option<String>,
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    annotations: Option<BTreeMap<String, String>>,
+}
+
+/// Keep only the entries of `map` whose key `keep` accepts; `None` when none is left.
+fn keep_only(
+    map: Option<BTreeMap<String, String>>,
+    keep: impl Fn(&str) -> bool,
+) -> Option<BTreeMap<String, String>> {
+    let kept: BTreeMap<String, String> = map?.into_iter().filter(|(k, _)| keep(k)).collect();
+    (!kept.is_empty()).then_some(kept)
 }
 
 fn slim_meta<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
@@ -107,6 +125,9 @@ fn slim_meta<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Er
         generate_name: m.generate_name,
         uid: m.uid,
         resource_version: m.resource_version,
+        // Strict mode leaves exempt pods alone; the limits check teeguard's own annotation.
+        labels: keep_only(m.labels, |k| k == EXEMPT_LABEL),
+        annotations: keep_only(m.annotations, |k| k.starts_with(MISC_MAX_ANNOTATION_PREFIX)),
         ..ObjectMeta::default()
     })
 }
@@ -141,11 +162,12 @@ impl CachedPod {
         }
     }
 
-    /// A `Pod` holding just the cached fields (containers are unnamed).
+    /// A `Pod` holding just the cached fields.
     pub fn to_pod(&self) -> Pod {
         let containers = |cs: &Vec<CachedContainer>| -> Vec<Container> {
             cs.iter()
                 .map(|c| Container {
+                    name: c.name.clone(),
                     resources: c.resources.as_ref().map(|r| ResourceRequirements {
                         requests: r.requests.clone(),
                         limits: r.limits.clone(),

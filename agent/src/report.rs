@@ -9,6 +9,7 @@
 //! | `TeeHardware` | `TeeCapacityFound` | `NoTeeHardware` (empty `misc.capacity`, or no misc controller: the error) |
 //! | `PerPodAccounting` | `MiscControllerDelegated` | `MiscControllerNotDelegated` (running pods are counted) |
 //! | `Advertising` | `Advertised` | `AdvertisingDisabled`, `OwnedByAnotherManager`, `NoTeeHardware` |
+//! | `Enforcing` | `NriPlugin`, `CgroupWriter` | `EnforcementOff`, `NriUnavailable`, `MiscControllerNotDelegated`, `NoTeeHardware` (see `enforce`) |
 //!
 //! A condition's `lastTransitionTime` changes only when its status flips.
 
@@ -358,6 +359,8 @@ pub struct StatusInput<'a> {
     pub resources: &'a ResourcesConfig,
     /// The pods to list in `countedPods` (from [`CountedPods::update`]).
     pub counted_pods: &'a [String],
+    /// The `Enforcing` condition (the agent's kernel enforcement), when the agent enforces.
+    pub enforcing: Option<&'a ConditionSpec>,
     /// The status last published (for condition transition times).
     pub previous: Option<&'a TeeCapacityStatus>,
     /// The current time.
@@ -384,12 +387,13 @@ pub fn build_status(input: &StatusInput<'_>) -> TeeCapacityStatus {
     status.counted_pods = input.counted_pods.to_vec();
     status.heartbeat_time = Some(Time(now));
     status.agent_version = Some(AGENT_VERSION.to_string());
-    let specs = conditions(
+    let mut specs = conditions(
         input.kernel,
         input.figures,
         input.advertising,
         input.resources,
     );
+    specs.extend(input.enforcing.cloned());
     let previous = input
         .previous
         .map(|p| p.conditions.as_slice())
@@ -725,6 +729,7 @@ mod tests {
             advertising: &adv,
             resources: &res,
             counted_pods: &["vm1".to_string()],
+            enforcing: None,
             previous: None,
             now: Timestamp::from_millisecond(100_500).expect("ts"),
         });
@@ -758,6 +763,7 @@ mod tests {
             advertising: &adv,
             resources: &res,
             counted_pods: &[],
+            enforcing: None,
             previous: Some(&s1),
             now: ts(130),
         });
@@ -781,6 +787,7 @@ mod tests {
             advertising: &adv,
             resources: &res,
             counted_pods: &[],
+            enforcing: None,
             previous: Some(&s2),
             now: ts(140),
         });

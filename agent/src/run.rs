@@ -19,6 +19,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::advertise::{self, AdvertiseOutcome, Desired};
+use crate::enforce::{Enforcement, StartOptions};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::pods::{self, Backoff, CachedPod, PodsView, Watched};
@@ -98,7 +99,20 @@ pub async fn run(
         shutdown.clone(),
     );
     let events = EventsWatch::new();
+    let enforcement = Enforcement::start(
+        StartOptions {
+            config: opts.config.enforcement.clone(),
+            resources: opts.config.resources.clone(),
+            pods: pods.store.clone(),
+            client: Some(client.clone()),
+            node_name: opts.node_name.clone(),
+            poll_interval: opts.config.agent.poll_interval,
+            metrics: metrics.clone(),
+        },
+        shutdown.clone(),
+    );
     let mut agent = Agent {
+        enforcement,
         publisher: Publisher::new(client.clone(), opts.node_name.clone()),
         nodes: Api::all(client),
         scanner: Some(Scanner::new(opts.cgroup_root.clone())),
@@ -132,6 +146,7 @@ pub async fn run(
 
 struct Agent {
     opts: AgentOptions,
+    enforcement: Enforcement,
     metrics: Metrics,
     readiness: Readiness,
     publisher: Publisher,
@@ -249,6 +264,7 @@ impl Agent {
             }
             self.pods_view = view;
             self.pods_view_synced = synced;
+            self.update_limits();
             if synced {
                 self.readiness.set(READY_PODS, true);
             }
@@ -317,7 +333,21 @@ impl Agent {
                 }
             }
         }
+        if let Ok(state) = &result {
+            self.enforcement.observe_scan(state);
+            self.update_limits();
+        }
         self.kernel.record(result);
+    }
+
+    /// The pod cgroups' limits (the cgroup writer) from the pod cache and the host's kinds.
+    fn update_limits(&self) {
+        if self.enforcement.mechanism() != crate::enforce::Mechanism::Cgroup {
+            return;
+        }
+        let pods: Vec<k8s_openapi::api::core::v1::Pod> =
+            self.pods.store.state().iter().map(|p| p.to_pod()).collect();
+        self.enforcement.set_pods(&pods);
     }
 
     /// The freshest view of the Node: the watch cache, or the API server's answer to our last patch
@@ -467,6 +497,7 @@ impl Agent {
             advertising: outcome,
             resources: &self.opts.config.resources,
             counted_pods,
+            enforcing: Some(&self.enforcement.condition()),
             previous,
             now: jiff::Timestamp::now(),
         })

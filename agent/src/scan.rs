@@ -837,6 +837,54 @@ const CGROUPFS_PLACES: [(Option<&str>, &str); 3] = [
     (Some("besteffort"), "pod"),
 ];
 
+/// The three places a pod's cgroup can be (guaranteed, burstable, besteffort), for a valid UID.
+pub fn pod_cgroup_candidates(kubepods: &Path, driver: Driver, uid: &str) -> Vec<PathBuf> {
+    if !is_valid_uid(uid) {
+        return Vec::new();
+    }
+    let places = match driver {
+        Driver::Systemd => &SYSTEMD_PLACES,
+        Driver::Cgroupfs => &CGROUPFS_PLACES,
+    };
+    places
+        .iter()
+        .map(|(qos, prefix)| {
+            let mut dir = kubepods.to_path_buf();
+            if let Some(q) = qos {
+                dir.push(q);
+            }
+            dir.push(match driver {
+                Driver::Systemd => format!("{prefix}{}.slice", uid.replace('-', "_")),
+                Driver::Cgroupfs => format!("{prefix}{uid}"),
+            });
+            dir
+        })
+        .collect()
+}
+
+/// The QoS-class directories under kubepods (their pod cgroups are one level down).
+pub fn qos_dirs(kubepods: &Path, driver: Driver) -> [PathBuf; 2] {
+    match driver {
+        Driver::Systemd => [
+            kubepods.join("kubepods-burstable.slice"),
+            kubepods.join("kubepods-besteffort.slice"),
+        ],
+        Driver::Cgroupfs => [kubepods.join("burstable"), kubepods.join("besteffort")],
+    }
+}
+
+/// The pod UID in a pod cgroup's directory name (`kubepods-burstable-pod<uid_>.slice`, `pod<uid>`),
+/// when it is one.
+pub fn pod_uid_of_dir(name: &str) -> Option<String> {
+    match classify(name) {
+        CgroupName::Pod { uid, systemd } => {
+            let mut out = String::new();
+            normalize_uid(uid, systemd, &mut out).then_some(out)
+        }
+        _ => None,
+    }
+}
+
 /// What reading a pod's `misc.current` by path found.
 enum PodRead {
     /// Read (and recorded) or reported as a problem; the file, open, when it could be read.

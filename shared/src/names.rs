@@ -81,6 +81,8 @@ pub mod conditions {
     /// True when the agent advertises the extended resources on the Node; False when disabled or owned by
     /// another manager (for example NFD).
     pub const ADVERTISING: &str = "Advertising";
+    /// True when the agent applies each pod's key limit (`misc.max`) through NRI or the cgroup writer.
+    pub const ENFORCING: &str = "Enforcing";
 }
 
 /// Reasons used in conditions, events and audit annotations.

@@ -1,0 +1,151 @@
+//! The NRI plugin's decisions: the container's limit from the agent's pod cache (or one GET for an
+//! annotated pod the cache does not know yet), the host facts the poll loop keeps current, metrics,
+//! logs and Events.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures::FutureExt as _;
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, Client};
+use teeguard_shared::config::ResourcesConfig;
+use tokio::sync::watch;
+
+use super::HostFacts;
+use super::events::{EventSink, PodRef, REASON_MISMATCH};
+use super::limits::{self, ContainerLimit, PodFacts, Policy};
+use super::nri::plugin::{Answer, Containers};
+use super::nri::wire::CreateContainer;
+use crate::metrics::Metrics;
+use crate::pods::CachedPod;
+
+const MECHANISM: &str = "nri";
+
+/// Decides container limits for the NRI plugin.
+#[derive(Clone)]
+pub struct NriContainers {
+    /// The node's pods, as the agent's watch caches them.
+    pub pods: Store<CachedPod>,
+    /// For pods the cache does not know yet.
+    pub client: Option<Client>,
+    /// What the poll loop knows about the host.
+    pub host: watch::Receiver<HostFacts>,
+    /// Resource names.
+    pub resources: Arc<ResourcesConfig>,
+    /// Strict mode.
+    pub strict: bool,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Warning Events.
+    pub events: EventSink,
+}
+
+impl std::fmt::Debug for NriContainers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NriContainers")
+            .field("strict", &self.strict)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NriContainers {
+    fn cached(&self, req: &CreateContainer) -> Option<Pod> {
+        let key = ObjectRef::new(&req.pod_name).within(&req.pod_namespace);
+        let cached = self.pods.get(&key)?;
+        let pod = cached.to_pod();
+        (pod.metadata.uid.as_deref() == Some(req.pod_uid.as_str())).then_some(pod)
+    }
+
+    /// The value to answer, with metrics, logs and Events.
+    fn answer(&self, req: &CreateContainer, pod: Option<&Pod>) -> Option<String> {
+        let host = self.host.borrow().clone();
+        if !host.limits_possible() {
+            return None;
+        }
+        let decision = limits::container_limit(
+            PodFacts {
+                pod,
+                annotations: &req.annotations,
+            },
+            &req.container_name,
+            Policy {
+                resources: &self.resources,
+                host_kinds: &host.kinds,
+                strict: self.strict,
+            },
+        );
+        let ContainerLimit::Set { limit, mismatch } = decision else {
+            return None;
+        };
+        let pod_name = format!("{}/{}", req.pod_namespace, req.pod_name);
+        if let Some(m) = mismatch {
+            self.metrics.limit_mismatch(MECHANISM);
+            tracing::warn!(pod = %pod_name, container = %req.container_name, applied = %limit, "{m}");
+            self.events.warn(
+                PodRef {
+                    namespace: req.pod_namespace.clone(),
+                    name: req.pod_name.clone(),
+                    uid: req.pod_uid.clone(),
+                },
+                REASON_MISMATCH,
+                format!(
+                    "container {}: {m}; misc.max {limit} applied from the pod's requests",
+                    req.container_name
+                ),
+            );
+        }
+        self.metrics.limit_applied(MECHANISM, limit.kind);
+        tracing::info!(pod = %pod_name, container = %req.container_name, limit = %limit, "misc.max set through NRI");
+        Some(limit.to_string())
+    }
+}
+
+impl Containers for NriContainers {
+    fn decide(&self, req: &CreateContainer) -> Answer {
+        if !self.host.borrow().limits_possible() {
+            return Answer::Now(None);
+        }
+        match self.cached(req) {
+            Some(pod) => Answer::Now(self.answer(req, Some(&pod))),
+            None if self.client.is_some() && limits::has_limit_annotation(&req.annotations) => {
+                Answer::Lookup
+            }
+            None => Answer::Now(self.answer(req, None)),
+        }
+    }
+
+    fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>> {
+        let this = self.clone();
+        async move {
+            let pod = match &this.client {
+                Some(client) => {
+                    let api: Api<Pod> = Api::namespaced(client.clone(), &req.pod_namespace);
+                    match api.get_opt(&req.pod_name).await {
+                        Ok(pod) => pod.filter(|p| p.metadata.uid.as_deref() == Some(req.pod_uid.as_str())),
+                        Err(e) => {
+                            this.metrics.api_error("get pod for its key limit");
+                            tracing::warn!(pod = %format!("{}/{}", req.pod_namespace, req.pod_name), error = %e, "cannot look the pod up; applying its annotation as admitted");
+                            None
+                        }
+                    }
+                }
+                None => None,
+            };
+            this.answer(&req, pod.as_ref())
+        }
+        .boxed()
+    }
+}
+
+/// The annotations teeguard reads from a pod (for tests and the cgroup writer).
+pub fn limit_annotations(pod: &Pod) -> BTreeMap<String, String> {
+    pod.metadata
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with(teeguard_shared::names::MISC_MAX_ANNOTATION_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}

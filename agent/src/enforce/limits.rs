@@ -1,0 +1,266 @@
+//! Which `misc.max` each pod and container gets: pure decisions from the pod's requests (what the
+//! scheduler counted), teeguard's annotation and the host's TEE kinds.
+//!
+//! The request is the authority: the annotation the mutating webhook adds
+//! (`misc-max.teeguard.dev/<container>: "tdx 1"`) is checked against it, and a disagreement applies the
+//! request-derived value and is reported as a mismatch (defence in depth: an annotation that slipped
+//! past admission can never raise a limit above what the scheduler counted).
+//!
+//! - Container level (NRI `CreateContainer`): the container's own request of one kind. `unified` is a
+//!   map, so one container gets one `misc.max` line: a container requesting several kinds gets the first
+//!   (kernel order) and the rest is reported.
+//! - Pod level (the cgroup writer): every kind the pod requests, with `spec.overhead` (Kata's VMM runs
+//!   in the pod sandbox cgroup, which container adjustments do not reach).
+//! - Strict mode: a pod that requests no key of a kind the host has gets `<kind> 0` for it, so an
+//!   unaccounted KVM user fails at the kernel instead of taking a key the scheduler gave to someone
+//!   else. Exempt pods (`teeguard.dev/exempt: "true"`) are left alone.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use k8s_openapi::api::core::v1::Pod;
+use teeguard_shared::TeeKind;
+use teeguard_shared::config::ResourcesConfig;
+use teeguard_shared::names::{EXEMPT_LABEL, misc_max_annotation};
+use teeguard_shared::pod::{container_amount, key_requests};
+
+/// One `misc.max` line: at most `keys` keys of `kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Limit {
+    /// The key kind.
+    pub kind: TeeKind,
+    /// The most keys the cgroup may hold.
+    pub keys: u64,
+}
+
+impl Limit {
+    /// Parse `"<kernel name> <n>"` (teeguard's annotation value; extra spaces tolerated).
+    pub fn parse(value: &str) -> Option<Limit> {
+        let mut parts = value.split_whitespace();
+        let kind = TeeKind::from_kernel_name(parts.next()?)?;
+        let keys = parts.next()?.parse().ok()?;
+        parts.next().is_none().then_some(Limit { kind, keys })
+    }
+}
+
+impl fmt::Display for Limit {
+    /// The kernel's `misc.max` line: `tdx 1`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.kind.kernel_name(), self.keys)
+    }
+}
+
+/// What the annotation said when it disagreed with the requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mismatch {
+    /// The annotation names another kind or count than the container requests.
+    Differs {
+        /// The annotation's value as written.
+        annotated: String,
+    },
+    /// The annotation cannot be parsed (`"<kind> <n>"`).
+    Malformed {
+        /// The annotation's value as written.
+        annotated: String,
+    },
+    /// The container requests keys of several kinds; one `misc.max` line holds one.
+    SeveralKinds {
+        /// The kinds beyond the one applied.
+        unapplied: Vec<TeeKind>,
+    },
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Mismatch::Differs { annotated } => write!(
+                f,
+                "the annotation says {annotated:?}, which is not what the container requests"
+            ),
+            Mismatch::Malformed { annotated } => write!(
+                f,
+                "the annotation {annotated:?} is not \"<tdx|sev|sev_es> <keys>\""
+            ),
+            Mismatch::SeveralKinds { unapplied } => {
+                let names: Vec<&str> = unapplied.iter().map(|k| k.kernel_name()).collect();
+                write!(
+                    f,
+                    "the container requests several kinds; one misc.max line holds one, so {} stay unlimited",
+                    names.join(", ")
+                )
+            }
+        }
+    }
+}
+
+/// The decision for one container being created.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ContainerLimit {
+    /// Leave the container's `misc.max` alone.
+    Unlimited,
+    /// Set `misc.max` to this value.
+    Set {
+        /// The value applied.
+        limit: Limit,
+        /// Why the annotation (or the requests) did not simply agree, when they did not.
+        mismatch: Option<Mismatch>,
+    },
+}
+
+/// The pod facts a decision needs: the pod as the agent caches or fetched it (requests, overhead,
+/// container names, labels), and the annotations the runtime passed (the pod's own).
+#[derive(Clone, Copy, Debug)]
+pub struct PodFacts<'a> {
+    /// The pod, when the agent knows it. `None`: only the runtime's annotations are known.
+    pub pod: Option<&'a Pod>,
+    /// The pod's annotations (from the runtime, or the pod).
+    pub annotations: &'a BTreeMap<String, String>,
+}
+
+/// Settings that do not change per pod.
+#[derive(Clone, Copy, Debug)]
+pub struct Policy<'a> {
+    /// Resource names per kind.
+    pub resources: &'a ResourcesConfig,
+    /// Kinds with capacity on this host.
+    pub host_kinds: &'a [TeeKind],
+    /// Strict mode.
+    pub strict: bool,
+}
+
+/// Whether a pod carries teeguard's annotation for any container (worth an API lookup when unknown).
+pub fn has_limit_annotation(annotations: &BTreeMap<String, String>) -> bool {
+    annotations
+        .keys()
+        .any(|k| k.starts_with(teeguard_shared::names::MISC_MAX_ANNOTATION_PREFIX))
+}
+
+/// Whether the pod is exempt from teeguard (label `teeguard.dev/exempt: "true"`).
+pub fn is_exempt(pod: &Pod) -> bool {
+    pod.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(EXEMPT_LABEL))
+        .is_some_and(|v| v == "true")
+}
+
+/// The container's limit: see the module documentation.
+pub fn container_limit(facts: PodFacts<'_>, container: &str, policy: Policy<'_>) -> ContainerLimit {
+    let annotated = facts.annotations.get(&misc_max_annotation(container));
+    let Some(pod) = facts.pod else {
+        // Unknown pod (not cached, lookup failed): the annotation, checked at admission, is all there is.
+        return match annotated.map(|a| (a, Limit::parse(a))) {
+            Some((_, Some(limit))) => ContainerLimit::Set {
+                limit,
+                mismatch: None,
+            },
+            _ => ContainerLimit::Unlimited,
+        };
+    };
+    let requested = container_requests(pod, container, policy.resources);
+    let mut kinds = requested.iter().filter(|(_, n)| **n > 0);
+    let first = kinds.next().map(|(k, n)| Limit { kind: *k, keys: *n });
+    let unapplied: Vec<TeeKind> = kinds.map(|(k, _)| *k).collect();
+
+    let derived = match (first, annotated) {
+        (Some(limit), _) => Some(limit),
+        // The annotation names a kind the container does not request: its request of that kind is 0.
+        (None, Some(a)) => Limit::parse(a).map(|l| Limit {
+            kind: l.kind,
+            keys: 0,
+        }),
+        (None, None) => None,
+    };
+    let Some(limit) = derived else {
+        return strict_zero(pod, policy);
+    };
+    let mismatch = match annotated {
+        Some(a) => match Limit::parse(a) {
+            None => Some(Mismatch::Malformed {
+                annotated: a.clone(),
+            }),
+            Some(l) if l != limit => Some(Mismatch::Differs {
+                annotated: a.clone(),
+            }),
+            Some(_) => None,
+        },
+        None => None,
+    };
+    let mismatch = mismatch
+        .or_else(|| (!unapplied.is_empty()).then_some(Mismatch::SeveralKinds { unapplied }));
+    ContainerLimit::Set { limit, mismatch }
+}
+
+/// Strict mode for a container of a pod requesting nothing: `<kind> 0` when the host has exactly one
+/// kind (one line per container); with several kinds the pod-level cgroup writer covers them all.
+fn strict_zero(pod: &Pod, policy: Policy<'_>) -> ContainerLimit {
+    if !policy.strict || is_exempt(pod) || requests_any(pod, policy.resources) {
+        return ContainerLimit::Unlimited;
+    }
+    match policy.host_kinds {
+        [kind] => ContainerLimit::Set {
+            limit: Limit {
+                kind: *kind,
+                keys: 0,
+            },
+            mismatch: None,
+        },
+        _ => ContainerLimit::Unlimited,
+    }
+}
+
+/// The pod cgroup's limits (the cgroup writer): for each kind the host has, the pod's request
+/// (with overhead) when it requests keys of that kind; `0` in strict mode otherwise (not for exempt
+/// pods); nothing else. Unparsable quantities give no limit (the report names the pod already).
+pub fn pod_limits(pod: &Pod, policy: Policy<'_>) -> Vec<Limit> {
+    let Ok(requests) = key_requests(pod, policy.resources) else {
+        return Vec::new();
+    };
+    let strict = policy.strict && !is_exempt(pod);
+    policy
+        .host_kinds
+        .iter()
+        .filter_map(|kind| match requests.get(kind) {
+            Some(&keys) => Some(Limit { kind: *kind, keys }),
+            None if strict => Some(Limit {
+                kind: *kind,
+                keys: 0,
+            }),
+            None => None,
+        })
+        .collect()
+}
+
+/// The keys of each kind one container requests (kinds in kernel order).
+fn container_requests(
+    pod: &Pod,
+    container: &str,
+    resources: &ResourcesConfig,
+) -> BTreeMap<TeeKind, u64> {
+    let Some(spec) = &pod.spec else {
+        return BTreeMap::new();
+    };
+    let found = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .find(|c| c.name == container);
+    let Some(c) = found else {
+        return BTreeMap::new();
+    };
+    TeeKind::ALL
+        .iter()
+        .map(|k| {
+            let amount = container_amount(pod, c, resources.resource_name(*k)).unwrap_or(0);
+            (*k, amount)
+        })
+        .collect()
+}
+
+fn requests_any(pod: &Pod, resources: &ResourcesConfig) -> bool {
+    // An unparsable request still means the pod asked for keys: never zero it.
+    key_requests(pod, resources).map_or(true, |r| !r.is_empty())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,10 @@
+//! The NRI plugin (containerd ≥ 1.7 with NRI enabled, CRI-O ≥ 1.26): at `CreateContainer` it answers
+//! with `linux.resources.unified["misc.max"]`, which the runtime writes into the container's cgroup.
+//!
+//! - [`wire`]: the NRI messages used, in protobuf wire format, with upstream's field numbers;
+//! - [`transport`]: the multiplexed ttrpc framing;
+//! - [`plugin`]: the connection (register, serve, reconnect).
+
+pub mod plugin;
+pub mod transport;
+pub mod wire;

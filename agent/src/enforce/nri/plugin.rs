@@ -1,0 +1,353 @@
+//! The NRI plugin's connection: connect to the runtime's socket, register, serve the `Plugin` service,
+//! and reconnect when the runtime restarts. The decisions come from a [`Containers`] implementation.
+//!
+//! The runtime fails a container's creation when a plugin is slow, so `CreateContainer` is answered on
+//! the read loop from memory ([`Containers::decide`], no I/O); only a pod carrying teeguard's
+//! annotation that the agent's pod cache does not know yet is looked up, in its own task, bounded by
+//! half the runtime's request timeout (at most [`MAX_LOOKUP`]).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::UnixStream;
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::sync::{Mutex, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::transport::{self as t, Demux, FrameError};
+use super::wire::{self, CreateContainer, EVENT_CREATE_CONTAINER};
+
+/// The plugin's registered name.
+pub const PLUGIN_NAME: &str = "teeguard";
+/// The longest a lookup of an unknown pod may delay a container's creation.
+pub const MAX_LOOKUP: Duration = Duration::from_secs(1);
+/// Registration must complete (RegisterPlugin answered, Configure and Synchronize received) within this.
+pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
+/// First reconnect delay; doubles up to [`RECONNECT_MAX`].
+pub const RECONNECT_INITIAL: Duration = Duration::from_millis(100);
+/// Longest reconnect delay (a restarted runtime is found again within about a second).
+pub const RECONNECT_MAX: Duration = Duration::from_secs(1);
+
+/// The answer for one container.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// Answer now: `misc.max` to set, or none.
+    Now(Option<String>),
+    /// The pod is unknown and carries teeguard's annotation: look it up first.
+    Lookup,
+}
+
+/// Where the plugin's decisions come from.
+pub trait Containers: Send + Sync + 'static {
+    /// Decide from memory (no I/O).
+    fn decide(&self, req: &CreateContainer) -> Answer;
+    /// Decide after looking the pod up (called only after [`Answer::Lookup`]).
+    fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>>;
+}
+
+/// The connection's state, for the `Enforcing` condition and the metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum NriState {
+    /// Not connected yet.
+    #[default]
+    Connecting,
+    /// Registered and synchronized with this runtime.
+    Registered {
+        /// `containerd 2.1.0`, as the runtime says in `Configure`.
+        runtime: String,
+    },
+    /// Not connected: why (the last error).
+    Disconnected {
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// Plugin settings.
+#[derive(Clone, Debug)]
+pub struct PluginConfig {
+    /// The runtime's NRI socket.
+    pub socket: PathBuf,
+    /// The plugin index (two digits).
+    pub index: String,
+}
+
+/// Connect, serve, reconnect until `shutdown`. Never returns an error: every failure is a state.
+pub async fn run(
+    config: PluginConfig,
+    containers: Arc<dyn Containers>,
+    state: watch::Sender<NriState>,
+    shutdown: CancellationToken,
+) {
+    let mut delay = RECONNECT_INITIAL;
+    loop {
+        let outcome = tokio::select! {
+            () = shutdown.cancelled() => return,
+            r = session(&config, containers.clone(), &state, &shutdown) => r,
+        };
+        let reason = match outcome {
+            Ok(true) => {
+                delay = RECONNECT_INITIAL;
+                "the runtime closed the connection".to_string()
+            }
+            Ok(false) => return,
+            Err(e) => e,
+        };
+        let first =
+            !matches!(&*state.borrow(), NriState::Disconnected { reason: r } if *r == reason);
+        if first {
+            tracing::warn!(socket = %config.socket.display(), reason, "NRI plugin not connected; retrying");
+        }
+        state.send_replace(NriState::Disconnected { reason });
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(RECONNECT_MAX);
+    }
+}
+
+type Writer = Arc<Mutex<OwnedWriteHalf>>;
+
+async fn send(writer: &Writer, bytes: &[u8]) -> std::io::Result<()> {
+    writer.lock().await.write_all(bytes).await
+}
+
+/// One connection. `Ok(true)`: the runtime went away (reconnect); `Ok(false)`: shut down.
+async fn session(
+    config: &PluginConfig,
+    containers: Arc<dyn Containers>,
+    state: &watch::Sender<NriState>,
+    shutdown: &CancellationToken,
+) -> Result<bool, String> {
+    let stream = UnixStream::connect(&config.socket)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", config.socket.display()))?;
+    let (mut reader, writer) = stream.into_split();
+    let writer: Writer = Arc::new(Mutex::new(writer));
+    let register = t::encode_request(
+        t::RUNTIME_SERVICE,
+        "RegisterPlugin",
+        &wire::register_plugin_request(PLUGIN_NAME, &config.index),
+        REGISTER_TIMEOUT.as_nanos() as i64,
+    );
+    send(
+        &writer,
+        &t::encode_message(t::RUNTIME_CONN, 1, t::TYPE_REQUEST, &register),
+    )
+    .await
+    .map_err(|e| format!("cannot send RegisterPlugin: {e}"))?;
+    let started = Instant::now();
+    let mut session = Session {
+        containers,
+        writer,
+        runtime: String::new(),
+        lookup_timeout: MAX_LOOKUP,
+        registered: false,
+        synchronized: false,
+    };
+    let mut demux = Demux::default();
+    let mut header = [0u8; t::MUX_HEADER_LEN];
+    let mut payload = Vec::new();
+    loop {
+        let read = async {
+            reader.read_exact(&mut header).await?;
+            let (conn, len) = t::parse_mux_header(header).map_err(std::io::Error::other)?;
+            payload.resize(len, 0);
+            reader.read_exact(&mut payload).await?;
+            Ok::<_, std::io::Error>(conn)
+        };
+        let deadline = (!session.synchronized).then(|| started + REGISTER_TIMEOUT);
+        let conn = tokio::select! {
+            () = shutdown.cancelled() => return Ok(false),
+            () = sleep_until(deadline) => {
+                return Err(format!("the runtime did not complete registration within {REGISTER_TIMEOUT:?}"));
+            }
+            r = read => match r {
+                Ok(conn) => conn,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(true),
+                Err(e) => return Err(format!("reading from the runtime failed: {e}")),
+            },
+        };
+        let messages = demux
+            .push(conn, &payload)
+            .map_err(|e: FrameError| format!("the runtime sent a bad frame: {e}"))?;
+        for m in messages {
+            if session.handle(m, state).await? {
+                return Ok(true);
+            }
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+struct Session {
+    containers: Arc<dyn Containers>,
+    writer: Writer,
+    runtime: String,
+    lookup_timeout: Duration,
+    registered: bool,
+    synchronized: bool,
+}
+
+impl Session {
+    /// Handle one message; `Ok(true)` ends the session (the runtime asked the plugin to shut down).
+    async fn handle(
+        &mut self,
+        m: t::Message,
+        state: &watch::Sender<NriState>,
+    ) -> Result<bool, String> {
+        match (m.conn, m.kind) {
+            (t::RUNTIME_CONN, t::TYPE_RESPONSE) => {
+                let resp = t::decode_response(&m.payload)
+                    .map_err(|e| format!("bad RegisterPlugin response: {e}"))?;
+                if resp.code != 0 {
+                    return Err(format!(
+                        "the runtime refused the registration (code {}): {}",
+                        resp.code, resp.message
+                    ));
+                }
+                self.registered = true;
+                Ok(false)
+            }
+            (t::PLUGIN_CONN, t::TYPE_REQUEST) => {
+                let req = t::decode_request(&m.payload)
+                    .map_err(|e| format!("bad request from the runtime: {e}"))?;
+                let (code, message, body, end) =
+                    self.serve(req.method, req.payload, m.stream, state)?;
+                if let Some(body) = body {
+                    self.reply(m.stream, code, &message, &body).await?;
+                }
+                Ok(end)
+            }
+            _ => {
+                tracing::debug!(conn = m.conn, kind = m.kind, "NRI message ignored");
+                Ok(false)
+            }
+        }
+    }
+
+    /// The reply to one `Plugin` call: `(code, message, body, end session)`; `body: None` when a task
+    /// answers later.
+    #[allow(clippy::type_complexity)]
+    fn serve(
+        &mut self,
+        method: &str,
+        payload: &[u8],
+        stream: u32,
+        state: &watch::Sender<NriState>,
+    ) -> Result<(i32, String, Option<Vec<u8>>, bool), String> {
+        let ok = |body: Vec<u8>| Ok((0, String::new(), Some(body), false));
+        match method {
+            "Configure" => {
+                let req = wire::ConfigureRequest::decode(payload)
+                    .map_err(|e| format!("bad Configure request: {e}"))?;
+                self.runtime = format!("{} {}", req.runtime_name, req.runtime_version)
+                    .trim()
+                    .to_string();
+                if req.request_timeout_ms > 0 {
+                    let half = Duration::from_millis(req.request_timeout_ms as u64) / 2;
+                    self.lookup_timeout = half.min(MAX_LOOKUP);
+                }
+                ok(wire::configure_response(wire::event_mask(&[
+                    EVENT_CREATE_CONTAINER,
+                ])))
+            }
+            "Synchronize" => {
+                let req = wire::SynchronizeRequest::decode(payload)
+                    .map_err(|e| format!("bad Synchronize request: {e}"))?;
+                if !req.more {
+                    self.synchronized = true;
+                    tracing::info!(runtime = %self.runtime, registered = self.registered, "NRI plugin registered");
+                    state.send_replace(NriState::Registered {
+                        runtime: self.runtime.clone(),
+                    });
+                }
+                ok(wire::synchronize_response(req.more))
+            }
+            "CreateContainer" => {
+                let req = match CreateContainer::decode(
+                    payload,
+                    teeguard_shared::names::MISC_MAX_ANNOTATION_PREFIX,
+                ) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        // Never fail a container over a message we cannot read: answer without adjustment.
+                        tracing::warn!(error = %e, "CreateContainer request not understood; no limit applied");
+                        return ok(wire::create_container_response(None));
+                    }
+                };
+                match self.containers.decide(&req) {
+                    Answer::Now(value) => ok(wire::create_container_response(value.as_deref())),
+                    Answer::Lookup => {
+                        let containers = self.containers.clone();
+                        let writer = self.writer.clone();
+                        let timeout = self.lookup_timeout;
+                        tokio::spawn(async move {
+                            let value = tokio::time::timeout(timeout, containers.decide_after_lookup(req))
+                                .await
+                                .unwrap_or_else(|_| {
+                                    tracing::warn!("looking up a pod took longer than {timeout:?}; no limit applied");
+                                    None
+                                });
+                            let body = wire::create_container_response(value.as_deref());
+                            let resp = t::encode_response(0, "", &body);
+                            let frame =
+                                t::encode_message(t::PLUGIN_CONN, stream, t::TYPE_RESPONSE, &resp);
+                            if let Err(e) = send(&writer, &frame).await {
+                                tracing::warn!(error = %e, "cannot answer CreateContainer");
+                            }
+                        });
+                        Ok((0, String::new(), None, false))
+                    }
+                }
+            }
+            "Shutdown" => Ok((0, String::new(), Some(Vec::new()), true)),
+            // Events the plugin did not subscribe to; answer them empty.
+            "RunPodSandbox"
+            | "StopPodSandbox"
+            | "RemovePodSandbox"
+            | "PostCreateContainer"
+            | "StartContainer"
+            | "PostStartContainer"
+            | "UpdateContainer"
+            | "PostUpdateContainer"
+            | "StopContainer"
+            | "RemoveContainer"
+            | "StateChange"
+            | "UpdatePodSandbox"
+            | "PostUpdatePodSandbox" => ok(Vec::new()),
+            other => Ok((
+                t::CODE_UNIMPLEMENTED,
+                format!("method {other} is not implemented by the teeguard plugin"),
+                Some(Vec::new()),
+                false,
+            )),
+        }
+    }
+
+    async fn reply(
+        &self,
+        stream: u32,
+        code: i32,
+        message: &str,
+        body: &[u8],
+    ) -> Result<(), String> {
+        let resp = t::encode_response(code, message, body);
+        send(
+            &self.writer,
+            &t::encode_message(t::PLUGIN_CONN, stream, t::TYPE_RESPONSE, &resp),
+        )
+        .await
+        .map_err(|e| format!("cannot answer the runtime: {e}"))
+    }
+}

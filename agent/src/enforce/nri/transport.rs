@@ -1,0 +1,344 @@
+//! NRI's transport: two ttrpc connections multiplexed over one Unix stream (containerd/nri
+//! `pkg/net/multiplex`), and the ttrpc message framing inside them. Pure: bytes in, bytes out.
+//!
+//! - Mux frame: 8-byte header (connection ID, payload length; both `u32` big-endian) + payload. The
+//!   payloads of one connection form a byte stream; a ttrpc message may span frames.
+//! - Connection 1 carries the `Plugin` service (the plugin serves, the runtime calls); connection 2
+//!   the `Runtime` service (the plugin calls `RegisterPlugin`).
+//! - ttrpc message: 10-byte header (payload length `u32`, stream ID `u32`, type `u8`: 1 request,
+//!   2 response; flags `u8`), then a protobuf `Request { service = 1, method = 2, payload = 3,
+//!   timeout_nano = 4 }` or `Response { status = 1 { code = 1, message = 2 }, payload = 2 }`. Callers
+//!   use odd stream IDs.
+
+use std::collections::HashMap;
+
+use super::wire::{DecodeError, Field, Reader, Writer};
+
+/// Mux connection of the `Plugin` service.
+pub const PLUGIN_CONN: u32 = 1;
+/// Mux connection of the `Runtime` service.
+pub const RUNTIME_CONN: u32 = 2;
+/// Mux frame header length.
+pub const MUX_HEADER_LEN: usize = 8;
+/// ttrpc message header length.
+pub const TTRPC_HEADER_LEN: usize = 10;
+/// Largest ttrpc message payload (ttrpc's `messageLengthMax`).
+pub const TTRPC_MAX_PAYLOAD: usize = 4 << 20;
+/// Largest mux frame payload (`mux.go`: ttrpc header + largest message).
+pub const MUX_MAX_PAYLOAD: usize = TTRPC_HEADER_LEN + TTRPC_MAX_PAYLOAD;
+/// ttrpc message type of a request.
+pub const TYPE_REQUEST: u8 = 1;
+/// ttrpc message type of a response.
+pub const TYPE_RESPONSE: u8 = 2;
+/// The NRI `Plugin` service name.
+pub const PLUGIN_SERVICE: &str = "nri.pkg.api.v1alpha1.Plugin";
+/// The NRI `Runtime` service name.
+pub const RUNTIME_SERVICE: &str = "nri.pkg.api.v1alpha1.Runtime";
+/// gRPC status code `UNIMPLEMENTED`.
+pub const CODE_UNIMPLEMENTED: i32 = 12;
+
+const REQ_SERVICE: Field = ttrpc_field("service", 1);
+const REQ_METHOD: Field = ttrpc_field("method", 2);
+const REQ_PAYLOAD: Field = ttrpc_field("payload", 3);
+const REQ_TIMEOUT: Field = ttrpc_field("timeout_nano", 4);
+const RESP_STATUS: Field = ttrpc_field("status", 1);
+const RESP_PAYLOAD: Field = ttrpc_field("payload", 2);
+const STATUS_CODE: Field = ttrpc_field("code", 1);
+const STATUS_MESSAGE: Field = ttrpc_field("message", 2);
+
+const fn ttrpc_field(name: &'static str, number: u32) -> Field {
+    Field {
+        name,
+        number,
+        ty: "",
+        repeated: false,
+    }
+}
+
+/// A transport error: the stream is out of step and must be closed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// A length beyond the protocol's maximum.
+    #[error("{what} of {len} bytes exceeds the maximum of {max}")]
+    TooLong {
+        /// Which length.
+        what: &'static str,
+        /// The length announced.
+        len: usize,
+        /// The maximum.
+        max: usize,
+    },
+    /// A message body that is not valid protobuf.
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+}
+
+/// One ttrpc message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    /// The mux connection it came on.
+    pub conn: u32,
+    /// ttrpc stream ID.
+    pub stream: u32,
+    /// [`TYPE_REQUEST`] or [`TYPE_RESPONSE`] (others are ignored by callers).
+    pub kind: u8,
+    /// The protobuf `Request` / `Response`.
+    pub payload: Vec<u8>,
+}
+
+/// The mux frame header: `(connection, payload length)`, checked against the maximum.
+pub fn parse_mux_header(h: [u8; MUX_HEADER_LEN]) -> Result<(u32, usize), FrameError> {
+    let conn = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
+    let len = u32::from_be_bytes([h[4], h[5], h[6], h[7]]) as usize;
+    if len > MUX_MAX_PAYLOAD {
+        return Err(FrameError::TooLong {
+            what: "mux frame",
+            len,
+            max: MUX_MAX_PAYLOAD,
+        });
+    }
+    Ok((conn, len))
+}
+
+/// Reassembles ttrpc messages from the byte stream of each mux connection.
+#[derive(Debug, Default)]
+pub struct Demux {
+    pending: HashMap<u32, Vec<u8>>,
+}
+
+impl Demux {
+    /// Add one frame's payload; returns the messages it completed.
+    pub fn push(&mut self, conn: u32, payload: &[u8]) -> Result<Vec<Message>, FrameError> {
+        let buf = self.pending.entry(conn).or_default();
+        buf.extend_from_slice(payload);
+        let mut out = Vec::new();
+        loop {
+            if buf.len() < TTRPC_HEADER_LEN {
+                break;
+            }
+            let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+            if len > TTRPC_MAX_PAYLOAD {
+                return Err(FrameError::TooLong {
+                    what: "ttrpc message",
+                    len,
+                    max: TTRPC_MAX_PAYLOAD,
+                });
+            }
+            if buf.len() < TTRPC_HEADER_LEN + len {
+                break;
+            }
+            let stream = u32::from_be_bytes([buf[4], buf[5], buf[6], buf[7]]);
+            let kind = buf[8];
+            let payload = buf[TTRPC_HEADER_LEN..TTRPC_HEADER_LEN + len].to_vec();
+            buf.drain(..TTRPC_HEADER_LEN + len);
+            out.push(Message {
+                conn,
+                stream,
+                kind,
+                payload,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// One ttrpc message as mux frames, ready to write.
+pub fn encode_message(conn: u32, stream: u32, kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut msg = Vec::with_capacity(TTRPC_HEADER_LEN + payload.len());
+    msg.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    msg.extend_from_slice(&stream.to_be_bytes());
+    msg.push(kind);
+    msg.push(0);
+    msg.extend_from_slice(payload);
+    let mut out = Vec::with_capacity(msg.len() + MUX_HEADER_LEN);
+    for chunk in msg.chunks(MUX_MAX_PAYLOAD) {
+        out.extend_from_slice(&conn.to_be_bytes());
+        out.extend_from_slice(&(chunk.len() as u32).to_be_bytes());
+        out.extend_from_slice(chunk);
+    }
+    out
+}
+
+/// A decoded ttrpc `Request`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request<'a> {
+    /// Service name.
+    pub service: &'a str,
+    /// Method name.
+    pub method: &'a str,
+    /// The method's request message.
+    pub payload: &'a [u8],
+}
+
+/// Decode a ttrpc `Request`.
+pub fn decode_request(bytes: &[u8]) -> Result<Request<'_>, DecodeError> {
+    let mut out = Request {
+        service: "",
+        method: "",
+        payload: &[],
+    };
+    let mut r = Reader::new(bytes);
+    while let Some((n, v)) = r.next_field()? {
+        match n {
+            _ if n == REQ_SERVICE.number => out.service = v.str()?,
+            _ if n == REQ_METHOD.number => out.method = v.str()?,
+            _ if n == REQ_PAYLOAD.number => out.payload = v.message()?,
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Encode a ttrpc `Request`.
+pub fn encode_request(service: &str, method: &str, payload: &[u8], timeout_nanos: i64) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.string(REQ_SERVICE, service)
+        .string(REQ_METHOD, method)
+        .message(REQ_PAYLOAD, |p| {
+            p.raw(payload);
+        })
+        .int(REQ_TIMEOUT, timeout_nanos);
+    w.finish()
+}
+
+/// Encode a ttrpc `Response`: status `code` (0 = OK) with `message`, and the method's response.
+pub fn encode_response(code: i32, message: &str, payload: &[u8]) -> Vec<u8> {
+    let mut w = Writer::new();
+    if code != 0 {
+        w.message(RESP_STATUS, |s| {
+            s.int(STATUS_CODE, i64::from(code))
+                .string(STATUS_MESSAGE, message);
+        });
+    }
+    w.message(RESP_PAYLOAD, |p| {
+        p.raw(payload);
+    });
+    w.finish()
+}
+
+/// A decoded ttrpc `Response`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response<'a> {
+    /// Status code (0 = OK).
+    pub code: i32,
+    /// Status message.
+    pub message: &'a str,
+    /// The method's response message.
+    pub payload: &'a [u8],
+}
+
+/// Decode a ttrpc `Response`.
+pub fn decode_response(bytes: &[u8]) -> Result<Response<'_>, DecodeError> {
+    let mut out = Response {
+        code: 0,
+        message: "",
+        payload: &[],
+    };
+    let mut r = Reader::new(bytes);
+    while let Some((n, v)) = r.next_field()? {
+        match n {
+            _ if n == RESP_STATUS.number => {
+                let mut s = Reader::new(v.message()?);
+                while let Some((n, v)) = s.next_field()? {
+                    match n {
+                        _ if n == STATUS_CODE.number => out.code = v.int()? as i32,
+                        _ if n == STATUS_MESSAGE.number => out.message = v.str()?,
+                        _ => {}
+                    }
+                }
+            }
+            _ if n == RESP_PAYLOAD.number => out.payload = v.message()?,
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_is_one_mux_frame_with_both_headers_big_endian() {
+        let bytes = encode_message(RUNTIME_CONN, 1, TYPE_REQUEST, b"abc");
+        assert_eq!(
+            bytes,
+            [
+                &[0, 0, 0, 2, 0, 0, 0, 13][..],
+                &[0, 0, 0, 3, 0, 0, 0, 1, 1, 0],
+                b"abc"
+            ]
+            .concat()
+        );
+    }
+
+    #[test]
+    fn messages_are_reassembled_across_frames_and_split_when_several_share_one() {
+        let a = encode_message(PLUGIN_CONN, 1, TYPE_REQUEST, b"first");
+        let b = encode_message(PLUGIN_CONN, 3, TYPE_REQUEST, b"second");
+        let stream: Vec<u8> = [&a[MUX_HEADER_LEN..], &b[MUX_HEADER_LEN..]].concat();
+        let mut d = Demux::default();
+        // Byte by byte: nothing until a message is complete.
+        let mut got = Vec::new();
+        for byte in &stream {
+            got.extend(d.push(PLUGIN_CONN, std::slice::from_ref(byte)).expect("ok"));
+        }
+        assert_eq!(got.len(), 2);
+        assert_eq!(
+            (got[0].stream, got[0].payload.as_slice()),
+            (1, &b"first"[..])
+        );
+        assert_eq!(
+            (got[1].stream, got[1].payload.as_slice()),
+            (3, &b"second"[..])
+        );
+        // Two connections interleaved keep separate streams.
+        let mut d = Demux::default();
+        let c = encode_message(RUNTIME_CONN, 1, TYPE_RESPONSE, b"xy");
+        assert!(
+            d.push(PLUGIN_CONN, &a[MUX_HEADER_LEN..12])
+                .expect("ok")
+                .is_empty()
+        );
+        assert_eq!(
+            d.push(RUNTIME_CONN, &c[MUX_HEADER_LEN..])
+                .expect("ok")
+                .len(),
+            1
+        );
+        assert_eq!(d.push(PLUGIN_CONN, &a[12..]).expect("ok").len(), 1);
+    }
+
+    #[test]
+    fn oversized_lengths_are_refused() {
+        let mut h = [0u8; 8];
+        h[4..].copy_from_slice(&((MUX_MAX_PAYLOAD + 1) as u32).to_be_bytes());
+        assert!(parse_mux_header(h).is_err());
+        let mut d = Demux::default();
+        let mut bad = vec![0u8; TTRPC_HEADER_LEN];
+        bad[..4].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(d.push(PLUGIN_CONN, &bad).is_err());
+    }
+
+    #[test]
+    fn requests_and_responses_round_trip() {
+        let req = encode_request(RUNTIME_SERVICE, "RegisterPlugin", b"\x0a\x01x", 5);
+        let got = decode_request(&req).expect("decode");
+        assert_eq!(
+            (got.service, got.method, got.payload),
+            (RUNTIME_SERVICE, "RegisterPlugin", &b"\x0a\x01x"[..])
+        );
+        let ok = encode_response(0, "", b"pp");
+        assert_eq!(
+            decode_response(&ok).expect("ok"),
+            Response {
+                code: 0,
+                message: "",
+                payload: b"pp"
+            }
+        );
+        let err = encode_response(CODE_UNIMPLEMENTED, "no such method", &[]);
+        let got = decode_response(&err).expect("err");
+        assert_eq!((got.code, got.message), (12, "no such method"));
+    }
+}
