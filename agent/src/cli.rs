@@ -148,6 +148,9 @@ pub async fn run_command(args: RunArgs) -> Result<()> {
     let readiness = Readiness::new(&[READY_SCAN, READY_PODS]);
     let shutdown = CancellationToken::new();
     let listener = ops::bind_admin(args.admin_addr).await?;
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(admin = %addr, "admin server listening (/livez, /readyz, /metrics)");
+    }
     let admin = tokio::spawn(ops::serve_admin(
         listener,
         ops::admin_router(readiness.clone(), Arc::new(registry)),

@@ -822,7 +822,20 @@ impl ProcessEnv {
         let mut agent = AgentProcess {
             proc,
             node: node.to_string(),
+            admin: None,
         };
+        agent.admin = agent
+            .proc
+            .wait_for_log("its admin address", START_DEADLINE, |line| {
+                let v = json_log_line(line, "admin server listening (/livez, /readyz, /metrics)")?;
+                v.get("admin")
+                    .or_else(|| v.pointer("/fields/admin"))?
+                    .as_str()?
+                    .parse()
+                    .ok()
+            })
+            .await
+            .ok();
         // A fresh process logs its first successful publish at info level.
         agent
             .proc
@@ -921,6 +934,21 @@ pub struct AgentProcess {
     pub proc: ChildProcess,
     /// Its node.
     pub node: String,
+    /// Its admin address (`/metrics`), from its start-up log.
+    pub admin: Option<SocketAddr>,
+}
+
+impl AgentProcess {
+    /// `/metrics` of the admin port (empty when the address is unknown or the request fails).
+    pub async fn metrics(&self) -> String {
+        let Some(addr) = self.admin else {
+            return String::new();
+        };
+        crate::standalone::cluster::http_get(addr, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default()
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

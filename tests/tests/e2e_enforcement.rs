@@ -1,0 +1,408 @@
+//! Kernel enforcement end to end: the real `teeguard-agent` (and webhook) processes, the fake API
+//! server, a simulated host whose `misc.max` files behave like the kernel's, and a fake container
+//! runtime speaking NRI's real wire protocol (multiplexed ttrpc over a Unix socket).
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use teeguard_tests::e2e::{E2eEnv, NODE, World};
+use teeguard_tests::fixtures::{self, TDX_KEYS, Tee, VirtLauncherPod};
+use teeguard_tests::host::{MiscDelegation, QosClass, SEV, SEV_ES, SimHost, TDX};
+use teeguard_tests::nri::{NriRuntime, misc_max};
+use teeguard_tests::standalone::VmiSpec;
+
+const TEST_DEADLINE: Duration = Duration::from_secs(120);
+const ANNOTATION: &str = "misc-max.teeguard.dev/compute";
+const ESIDS: &str = "sev-snp.amd.com/esids";
+
+async fn bounded<F: Future<Output = ()>>(f: F) {
+    tokio::time::timeout(TEST_DEADLINE, f)
+        .await
+        .expect("the scenario finished within its deadline");
+}
+
+/// Poll `f` every 10 ms until it is `Some`, or fail after `timeout` naming `what`.
+async fn eventually<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn enforcing(env: &E2eEnv, node: &str) -> Option<(String, String, String)> {
+    let status = env.report(node)?;
+    let c = status.conditions.iter().find(|c| c.type_ == "Enforcing")?;
+    Some((c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+/// Store a Node (no kubelet) so the agent can publish.
+fn seed_node(env: &E2eEnv, node: &str) {
+    env.api
+        .create(&json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "default", "labels": {"kubernetes.io/metadata.name": "default"}}
+        }))
+        .expect("namespace");
+    let mut n = fixtures::NodeBuilder::new(node).to_value();
+    teeguard_tests::standalone::driver::strip_server_fields(&mut n);
+    env.api.create(&n).expect("node");
+}
+
+/// Store a pod bound to `node` and return it as stored (with its UID).
+fn store_pod(env: &E2eEnv, pod: &k8s_openapi::api::core::v1::Pod) -> Value {
+    let mut v = serde_json::to_value(pod).expect("pod json");
+    teeguard_tests::standalone::driver::strip_server_fields(&mut v);
+    env.api.create(&v).expect("pod stored")
+}
+
+fn uid(v: &Value) -> String {
+    v.pointer("/metadata/uid")
+        .and_then(Value::as_str)
+        .expect("uid")
+        .to_string()
+}
+
+/// The `PodSandbox` and `Container` the runtime sends at `CreateContainer`.
+fn nri_request(pod: &Value, container: &str) -> (Value, Value) {
+    let meta = &pod["metadata"];
+    let sandbox = json!({
+        "id": format!("sandbox-{}", uid(pod)),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "namespace": meta["namespace"],
+        "labels": meta.get("labels").cloned().unwrap_or(json!({})),
+        "annotations": meta.get("annotations").cloned().unwrap_or(json!({})),
+        "runtime_handler": "",
+        "linux": {"cgroup_parent": format!("kubepods-burstable-pod{}.slice", uid(pod).replace('-', "_"))}
+    });
+    let ctr = json!({
+        "id": format!("{container}-{}", uid(pod)),
+        "pod_sandbox_id": sandbox["id"],
+        "name": container,
+        "state": 1,
+        "args": ["/usr/bin/virt-launcher"]
+    });
+    (sandbox, ctr)
+}
+
+fn nri_config(socket: &std::path::Path) -> String {
+    format!(
+        "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nenforcement:\n  mode: nri\n  nriSocket: {}\n",
+        socket.display()
+    )
+}
+
+fn launcher(tee: Tee, resource: &str, annotation: &str) -> k8s_openapi::api::core::v1::Pod {
+    VirtLauncherPod::for_tee(&format!("{}-vm", tee.slug()), tee)
+        .request(resource, "1")
+        .annotation(ANNOTATION, annotation)
+        .running_on(NODE)
+        .build()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_plugin_registers_and_sets_misc_max_for_tee_compute_containers_only() {
+    bounded(async {
+        let sock_dir = tempfile::tempdir().expect("socket dir");
+        let socket = sock_dir.path().join("nri.sock");
+        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
+        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
+        seed_node(&env, NODE);
+        let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
+        let agent = env.start_agent(NODE, &host).await.expect("agent starts");
+
+        let reg = runtime
+            .wait_registered(Duration::from_secs(10))
+            .await
+            .expect("the agent registers with the runtime");
+        assert_eq!((reg.plugin_name.as_str(), reg.plugin_idx.as_str()), ("teeguard", "50"));
+        assert!(reg.subscribes(4), "subscribed to CREATE_CONTAINER: events {:#b}", reg.events);
+        assert!(!reg.subscribes(1), "not to RUN_POD_SANDBOX: events {:#b}", reg.events);
+
+        // A TDX VM's compute container: tdx 1.
+        let vm = store_pod(&env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
+        let (sandbox, compute) = nri_request(&vm, "compute");
+        let resp = runtime.create_container(sandbox.clone(), compute).await.expect("answered");
+        assert_eq!(misc_max(&resp), Some("tdx 1"), "{resp}");
+        // Another container of the same pod: no adjustment.
+        let (_, other) = nri_request(&vm, "guest-console-log");
+        let resp = runtime.create_container(sandbox, other).await.expect("answered");
+        assert_eq!(misc_max(&resp), None, "{resp}");
+        // An unrelated pod the agent knows nothing about: no adjustment, answered at once.
+        let stranger = json!({"metadata": {"name": "web-1", "namespace": "default", "uid": "5b7e3f1a-1c2d-4e5f-8a9b-0c1d2e3f4a5b"}});
+        let (sandbox, ctr) = nri_request(&stranger, "nginx");
+        let started = Instant::now();
+        let resp = runtime.create_container(sandbox, ctr).await.expect("answered");
+        assert_eq!(misc_max(&resp), None, "{resp}");
+        assert!(started.elapsed() < Duration::from_millis(200), "{:?}", started.elapsed());
+
+        // The condition says NRI, and the counter moved.
+        let (status, reason, message) = eventually("Enforcing=True", Duration::from_secs(10), || {
+            enforcing(&env, NODE).filter(|c| c.0 == "True")
+        })
+        .await;
+        assert_eq!((status.as_str(), reason.as_str()), ("True", "NriPlugin"), "{message}");
+        assert!(message.contains("mechanism nri"), "{message}");
+        let metrics = agent.metrics().await;
+        assert!(
+            metrics.contains("teeguard_agent_limits_applied_total{mechanism=\"nri\",kind=\"tdx\"} 1"),
+            "{metrics}"
+        );
+        assert!(metrics.contains("teeguard_agent_nri_connected 1"), "{metrics}");
+        drop(agent);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_plugin_gives_snp_sev_es_and_applies_the_requests_when_the_annotation_disagrees() {
+    bounded(async {
+        let sock_dir = tempfile::tempdir().expect("socket dir");
+        let socket = sock_dir.path().join("nri.sock");
+        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
+        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
+        seed_node(&env, NODE);
+        let host = SimHost::builder()
+            .capacity(SEV, 16)
+            .capacity(SEV_ES, 8)
+            .build()
+            .expect("host");
+        let agent = env.start_agent(NODE, &host).await.expect("agent starts");
+        runtime
+            .wait_registered(Duration::from_secs(10))
+            .await
+            .expect("registered");
+
+        let snp = store_pod(&env, &launcher(Tee::Snp, ESIDS, "sev_es 1"));
+        let (sandbox, compute) = nri_request(&snp, "compute");
+        let resp = runtime
+            .create_container(sandbox, compute)
+            .await
+            .expect("answered");
+        assert_eq!(misc_max(&resp), Some("sev_es 1"), "{resp}");
+
+        // The annotation claims 3 keys; the pod requests 1: the request wins, and it is counted.
+        let mut forged = launcher(Tee::SevEs, ESIDS, "sev_es 3");
+        forged.metadata.name = Some("virt-launcher-forged-abcde".into());
+        let forged = store_pod(&env, &forged);
+        let (sandbox, compute) = nri_request(&forged, "compute");
+        let resp = runtime
+            .create_container(sandbox, compute)
+            .await
+            .expect("answered");
+        assert_eq!(misc_max(&resp), Some("sev_es 1"), "{resp}");
+        let metrics = agent.metrics().await;
+        assert!(
+            metrics.contains("teeguard_agent_limit_mismatches_total{mechanism=\"nri\"} 1"),
+            "{metrics}"
+        );
+        drop(agent);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_plugin_registers_again_within_two_seconds_of_a_runtime_restart() {
+    bounded(async {
+        let sock_dir = tempfile::tempdir().expect("socket dir");
+        let socket = sock_dir.path().join("nri.sock");
+        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
+        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
+        seed_node(&env, NODE);
+        let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
+        let _agent = env.start_agent(NODE, &host).await.expect("agent starts");
+        let first = runtime
+            .wait_registered(Duration::from_secs(10))
+            .await
+            .expect("registered");
+        for round in 2..=3 {
+            let restarted = Instant::now();
+            runtime.restart().await.expect("runtime restarts");
+            let again = runtime
+                .wait_registered_count(first.count + round - 1, Duration::from_secs(2))
+                .await
+                .expect("the agent registers again within 2 s");
+            assert!(
+                restarted.elapsed() < Duration::from_secs(2),
+                "round {round}: {:?}",
+                restarted.elapsed()
+            );
+            assert_eq!(again.plugin_name, "teeguard");
+        }
+        // And still answers.
+        let vm = store_pod(&env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
+        let (sandbox, compute) = nri_request(&vm, "compute");
+        let resp = runtime
+            .create_container(sandbox, compute)
+            .await
+            .expect("answered");
+        assert_eq!(misc_max(&resp), Some("tdx 1"), "{resp}");
+    })
+    .await;
+}
+
+const CGROUP_CONFIG: &str =
+    "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nenforcement:\n  mode: cgroup\n";
+
+/// Admit and bind a VM through the webhook; returns the stored pod's UID.
+async fn admit_and_bind(w: &World, name: &str, tee: Tee) -> String {
+    let vmi = w
+        .driver
+        .create_vmi(&VmiSpec::new(name, tee))
+        .expect("VMI stored");
+    let pod = w.driver.launcher_pod(&vmi).expect("launcher pod");
+    let adm = w.driver.create_pod(&pod).await.expect("reviewed");
+    let pod = adm
+        .pod
+        .unwrap_or_else(|| panic!("{name} admitted: {:?}", adm.validate));
+    let (ns, pod_name) = (
+        pod.metadata.namespace.clone().expect("ns"),
+        pod.metadata.name.clone().expect("name"),
+    );
+    let b = w.driver.bind(&ns, &pod_name, NODE).await.expect("binding");
+    assert!(b.bound, "{name} bound: {:?}", b.reply.raw);
+    pod.metadata.uid.clone().expect("uid")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cgroup_writer_limits_a_tdx_vm_so_the_kernel_refuses_its_second_key() {
+    bounded(async {
+        let w = World::start(4, CGROUP_CONFIG).await.expect("world starts");
+        let uid = admit_and_bind(&w, "vm-1", Tee::Tdx).await;
+        // The kubelet creates the pod cgroup; the agent writes misc.max into it.
+        let created = Instant::now();
+        w.host
+            .add_pod(&uid, QosClass::Burstable, &["compute"])
+            .expect("pod cgroup");
+        eventually(
+            "misc.max tdx 1 in the pod cgroup",
+            Duration::from_secs(5),
+            || (w.host.pod_max(&uid, TDX) == Some(Some(1))).then_some(()),
+        )
+        .await;
+        let took = created.elapsed();
+        eprintln!("pod cgroup limited {took:?} after it appeared");
+        // QEMU takes its key; a second TEE VM in the same pod is refused by the kernel.
+        w.host.start_vm(&uid, "compute", TDX).expect("first key");
+        assert!(
+            w.host.start_vm(&uid, "compute", TDX).is_err(),
+            "the second key is refused"
+        );
+        let pod_cgroup = w.host.pod_cgroup_rel(&uid).expect("pod cgroup");
+        assert_eq!(
+            w.host.events(&pod_cgroup, TDX),
+            1,
+            "the refusal counts in misc.events"
+        );
+        assert_eq!(w.host.usage(TDX), 1);
+
+        let (status, reason, message) =
+            eventually("Enforcing=True", Duration::from_secs(10), || {
+                enforcing(&w.env, NODE).filter(|c| c.0 == "True" && c.2.contains("1 pods limited"))
+            })
+            .await;
+        assert_eq!(
+            (status.as_str(), reason.as_str()),
+            ("True", "CgroupWriter"),
+            "{message}"
+        );
+        let metrics = w.agent.as_ref().expect("agent").metrics().await;
+        assert!(
+            metrics.contains(
+                "teeguard_agent_limits_applied_total{mechanism=\"cgroup\",kind=\"tdx\"} 1"
+            ),
+            "{metrics}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_mode_makes_a_charge_by_a_pod_that_requested_no_key_fail() {
+    bounded(async {
+        let config = format!("{CGROUP_CONFIG}  strict: true\n");
+        let w = World::start(4, &config).await.expect("world starts");
+        // An ordinary VM (no launchSecurity) requests no key: strict mode gives its pod tdx 0.
+        let uid = admit_and_bind(&w, "plain", Tee::None).await;
+        w.host
+            .add_pod(&uid, QosClass::Burstable, &["compute"])
+            .expect("pod cgroup");
+        eventually(
+            "misc.max tdx 0 in the pod cgroup",
+            Duration::from_secs(5),
+            || (w.host.pod_max(&uid, TDX) == Some(Some(0))).then_some(()),
+        )
+        .await;
+        assert!(
+            w.host.start_vm(&uid, "compute", TDX).is_err(),
+            "an unaccounted TEE VM fails at the kernel"
+        );
+        assert_eq!(w.host.usage(TDX), 0);
+        // A TEE VM in the same world still gets its key.
+        let tee = admit_and_bind(&w, "vm-1", Tee::Tdx).await;
+        w.host
+            .add_pod(&tee, QosClass::Burstable, &["compute"])
+            .expect("pod cgroup");
+        eventually("misc.max tdx 1", Duration::from_secs(5), || {
+            (w.host.pod_max(&tee, TDX) == Some(Some(1))).then_some(())
+        })
+        .await;
+        w.host
+            .start_vm(&tee, "compute", TDX)
+            .expect("the TEE VM starts");
+        let (_, _, message) = eventually("Enforcing=True", Duration::from_secs(10), || {
+            enforcing(&w.env, NODE).filter(|c| c.0 == "True")
+        })
+        .await;
+        assert!(message.contains("strict on"), "{message}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_without_misc_delegation_reports_enforcing_false_and_writes_nothing() {
+    bounded(async {
+        let env = E2eEnv::new(CGROUP_CONFIG).await.expect("env");
+        seed_node(&env, NODE);
+        let host = SimHost::builder()
+            .capacity(TDX, 4)
+            .misc_delegation(MiscDelegation::NotBelowKubepods)
+            .build()
+            .expect("host");
+        let agent = env.start_agent(NODE, &host).await.expect("agent starts");
+        let vm = store_pod(&env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
+        let uid = uid(&vm);
+        host.add_pod(&uid, QosClass::Burstable, &["compute"])
+            .expect("pod cgroup");
+        let (status, reason, message) =
+            eventually("Enforcing=False", Duration::from_secs(10), || {
+                enforcing(&env, NODE)
+            })
+            .await;
+        assert_eq!(
+            (status.as_str(), reason.as_str()),
+            ("False", "MiscControllerNotDelegated"),
+            "{message}"
+        );
+        assert!(message.contains("subtree_control"), "{message}");
+        // Give the writer a few polls: nothing is created or written.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let dir = host.pod_cgroup_path(&uid).expect("pod dir");
+        assert!(
+            !dir.join("misc.max").exists(),
+            "no misc.max created in {}",
+            dir.display()
+        );
+        assert!(!agent.proc.log().contains("misc.max written"));
+        host.start_vm(&uid, "compute", TDX)
+            .expect("the VM starts unlimited");
+    })
+    .await;
+}
