@@ -37,52 +37,6 @@ fn helm_lint_passes_for_every_values_file() {
     }
 }
 
-/// cert-manager's kinds are not in the Kubernetes schemas, and kubernetes-validate has no option to skip
-/// unknown kinds (it only warns "Couldn't find schema" and passes). They are filtered out here, explicitly,
-/// and checked field by field in chart_certs.rs instead; any other unknown kind fails the test.
-fn is_cert_manager(doc: &Value) -> bool {
-    doc["apiVersion"]
-        .as_str()
-        .is_some_and(|v| v.starts_with("cert-manager.io/"))
-}
-
-fn validate(stem: &str, docs: &[Value]) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join(format!("{stem}.yaml"));
-    let text: Vec<String> = docs
-        .iter()
-        .map(|d| serde_yaml::to_string(d).expect("serialise a manifest"))
-        .collect();
-    std::fs::write(&path, text.join("---\n")).expect("write manifests");
-    let out = run(
-        &kubernetes_validate(),
-        &[
-            "--strict".into(),
-            "--kubernetes-version".into(),
-            KUBE_VERSION.into(),
-            path.display().to_string(),
-        ],
-    );
-    let log = format!("{}{}", out.stdout, out.stderr);
-    assert!(
-        out.success,
-        "kubernetes-validate --strict ({KUBE_VERSION}) rejected the chart rendered with tests/chart/{stem}.yaml:\n{log}"
-    );
-    // An unknown kind only gives a warning: make sure every object really was checked.
-    assert!(
-        !log.contains("Couldn't find schema"),
-        "kubernetes-validate has no schema for an object rendered with tests/chart/{stem}.yaml (add it to \
-         the explicit exclusions only if it is a third-party CRD kind):\n{log}"
-    );
-    let passed = log.matches(" passed for resource ").count();
-    assert_eq!(
-        passed,
-        docs.len(),
-        "expected every one of the {} objects to pass:\n{log}",
-        docs.len()
-    );
-}
-
 #[test]
 fn rendered_manifests_validate_against_the_kubernetes_schemas() {
     for stem in VALUES_FILES {
@@ -102,7 +56,7 @@ fn rendered_manifests_validate_against_the_kubernetes_schemas() {
                 "{stem}: cert-manager objects without certManager.enabled"
             );
         }
-        validate(stem, &core);
+        validate(&format!("tests/chart/{stem}.yaml"), &core);
     }
 }
 
@@ -515,42 +469,6 @@ fn webhook_policies_and_scope_follow_the_values() {
     }
 }
 
-fn container(workload: &Value) -> &Value {
-    let containers = workload["spec"]["template"]["spec"]["containers"]
-        .as_array()
-        .expect("containers");
-    assert_eq!(containers.len(), 1);
-    &containers[0]
-}
-
-fn assert_hardened(workload: &Value, uid: u64) {
-    let pod = &workload["spec"]["template"]["spec"];
-    let name = &workload["metadata"]["name"];
-    let psc = &pod["securityContext"];
-    assert_eq!(psc["runAsNonRoot"], true, "{name}");
-    assert_eq!(psc["runAsUser"], uid, "{name}");
-    assert_eq!(psc["runAsGroup"], uid, "{name}");
-    assert_eq!(psc["seccompProfile"]["type"], "RuntimeDefault", "{name}");
-    let csc = &container(workload)["securityContext"];
-    assert_eq!(csc["allowPrivilegeEscalation"], false, "{name}");
-    assert_eq!(csc["readOnlyRootFilesystem"], true, "{name}");
-    assert_eq!(csc["privileged"], false, "{name}");
-    assert_eq!(csc["capabilities"]["drop"], json!(["ALL"]), "{name}");
-    assert!(csc["capabilities"].get("add").is_none(), "{name}");
-    assert!(
-        pod.get("hostNetwork").is_none() && pod.get("hostPID").is_none(),
-        "{name}"
-    );
-    let c = container(workload);
-    for probe in ["livenessProbe", "readinessProbe", "startupProbe"] {
-        assert_eq!(c[probe]["httpGet"]["port"], "admin", "{name} {probe}");
-    }
-    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/livez");
-    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
-    assert!(c["resources"]["requests"]["cpu"].is_string(), "{name}");
-    assert!(c["resources"]["limits"]["memory"].is_string(), "{name}");
-}
-
 fn args(workload: &Value) -> Vec<String> {
     container(workload)["args"]
         .as_array()
@@ -558,22 +476,6 @@ fn args(workload: &Value) -> Vec<String> {
         .iter()
         .map(|a| a.as_str().expect("string arg").to_string())
         .collect()
-}
-
-fn mount<'a>(workload: &'a Value, volume: &str) -> (&'a Value, &'a Value) {
-    let m = container(workload)["volumeMounts"]
-        .as_array()
-        .expect("volumeMounts")
-        .iter()
-        .find(|m| m["name"] == volume)
-        .unwrap_or_else(|| panic!("no mount of {volume}"));
-    let v = workload["spec"]["template"]["spec"]["volumes"]
-        .as_array()
-        .expect("volumes")
-        .iter()
-        .find(|v| v["name"] == volume)
-        .unwrap_or_else(|| panic!("no volume {volume}"));
-    (m, v)
 }
 
 #[test]
@@ -636,18 +538,20 @@ fn webhook_deployment_is_hardened_spread_and_wired() {
     );
 }
 
+/// The default (enforcement mode auto) runs the agent as root without capabilities and mounts the host
+/// cgroup tree writable; chart_enforcement.rs covers every mode.
 #[test]
-fn agent_daemonset_reads_the_host_cgroup_tree_read_only_as_non_root() {
+fn agent_daemonset_mounts_the_host_cgroup_tree_and_runs_hardened() {
     let docs = render("default", &[]);
     let ds = find(&docs, "DaemonSet", "teeguard-agent");
-    assert_hardened(ds, 65532);
+    assert_hardened(ds, 0);
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["serviceAccountName"], "teeguard-agent");
     assert_eq!(pod["nodeSelector"], json!({"kubernetes.io/os": "linux"}));
     assert_eq!(pod["tolerations"], json!([{"operator": "Exists"}]));
     let (m, v) = mount(ds, "host-cgroup");
     assert_eq!(m["mountPath"], "/host/sys/fs/cgroup");
-    assert_eq!(m["readOnly"], true);
+    assert_eq!(m["readOnly"], false, "the cgroup writer sets misc.max");
     assert_eq!(m["mountPropagation"], "HostToContainer");
     assert_eq!(
         v["hostPath"],
@@ -686,10 +590,20 @@ fn agent_daemonset_reads_the_host_cgroup_tree_read_only_as_non_root() {
         json!(["/usr/local/bin/teeguard-agent"])
     );
 
+    // Without enforcement: read-only and non-root.
+    let docs = render("default", &["--set", "config.enforcement.mode=off"]);
+    let ds = find(&docs, "DaemonSet", "teeguard-agent");
+    assert_hardened(ds, 65532);
+    assert_eq!(mount(ds, "host-cgroup").0["readOnly"], true);
+
     // Custom placement: no blanket toleration, the given node selector and host path, OnDelete updates.
+    // custom.yaml enforces through NRI only: root, cgroup tree read-only.
     let docs = render("custom", &[]);
     let ds = find(&docs, "DaemonSet", "tg-agent");
-    assert_hardened(ds, 10001);
+    assert_hardened(ds, 0);
+    assert_eq!(mount(ds, "host-cgroup").0["readOnly"], true);
+    let off = render("custom", &["--set", "config.enforcement.mode=off"]);
+    assert_hardened(find(&off, "DaemonSet", "tg-agent"), 10001);
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(
         pod["tolerations"],

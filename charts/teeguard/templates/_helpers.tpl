@@ -111,14 +111,34 @@ namespaceSelector:
         {{- end }}
 {{- end }}
 
-{{/* Pod-level security context shared by both workloads: (dict "uid" 65532). */}}
+{{/* Pod-level security context shared by both workloads: (dict "uid" 65532), or (dict "root" true) for
+an agent that enforces limits: UID/GID 0 so that it owns what it must open (the root-only NRI socket, the
+root-owned misc.max files), while teeguard.containerSecurityContext still drops every capability. */}}
 {{- define "teeguard.podSecurityContext" -}}
+{{- if .root -}}
+runAsNonRoot: false
+runAsUser: 0
+runAsGroup: 0
+{{- else -}}
 runAsNonRoot: true
 runAsUser: {{ .uid }}
 runAsGroup: {{ .uid }}
 fsGroup: {{ .uid }}
+{{- end }}
 seccompProfile:
   type: RuntimeDefault
+{{- end }}
+
+{{/* The agent's enforcement mode (config.enforcement.mode; a key set to null means the default, auto). */}}
+{{- define "teeguard.agent.enforcementMode" -}}
+{{- $enforcement := .Values.config.enforcement | default dict -}}
+{{- $enforcement.mode | default "auto" -}}
+{{- end }}
+
+{{/* The NRI socket the agent connects to (config.enforcement.nriSocket, default /var/run/nri/nri.sock). */}}
+{{- define "teeguard.agent.nriSocket" -}}
+{{- $enforcement := .Values.config.enforcement | default dict -}}
+{{- $enforcement.nriSocket | default "/var/run/nri/nri.sock" -}}
 {{- end }}
 
 {{- define "teeguard.containerSecurityContext" -}}

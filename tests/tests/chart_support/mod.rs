@@ -197,3 +197,131 @@ pub fn service_dns_names(service: &str, namespace: &str) -> Vec<String> {
         format!("{service}.{namespace}.svc.cluster.local"),
     ]
 }
+
+/// cert-manager's kinds are not in the Kubernetes schemas, and kubernetes-validate has no option to skip
+/// unknown kinds (it only warns "Couldn't find schema" and passes). They are filtered out by callers,
+/// explicitly, and checked field by field in chart_certs.rs instead; any other unknown kind fails
+/// [`validate`].
+pub fn is_cert_manager(doc: &Value) -> bool {
+    doc["apiVersion"]
+        .as_str()
+        .is_some_and(|v| v.starts_with("cert-manager.io/"))
+}
+
+/// Check rendered objects with `kubernetes-validate --strict` against the Kubernetes schemas of
+/// [`KUBE_VERSION`]; every object must have a schema and pass. `what` names the rendering in messages
+/// (a values file stem, or the `--set` used).
+pub fn validate(what: &str, docs: &[Value]) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("manifests.yaml");
+    let text: Vec<String> = docs
+        .iter()
+        .map(|d| serde_yaml::to_string(d).expect("serialise a manifest"))
+        .collect();
+    std::fs::write(&path, text.join("---\n")).expect("write manifests");
+    let out = run(
+        &kubernetes_validate(),
+        &[
+            "--strict".into(),
+            "--kubernetes-version".into(),
+            KUBE_VERSION.into(),
+            path.display().to_string(),
+        ],
+    );
+    let log = format!("{}{}", out.stdout, out.stderr);
+    assert!(
+        out.success,
+        "kubernetes-validate --strict ({KUBE_VERSION}) rejected the chart rendered with {what}:\n{log}"
+    );
+    // An unknown kind only gives a warning: make sure every object really was checked.
+    assert!(
+        !log.contains("Couldn't find schema"),
+        "kubernetes-validate has no schema for an object rendered with {what} (add it to the explicit \
+         exclusions only if it is a third-party CRD kind):\n{log}"
+    );
+    let passed = log.matches(" passed for resource ").count();
+    assert_eq!(
+        passed,
+        docs.len(),
+        "{what}: expected every one of the {} objects to pass:\n{log}",
+        docs.len()
+    );
+}
+
+/// The one container of a Deployment or DaemonSet.
+pub fn container(workload: &Value) -> &Value {
+    let containers = workload["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .expect("containers");
+    assert_eq!(containers.len(), 1);
+    &containers[0]
+}
+
+/// The workload runs as `uid` (and the same GID; 0 = root, allowed only with `runAsNonRoot: false`),
+/// with every capability dropped, no privilege escalation, a read-only root filesystem, the
+/// RuntimeDefault seccomp profile, no host network or PID namespace, probes on the admin port and
+/// resource requests/limits.
+pub fn assert_hardened(workload: &Value, uid: u64) {
+    let pod = &workload["spec"]["template"]["spec"];
+    let name = &workload["metadata"]["name"];
+    let psc = &pod["securityContext"];
+    assert_eq!(psc["runAsNonRoot"], uid != 0, "{name}");
+    assert_eq!(psc["runAsUser"], uid, "{name}");
+    assert_eq!(psc["runAsGroup"], uid, "{name}");
+    if uid == 0 {
+        assert!(
+            psc.get("fsGroup").is_none(),
+            "{name}: root needs no fsGroup"
+        );
+    } else {
+        assert_eq!(psc["fsGroup"], uid, "{name}");
+    }
+    assert_eq!(psc["seccompProfile"]["type"], "RuntimeDefault", "{name}");
+    let csc = &container(workload)["securityContext"];
+    assert_eq!(csc["allowPrivilegeEscalation"], false, "{name}");
+    assert_eq!(csc["readOnlyRootFilesystem"], true, "{name}");
+    assert_eq!(csc["privileged"], false, "{name}");
+    assert_eq!(
+        csc["capabilities"]["drop"],
+        serde_json::json!(["ALL"]),
+        "{name}"
+    );
+    assert!(csc["capabilities"].get("add").is_none(), "{name}");
+    assert!(
+        csc.get("runAsUser").is_none() && csc.get("runAsNonRoot").is_none(),
+        "{name}: the container must not override the pod's user"
+    );
+    assert!(
+        pod.get("hostNetwork").is_none() && pod.get("hostPID").is_none(),
+        "{name}"
+    );
+    let c = container(workload);
+    for probe in ["livenessProbe", "readinessProbe", "startupProbe"] {
+        assert_eq!(c[probe]["httpGet"]["port"], "admin", "{name} {probe}");
+    }
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/livez");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert!(c["resources"]["requests"]["cpu"].is_string(), "{name}");
+    assert!(c["resources"]["limits"]["memory"].is_string(), "{name}");
+}
+
+/// The container's mount of a volume and the volume itself.
+pub fn mount<'a>(workload: &'a Value, volume: &str) -> (&'a Value, &'a Value) {
+    let m = try_mount(workload, volume).unwrap_or_else(|| panic!("no mount of {volume}"));
+    let v = workload["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["name"] == volume)
+        .unwrap_or_else(|| panic!("no volume {volume}"));
+    (m, v)
+}
+
+/// The container's mount of a volume, if any.
+pub fn try_mount<'a>(workload: &'a Value, volume: &str) -> Option<&'a Value> {
+    container(workload)["volumeMounts"]
+        .as_array()
+        .expect("volumeMounts")
+        .iter()
+        .find(|m| m["name"] == volume)
+}
