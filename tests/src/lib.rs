@@ -8,5 +8,7 @@ pub mod fakeapi;
 pub mod fixtures;
 pub mod fuzzing;
 pub mod host;
+/// A fake container runtime speaking NRI (multiplexed ttrpc over a Unix socket), for NRI plugin tests.
+pub mod nri;
 pub mod realcluster;
 pub mod standalone;

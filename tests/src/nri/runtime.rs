@@ -1,0 +1,420 @@
+//! [`NriRuntime`]: a fake container runtime playing containerd's NRI side for one plugin at a time.
+//!
+//! It listens on a Unix socket and, for each accepted plugin connection (a new one replaces the
+//! previous plugin), does what containerd's NRI adaptation does: serves the `Runtime` service on
+//! logical connection 2 and waits for `RegisterPlugin` (empty name or an index that is not two digits is
+//! refused, and the plugin closed); calls `Configure` on connection 1 and records the event mask (0
+//! means every event; unknown bits are refused); calls `Synchronize` with the pods and containers set by
+//! [`NriRuntime::set_existing`]; only then is the plugin registered ([`NriRuntime::wait_registered`]).
+//! The test then drives calls: [`NriRuntime::create_container`] (skipped, answering `{}`, when the plugin
+//! did not subscribe to `CREATE_CONTAINER`) and [`NriRuntime::call`]. A call not answered within the
+//! request timeout fails with [`NriError::Timeout`] and, as containerd does, closes the plugin.
+//!
+//! Messages are JSON in the form of [`super::codec`], encoded with the upstream `api.proto`.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::codec::{decode, encode};
+use super::proto::{ProtoError, Schema, load_upstream};
+use super::runtime_conn::{PluginConn, accept_loop};
+use super::ttrpc::MESSAGE_LENGTH_MAX;
+
+/// `ConfigureRequest.runtime_name`.
+pub const RUNTIME_NAME: &str = "teeguard-test-runtime";
+/// `ConfigureRequest.runtime_version`.
+pub const RUNTIME_VERSION: &str = "0";
+/// `ConfigureRequest.NRI_version`.
+pub const NRI_VERSION: &str = "v0.10.0";
+/// How long a connected plugin has to call `RegisterPlugin`.
+pub const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the plugin has to answer each call.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What failed talking to the plugin.
+#[derive(Debug, thiserror::Error)]
+pub enum NriError {
+    /// A socket operation failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// The operation.
+        what: &'static str,
+        /// The socket path.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Loading the API definition, or encoding/decoding a message, failed.
+    #[error(transparent)]
+    Proto(#[from] ProtoError),
+    /// The upstream API definition lacks something the runtime needs.
+    #[error("the NRI API definition has no {0}")]
+    Schema(String),
+    /// No plugin completed registration in time.
+    #[error("timed out waiting for the plugin to register on {socket}")]
+    RegisterTimeout {
+        /// The runtime's socket.
+        socket: PathBuf,
+    },
+    /// A call needs a registered plugin and there is none.
+    #[error("no NRI plugin is registered on {socket}")]
+    NotRegistered {
+        /// The runtime's socket.
+        socket: PathBuf,
+    },
+    /// The plugin answered with a failed ttrpc status.
+    #[error("plugin answered {method} with ttrpc status {code}: {message}")]
+    Status {
+        /// The method called.
+        method: String,
+        /// gRPC code.
+        code: i32,
+        /// Status message.
+        message: String,
+    },
+    /// The plugin did not answer within the request timeout (the runtime then closed it).
+    #[error(
+        "plugin did not answer {method} within the {timeout:?} request timeout; the runtime closed its connection"
+    )]
+    Timeout {
+        /// The method called.
+        method: String,
+        /// The request timeout.
+        timeout: Duration,
+    },
+    /// The plugin connection closed before the answer came.
+    #[error("the plugin connection closed before the plugin answered {method}")]
+    Disconnected {
+        /// The method called.
+        method: String,
+    },
+    /// A request larger than ttrpc allows.
+    #[error("{method} request of {len} bytes exceeds ttrpc's {MESSAGE_LENGTH_MAX}-byte limit")]
+    TooLarge {
+        /// The method.
+        method: String,
+        /// Encoded size.
+        len: usize,
+    },
+}
+
+/// A plugin that completed register, configure and synchronize.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Registration {
+    /// `RegisterPluginRequest.plugin_name`.
+    pub plugin_name: String,
+    /// `RegisterPluginRequest.plugin_idx`.
+    pub plugin_idx: String,
+    /// `RegisterPluginRequest.NRI_version` (empty when not sent).
+    pub nri_version: String,
+    /// `ConfigureResponse.events` as answered: bit `event - 1` per subscribed event, 0 meaning all.
+    pub events: i32,
+    /// The plugin's `SynchronizeResponse` (JSON).
+    pub synchronize: Value,
+    /// When synchronization completed.
+    pub registered_at: Instant,
+    /// Registrations completed by this runtime so far, this one included.
+    pub count: u64,
+}
+
+impl Registration {
+    /// Whether the plugin gets the event numbered `event` (an `Event` enum value), as containerd decides.
+    pub fn subscribes(&self, event: i32) -> bool {
+        self.events == 0 || (self.events & event_bit(event)) != 0
+    }
+}
+
+/// The event-mask bit of the event numbered `event` (NRI's `EventMask.Set`: `1 << (event - 1)`).
+/// 0 for numbers outside `1..=31`.
+pub fn event_bit(event: i32) -> i32 {
+    if (1..=31).contains(&event) {
+        1 << (event - 1)
+    } else {
+        0
+    }
+}
+
+/// `adjust.linux.resources.unified["misc.max"]` of a `CreateContainerResponse` (JSON).
+pub fn misc_max(response: &Value) -> Option<&str> {
+    response
+        .pointer("/adjust/linux/resources/unified/misc.max")?
+        .as_str()
+}
+
+/// The fake runtime. Dropping it (or [`NriRuntime::shutdown`]) stops its tasks and removes the socket.
+pub struct NriRuntime {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for NriRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NriRuntime")
+            .field("socket", &self.inner.socket)
+            .field("registration", &*self.inner.registered.borrow())
+            .finish()
+    }
+}
+
+/// The runtime's shared state; the connection tasks of [`super::runtime_conn`] hold it too.
+pub(super) struct Inner {
+    pub(super) socket: PathBuf,
+    pub(super) schema: Schema,
+    pub(super) create_event: i32,
+    pub(super) valid_events: i32,
+    pub(super) state: Mutex<State>,
+    pub(super) registered: watch::Sender<Option<Registration>>,
+    pub(super) next_conn: AtomicU64,
+}
+
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) pods: Vec<Value>,
+    pub(super) containers: Vec<Value>,
+    pub(super) listener: Option<JoinHandle<()>>,
+    /// The current plugin connection (registered or not).
+    pub(super) plugin: Option<Arc<PluginConn>>,
+    /// Registrations completed so far.
+    pub(super) count: u64,
+    /// `UpdateContainersRequest`s received.
+    pub(super) updates: Vec<Value>,
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl NriRuntime {
+    /// Parses the upstream `api.proto`, binds `socket` (removing a stale file, creating its directory)
+    /// and accepts plugin connections in the background, on the current tokio runtime.
+    pub async fn start(socket: impl Into<PathBuf>) -> Result<NriRuntime, NriError> {
+        let schema = load_upstream()?;
+        let event = schema
+            .enumeration("Event")
+            .ok_or_else(|| NriError::Schema("enum Event".into()))?;
+        let value = |name: &str| {
+            event
+                .value(name)
+                .ok_or_else(|| NriError::Schema(format!("Event value {name}")))
+        };
+        let (create_event, last) = (value("CREATE_CONTAINER")?, value("LAST")?);
+        let inner = Arc::new(Inner {
+            socket: socket.into(),
+            valid_events: event_bit(last) - 1,
+            create_event,
+            schema,
+            state: Mutex::new(State::default()),
+            registered: watch::Sender::new(None),
+            next_conn: AtomicU64::new(1),
+        });
+        inner.listen()?;
+        Ok(NriRuntime { inner })
+    }
+
+    /// The socket plugins connect to.
+    pub fn socket(&self) -> &Path {
+        &self.inner.socket
+    }
+
+    /// The parsed upstream API definition.
+    pub fn schema(&self) -> &Schema {
+        &self.inner.schema
+    }
+
+    /// The pods and containers (`PodSandbox`/`Container` JSON) the next plugin is synchronized with.
+    pub fn set_existing(&self, pods: Vec<Value>, containers: Vec<Value>) {
+        let mut st = lock(&self.inner.state);
+        st.pods = pods;
+        st.containers = containers;
+    }
+
+    /// The current registration, if a registered plugin is connected.
+    pub fn registration(&self) -> Option<Registration> {
+        self.inner.registered.borrow().clone()
+    }
+
+    /// The `UpdateContainersRequest`s (JSON) plugins sent so far.
+    pub fn container_updates(&self) -> Vec<Value> {
+        lock(&self.inner.state).updates.clone()
+    }
+
+    /// Waits until a plugin has registered (register, configure, synchronize) since the last start or
+    /// restart, and is still connected.
+    pub async fn wait_registered(&self, timeout: Duration) -> Result<Registration, NriError> {
+        self.wait_registered_count(1, timeout).await
+    }
+
+    /// Like [`NriRuntime::wait_registered`], for registration number `count` or a later one.
+    pub async fn wait_registered_count(
+        &self,
+        count: u64,
+        timeout: Duration,
+    ) -> Result<Registration, NriError> {
+        let mut rx = self.inner.registered.subscribe();
+        let waited = tokio::time::timeout(
+            timeout,
+            rx.wait_for(|r| r.as_ref().is_some_and(|r| r.count >= count)),
+        )
+        .await;
+        let found = match waited {
+            Ok(Ok(reg)) => reg.clone(),
+            _ => None,
+        };
+        found.ok_or_else(|| NriError::RegisterTimeout {
+            socket: self.inner.socket.clone(),
+        })
+    }
+
+    /// Relays `CreateContainer` for `pod` (`PodSandbox` JSON) and `container` (`Container` JSON) and
+    /// returns the plugin's `CreateContainerResponse` (JSON); `{}` without calling when the plugin did
+    /// not subscribe to `CREATE_CONTAINER`.
+    pub async fn create_container(&self, pod: Value, container: Value) -> Result<Value, NriError> {
+        let (conn, reg) = self.inner.current()?;
+        if !reg.subscribes(self.inner.create_event) {
+            tracing::debug!(
+                events = reg.events,
+                "NRI plugin not subscribed to CreateContainer"
+            );
+            return Ok(json!({}));
+        }
+        let body = json!({"pod": pod, "container": container});
+        self.inner
+            .request(
+                &conn,
+                "CreateContainer",
+                "CreateContainerRequest",
+                "CreateContainerResponse",
+                &body,
+            )
+            .await
+    }
+
+    /// Calls any `Plugin` method on the registered plugin, whatever it subscribed to.
+    pub async fn call(
+        &self,
+        method: &str,
+        request_message: &str,
+        response_message: &str,
+        body: Value,
+    ) -> Result<Value, NriError> {
+        let (conn, _) = self.inner.current()?;
+        self.inner
+            .request(&conn, method, request_message, response_message, &body)
+            .await
+    }
+
+    /// Simulates a runtime restart: closes the plugin connection and the listener, removes the socket,
+    /// waits 100 ms, listens again. The registration is reset; the count goes on.
+    pub async fn restart(&self) -> Result<(), NriError> {
+        tracing::info!(socket = %self.inner.socket.display(), "fake NRI runtime restarting");
+        self.inner.teardown();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        self.inner.listen()
+    }
+
+    /// Stops the runtime: closes the plugin connection and the listener, removes the socket.
+    pub async fn shutdown(self) {
+        self.inner.teardown();
+        tokio::task::yield_now().await;
+    }
+}
+
+impl Drop for NriRuntime {
+    fn drop(&mut self) {
+        self.inner.teardown();
+    }
+}
+
+impl Inner {
+    fn listen(self: &Arc<Self>) -> Result<(), NriError> {
+        let io = |what| {
+            let path = self.socket.clone();
+            move |source| NriError::Io { what, path, source }
+        };
+        if let Some(dir) = self.socket.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io("creating the directory of"))?;
+        }
+        match std::fs::remove_file(&self.socket) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io("removing the stale socket")(e));
+            }
+            _ => {}
+        }
+        let listener = UnixListener::bind(&self.socket).map_err(io("binding"))?;
+        tracing::info!(socket = %self.socket.display(), "fake NRI runtime listening");
+        let task = tokio::spawn(accept_loop(Arc::downgrade(self), listener));
+        if let Some(old) = lock(&self.state).listener.replace(task) {
+            old.abort();
+        }
+        Ok(())
+    }
+
+    fn teardown(&self) {
+        let (listener, plugin) = {
+            let mut st = lock(&self.state);
+            (st.listener.take(), st.plugin.take())
+        };
+        if let Some(listener) = listener {
+            listener.abort();
+        }
+        if let Some(plugin) = plugin {
+            plugin.abort();
+        }
+        self.registered.send_replace(None);
+        let _ = std::fs::remove_file(&self.socket);
+    }
+
+    /// The connected, registered plugin.
+    fn current(&self) -> Result<(Arc<PluginConn>, Registration), NriError> {
+        let st = lock(&self.state);
+        st.plugin
+            .as_ref()
+            .and_then(|p| Some((p.clone(), lock(&p.registration).clone()?)))
+            .ok_or_else(|| NriError::NotRegistered {
+                socket: self.socket.clone(),
+            })
+    }
+
+    /// Forgets `conn` if it is the current plugin, and closes it.
+    pub(super) fn disconnect(&self, conn: &PluginConn, reason: &str) {
+        {
+            let mut st = lock(&self.state);
+            if st.plugin.as_ref().is_some_and(|p| p.id == conn.id) {
+                st.plugin = None;
+                self.registered.send_replace(None);
+            }
+        }
+        tracing::info!(
+            conn = conn.id,
+            reason,
+            "fake NRI runtime closing the plugin connection"
+        );
+        conn.close();
+    }
+
+    pub(super) async fn request(
+        &self,
+        conn: &PluginConn,
+        method: &str,
+        request_message: &str,
+        response_message: &str,
+        body: &Value,
+    ) -> Result<Value, NriError> {
+        let payload = encode(&self.schema, request_message, body)?;
+        match conn.call(method, payload, REQUEST_TIMEOUT).await {
+            Ok(bytes) => Ok(decode(&self.schema, response_message, &bytes)?),
+            Err(e) => {
+                if matches!(e, NriError::Timeout { .. }) {
+                    self.disconnect(conn, &e.to_string());
+                }
+                Err(e)
+            }
+        }
+    }
+}
