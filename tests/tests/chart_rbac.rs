@@ -39,6 +39,33 @@ struct NotExercised {
 /// not record them. The test fails when an entry is not granted (stale).
 const NOT_EXERCISED: &[NotExercised] = &[
     NotExercised {
+        component: AGENT_USER_AGENT,
+        verb: "get",
+        group: "",
+        resource: "pods",
+        subresource: "",
+        why: "agent/src/enforce/containers.rs: GET at NRI CreateContainer of an annotated pod the watch cache \
+              does not know yet; the standalone has no container runtime (tests/tests/e2e_enforcement.rs \
+              drives NRI)",
+    },
+    NotExercised {
+        component: AGENT_USER_AGENT,
+        verb: "create",
+        group: "events.k8s.io",
+        resource: "events",
+        subresource: "",
+        why: "agent/src/enforce/events.rs: Warning Event on a pod whose limit disagreed with its annotation \
+              or could not be written; the standalone's limits all apply",
+    },
+    NotExercised {
+        component: AGENT_USER_AGENT,
+        verb: "patch",
+        group: "events.k8s.io",
+        resource: "events",
+        subresource: "",
+        why: "agent/src/enforce/events.rs: kube's Recorder patches a repeated Event into a series",
+    },
+    NotExercised {
         component: WEBHOOK_USER_AGENT,
         verb: "get",
         group: "kubevirt.io",

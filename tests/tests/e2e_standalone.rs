@@ -194,6 +194,11 @@ fn scenario_table_shows_patches_denials_and_retries() {
     expect(&["vmi", "vm-6", "webhook", "event"]);
     expect(&["16", "vm-6", "binding", "/validate", "bound", "0"]);
     // The summary.
+    // Kernel enforcement: the agent's limit on vm-1's pod holds its second key back.
+    assert!(
+        out.contains("enforcement: vm-1's pod cgroup has misc.max \"tdx 1\"; a second key in it: refused by the kernel"),
+        "{out}"
+    );
     assert!(
         out.contains("keys in use never exceeded the capacity (peak 8 of 8); VMs that failed to start for lack of a key: 0"),
         "{out}"

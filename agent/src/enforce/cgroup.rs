@@ -29,6 +29,16 @@ use crate::scan::{Driver, pod_cgroup_candidates, pod_uid_of_dir, qos_dirs};
 
 const MECHANISM: &str = "cgroup";
 
+/// A pod cgroup found without `misc.max` is looked at again after this long before it is reported.
+const RECHECK_AFTER: Duration = Duration::from_millis(5);
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// A pod the writer should limit.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DesiredPod {
@@ -170,12 +180,18 @@ impl Writer {
         let mut watched: Vec<PathBuf> = Vec::new();
         let mut done: HashMap<String, Done> = HashMap::new();
         let mut failures: HashMap<String, String> = HashMap::new();
+        // Pods whose cgroup showed no misc.max once: a cgroup caught between its mkdir and its files
+        // looks the same, so only a second look (a later pass) decides it is not delegated.
+        let mut suspect: std::collections::HashSet<String> = std::collections::HashSet::new();
         let mut sweep = tokio::time::interval(self.sweep_every);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A quick second look at a suspect cgroup (its files were likely still being created).
+        let mut recheck: Option<tokio::time::Instant> = None;
         loop {
             let created_dir = tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = sweep.tick() => None,
+                () = sleep_until(recheck) => { recheck = None; None }
                 r = self.desired.changed() => { if r.is_err() { return } None }
                 r = self.host.changed() => { if r.is_err() { return } None }
                 Some(p) = created.recv() => Some(p),
@@ -203,6 +219,7 @@ impl Writer {
             let desired = self.desired.borrow().clone();
             done.retain(|uid, _| desired.contains_key(uid));
             failures.retain(|uid, _| desired.contains_key(uid));
+            suspect.retain(|uid| desired.contains_key(uid));
             // A new pod cgroup: only that pod. Otherwise every pod not limited yet (or whose limits changed).
             let only = created_dir
                 .as_deref()
@@ -234,6 +251,13 @@ impl Writer {
                         done.insert(uid.clone(), Done::Applied(want.limits.clone()));
                     }
                     WriteOutcome::NoCgroup => {}
+                    WriteOutcome::NotDelegated(_) if suspect.insert(uid.clone()) => {
+                        tracing::debug!(
+                            uid,
+                            "pod cgroup without misc.max yet; looking again shortly"
+                        );
+                        recheck = Some(tokio::time::Instant::now() + RECHECK_AFTER);
+                    }
                     WriteOutcome::NotDelegated(dir) => {
                         let why = format!(
                             "pod cgroup {} has no misc.max (the misc controller is not delegated to it); limits cannot be applied",

@@ -46,6 +46,10 @@ pub struct ScenarioReport {
     pub last: Option<KindStatus>,
     /// Events the webhook recorded on VMIs (`reason: message`).
     pub vmi_events: Vec<String>,
+    /// The `misc.max` the agent set on a running VM's pod cgroup (`tdx 1`), when it did.
+    pub pod_limit: Option<String>,
+    /// A second key charged in that pod was refused by the kernel.
+    pub over_limit_refused: bool,
 }
 
 struct Runner<'a, W: Write> {
@@ -342,6 +346,76 @@ impl<'a, W: Write> Runner<'a, W> {
         Ok(started.is_ok())
     }
 
+    /// Kernel enforcement: the agent has set the running VM's pod cgroup `misc.max` to its request;
+    /// a second TEE VM started in that pod (a process with `/dev/kvm` taking more than it was
+    /// scheduled for) is refused by the kernel.
+    async fn over_limit(&mut self, name: &str) -> Result<()> {
+        let Some(uid) = self
+            .vms
+            .get(name)
+            .and_then(|(_, p)| p.as_ref())
+            .and_then(|p| p.metadata.uid.clone())
+        else {
+            return Ok(());
+        };
+        let step = self.next_step();
+        let deadline = std::time::Instant::now() + REPORT_DEADLINE;
+        let limit = loop {
+            if let Some(Some(n)) = self.sa.host.pod_max(&uid, TDX) {
+                break Some(n);
+            }
+            if std::time::Instant::now() >= deadline {
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let free = self.free();
+        let Some(limit) = limit else {
+            return self.emit(Row {
+                step,
+                object: format!("{name} pod"),
+                who: "agent".into(),
+                decision: "no limit".into(),
+                free,
+                message: "the pod cgroup's misc.max was not set (see the Enforcing condition)"
+                    .into(),
+            });
+        };
+        self.report.pod_limit = Some(format!("{TDX} {limit}"));
+        self.emit(Row {
+            step,
+            object: format!("{name} pod"),
+            who: "agent".into(),
+            decision: "limited".into(),
+            free: free.clone(),
+            message: format!(
+                "misc.max of its pod cgroup is \"{TDX} {limit}\": the key the scheduler counted, enforced by the kernel"
+            ),
+        })?;
+        let refused = self.sa.host.start_vm(&uid, "compute", TDX);
+        self.report.over_limit_refused = refused.is_err();
+        let message = match &refused {
+            Err(e) => format!("a second TEE VM in the pod: refused by the kernel ({e})"),
+            Ok(()) => "a second TEE VM in the pod got a key: the limit did not hold".into(),
+        };
+        if refused.is_ok() {
+            self.sa.host.stop_vm(&uid, "compute", TDX)?;
+        }
+        self.emit(Row {
+            step: String::new(),
+            object: format!("{name} pod"),
+            who: "kernel".into(),
+            decision: if refused.is_err() {
+                "refused"
+            } else {
+                "charged"
+            }
+            .into(),
+            free,
+            message,
+        })
+    }
+
     /// A TDX VM from VMI creation to a running QEMU; false when a webhook or the scheduler refused it.
     async fn launch_vm(&mut self, name: &str) -> Result<bool> {
         let Admitted::Pod(pod) = self.create_vm_pod(name).await? else {
@@ -609,6 +683,7 @@ pub async fn run_scenario<W: Write>(sa: &Standalone, out: &mut W) -> Result<Scen
             }
         }
     }
+    r.over_limit("vm-1").await?;
     Ok(r.report)
 }
 
@@ -625,6 +700,16 @@ pub fn summary(report: &ScenarioReport) -> String {
         "keys in use never exceeded the capacity (peak {} of {}); VMs that failed to start for lack of a key: {}\n",
         report.peak_used, report.capacity, report.failed_starts
     ));
+    if let Some(limit) = &report.pod_limit {
+        out.push_str(&format!(
+            "enforcement: vm-1's pod cgroup has misc.max \"{limit}\"; a second key in it: {}\n",
+            if report.over_limit_refused {
+                "refused by the kernel"
+            } else {
+                "NOT refused"
+            }
+        ));
+    }
     out.push_str(&format!(
         "webhook: {} pods patched, {} pod CREATE{} and {} binding{} refused while no key was free\n",
         report.patched,
