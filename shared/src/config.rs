@@ -19,6 +19,7 @@
 //!   staleReportAfter: 90s
 //!   staleReportPolicy: { podCreate: deny, binding: allow }
 //!   ledgerTtl: 30s
+//!   sharedReservations: true # reservations shared by webhook replicas (TeeReservation per node)
 //! agent:
 //!   advertise: true
 //!   pollInterval: 1s
@@ -167,6 +168,9 @@ pub struct AdmissionConfig {
     pub stale_on_binding: StalePolicy,
     /// How long an admitted-but-not-yet-reported key stays in the webhook's ledger at most.
     pub ledger_ttl: Duration,
+    /// Share reservations between webhook replicas through a `TeeReservation` per node (exact with
+    /// any replica count; one API write per admitted TEE binding).
+    pub shared_reservations: bool,
 }
 
 /// Node agent settings.
@@ -257,6 +261,7 @@ impl Default for AdmissionConfig {
             stale_on_pod_create: StalePolicy::Deny,
             stale_on_binding: StalePolicy::Allow,
             ledger_ttl: Duration::from_secs(30),
+            shared_reservations: true,
         }
     }
 }
@@ -315,6 +320,7 @@ struct RawAdmission {
     stale_report_after: Option<String>,
     stale_report_policy: Option<RawStalePolicy>,
     ledger_ttl: Option<String>,
+    shared_reservations: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -459,6 +465,9 @@ impl Config {
             if let Some(s) = a.ledger_ttl {
                 cfg.admission.ledger_ttl =
                     parse_duration(&s).map_err(|r| err("admission.ledgerTtl".into(), r))?;
+            }
+            if let Some(v) = a.shared_reservations {
+                cfg.admission.shared_reservations = v;
             }
         }
         if let Some(a) = raw.agent {

@@ -18,6 +18,7 @@ pub mod misc;
 pub mod names;
 pub mod ops;
 pub mod pod;
+pub mod reservation;
 pub mod tee;
 pub mod vmi;
 

@@ -68,3 +68,34 @@ fn crd_shape() {
         );
     }
 }
+
+#[test]
+fn chart_reservation_crd_matches_rust_type() {
+    use teeguard_shared::reservation::{RESERVATION_CRD_CHART_PATH, reservation_crd_yaml};
+    let generated = reservation_crd_yaml().expect("generate CRD");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(RESERVATION_CRD_CHART_PATH);
+    if std::env::var_os("TEEGUARD_REGENERATE").is_some() {
+        std::fs::write(&path, &generated).expect("write CRD");
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "cannot read {}: {e}; run `TEEGUARD_REGENERATE=1 cargo test -p teeguard-shared --test crd_drift`",
+            path.display()
+        )
+    });
+    assert!(
+        committed == generated,
+        "{} differs from the CRD generated from teeguard_shared::reservation::TeeReservation; \
+         run `TEEGUARD_REGENERATE=1 cargo test -p teeguard-shared --test crd_drift` and commit the result",
+        path.display()
+    );
+    let crd: serde_json::Value = serde_yaml::from_str(&generated).expect("yaml");
+    assert_eq!(crd["metadata"]["name"], "teereservations.teeguard.dev");
+    assert_eq!(crd["spec"]["scope"], "Cluster");
+    assert!(
+        !generated.contains("uint64"),
+        "no format the API server warns about"
+    );
+}

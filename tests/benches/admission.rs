@@ -231,6 +231,7 @@ fn main() {
         ledger: &ledger,
         events: None,
         metrics: Some(&metrics),
+        shared: None,
     };
 
     // The mutating reviews: one per kind and size, each checked to be a patch from a cache hit (or the

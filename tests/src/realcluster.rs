@@ -114,12 +114,13 @@ impl Cluster {
         Some(cluster)
     }
 
-    /// Install the `TeeCapacity` and `VirtualMachineInstance` CRDs (once; idempotent) and wait until
-    /// both are established.
+    /// Install the `TeeCapacity`, `TeeReservation` and `VirtualMachineInstance` CRDs (once;
+    /// idempotent) and wait until they are established.
     pub async fn install_crds(&self) -> Result<()> {
         let crds: Api<CustomResourceDefinition> = Api::all(self.client.clone());
         let wanted: Vec<CustomResourceDefinition> = vec![
             teeguard_shared::TeeCapacity::crd(),
+            teeguard_shared::reservation::TeeReservation::crd(),
             serde_json::from_value(vmi_crd()).map_err(|e| fail("the VMI CRD", e))?,
         ];
         for crd in &wanted {

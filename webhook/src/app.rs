@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cli::ServeArgs;
 use crate::cluster::caches::Caches;
 use crate::cluster::events::EventSink;
+use crate::cluster::reservations::SharedReservations;
 use crate::decide::ledger::Ledger;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -153,6 +154,17 @@ pub async fn start(
         admin_shutdown.clone(),
     ));
 
+    // One TeeReservation per node, written with resourceVersion preconditions: exact admissions
+    // with any number of replicas (see crate::cluster::reservations).
+    let shared_reservations = config.admission.shared_reservations.then(|| {
+        SharedReservations::new(
+            caches.clone(),
+            config.admission.ledger_ttl,
+            args.api_timeout,
+            replica_name(),
+            metrics.clone(),
+        )
+    });
     let state = AppState {
         config: Arc::new(config),
         caches: caches.clone(),
@@ -164,6 +176,7 @@ pub async fn start(
         validation: ValidationState {
             ledger,
             events: Some(events),
+            shared: shared_reservations,
         },
     };
     let settings = ServerSettings {
@@ -233,4 +246,14 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     tracing::info!(https = %running.https_addr, admin = %running.admin_addr, "teeguard-webhook started");
     tokio::spawn(cancel_on_signal(shutdown));
     running.wait().await
+}
+
+/// This replica's name in shared reservations: the pod's name (`POD_NAME`, from the downward API), else
+/// the host name.
+fn replica_name() -> String {
+    std::env::var("POD_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|n| !n.is_empty()))
+        .unwrap_or_else(|| "teeguard-webhook".into())
 }

@@ -67,6 +67,23 @@ pub enum Cache {
     Nodes,
     /// virt-launcher pods.
     LauncherPods,
+    /// Shared reservations (`TeeReservation`).
+    Reservations,
+}
+
+/// What one shared-reservation step did.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum SharedResult {
+    /// The pod's keys were written to the node's `TeeReservation`.
+    Reserved,
+    /// The pod already held an entry (a retried binding).
+    AlreadyHeld,
+    /// Other replicas' reservations left no key: refused.
+    Refused,
+    /// A write lost a race (409 Conflict): read again and decided again.
+    Conflict,
+    /// The API server could not be reached: decided with this replica's ledger and the stale policy.
+    Fallback,
 }
 
 /// What happened to an `InsufficientTEEKeys` Event on a VMI.
@@ -112,6 +129,14 @@ label_values!(Cache {
     TeeCapacities => "teecapacities",
     Nodes => "nodes",
     LauncherPods => "virt_launcher_pods",
+    Reservations => "teereservations",
+});
+label_values!(SharedResult {
+    Reserved => "reserved",
+    AlreadyHeld => "already_held",
+    Refused => "refused",
+    Conflict => "conflict",
+    Fallback => "fallback",
 });
 label_values!(EventResult {
     Recorded => "recorded",
@@ -151,6 +176,11 @@ struct EventLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SharedLabels {
+    result: SharedResult,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReloadLabels {
     result: ReloadResult,
 }
@@ -183,6 +213,8 @@ pub struct Metrics {
     cert_expiry: Gauge,
     validations: Family<ValidationLabels, Counter>,
     ledger_reservations: Gauge,
+    shared: Family<SharedLabels, Counter>,
+    shared_latency: Histogram,
     vmi_events: Family<EventLabels, Counter>,
 }
 
@@ -198,6 +230,8 @@ impl Metrics {
             cert_expiry: Gauge::default(),
             validations: Family::default(),
             ledger_reservations: Gauge::default(),
+            shared: Family::default(),
+            shared_latency: latency_histogram(),
             vmi_events: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_webhook");
@@ -242,6 +276,16 @@ impl Metrics {
             m.ledger_reservations.clone(),
         );
         r.register(
+            "shared_reservations",
+            "Shared-reservation steps of admitted TEE bindings, by result (reserved, already_held, refused, conflict, fallback)",
+            m.shared.clone(),
+        );
+        r.register(
+            "shared_reservation_duration_seconds",
+            "Time spent on the node's TeeReservation (reads, writes, retries) per admitted TEE binding",
+            m.shared_latency.clone(),
+        );
+        r.register(
             "vmi_events",
             "InsufficientTEEKeys Events on VMIs, by result",
             m.vmi_events.clone(),
@@ -270,6 +314,16 @@ impl Metrics {
     pub fn set_ledger_reservations(&self, n: usize) {
         self.ledger_reservations
             .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Count a shared-reservation step.
+    pub fn shared_reservation(&self, result: SharedResult) {
+        self.shared.get_or_create(&SharedLabels { result }).inc();
+    }
+
+    /// Record the time spent on a shared reservation.
+    pub fn observe_shared_reservation(&self, d: std::time::Duration) {
+        self.shared_latency.observe(d.as_secs_f64());
     }
 
     /// Count an Event outcome.

@@ -464,6 +464,7 @@ pub async fn review_document(
                 ledger: &ledger,
                 events: None,
                 metrics: None,
+                shared: None,
             };
             let validated = review_validation(&vbody, lookups, &ctx)
                 .await

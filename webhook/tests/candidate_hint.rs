@@ -111,6 +111,7 @@ async fn review(lookups: &Counting, ledger: &Ledger) -> (String, usize) {
         ledger,
         events: None,
         metrics: None,
+        shared: None,
     };
     let reviewed = review_validation(&create_review(), lookups, &ctx)
         .await

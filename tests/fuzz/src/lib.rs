@@ -159,6 +159,7 @@ pub fn validate(data: &[u8]) -> Seen {
         ledger: ledger(),
         events: None,
         metrics: None,
+        shared: None,
     };
     let result = run_now(
         teeguard_webhook::web::handlers::validate::review_validation(data, lookups(), &ctx),

@@ -347,6 +347,16 @@ pub(crate) fn builtin() -> Vec<(ResourceDef, Option<&'static str>, View)> {
     .with_list_map("status.conditions", &["type"]);
     teecaps.short_names = vec!["teecap".into()];
 
+    let mut teeres = ResourceDef::custom(
+        "teeguard.dev",
+        "v1alpha1",
+        "teereservations",
+        "TeeReservation",
+        false,
+        false,
+    );
+    teeres.short_names = vec!["teeres".into()];
+
     vec![
         (pods, None, View::Identity),
         (nodes, None, View::Identity),
@@ -356,6 +366,7 @@ pub(crate) fn builtin() -> Vec<(ResourceDef, Option<&'static str>, View)> {
         (leases, None, View::Identity),
         (vmis, None, View::Identity),
         (teecaps, None, View::Identity),
+        (teeres, None, View::Identity),
     ]
 }
 

@@ -3,3 +3,4 @@
 
 pub mod caches;
 pub mod events;
+pub mod reservations;

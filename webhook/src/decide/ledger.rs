@@ -21,13 +21,13 @@
 //! Reservations are keyed by pod UID: a retried binding of the same pod does not reserve twice; a
 //! binding of the same pod to another node moves the reservation.
 //!
-//! # Guarantee and its limits
+//! # Guarantee
 //! Within one replica, concurrent admissions against one node never admit more keys than the report's
-//! `free` (minus what this replica already reserved). Each replica has its own ledger: with N replicas
-//! behind the Service, up to N concurrent admissions (one per replica) may pass against one last key.
-//! The backstops are the scheduler's own accounting of the extended resource (the agent advertises
-//! `capacity − external`, so the scheduler never binds more requesting pods than that) and, last, the
-//! kernel, which refuses the key to the VM that comes too late (its QEMU fails to start).
+//! `free` (minus what this replica already reserved). Across replicas the ledger is the first step:
+//! an admission it allows is then written to the node's shared `TeeReservation` with a
+//! `resourceVersion` precondition ([`super::reservations`], `crate::cluster::reservations`), so
+//! replicas racing for one last key serialize in etcd and exactly one wins. Only when the API server
+//! cannot be reached does a replica decide with its own ledger alone (counted, with a warning).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -280,6 +280,39 @@ impl Ledger {
         (out, reserved)
     }
 
+    /// This replica's live reservations on `node` as `(pod UID, keys)`, except `except_uid` (for the
+    /// shared reservations, which add the ones their object does not list).
+    pub fn held_entries(
+        &self,
+        node: &str,
+        mark: ReportMark<'_>,
+        now: Instant,
+        except_uid: &str,
+    ) -> Vec<(String, KeyRequests)> {
+        if self.reserved.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
+        let mut st = self.lock();
+        let ttl = self.ttl;
+        st.retain_node(node, |r| !r.expired(now, ttl) && !r.counted_in(mark));
+        st.nodes
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter(|r| r.pod_uid != except_uid)
+            .map(|r| (r.pod_uid.clone(), r.keys.clone()))
+            .collect()
+    }
+
+    /// Drop the pod's reservation wherever it is (the shared reservation refused what this replica's
+    /// ledger admitted).
+    pub fn release(&self, pod_uid: &str) {
+        let mut st = self.lock();
+        if let Some(node) = st.pods.get(pod_uid).cloned() {
+            st.retain_node(&node, |r| r.pod_uid != pod_uid);
+        }
+    }
+
     /// Drop every reservation past the TTL (the periodic sweep; reports are checked per node on use).
     /// Returns how many remain.
     pub fn prune_expired(&self, now: Instant) -> usize {
@@ -339,6 +372,32 @@ mod tests {
             let ok = free.saturating_sub(held.get(&TeeKind::Tdx).copied().unwrap_or(0)) >= 1;
             (ok, ok)
         }
+    }
+
+    #[test]
+    fn release_drops_only_that_pods_reservation_and_held_entries_list_the_others() {
+        let ledger = Ledger::new(TTL);
+        let t0 = Instant::now();
+        for uid in ["a", "b", "c"] {
+            ledger.check_and_reserve(
+                "n1",
+                ReportMark::default(),
+                t0,
+                res(uid, 1, t0),
+                admit_if_free(8),
+            );
+        }
+        assert_eq!(ledger.len(), 3);
+        ledger.release("b");
+        assert_eq!(ledger.len(), 2);
+        ledger.release("nope");
+        assert_eq!(ledger.len(), 2);
+        let others: Vec<String> = ledger
+            .held_entries("n1", ReportMark::default(), t0, "a")
+            .into_iter()
+            .map(|(uid, _)| uid)
+            .collect();
+        assert_eq!(others, ["c"]);
     }
 
     #[test]

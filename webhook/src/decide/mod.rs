@@ -8,9 +8,11 @@
 //!   ([`validation::candidates`]: the scan over candidate nodes; [`validation::limits`]: forged or
 //!   changed cgroup-limit annotations).
 //! - [`affinity`]: whether a node matches a pod's node selector and required node affinity.
-//! - [`ledger`]: keys admitted onto a node that its report does not count yet.
+//! - [`ledger`]: keys admitted onto a node that its report does not count yet (this replica);
+//! - [`reservations`]: the same, shared by every replica through a `TeeReservation` per node.
 
 pub mod affinity;
 pub mod ledger;
 pub mod mutation;
+pub mod reservations;
 pub mod validation;

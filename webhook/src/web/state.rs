@@ -54,4 +54,6 @@ pub struct ValidationState {
     pub ledger: Arc<Ledger>,
     /// Where `InsufficientTEEKeys` Events go (`None`: none are recorded).
     pub events: Option<EventSink>,
+    /// Reservations shared by every replica (`None`: `admission.sharedReservations` off).
+    pub shared: Option<crate::cluster::reservations::SharedReservations>,
 }

@@ -25,6 +25,7 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::core::PartialObjectMeta;
 use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
+use teeguard_shared::reservation::TeeReservation;
 use teeguard_shared::{TeeCapacity, VirtualMachineInstance, names};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -153,6 +154,8 @@ pub struct Caches {
     pub nodes: NamedStore<Labels>,
     /// Pods labelled `kubevirt.io=virt-launcher`, reduced to what a binding decision reads.
     pub launcher_pods: NamedStore<CachedLauncherPod>,
+    /// The shared reservations, one `TeeReservation` per node.
+    pub reservations: NamedStore<TeeReservation>,
     synced: Arc<tokio::sync::watch::Receiver<bool>>,
 }
 
@@ -164,6 +167,7 @@ impl Debug for Caches {
             .field("tee_capacities", &self.tee_capacities.len())
             .field("nodes", &self.nodes.len())
             .field("launcher_pods", &self.launcher_pods.len())
+            .field("reservations", &self.reservations.len())
             .field("synced", &self.is_synced())
             .finish()
     }
@@ -217,6 +221,12 @@ impl Caches {
                 .any_semantic(),
             CachedLauncherPod::from,
         );
+        let reservations = b.watch(
+            Cache::Reservations.as_str(),
+            Api::<TeeReservation>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+            |r: TeeReservation| r,
+        );
         let (tasks, ready) = b.finish();
         let (tx, rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
@@ -232,9 +242,15 @@ impl Caches {
             tee_capacities,
             nodes,
             launcher_pods,
+            reservations,
             synced: Arc::new(rx),
         };
         (caches, tasks)
+    }
+
+    /// The client (for the shared reservations' writes).
+    pub fn client(&self) -> &Client {
+        &self.client
     }
 
     /// True once every cache has completed its initial list.

@@ -32,13 +32,18 @@ use axum::extract::{Request, State};
 use axum::response::Response;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{ObjectReference, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use teeguard_shared::config::{Mode, StalePolicy};
 use teeguard_shared::pod::{KeyRequests, PodName, key_requests};
+use teeguard_shared::reservation::KeyReservation;
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
 use crate::cluster::caches::{Lookups, PodLookup};
 use crate::cluster::events::{EventSink, VmiEvent};
+use crate::cluster::reservations::{
+    Outcome as SharedOutcome, Request as SharedRequest, SharedReservations,
+};
 use crate::decide::affinity::node_matches;
 use crate::decide::ledger::{Ledger, ReportMark, Reservation};
 use crate::decide::mutation::{
@@ -46,7 +51,7 @@ use crate::decide::mutation::{
     namespace_exempt,
 };
 use crate::decide::validation::{
-    CandidateScan, Decision, NodeAssessment, Trigger, apply_mode, check_created_limits,
+    CandidateScan, Decision, NodeAssessment, Trigger, Verdict, apply_mode, check_created_limits,
     check_updated_limits, decide_on_node, expected_limits, has_limit_annotations, mode_name,
     namespace_mode, reason,
 };
@@ -84,6 +89,8 @@ pub struct ValidationContext<'a> {
     pub events: Option<&'a EventSink>,
     /// Metrics (`None` offline).
     pub metrics: Option<&'a Metrics>,
+    /// Reservations shared by every replica (`None`: this replica's ledger only, as offline).
+    pub shared: Option<&'a SharedReservations>,
 }
 
 /// The axum handler.
@@ -95,6 +102,7 @@ pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Respons
             ledger: &s.validation.ledger,
             events: s.validation.events.as_ref(),
             metrics: Some(&s.metrics),
+            shared: s.validation.shared.as_ref(),
         };
         review_validation(&body, &s.caches, &ctx).await
     })
@@ -326,7 +334,8 @@ async fn pod_create<L: Lookups>(
                 },
                 lookups,
                 ctx,
-            );
+            )
+            .await;
             Answer::from_decision(REQ, kind, d, Some(node.to_string()), mode)
         }
         None => {
@@ -389,8 +398,9 @@ struct NodeCheck<'a> {
 }
 
 /// Check one node for the pod and, when admitted (and not a dry run), reserve its keys: one atomic
-/// ledger step.
-fn check_node<L: Lookups>(
+/// ledger step, then (with shared reservations) the same decision against every replica's
+/// reservations, recorded in the node's `TeeReservation`.
+async fn check_node<L: Lookups>(
     trigger: Trigger,
     node: &str,
     requests: &KeyRequests,
@@ -410,11 +420,14 @@ fn check_node<L: Lookups>(
         admitted: mono,
     };
     let stale_after = ctx.config.admission.stale_report_after;
+    let decide = |held: &KeyRequests| {
+        let a = NodeAssessment::new(node, requests, status, held, now, stale_after);
+        apply_mode(decide_on_node(trigger, requests, &a, p.policy), p.mode)
+    };
     let (decision, reserved) = ctx
         .ledger
         .check_and_reserve(node, m, mono, candidate, |held| {
-            let a = NodeAssessment::new(node, requests, status, held, now, stale_after);
-            let d = apply_mode(decide_on_node(trigger, requests, &a, p.policy), p.mode);
+            let d = decide(held);
             let reserve = d.reserve && !p.dry_run;
             (d, reserve)
         });
@@ -422,7 +435,78 @@ fn check_node<L: Lookups>(
         metrics.set_ledger_reservations(ctx.ledger.len());
     }
     tracing::debug!(pod = p.pod, node, ?reserved, "ledger");
+    let Some(shared) = ctx.shared.filter(|_| decision.reserve && !p.dry_run) else {
+        return decision;
+    };
+    let mut entry = KeyReservation {
+        pod_uid: p.uid.to_string(),
+        pod: p.pod.to_string(),
+        tdx: None,
+        sev: None,
+        sev_es: None,
+        admitted_at: Time(now),
+        replica: shared.replica().to_string(),
+    };
+    entry.set_keys(requests);
+    let request = SharedRequest {
+        node,
+        candidate: entry,
+        counted_pods: m.counted_pods,
+        local: ctx.ledger.held_entries(node, m, mono, p.uid),
+    };
+    let decision = match shared.reserve(request, decide).await {
+        SharedOutcome::Reserved | SharedOutcome::AlreadyHeld => decision,
+        SharedOutcome::Refused(d) => {
+            ctx.ledger.release(p.uid);
+            tracing::info!(
+                pod = p.pod,
+                node,
+                "another replica's reservations took the keys"
+            );
+            d
+        }
+        SharedOutcome::Unavailable(why) => {
+            tracing::warn!(pod = p.pod, node, error = %why, "shared reservations unavailable; deciding with this replica's ledger and the stale-report policy");
+            shared_fallback(decision, &why, node, p, ctx.ledger)
+        }
+    };
+    if let Some(metrics) = ctx.metrics {
+        metrics.set_ledger_reservations(ctx.ledger.len());
+    }
     decision
+}
+
+/// The API server cannot be reached for the shared reservations: the stale-report policy decides —
+/// `allow` keeps this replica's ledger decision (with a warning), `deny` refuses.
+fn shared_fallback(
+    decision: Decision,
+    why: &str,
+    node: &str,
+    p: NodeCheck<'_>,
+    ledger: &Ledger,
+) -> Decision {
+    let note = format!(
+        "teeguard could not record the reservation shared by its replicas for node {node} ({why})"
+    );
+    match p.policy {
+        StalePolicy::Allow => {
+            let mut d = decision;
+            d.warnings.push(format!(
+                "{note}; decided with this replica's ledger only: a concurrent admission by another replica may take the same key"
+            ));
+            d
+        }
+        StalePolicy::Deny => {
+            ledger.release(p.uid);
+            let refused = Verdict::Refuse {
+                reason: reason::REPORT_UNKNOWN,
+                message: format!(
+                    "{note}; the stale-report policy denies; retry when the API server answers"
+                ),
+            };
+            apply_mode(refused, p.mode)
+        }
+    }
 }
 
 /// In enforce mode, a refusal for lack of keys (not a dry run) puts an Event on the VMI.
@@ -559,7 +643,8 @@ async fn binding<L: Lookups>(
         },
         lookups,
         ctx,
-    );
+    )
+    .await;
     let answer = Answer::from_decision(
         REQ,
         primary_kind(&requests),

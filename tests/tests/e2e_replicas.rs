@@ -1,0 +1,342 @@
+//! Exact admissions with several webhook replicas: the reservations every replica sees, through the
+//! node's `TeeReservation` written with `resourceVersion` preconditions (the fake API server answers a
+//! stale write with 409 Conflict, as a real one does). Three real `teeguard-webhook` processes, one fake
+//! API server; and the fallback when that API server is slow or gone.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::Value;
+use teeguard_shared::TeeKind;
+use teeguard_shared::reservation::TeeReservation;
+use teeguard_tests::e2e::{E2eEnv, WebhookProcess};
+use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, Verb};
+use teeguard_tests::fixtures::{
+    self, NodeBuilder, ReportBuilder, TDX_KEYS, Tee, VirtLauncherPod, Vmi, owned_by, seed_vmi,
+};
+use teeguard_tests::standalone::driver::strip_server_fields;
+
+const TEST_DEADLINE: Duration = Duration::from_secs(240);
+
+async fn bounded<F: Future<Output = ()>>(f: F) {
+    tokio::time::timeout(TEST_DEADLINE, f)
+        .await
+        .expect("the scenario finished within its deadline");
+}
+
+/// A node with `capacity` TDX keys of which `free` are free, its report fresh.
+fn seed_node(api: &FakeApiServer, node: &str, capacity: u64, free: u64) {
+    let mut n = NodeBuilder::new(node).tdx(capacity).to_value();
+    strip_server_fields(&mut n);
+    api.create(&n).expect("node");
+    let report = ReportBuilder::new(node)
+        .kind_with_external(TeeKind::Tdx, capacity, free, 0)
+        .heartbeat_age(Duration::from_secs(1))
+        .to_value();
+    api.create(&report).expect("report");
+}
+
+/// A VMI and its mutated, named virt-launcher pod (as stored after admission).
+fn seed_vm(api: &FakeApiServer, vmi: &str) -> Pod {
+    let uid = seed_vmi(api, &Vmi::new(vmi).tee(Tee::Tdx));
+    let pod = VirtLauncherPod::for_tee(vmi, Tee::Tdx)
+        .request(TDX_KEYS, "1")
+        .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+        .generated_name();
+    let stored = api.create(&owned_by(&pod, &uid)).expect("pod");
+    serde_json::from_value(stored).expect("pod")
+}
+
+/// Wait until every webhook's report cache holds `n` reports.
+async fn wait_reports(webhooks: &[WebhookProcess], n: usize) {
+    let want = format!("teeguard_webhook_cache_objects{{cache=\"teecapacities\"}} {n}");
+    for w in webhooks {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !w.metrics().await.contains(&want) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{want} never reached"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+async fn start(env: &E2eEnv, n: usize) -> Vec<WebhookProcess> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(env.start_webhook(&[]).await.expect("webhook starts"));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once_twenty_times() {
+    bounded(async {
+        const ROUNDS: usize = 20;
+        const BINDINGS: usize = 50;
+        let env = E2eEnv::new("").await.expect("env");
+        let webhooks = start(&env, 3).await;
+        let clients: Vec<_> = webhooks
+            .iter()
+            .map(|w| Arc::new(w.client().expect("client")))
+            .collect();
+        let mut violations = Vec::new();
+        for round in 0..ROUNDS {
+            let node = format!("node-{round:02}");
+            seed_node(&env.api, &node, 31, 1);
+            let pods: Vec<Pod> = (0..BINDINGS)
+                .map(|i| seed_vm(&env.api, &format!("r{round:02}-vm{i:02}")))
+                .collect();
+            wait_reports(&webhooks, round + 1).await;
+            let barrier = Arc::new(tokio::sync::Barrier::new(BINDINGS));
+            let mut tasks = Vec::new();
+            for (i, pod) in pods.iter().enumerate() {
+                let body = serde_json::to_vec(&fixtures::binding_create(pod, &node)).expect("json");
+                let client = clients[i % clients.len()].clone();
+                let barrier = barrier.clone();
+                tasks.push(tokio::spawn(async move {
+                    barrier.wait().await;
+                    client.post_fresh("/validate", &body).await
+                }));
+            }
+            let mut admitted = 0;
+            let mut messages = Vec::new();
+            for t in tasks {
+                let (status, body) = t.await.expect("task").expect("answered");
+                assert_eq!(status, 200);
+                let v: Value = serde_json::from_slice(&body).expect("json");
+                if v["response"]["allowed"] == true {
+                    admitted += 1;
+                } else {
+                    messages.push(
+                        v["response"]["status"]["message"]
+                            .as_str()
+                            .unwrap_or("")
+                            .to_string(),
+                    );
+                }
+            }
+            let usual = messages.iter().all(|m| {
+                m.starts_with(&format!("node {node} cannot host this TDX VM: 0/31 free"))
+                    && m.contains("just admitted, not in the report yet")
+            });
+            if admitted != 1 || messages.len() != BINDINGS - 1 || !usual {
+                violations.push(format!("round {round}: {admitted} admitted; {messages:?}"));
+            }
+            // The node's TeeReservation lists exactly the winner.
+            let res = env
+                .api
+                .get_typed::<TeeReservation>(None, &node)
+                .expect("typed")
+                .expect("TeeReservation exists");
+            if res.spec.reservations.len() != 1 {
+                violations.push(format!(
+                    "round {round}: reservations {:?}",
+                    res.spec.reservations
+                ));
+            }
+        }
+        assert!(
+            violations.is_empty(),
+            "violations:\n{}",
+            violations.join("\n")
+        );
+        let metrics: Vec<String> =
+            futures::future::join_all(webhooks.iter().map(|w| w.metrics())).await;
+        let reserved: usize = metrics
+            .iter()
+            .filter_map(|m| {
+                m.lines()
+                    .find(|l| {
+                        l.starts_with(
+                            "teeguard_webhook_shared_reservations_total{result=\"reserved\"}",
+                        )
+                    })
+                    .and_then(|l| l.rsplit(' ').next()?.parse::<usize>().ok())
+            })
+            .sum();
+        assert_eq!(
+            reserved,
+            ROUNDS,
+            "one shared reservation per round:\n{}",
+            metrics.join("\n")
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run_writes_nothing() {
+    bounded(async {
+        let env = E2eEnv::new("").await.expect("env");
+        let webhooks = start(&env, 2).await;
+        seed_node(&env.api, "node-a", 8, 2);
+        let vm1 = seed_vm(&env.api, "vm-1");
+        let vm2 = seed_vm(&env.api, "vm-2");
+        wait_reports(&webhooks, 1).await;
+        let a = webhooks[0].client().expect("client");
+        let b = webhooks[1].client().expect("client");
+
+        // A dry run decides but reserves nothing: no object appears.
+        let dry = fixtures::AdmissionReviewBuilder::binding(&vm1, "node-a")
+            .dry_run(true)
+            .build();
+        assert!(a.review("/validate", &dry).await.expect("answered").allowed);
+        assert!(
+            env.api
+                .get_typed::<TeeReservation>(None, "node-a")
+                .expect("typed")
+                .is_none()
+        );
+
+        // vm-1 through replica a; its retry through replica b: one entry, one write.
+        let bind1 = fixtures::binding_create(&vm1, "node-a");
+        assert!(
+            a.review("/validate", &bind1)
+                .await
+                .expect("answered")
+                .allowed
+        );
+        let writes = || {
+            env.api
+                .requests()
+                .iter()
+                .filter(|r| {
+                    r.resource.as_deref() == Some("teereservations")
+                        && matches!(r.verb, Verb::Create | Verb::Update)
+                })
+                .count()
+        };
+        assert_eq!(writes(), 1);
+        // Wait until replica b's cache has the object, then retry there.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !webhooks[1]
+            .metrics()
+            .await
+            .contains("teeguard_webhook_cache_objects{cache=\"teereservations\"} 1")
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "replica b never cached the reservation"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            b.review("/validate", &bind1)
+                .await
+                .expect("answered")
+                .allowed
+        );
+        assert_eq!(writes(), 1, "a retried binding writes nothing");
+        let res = env
+            .api
+            .get_typed::<TeeReservation>(None, "node-a")
+            .expect("typed")
+            .expect("exists");
+        assert_eq!(res.spec.reservations.len(), 1);
+        let owner = &res.metadata.owner_references.as_ref().expect("owner")[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str()),
+            ("Node", "node-a")
+        );
+        let node_uid =
+            env.api.get("nodes", None, "node-a").expect("node")["metadata"]["uid"].clone();
+        assert_eq!(Some(owner.uid.as_str()), node_uid.as_str());
+
+        // vm-2 on replica b takes the second key; a third is refused on either replica.
+        assert!(
+            b.review("/validate", &fixtures::binding_create(&vm2, "node-a"))
+                .await
+                .expect("answered")
+                .allowed
+        );
+        let vm3 = seed_vm(&env.api, "vm-3");
+        let r = a
+            .review("/validate", &fixtures::binding_create(&vm3, "node-a"))
+            .await
+            .expect("answered");
+        assert!(!r.allowed, "{:?}", r.raw);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_ledger_and_the_stale_policy() {
+    bounded(async {
+        let mut env = E2eEnv::new("").await.expect("env");
+        let webhooks = start(&env, 1).await;
+        seed_node(&env.api, "node-a", 8, 4);
+        let pods: Vec<Pod> = (0..4)
+            .map(|i| seed_vm(&env.api, &format!("vm-{i}")))
+            .collect();
+        wait_reports(&webhooks, 1).await;
+        let c = webhooks[0].client().expect("client");
+
+        // Slow: every TeeReservation write takes 2 s, past the webhook's 2 s API timeout.
+        let fault = env
+            .api
+            .add_fault(FaultRule::delay(Duration::from_secs(2)).resource("teereservations"));
+        let started = std::time::Instant::now();
+        let r = c
+            .review("/validate", &fixtures::binding_create(&pods[0], "node-a"))
+            .await
+            .expect("answered");
+        let took = started.elapsed();
+        assert!(
+            r.allowed,
+            "binding policy allow keeps the ledger's decision: {:?}",
+            r.raw
+        );
+        assert!(
+            r.warnings.iter().any(|w| w
+                .contains("could not record the reservation shared by its replicas")
+                && w.contains("decided with this replica's ledger only")),
+            "{:?}",
+            r.warnings
+        );
+        assert!(
+            took < Duration::from_secs(3),
+            "bounded by the API timeout: {took:?}"
+        );
+        env.api.remove_fault(fault);
+
+        // Unreachable: the same fallback; and a pod CREATE with spec.nodeName follows its own
+        // stale policy (deny).
+        env.served.stop().await;
+        let r = c
+            .review("/validate", &fixtures::binding_create(&pods[1], "node-a"))
+            .await
+            .expect("answered");
+        assert!(r.allowed, "{:?}", r.raw);
+        assert!(!r.warnings.is_empty());
+        let mut bound = fixtures::to_value(&pods[2]);
+        bound["spec"]["nodeName"] = Value::String("node-a".into());
+        let r = c
+            .review(
+                "/validate",
+                &fixtures::AdmissionReviewBuilder::create(bound).build(),
+            )
+            .await
+            .expect("answered");
+        assert!(!r.allowed, "pod CREATE policy deny: {:?}", r.raw);
+        assert!(
+            r.explanation().contains("stale-report policy denies"),
+            "{}",
+            r.explanation()
+        );
+        // The replica's own ledger still counts what it admitted: 4 free − 2 admitted leaves 2.
+        let metrics = webhooks[0].metrics().await;
+        assert!(
+            metrics.contains("teeguard_webhook_shared_reservations_total{result=\"fallback\"} 3"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("teeguard_webhook_ledger_reservations 2"),
+            "{metrics}"
+        );
+        env.served.restart().await.expect("back");
+    })
+    .await;
+}
