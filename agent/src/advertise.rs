@@ -16,10 +16,27 @@
 //! from the host or advertising is switched off (`agent.advertise: false`), never on shutdown: running
 //! pods rely on it.
 //!
+//! NFD arriving and leaving ([`Advertiser`] remembers what the Node alone does not show):
+//!
+//! - NFD takes a name over with two writes: first the value (`replace` of capacity and allocatable, or
+//!   `add` of capacity), then its annotation. In between, the Node shows a value teeguard did not write
+//!   under a name teeguard still claims. The agent does not write it back at once: it waits
+//!   [`OVERWRITE_GRACE`] for the writer to list the name in NFD's annotation, then releases its claim
+//!   and leaves NFD's value alone. Nothing is removed, so the value is never absent or 0 on the way. A
+//!   writer that never claims the name (a script, a kubelet re-registration) has the agent's value
+//!   restored after the grace; an absent or 0 value is restored at once.
+//! - NFD drops a name with two writes too: first it removes the value (capacity and allocatable), then
+//!   the name from its annotation. Once the annotation no longer lists it, the agent claims the name
+//!   and writes its value again at once (the Node watch wakes it): the value is absent from NFD's
+//!   first write to the agent's second, a few API round trips. If NFD's value stayed on the Node, the
+//!   agent replaces it without any gap, because it remembers that NFD held the name (in memory: after
+//!   an agent restart, a left-over value counts as another manager's).
+//!
 //! [`plan`] is pure: (Node, desired values) → the writes needed (none when the Node already shows them).
-//! [`apply`] performs them.
+//! [`plan_with`] adds what the agent remembers ([`History`]). [`apply`] performs the writes.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
 
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch as JsonPatch, PatchOperation, RemoveOperation};
@@ -39,6 +56,10 @@ use crate::error::{Error, Result};
 
 /// NFD's default namespace for resource names listed without one in its annotation.
 const NFD_DEFAULT_NS: &str = "feature.node.kubernetes.io";
+
+/// How long the agent leaves a value someone else wrote under a name it owns before writing its own
+/// back: NFD writes the value first and lists the name in its annotation right after.
+pub const OVERWRITE_GRACE: Duration = Duration::from_secs(5);
 
 /// What the agent wants the Node to show.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,6 +83,43 @@ impl Desired {
     }
 }
 
+/// Who else sets a resource the agent leaves alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Manager {
+    /// Node Feature Discovery: its `nfd.node.kubernetes.io/extended-resources` annotation lists it
+    /// (for TEE keys, kata-deploy's NodeFeatureRule).
+    Nfd,
+    /// The Node already had it and teeguard did not add it (a device plugin or another tool).
+    Other,
+    /// Someone just replaced teeguard's value without claiming the name; teeguard waits up to
+    /// [`OVERWRITE_GRACE`] for NFD to list it, then writes its own value back.
+    Overwritten,
+}
+
+impl Manager {
+    /// Why the agent thinks so, for the `Advertising` condition.
+    pub fn evidence(self) -> String {
+        match self {
+            Manager::Nfd => format!("its {NFD_EXTENDED_RESOURCES_ANNOTATION} annotation lists it"),
+            Manager::Other => "the Node had it and teeguard did not add it".into(),
+            Manager::Overwritten => format!(
+                "it just replaced teeguard's value; teeguard writes its own back within {} s unless NFD lists the name",
+                OVERWRITE_GRACE.as_secs()
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Manager::Nfd => "node-feature-discovery",
+            Manager::Other => "another manager",
+            Manager::Overwritten => "an unknown writer",
+        })
+    }
+}
+
 /// How one kind the host has is advertised.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KindAdvert {
@@ -72,7 +130,9 @@ pub enum KindAdvert {
     /// Another manager owns the resource on this Node; the agent leaves it alone.
     OwnedByOther {
         /// Who, as far as the agent can tell.
-        owner: String,
+        manager: Manager,
+        /// The value the Node shows (capacity), if any and whole.
+        value: Option<u64>,
     },
 }
 
@@ -136,8 +196,33 @@ pub struct Plan {
     pub outcome: AdvertiseOutcome,
 }
 
-/// Compute the writes for `node` (pure).
+/// What the agent remembers about the Node that the Node itself no longer shows (see [`Advertiser`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct History {
+    /// Resources NFD listed while this agent watched: once NFD's annotation no longer lists one, the
+    /// agent takes it back even when NFD left its value on the Node.
+    pub yielded: BTreeSet<String>,
+    /// Resources teeguard claims whose value someone else just replaced (non-zero): left alone for now,
+    /// NFD may be about to list them.
+    pub overwritten: BTreeSet<String>,
+}
+
+/// Compute the writes for `node` (pure), knowing nothing about the Node's past.
 pub fn plan(node: &Node, desired: &Desired, resources: &ResourcesConfig) -> Plan {
+    plan_with(node, desired, resources, &History::default())
+}
+
+fn whole(q: Option<&Quantity>) -> Option<u64> {
+    q.and_then(|q| teeguard_shared::pod::parse_whole_quantity(&q.0))
+}
+
+/// Compute the writes for `node` (pure), with what the agent remembers.
+pub fn plan_with(
+    node: &Node,
+    desired: &Desired,
+    resources: &ResourcesConfig,
+    history: &History,
+) -> Plan {
     let annotations = node.metadata.annotations.as_ref();
     let ours_before = parse_list(
         annotations.and_then(|a| a.get(AGENT_EXTENDED_RESOURCES_ANNOTATION)),
@@ -174,9 +259,8 @@ pub fn plan(node: &Node, desired: &Desired, resources: &ResourcesConfig) -> Plan
                 outcome.per_kind.insert(
                     kind,
                     KindAdvert::OwnedByOther {
-                        owner: format!(
-                            "node-feature-discovery (listed in the {NFD_EXTENDED_RESOURCES_ANNOTATION} annotation)"
-                        ),
+                        manager: Manager::Nfd,
+                        value: whole(capacity.and_then(|c| c.get(name))),
                     },
                 );
             }
@@ -185,12 +269,23 @@ pub fn plan(node: &Node, desired: &Desired, resources: &ResourcesConfig) -> Plan
         match want {
             Some(value) if desired.enabled => {
                 let on_node = capacity.and_then(|c| c.get(name));
-                if on_node.is_some() && !ours {
+                // A value NFD left behind when it dropped the name is taken back, like an absent one.
+                if on_node.is_some() && !ours && !history.yielded.contains(name) {
                     outcome.per_kind.insert(
                         kind,
                         KindAdvert::OwnedByOther {
-                            owner: "another manager (the Node already has it and teeguard did not add it)"
-                                .to_string(),
+                            manager: Manager::Other,
+                            value: whole(on_node),
+                        },
+                    );
+                    continue;
+                }
+                if ours && history.overwritten.contains(name) {
+                    outcome.per_kind.insert(
+                        kind,
+                        KindAdvert::OwnedByOther {
+                            manager: Manager::Overwritten,
+                            value: whole(on_node),
                         },
                     );
                     continue;
@@ -261,6 +356,125 @@ pub fn status_patch(
             NodeWrite::Status(p) => Some(p),
             NodeWrite::Annotation(_) => None,
         })
+}
+
+/// The agent's advertising with memory: [`plan_with`] plus what the Node alone does not show, namely
+/// which names NFD held while the agent watched, and which value the agent last wrote (to notice a
+/// writer replacing it). Memory only: a restarted agent starts from the Node as it finds it.
+#[derive(Clone, Debug)]
+pub struct Advertiser {
+    grace: Duration,
+    /// The value the agent last saw applied per name it claims.
+    written: BTreeMap<String, u64>,
+    /// What `written` becomes once the last plan's writes are applied.
+    planned: BTreeMap<String, u64>,
+    /// Names NFD listed while the agent watched.
+    yielded: BTreeSet<String>,
+    /// Since when a name the agent claims has shown someone else's value.
+    overwritten_since: BTreeMap<String, Instant>,
+}
+
+impl Default for Advertiser {
+    fn default() -> Self {
+        Advertiser::new(OVERWRITE_GRACE)
+    }
+}
+
+impl Advertiser {
+    /// An advertiser that leaves someone else's value under a claimed name alone for `grace`.
+    pub fn new(grace: Duration) -> Self {
+        Advertiser {
+            grace,
+            written: BTreeMap::new(),
+            planned: BTreeMap::new(),
+            yielded: BTreeSet::new(),
+            overwritten_since: BTreeMap::new(),
+        }
+    }
+
+    /// The names NFD held while the agent watched and has not handed back yet.
+    pub fn yielded(&self) -> &BTreeSet<String> {
+        &self.yielded
+    }
+
+    /// The writes for `node` now. Call [`Advertiser::applied`] once they succeeded (a plan without
+    /// writes needs no call).
+    pub fn plan(
+        &mut self,
+        node: &Node,
+        desired: &Desired,
+        resources: &ResourcesConfig,
+        now: Instant,
+    ) -> Plan {
+        let annotations = node.metadata.annotations.as_ref();
+        let ours = parse_list(
+            annotations.and_then(|a| a.get(AGENT_EXTENDED_RESOURCES_ANNOTATION)),
+            None,
+        );
+        let nfd = parse_list(
+            annotations.and_then(|a| a.get(NFD_EXTENDED_RESOURCES_ANNOTATION)),
+            Some(NFD_DEFAULT_NS),
+        );
+        let capacity = node.status.as_ref().and_then(|s| s.capacity.as_ref());
+        let names: BTreeSet<&str> = TeeKind::ALL
+            .iter()
+            .map(|k| resources.resource_name(*k))
+            .collect();
+
+        // A claimed name now showing a non-zero value the agent did not write: someone else wrote it.
+        let mut overwritten = BTreeSet::new();
+        for name in &ours {
+            let seen = whole(capacity.and_then(|c| c.get(name)));
+            match (self.written.get(name), seen) {
+                (Some(w), Some(v)) if v != *w && v > 0 && !nfd.contains(name) => {
+                    let since = *self.overwritten_since.entry(name.clone()).or_insert(now);
+                    if now.saturating_duration_since(since) < self.grace {
+                        overwritten.insert(name.clone());
+                    }
+                }
+                _ => {
+                    self.overwritten_since.remove(name);
+                }
+            }
+        }
+        self.overwritten_since.retain(|n, _| ours.contains(n));
+        // A name back in the agent's annotation has been handed back.
+        self.yielded.retain(|n| !ours.contains(n));
+        self.yielded
+            .extend(nfd.iter().filter(|n| names.contains(n.as_str())).cloned());
+
+        let history = History {
+            yielded: self.yielded.clone(),
+            overwritten,
+        };
+        let plan = plan_with(node, desired, resources, &history);
+        self.planned = plan
+            .outcome
+            .per_kind
+            .iter()
+            .filter_map(|(kind, a)| {
+                let name = resources.resource_name(*kind);
+                match a {
+                    KindAdvert::Advertised(v) => Some((name.to_string(), *v)),
+                    // Still waiting for the writer to claim it: keep comparing with our own value.
+                    KindAdvert::OwnedByOther {
+                        manager: Manager::Overwritten,
+                        ..
+                    } => self.written.get(name).map(|w| (name.to_string(), *w)),
+                    _ => None,
+                }
+            })
+            .collect();
+        if plan.writes.is_empty() {
+            self.applied();
+        }
+        plan
+    }
+
+    /// The last plan's writes were applied.
+    pub fn applied(&mut self) {
+        self.written = self.planned.clone();
+    }
 }
 
 fn set_ops(
@@ -470,9 +684,8 @@ mod tests {
                 outcome: vec![(
                     TeeKind::Tdx,
                     KindAdvert::OwnedByOther {
-                        owner: format!(
-                            "node-feature-discovery (listed in the {NFD_EXTENDED_RESOURCES_ANNOTATION} annotation)"
-                        ),
+                        manager: Manager::Nfd,
+                        value: Some(16),
                     },
                 )],
             },
@@ -488,9 +701,8 @@ mod tests {
                 outcome: vec![(
                     TeeKind::Tdx,
                     KindAdvert::OwnedByOther {
-                        owner: format!(
-                            "node-feature-discovery (listed in the {NFD_EXTENDED_RESOURCES_ANNOTATION} annotation)"
-                        ),
+                        manager: Manager::Nfd,
+                        value: Some(16),
                     },
                 )],
             },
@@ -506,9 +718,8 @@ mod tests {
                 outcome: vec![(
                     TeeKind::Tdx,
                     KindAdvert::OwnedByOther {
-                        owner:
-                            "another manager (the Node already has it and teeguard did not add it)"
-                                .into(),
+                        manager: Manager::Other,
+                        value: Some(16),
                     },
                 )],
             },
@@ -631,5 +842,261 @@ mod tests {
             Some(4),
             "whole maps for the first kind, members for the second"
         );
+    }
+
+    /// The Node after `writes`, as the API server would apply them.
+    fn applied(n: &Node, writes: &[NodeWrite]) -> Node {
+        let mut doc = serde_json::to_value(n).expect("node json");
+        for w in writes {
+            match w {
+                NodeWrite::Annotation(v) => {
+                    doc["metadata"]["annotations"][AGENT_EXTENDED_RESOURCES_ANNOTATION] = json!(v);
+                    if v.is_none() {
+                        doc["metadata"]["annotations"]
+                            .as_object_mut()
+                            .expect("annotations")
+                            .remove(AGENT_EXTENDED_RESOURCES_ANNOTATION);
+                    }
+                }
+                NodeWrite::Status(p) => json_patch::patch(&mut doc, p).expect("applies"),
+            }
+        }
+        serde_json::from_value(doc).expect("node")
+    }
+
+    /// A JSON Patch as NFD's nfd-master sends it (status or metadata).
+    fn nfd_patch(n: &Node, ops: serde_json::Value) -> Node {
+        let mut doc = serde_json::to_value(n).expect("node json");
+        let p: JsonPatch = serde_json::from_value(ops).expect("patch");
+        json_patch::patch(&mut doc, &p).expect("NFD's patch applies");
+        serde_json::from_value(doc).expect("node")
+    }
+
+    fn tdx_value(n: &Node, field: &str) -> Option<String> {
+        let s = n.status.as_ref()?;
+        let m = if field == "capacity" {
+            s.capacity.as_ref()
+        } else {
+            s.allocatable.as_ref()
+        }?;
+        m.get(TDX_RES).map(|q| q.0.clone())
+    }
+
+    /// The agent's node after it advertised 13 TDX keys (capacity 16 − 3 external).
+    fn advertised_13(adv: &mut Advertiser, d: &Desired, res: &ResourcesConfig, t: Instant) -> Node {
+        let n = node(
+            json!({}),
+            Some(json!({"cpu": "8"})),
+            Some(json!({"cpu": "8"})),
+        );
+        let p = adv.plan(&n, d, res, t);
+        adv.applied();
+        let n = applied(&n, &p.writes);
+        assert_eq!(tdx_value(&n, "allocatable").as_deref(), Some("13"));
+        assert_eq!(adv.plan(&n, d, res, t).writes, vec![], "settled");
+        n
+    }
+
+    #[test]
+    fn nfd_taking_the_name_over_keeps_its_value_and_the_agent_only_releases_its_claim() {
+        let res = ResourcesConfig::default();
+        let d = desired(true, &[(TeeKind::Tdx, 13)]);
+        let t0 = Instant::now();
+        let mut adv = Advertiser::default();
+        let n = advertised_13(&mut adv, &d, &res, t0);
+        // nfd-master, first write: its value replaces ours (status), ...
+        let n = nfd_patch(
+            &n,
+            json!([
+                {"op": "replace", "path": "/status/capacity/tdx.intel.com~1keys", "value": "16"},
+                {"op": "replace", "path": "/status/allocatable/tdx.intel.com~1keys", "value": "16"},
+            ]),
+        );
+        let p = adv.plan(&n, &d, &res, t0 + Duration::from_millis(50));
+        assert_eq!(
+            p.writes,
+            vec![],
+            "someone else's value is not written over at once"
+        );
+        assert_eq!(
+            p.outcome.per_kind.get(&TeeKind::Tdx),
+            Some(&KindAdvert::OwnedByOther {
+                manager: Manager::Overwritten,
+                value: Some(16)
+            })
+        );
+        // ... second write: its annotation lists the name. The agent releases its claim, nothing else.
+        let n = nfd_patch(
+            &n,
+            json!([{"op": "add", "path": "/metadata/annotations/nfd.node.kubernetes.io~1extended-resources", "value": TDX_RES}]),
+        );
+        let p = adv.plan(&n, &d, &res, t0 + Duration::from_millis(100));
+        assert_eq!(p.writes, vec![ann(None)]);
+        adv.applied();
+        let n = applied(&n, &p.writes);
+        assert_eq!(tdx_value(&n, "capacity").as_deref(), Some("16"));
+        assert_eq!(tdx_value(&n, "allocatable").as_deref(), Some("16"));
+        assert!(adv.yielded().contains(TDX_RES));
+        // Long after: still NFD's.
+        let later = adv.plan(&n, &d, &res, t0 + OVERWRITE_GRACE * 3);
+        assert_eq!(later.writes, vec![]);
+        assert_eq!(
+            later.outcome.per_kind.get(&TeeKind::Tdx),
+            Some(&KindAdvert::OwnedByOther {
+                manager: Manager::Nfd,
+                value: Some(16)
+            })
+        );
+    }
+
+    #[test]
+    fn a_writer_that_never_claims_the_name_gets_the_agents_value_back_after_the_grace() {
+        let res = ResourcesConfig::default();
+        let d = desired(true, &[(TeeKind::Tdx, 13)]);
+        let t0 = Instant::now();
+        let mut adv = Advertiser::default();
+        let n = advertised_13(&mut adv, &d, &res, t0);
+        let n = nfd_patch(
+            &n,
+            json!([{"op": "replace", "path": "/status/capacity/tdx.intel.com~1keys", "value": "20"}]),
+        );
+        assert_eq!(adv.plan(&n, &d, &res, t0).writes, vec![]);
+        assert_eq!(
+            adv.plan(
+                &n,
+                &d,
+                &res,
+                t0 + OVERWRITE_GRACE - Duration::from_millis(1)
+            )
+            .writes,
+            vec![]
+        );
+        let p = adv.plan(&n, &d, &res, t0 + OVERWRITE_GRACE);
+        assert_eq!(
+            p.writes,
+            vec![patch(json!([
+                {"op": "add", "path": "/status/capacity/tdx.intel.com~1keys", "value": "13"},
+            ]))]
+        );
+        adv.applied();
+        let n = applied(&n, &p.writes);
+        // Back to normal: a later change by the same writer gets a new grace.
+        assert_eq!(adv.plan(&n, &d, &res, t0 + OVERWRITE_GRACE).writes, vec![]);
+        let n = nfd_patch(
+            &n,
+            json!([{"op": "replace", "path": "/status/capacity/tdx.intel.com~1keys", "value": "20"}]),
+        );
+        let t1 = t0 + OVERWRITE_GRACE * 2;
+        assert_eq!(adv.plan(&n, &d, &res, t1).writes, vec![]);
+    }
+
+    #[test]
+    fn a_removed_or_zeroed_value_is_restored_at_once() {
+        let res = ResourcesConfig::default();
+        let d = desired(true, &[(TeeKind::Tdx, 13)]);
+        let t0 = Instant::now();
+        for wipe in [
+            json!([
+                {"op": "replace", "path": "/status/capacity/tdx.intel.com~1keys", "value": "0"},
+                {"op": "replace", "path": "/status/allocatable/tdx.intel.com~1keys", "value": "0"},
+            ]),
+            json!([
+                {"op": "remove", "path": "/status/capacity/tdx.intel.com~1keys"},
+                {"op": "remove", "path": "/status/allocatable/tdx.intel.com~1keys"},
+            ]),
+        ] {
+            let mut adv = Advertiser::default();
+            let n = advertised_13(&mut adv, &d, &res, t0);
+            let n = nfd_patch(&n, wipe.clone());
+            let p = adv.plan(&n, &d, &res, t0);
+            let n = applied(&n, &p.writes);
+            assert_eq!(tdx_value(&n, "capacity").as_deref(), Some("13"), "{wipe}");
+            assert_eq!(
+                tdx_value(&n, "allocatable").as_deref(),
+                Some("13"),
+                "{wipe}"
+            );
+        }
+    }
+
+    /// A node NFD owns `tdx.intel.com/keys` on (value 16), seen by `adv` once.
+    fn nfd_owned(adv: &mut Advertiser, d: &Desired, res: &ResourcesConfig, t: Instant) -> Node {
+        let n = node(
+            json!({NFD_EXTENDED_RESOURCES_ANNOTATION: TDX_RES}),
+            Some(json!({TDX_RES: "16"})),
+            Some(json!({TDX_RES: "16"})),
+        );
+        assert_eq!(adv.plan(&n, d, res, t).writes, vec![]);
+        n
+    }
+
+    #[test]
+    fn nfd_dropping_the_name_but_leaving_its_value_hands_it_back_without_a_gap() {
+        let res = ResourcesConfig::default();
+        let d = desired(true, &[(TeeKind::Tdx, 13)]);
+        let t0 = Instant::now();
+        let mut adv = Advertiser::default();
+        let n = nfd_owned(&mut adv, &d, &res, t0);
+        let n = nfd_patch(
+            &n,
+            json!([{"op": "remove", "path": "/metadata/annotations/nfd.node.kubernetes.io~1extended-resources"}]),
+        );
+        let p = adv.plan(&n, &d, &res, t0);
+        assert_eq!(
+            p.writes,
+            vec![
+                ann(Some(TDX_RES)),
+                patch(json!([
+                    {"op": "add", "path": "/status/capacity/tdx.intel.com~1keys", "value": "13"},
+                    {"op": "add", "path": "/status/allocatable/tdx.intel.com~1keys", "value": "13"},
+                ])),
+            ],
+            "claim, then replace the value in place (never remove it)"
+        );
+        adv.applied();
+        let n = applied(&n, &p.writes);
+        assert_eq!(adv.plan(&n, &d, &res, t0).writes, vec![]);
+        assert!(adv.yielded().is_empty());
+        // A restarted agent does not know NFD held it: a left-over value is another manager's.
+        let left_over = nfd_patch(
+            &nfd_owned(&mut Advertiser::default(), &d, &res, t0),
+            json!([{"op": "remove", "path": "/metadata/annotations/nfd.node.kubernetes.io~1extended-resources"}]),
+        );
+        let fresh = Advertiser::default().plan(&left_over, &d, &res, t0);
+        assert_eq!(fresh.writes, vec![]);
+        assert_eq!(
+            fresh.outcome.per_kind.get(&TeeKind::Tdx),
+            Some(&KindAdvert::OwnedByOther {
+                manager: Manager::Other,
+                value: Some(16)
+            })
+        );
+    }
+
+    #[test]
+    fn nfd_removing_its_value_and_name_has_the_agent_add_its_own_in_one_step() {
+        let res = ResourcesConfig::default();
+        let d = desired(true, &[(TeeKind::Tdx, 13)]);
+        let t0 = Instant::now();
+        let mut adv = Advertiser::default();
+        let n = nfd_owned(&mut adv, &d, &res, t0);
+        // nfd-master, first write: remove the value. NFD still lists it: the agent waits.
+        let n = nfd_patch(
+            &n,
+            json!([
+                {"op": "remove", "path": "/status/capacity/tdx.intel.com~1keys"},
+                {"op": "remove", "path": "/status/allocatable/tdx.intel.com~1keys"},
+            ]),
+        );
+        assert_eq!(adv.plan(&n, &d, &res, t0).writes, vec![]);
+        // Second write: the annotation no longer lists it.
+        let n = nfd_patch(
+            &n,
+            json!([{"op": "remove", "path": "/metadata/annotations/nfd.node.kubernetes.io~1extended-resources"}]),
+        );
+        let p = adv.plan(&n, &d, &res, t0);
+        let n = applied(&n, &p.writes);
+        assert_eq!(tdx_value(&n, "capacity").as_deref(), Some("13"));
+        assert_eq!(tdx_value(&n, "allocatable").as_deref(), Some("13"));
     }
 }

@@ -20,6 +20,7 @@
 //! | `teeguard_agent_limit_mismatches_total` | counter | `mechanism` |
 //! | `teeguard_agent_limit_failures_total` | counter | `mechanism` |
 //! | `teeguard_agent_nri_connected` | gauge (0/1) | |
+//! | `teeguard_agent_enforcing` | gauge (0/1): the `Enforcing` condition is True | |
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -96,6 +97,8 @@ pub struct Metrics {
     limit_failures: Family<MechanismLabel, Counter>,
     /// 1 while the NRI plugin is registered with the runtime.
     pub nri_connected: Gauge,
+    /// 1 while the `Enforcing` condition is True (pods' key limits are applied), else 0.
+    pub enforcing: Gauge,
 }
 
 impl Metrics {
@@ -123,6 +126,7 @@ impl Metrics {
             limit_mismatches: Family::default(),
             limit_failures: Family::default(),
             nri_connected: Gauge::default(),
+            enforcing: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_agent");
         r.register(
@@ -225,7 +229,17 @@ impl Metrics {
             "1 while the NRI plugin is registered with the container runtime",
             m.nri_connected.clone(),
         );
+        r.register(
+            "enforcing",
+            "1 while the Enforcing condition is True (pods' key limits are applied), 0 otherwise",
+            m.enforcing.clone(),
+        );
         m
+    }
+
+    /// Follow the `Enforcing` condition: 1 when True, 0 otherwise.
+    pub fn set_enforcing(&self, condition: &crate::report::ConditionSpec) {
+        self.enforcing.set(i64::from(condition.status == "True"));
     }
 
     /// Count an applied limit.
@@ -344,5 +358,32 @@ mod tests {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &reg).expect("encode");
         assert!(!out.contains("kind=\"tdx\""), "{out}");
+    }
+
+    #[test]
+    fn enforcing_gauge_is_1_only_while_the_enforcing_condition_is_true() {
+        let mut reg = Registry::default();
+        let m = Metrics::new(&mut reg);
+        let encoded = |reg: &Registry| {
+            let mut out = String::new();
+            prometheus_client::encoding::text::encode(&mut out, reg).expect("encode");
+            out
+        };
+        assert!(encoded(&reg).contains("teeguard_agent_enforcing 0\n"));
+        let spec = |status: &'static str| crate::report::ConditionSpec {
+            type_: "Enforcing",
+            status,
+            reason: "NriPlugin",
+            message: String::new(),
+        };
+        m.set_enforcing(&spec("True"));
+        assert!(encoded(&reg).contains("teeguard_agent_enforcing 1\n"));
+        for status in ["False", "Unknown"] {
+            m.set_enforcing(&spec(status));
+            assert!(
+                encoded(&reg).contains("teeguard_agent_enforcing 0\n"),
+                "{status}"
+            );
+        }
     }
 }

@@ -24,7 +24,7 @@ use teeguard_shared::crd::{KindStatus, MAX_COUNTED_PODS, TeeCapacityStatus};
 use teeguard_shared::misc::CgroupLayout;
 use teeguard_shared::names::{conditions as ct, reasons};
 
-use crate::advertise::{AdvertiseOutcome, KindAdvert};
+use crate::advertise::{AdvertiseOutcome, KindAdvert, Manager};
 use crate::attribution::{
     Accounting, AttributionInput, CountedPod, KindCounts, KindFigures, PodSummary, attribute,
     counted,
@@ -293,8 +293,8 @@ fn advertising_condition(
         let name = resources.resource_name(*kind);
         match a {
             KindAdvert::Advertised(v) => advertised.push(format!("{name}={v}")),
-            KindAdvert::OwnedByOther { owner } => {
-                foreign.push(format!("{name} is managed by {owner}; left alone"))
+            KindAdvert::OwnedByOther { manager, value } => {
+                foreign.push(owned_by_other(name, *manager, *value, figures.get(kind)))
             }
             KindAdvert::Disabled => {}
         }
@@ -318,6 +318,52 @@ fn advertising_condition(
     } else {
         cond(ct::ADVERTISING, false, reasons::OWNED_BY_OTHER, msg)
     }
+}
+
+/// README section that tells how to hand a name NFD holds to teeguard.
+pub const HANDOVER_SECTION: &str = "Handing the key resources to teeguard";
+
+/// What a resource someone else manages means for the scheduler, with the numbers: the value on the
+/// Node against what teeguard would advertise (`capacity − external`), and what to do about it.
+pub fn owned_by_other(
+    name: &str,
+    manager: Manager,
+    value: Option<u64>,
+    figures: Option<&KindFigures>,
+) -> String {
+    let shown = match value {
+        Some(v) => format!("value {v}"),
+        None => "no value on the Node".to_string(),
+    };
+    let mut msg = format!(
+        "{name} is managed by {manager} ({}; {shown})",
+        manager.evidence()
+    );
+    if let Some(f) = figures {
+        let would = f.advertisable();
+        msg.push_str(&format!(
+            "; teeguard would advertise {would} (capacity {} − {} held outside Kubernetes)",
+            f.capacity, f.external
+        ));
+        msg.push_str(&match value {
+            Some(v) if v > would => {
+                ": the scheduler may place pods on keys that are not free".to_string()
+            }
+            Some(v) if v == would => ": the same for now, but keys taken outside Kubernetes later stay invisible to the scheduler".to_string(),
+            Some(v) => format!(": the scheduler leaves {} usable keys idle", would - v),
+            None => ": the scheduler places no pod that needs it on this node".to_string(),
+        });
+    }
+    match manager {
+        Manager::Nfd => msg.push_str(&format!(
+            ". Hand the name to teeguard: see README '{HANDOVER_SECTION}'"
+        )),
+        Manager::Other => msg.push_str(
+            ". To have teeguard advertise it, stop whatever sets it and remove it from the Node's status",
+        ),
+        Manager::Overwritten => {}
+    }
+    msg
 }
 
 /// Apply timestamps: keep a previous condition's `lastTransitionTime` when its status is unchanged.
@@ -647,7 +693,8 @@ mod tests {
                 advertising: outcome(&[(
                     TeeKind::Tdx,
                     KindAdvert::OwnedByOther {
-                        owner: "node-feature-discovery".into(),
+                        manager: Manager::Nfd,
+                        value: Some(16),
                     },
                 )]),
                 want: vec![
@@ -893,5 +940,146 @@ mod tests {
         assert_eq!(listed.len(), MAX_COUNTED_PODS);
         assert_eq!(listed[0], "new");
         assert_eq!(listed[1..], old[..MAX_COUNTED_PODS - 1]);
+    }
+
+    fn tdx_figures(capacity: u64, external: u64) -> KindFigures {
+        KindFigures {
+            capacity,
+            kernel_used: external + 1,
+            pods_used: 1,
+            external,
+            pending: 0,
+            free: capacity - external - 1,
+        }
+    }
+
+    #[test]
+    fn advertising_condition_says_nfd_advertises_keys_held_outside_kubernetes_with_the_numbers() {
+        let res = ResourcesConfig::default();
+        // The host: 16 TDX keys, a VM pod holding 1, 3 held outside Kubernetes; NFD shows 16.
+        let kernel = KernelView {
+            last_good: Some(scan(
+                &[(TeeKind::Tdx, 16)],
+                &[(TeeKind::Tdx, 4)],
+                Accounting::PerPod,
+            )),
+            error: None,
+        };
+        let pods = vec![PodSummary {
+            uid: "vm1".into(),
+            name: "ns/vm1".into(),
+            phase: PodPhase::Running,
+            requests: KindCounts::from_pairs([(TeeKind::Tdx, 1)]),
+        }];
+        let figures = kernel.figures(&pods);
+        let adv = outcome(&[(
+            TeeKind::Tdx,
+            KindAdvert::OwnedByOther {
+                manager: Manager::Nfd,
+                value: Some(16),
+            },
+        )]);
+        let specs = conditions(&kernel, &figures, &adv, &res);
+        let c = find(&specs, ct::ADVERTISING).expect("Advertising");
+        assert_eq!((c.status, c.reason), ("False", reasons::OWNED_BY_OTHER));
+        assert_eq!(
+            c.message,
+            "tdx.intel.com/keys is managed by node-feature-discovery (its \
+             nfd.node.kubernetes.io/extended-resources annotation lists it; value 16); teeguard \
+             would advertise 13 (capacity 16 − 3 held outside Kubernetes): the scheduler may place \
+             pods on keys that are not free. Hand the name to teeguard: see README 'Handing the key \
+             resources to teeguard'"
+        );
+    }
+
+    #[test]
+    fn owned_by_other_message_tells_what_the_value_means_for_the_scheduler() {
+        let name = "tdx.intel.com/keys";
+        let f = tdx_figures(16, 3);
+        /// (manager, value on the Node, figures, the message has, the message lacks)
+        type Case<'a> = (
+            Manager,
+            Option<u64>,
+            Option<&'a KindFigures>,
+            Vec<&'a str>,
+            Vec<&'a str>,
+        );
+        let cases: Vec<Case<'_>> = vec![
+            (
+                Manager::Nfd,
+                Some(13),
+                Some(&f),
+                vec![
+                    "(its nfd.node.kubernetes.io/extended-resources annotation lists it; value 13)",
+                    "would advertise 13 (capacity 16 − 3 held outside Kubernetes): the same for now, but keys taken outside Kubernetes later stay invisible to the scheduler",
+                    "see README 'Handing the key resources to teeguard'",
+                ],
+                vec!["not free"],
+            ),
+            (
+                Manager::Nfd,
+                Some(10),
+                Some(&f),
+                vec!["value 10", "the scheduler leaves 3 usable keys idle"],
+                vec!["not free"],
+            ),
+            (
+                Manager::Nfd,
+                None,
+                Some(&f),
+                vec![
+                    "(its nfd.node.kubernetes.io/extended-resources annotation lists it; no value on the Node)",
+                    "the scheduler places no pod that needs it on this node",
+                ],
+                vec![],
+            ),
+            (
+                Manager::Other,
+                Some(16),
+                Some(&f),
+                vec![
+                    "is managed by another manager (the Node had it and teeguard did not add it; value 16)",
+                    "the scheduler may place pods on keys that are not free",
+                    "stop whatever sets it and remove it from the Node's status",
+                ],
+                vec!["README"],
+            ),
+            (
+                Manager::Overwritten,
+                Some(20),
+                Some(&f),
+                vec![
+                    "is managed by an unknown writer (it just replaced teeguard's value; teeguard writes its own back within 5 s unless NFD lists the name; value 20)",
+                    "would advertise 13",
+                ],
+                vec!["README", "remove it"],
+            ),
+            (
+                Manager::Nfd,
+                Some(16),
+                None,
+                vec!["value 16). Hand the name to teeguard"],
+                vec!["would advertise"],
+            ),
+        ];
+        for (manager, value, figures, has, lacks) in cases {
+            let msg = owned_by_other(name, manager, value, figures);
+            assert!(
+                msg.starts_with("tdx.intel.com/keys is managed by "),
+                "{msg}"
+            );
+            for part in has {
+                assert!(
+                    msg.contains(part),
+                    "{manager:?} {value:?}: {msg:?} lacks {part:?}"
+                );
+            }
+            for part in lacks {
+                assert!(
+                    !msg.contains(part),
+                    "{manager:?} {value:?}: {msg:?} has {part:?}"
+                );
+            }
+        }
     }
 }

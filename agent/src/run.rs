@@ -121,6 +121,7 @@ pub async fn run(
         pods_view: PodsView::default(),
         pods_view_synced: false,
         patched_node: None,
+        advertiser: advertise::Advertiser::default(),
         interest: Arc::new(HashSet::new()),
         last_published: None,
         seeded_previous: None,
@@ -161,6 +162,7 @@ struct Agent {
     /// The pods view was computed from a synced cache (before that, nothing is written).
     pods_view_synced: bool,
     patched_node: Option<Arc<Node>>,
+    advertiser: advertise::Advertiser,
     interest: Arc<HashSet<String>>,
     last_published: Option<(TeeCapacityStatus, Instant)>,
     seeded_previous: Option<TeeCapacityStatus>,
@@ -378,7 +380,9 @@ impl Agent {
 
         let mut outcome = AdvertiseOutcome::without_node(&desired);
         if let (Some(node), true) = (&node, ready_to_write) {
-            let plan = advertise::plan(node, &desired, &self.opts.config.resources);
+            let plan =
+                self.advertiser
+                    .plan(node, &desired, &self.opts.config.resources, Instant::now());
             outcome = plan.outcome;
             if !plan.writes.is_empty() && due(self.node_retry_at) {
                 let result = with_timeout(
@@ -389,6 +393,7 @@ impl Agent {
                 .await;
                 match result {
                     Ok(updated) => {
+                        self.advertiser.applied();
                         self.metrics.node_patches.inc_by(plan.writes.len() as u64);
                         tracing::info!(node = %self.opts.node_name, writes = ?plan.writes, "updated the Node's extended resources");
                         if let Some(n) = updated {
@@ -491,13 +496,15 @@ impl Agent {
             .as_ref()
             .map(|(s, _)| s)
             .or(self.seeded_previous.as_ref());
+        let enforcing = self.enforcement.condition();
+        self.metrics.set_enforcing(&enforcing);
         report::build_status(&StatusInput {
             kernel: &self.kernel,
             figures,
             advertising: outcome,
             resources: &self.opts.config.resources,
             counted_pods,
-            enforcing: Some(&self.enforcement.condition()),
+            enforcing: Some(&enforcing),
             previous,
             now: jiff::Timestamp::now(),
         })

@@ -227,6 +227,47 @@ fn dashboard_queries_are_valid_promql() {
     );
 }
 
+#[test]
+fn enforcement_alert_is_rendered_unless_enforcement_is_off() {
+    let failing = |docs: &[Value]| {
+        alert_exprs(&rule_groups(docs))
+            .into_iter()
+            .filter(|(alert, _)| alert == "TeeguardEnforcementFailing")
+            .map(|(_, expr)| expr)
+            .collect::<Vec<_>>()
+    };
+    let on = failing(&rendered());
+    assert_eq!(on.len(), 2, "not enforcing, and limit failures: {on:#?}");
+    assert!(on.iter().any(|e| e.contains("teeguard_agent_enforcing")));
+    assert!(
+        on.iter()
+            .any(|e| e.contains("teeguard_agent_limit_failures_total"))
+    );
+    for mode in ["nri", "cgroup"] {
+        let mut args = ENABLED.to_vec();
+        let set = format!("config.enforcement.mode={mode}");
+        args.extend(["--set", set.as_str()]);
+        assert_eq!(
+            failing(&chart_support::render("default", &args)).len(),
+            2,
+            "{mode}"
+        );
+    }
+    let mut off = ENABLED.to_vec();
+    off.extend(["--set", "config.enforcement.mode=off"]);
+    let docs = chart_support::render("default", &off);
+    assert!(
+        failing(&docs).is_empty(),
+        "enforcement off: nothing to alert on"
+    );
+    assert!(
+        alert_exprs(&rule_groups(&docs))
+            .iter()
+            .any(|(a, _)| a == "TeeguardAgentDown"),
+        "the other alerts stay"
+    );
+}
+
 /// The series names the webhook and the agent export (counters with `_total`, histograms with
 /// `_bucket`, `_sum`, `_count`), read from their registries' text encoding after one count in every
 /// labelled family (a family shows in the encoding only once it has a series).
@@ -251,6 +292,9 @@ fn exported() -> BTreeSet<String> {
     let agent = teeguard_agent::metrics::Metrics::new(&mut registry);
     agent.set_figures(&[(teeguard_shared::TeeKind::Tdx, Default::default())].into());
     agent.api_error("publish");
+    agent.limit_applied("nri", teeguard_shared::TeeKind::Tdx);
+    agent.limit_mismatch("nri");
+    agent.limit_failure("cgroup");
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
     let mut names = BTreeSet::new();
