@@ -125,3 +125,59 @@ fn agent_command_line_parses_and_matches_ports_and_mounts() {
         assert_eq!(run.common.log_format, LogFormat::Json, "{stem}");
     }
 }
+
+/// The kubelet sends SIGKILL `terminationGracePeriodSeconds` after SIGTERM: the webhook's own shutdown
+/// (serving through the grace, then draining) must end before that, or a rollout cuts requests off.
+fn assert_termination_covers_shutdown(d: &Value, what: &str) -> (u64, std::time::Duration) {
+    let line = command_line(d, "node-a");
+    let cli = teeguard_webhook::cli::Cli::try_parse_from(&line)
+        .unwrap_or_else(|e| panic!("{what}: {line:?}:\n{e}"));
+    let teeguard_webhook::cli::Command::Serve(serve) = cli.command else {
+        panic!("{what}: not `serve`: {line:?}");
+    };
+    let termination = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{what}: no terminationGracePeriodSeconds"));
+    let shutdown = serve.shutdown_grace + serve.drain_timeout;
+    assert!(
+        shutdown + std::time::Duration::from_secs(5) <= std::time::Duration::from_secs(termination),
+        "{what}: grace {:?} + drain {:?} leaves less than 5 s before SIGKILL at {termination} s",
+        serve.shutdown_grace,
+        serve.drain_timeout
+    );
+    assert!(
+        !serve.shutdown_grace.is_zero(),
+        "{what}: the chart must keep serving after SIGTERM while the endpoint removal propagates"
+    );
+    (termination, serve.shutdown_grace)
+}
+
+#[test]
+fn webhook_termination_grace_covers_the_shutdown_grace_and_the_drain() {
+    for stem in VALUES_FILES {
+        let docs = render(stem, &[]);
+        assert_termination_covers_shutdown(only(&docs, "Deployment"), stem);
+    }
+    let docs = render("default", &[]);
+    let (termination, grace) =
+        assert_termination_covers_shutdown(only(&docs, "Deployment"), "default");
+    assert_eq!(
+        (termination, grace),
+        (35, std::time::Duration::from_secs(10))
+    );
+    let docs = render(
+        "default",
+        &[
+            "--set",
+            "webhook.shutdownGraceSeconds=30",
+            "--set",
+            "webhook.drainTimeoutSeconds=60",
+        ],
+    );
+    let (termination, grace) =
+        assert_termination_covers_shutdown(only(&docs, "Deployment"), "grace 30, drain 60");
+    assert_eq!(
+        (termination, grace),
+        (95, std::time::Duration::from_secs(30))
+    );
+}

@@ -3,6 +3,12 @@
 //! Start-up order: configuration, then the certificate pair (a bad pair fails here, before any port is
 //! bound), then both ports, then caches and the servers. `/readyz` turns ready once every cache has
 //! synced (TLS is loaded by then) and not ready again as soon as shutdown starts.
+//!
+//! Shutdown (SIGTERM): `/readyz` turns not ready at once; the HTTPS server keeps serving for
+//! `--shutdown-grace`, then stops accepting and drains for up to `--drain-timeout` (see
+//! [`crate::web::server`]). The caches, the Event sink, the ledger sweep and the certificate reloader
+//! keep running until the HTTPS server has stopped, so answers during the grace and the drain are made
+//! from live caches; the admin port stops last.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -97,24 +103,26 @@ pub async fn start(
     readiness.set(READY_TLS, true);
     readiness.set(READY_ACCEPTING, true);
 
+    // Stopped once the HTTPS server has drained, not at SIGTERM: requests are still answered until then.
+    let background = CancellationToken::new();
     let (caches, cache_tasks) = Caches::start(
         client.clone(),
         metrics.clone(),
         args.api_timeout,
-        shutdown.clone(),
+        background.clone(),
     );
     let (events, events_task) = EventSink::start(
         client,
         std::env::var("POD_NAME").ok().filter(|n| !n.is_empty()),
         metrics.clone(),
         args.api_timeout,
-        shutdown.clone(),
+        background.clone(),
     );
     let ledger = Arc::new(Ledger::new(config.admission.ledger_ttl));
     let sweep_task = tokio::spawn(sweep_ledger(
         ledger.clone(),
         metrics.clone(),
-        shutdown.clone(),
+        background.clone(),
     ));
     {
         let caches = caches.clone();
@@ -145,7 +153,7 @@ pub async fn start(
             readiness.set(READY_ACCEPTING, false);
         });
     }
-    let reloader_task = tokio::spawn(reloader.run(args.cert_check_interval, shutdown.clone()));
+    let reloader_task = tokio::spawn(reloader.run(args.cert_check_interval, background.clone()));
 
     let admin_shutdown = CancellationToken::new();
     let admin_task = tokio::spawn(serve_admin(
@@ -183,6 +191,7 @@ pub async fn start(
         handshake_timeout: args.handshake_timeout,
         header_read_timeout: args.header_read_timeout,
         write_stall_timeout: args.write_stall_timeout,
+        shutdown_grace: args.shutdown_grace,
         drain_timeout: args.drain_timeout,
         max_connections: args.max_connections,
         ..ServerSettings::default()
@@ -191,6 +200,7 @@ pub async fn start(
     let https_shutdown = shutdown.clone();
     let task = tokio::spawn(async move {
         let served = serve_https(listener, tls, router, settings, https_shutdown).await;
+        background.cancel();
         // The admin port outlives the drain so probes see "not ready" rather than a refused port.
         admin_shutdown.cancel();
         let admin = admin_task.await;

@@ -36,6 +36,14 @@ fn duration(s: &str) -> std::result::Result<Duration, String> {
     teeguard_shared::config::parse_duration(s)
 }
 
+/// A duration that may be zero (`0`, `0s`, `0ms`): off.
+fn duration_or_zero(s: &str) -> std::result::Result<Duration, String> {
+    if matches!(s.trim(), "0" | "0s" | "0ms") {
+        return Ok(Duration::ZERO);
+    }
+    duration(s)
+}
+
 /// `serve` flags.
 #[derive(Clone, Debug, Args)]
 pub struct ServeArgs {
@@ -71,7 +79,14 @@ pub struct ServeArgs {
     /// Time allowed to read a request and answer it.
     #[arg(long, env = "TEEGUARD_REQUEST_TIMEOUT", default_value = "30s", value_parser = duration)]
     pub request_timeout: Duration,
-    /// Time allowed for in-flight requests after SIGTERM before connections are closed.
+    /// After SIGTERM, how long to go on accepting and serving while /readyz reports not ready (endpoint
+    /// removal takes a few seconds to reach every kube-proxy); HTTP/1.1 answers carry `Connection:
+    /// close` meanwhile, so clients move to other replicas. Then the listener closes and the drain
+    /// starts. The Helm chart sets it (10s); 0 stops accepting at once.
+    #[arg(long, env = "TEEGUARD_SHUTDOWN_GRACE", default_value = "0s", value_parser = duration_or_zero)]
+    pub shutdown_grace: Duration,
+    /// Time allowed for in-flight requests once the listener has closed (after the shutdown grace)
+    /// before the remaining connections are closed.
     #[arg(long, env = "TEEGUARD_DRAIN_TIMEOUT", default_value = "25s", value_parser = duration)]
     pub drain_timeout: Duration,
     /// Concurrent connections served; further clients wait in the listen backlog.
@@ -139,6 +154,8 @@ mod tests {
         assert_eq!(a.config, None);
         assert_eq!(a.max_body_bytes, 7 * 1024 * 1024);
         assert_eq!(a.cert_check_interval, Duration::from_secs(30));
+        assert_eq!(a.shutdown_grace, Duration::ZERO);
+        assert_eq!(a.drain_timeout, Duration::from_secs(25));
         assert_eq!(cli.log_format, LogFormat::Text);
     }
 
@@ -167,5 +184,21 @@ mod tests {
         assert!(
             Cli::try_parse_from(["teeguard-webhook", "serve", "--drain-timeout", "soon"]).is_err()
         );
+        let grace = |v: &str| match Cli::try_parse_from([
+            "teeguard-webhook",
+            "serve",
+            "--shutdown-grace",
+            v,
+        ])
+        .map(|c| c.command)
+        {
+            Ok(Command::Serve(a)) => Ok(a.shutdown_grace),
+            Ok(Command::Review(_)) => panic!("serve expected"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(grace("0"), Ok(Duration::ZERO));
+        assert_eq!(grace("0s"), Ok(Duration::ZERO));
+        assert_eq!(grace("1500ms"), Ok(Duration::from_millis(1500)));
+        assert!(grace("-1s").is_err());
     }
 }

@@ -3,15 +3,26 @@
 //!
 //! Every connection runs in its own task, so a slow or failing TLS handshake never blocks the accept
 //! loop. Concurrent connections are capped with a semaphore (the accept loop waits for a free slot,
-//! leaving further clients in the kernel's backlog). On shutdown the listener is closed at once (new
-//! connections are refused), in-flight requests finish, idle keep-alive connections are closed, and
-//! whatever is still running after the drain timeout is aborted.
+//! leaving further clients in the kernel's backlog).
+//!
+//! Shutdown has two phases, so that a rolling restart fails no admission:
+//!
+//! 1. **Grace** (`shutdown_grace`, zero by default): the pod's endpoint is being removed from the
+//!    Service, but kube-proxy on the API server's node may still send new connections here for a few
+//!    seconds, and established keep-alive connections carry on. The server keeps accepting and serving
+//!    everything (`/readyz` already says not ready, see `app.rs`), and answers every HTTP/1.1 request
+//!    with `Connection: close`, so each client moves off after its next answer without a race: it
+//!    reconnects through the Service to a replica that stays.
+//! 2. **Drain** (`drain_timeout`): the listener is closed (new connections are refused), in-flight
+//!    requests finish, idle keep-alive connections are closed (HTTP/2 ones get a GOAWAY), and whatever
+//!    is still running after the drain timeout is aborted.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use http::{HeaderValue, header};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -22,6 +33,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
+use tower::util::MapResponse;
 
 use crate::error::{Error, Result};
 use crate::web::stall::WriteStallGuard;
@@ -36,7 +48,10 @@ pub struct ServerSettings {
     /// Time a response write may make no progress before the connection is closed (a client that
     /// stops reading must not hold its connection slot forever).
     pub write_stall_timeout: Duration,
-    /// Time allowed for in-flight requests to finish after shutdown starts.
+    /// After shutdown starts, how long the server goes on accepting and serving (while endpoint
+    /// removal propagates) before it stops accepting and drains.
+    pub shutdown_grace: Duration,
+    /// Time allowed for in-flight requests to finish once the listener is closed.
     pub drain_timeout: Duration,
     /// Connections served at once; further clients wait in the listen backlog.
     pub max_connections: usize,
@@ -50,6 +65,7 @@ impl Default for ServerSettings {
             handshake_timeout: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(10),
             write_stall_timeout: Duration::from_secs(10),
+            shutdown_grace: Duration::ZERO,
             drain_timeout: Duration::from_secs(25),
             max_connections: 1024,
             max_concurrent_streams: 256,
@@ -80,7 +96,22 @@ fn connection_builder(settings: &ServerSettings) -> auto::Builder<TokioExecutor>
     builder
 }
 
-/// Serve `router` over TLS on `listener` until `shutdown` is cancelled, then drain.
+/// Resolves `grace` after `shutdown` is cancelled: when the accept loop stops.
+async fn stop_accepting(shutdown: CancellationToken, grace: Duration) {
+    shutdown.cancelled().await;
+    if grace.is_zero() {
+        return;
+    }
+    tracing::info!(
+        shutdown_grace_s = grace.as_secs_f64(),
+        "shutdown started: /readyz reports not ready; still accepting and serving (HTTP/1.1 answers \
+         carry `Connection: close`) for the shutdown grace"
+    );
+    tokio::time::sleep(grace).await;
+}
+
+/// Serve `router` over TLS on `listener` until `shutdown` is cancelled; keep serving for
+/// `settings.shutdown_grace`, then stop accepting and drain (see the module documentation).
 pub async fn serve_https(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
@@ -95,18 +126,20 @@ pub async fn serve_https(
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();
     tracing::info!(addr = ?local, "serving HTTPS");
+    let stop = stop_accepting(shutdown.clone(), settings.shutdown_grace);
+    tokio::pin!(stop);
 
     loop {
         while conns.try_join_next().is_some() {}
         let permit = tokio::select! {
-            _ = shutdown.cancelled() => break,
+            _ = &mut stop => break,
             p = slots.clone().acquire_owned() => match p {
                 Ok(p) => p,
                 Err(_) => break,
             },
         };
         let (stream, peer) = tokio::select! {
-            _ = shutdown.cancelled() => break,
+            _ = &mut stop => break,
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
                 Err(e) => {
@@ -120,7 +153,8 @@ pub async fn serve_https(
         let _ = stream.set_nodelay(true);
         let acceptor = acceptor.clone();
         let builder = builder.clone();
-        let service = TowerToHyperService::new(router.clone());
+        let router = router.clone();
+        let shutdown = shutdown.clone();
         let watcher = graceful.watcher();
         let handshake_timeout = settings.handshake_timeout;
         let write_stall_timeout = settings.write_stall_timeout;
@@ -137,6 +171,20 @@ pub async fn serve_https(
                     return;
                 }
             };
+            // Once shutdown has started, an HTTP/1.1 answer closes its connection (HTTP/2 has no
+            // `Connection` header; its clients get a GOAWAY when the drain starts).
+            let http1 = tls.get_ref().1.alpn_protocol() != Some(b"h2");
+            let service = TowerToHyperService::new(MapResponse::new(
+                router,
+                move |mut response: axum::response::Response| {
+                    if http1 && shutdown.is_cancelled() {
+                        response
+                            .headers_mut()
+                            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    }
+                    response
+                },
+            ));
             let conn = builder
                 .serve_connection(
                     TokioIo::new(WriteStallGuard::new(tls, write_stall_timeout)),
