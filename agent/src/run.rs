@@ -43,7 +43,8 @@ pub struct AgentOptions {
     pub config: Config,
     /// First retry delay after a failed API call.
     pub backoff_initial: Duration,
-    /// Longest retry delay.
+    /// Longest retry delay (±20 % jitter). It bounds how long after an API server outage the agent
+    /// publishes again and its pod and Node watches resume, since each waits out its last delay.
     pub backoff_max: Duration,
     /// Time limit of one API call.
     pub api_timeout: Duration,
@@ -52,7 +53,10 @@ pub struct AgentOptions {
 }
 
 impl AgentOptions {
-    /// Options with production defaults (retry 500 ms doubling to 30 s, 10 s API timeout).
+    /// Options with production defaults (retry 500 ms doubling to 5 s, 10 s API timeout). A longer cap
+    /// would leave the report (and the Node's extended resources) behind the host for up to that long
+    /// after an outage; 5 s per node is about a kubelet's own status traffic while the API server is
+    /// away.
     pub fn new(
         node_name: impl Into<String>,
         cgroup_root: impl Into<PathBuf>,
@@ -63,7 +67,7 @@ impl AgentOptions {
             cgroup_root: cgroup_root.into(),
             config,
             backoff_initial: Duration::from_millis(500),
-            backoff_max: Duration::from_secs(30),
+            backoff_max: Duration::from_secs(5),
             api_timeout: Duration::from_secs(10),
             events_refresh: Duration::from_secs(30),
         }
