@@ -7,10 +7,67 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use teeguard_shared::config::{Mode, StalePolicy};
 use teeguard_shared::pod::KeyRequests;
 use teeguard_shared::reservation::KeyReservation;
 
 use super::ledger::ReportMark;
+use super::validation::{Decision, Verdict, apply_mode, reason};
+
+/// The entry recording `uid`'s keys, admitted `now` by `replica`.
+pub fn entry(
+    uid: &str,
+    pod: &str,
+    keys: &KeyRequests,
+    now: Timestamp,
+    replica: &str,
+) -> KeyReservation {
+    let mut e = KeyReservation {
+        pod_uid: uid.to_string(),
+        pod: pod.to_string(),
+        tdx: None,
+        sev: None,
+        sev_es: None,
+        admitted_at: Time(now),
+        replica: replica.to_string(),
+    };
+    e.set_keys(keys);
+    e
+}
+
+/// The API server cannot be reached for the shared reservations (`why`): the stale-report policy
+/// decides — `allow` keeps this replica's ledger `decision` with a warning saying so, `deny` refuses
+/// (the caller releases the ledger's reservation).
+pub fn fallback(
+    decision: Decision,
+    why: &str,
+    node: &str,
+    policy: StalePolicy,
+    mode: Mode,
+) -> Decision {
+    let note = format!(
+        "teeguard could not record the reservation shared by its replicas for node {node} ({why})"
+    );
+    match policy {
+        StalePolicy::Allow => {
+            let mut d = decision;
+            d.warnings.push(format!(
+                "{note}; decided with this replica's ledger only: a concurrent admission by another replica may take the same key"
+            ));
+            d
+        }
+        StalePolicy::Deny => apply_mode(
+            Verdict::Refuse {
+                reason: reason::REPORT_UNKNOWN,
+                message: format!(
+                    "{note}; the stale-report policy denies; retry when the API server answers"
+                ),
+            },
+            mode,
+        ),
+    }
+}
 
 /// What decides whether an entry still holds keys.
 #[derive(Clone, Copy, Debug)]
@@ -106,7 +163,6 @@ pub fn step(live: Vec<KeyReservation>, candidate: KeyReservation, admits: bool) 
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use teeguard_shared::TeeKind;
 
     use super::*;
@@ -188,5 +244,68 @@ mod tests {
             ),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_unreachable_api_server_follows_the_stale_policy_and_says_so() {
+        let admitted = apply_mode(
+            Verdict::Admit {
+                reason: reason::ENOUGH_KEYS,
+                warnings: Vec::new(),
+            },
+            Mode::Enforce,
+        );
+        let d = fallback(
+            admitted.clone(),
+            "connection refused",
+            "node-a",
+            StalePolicy::Allow,
+            Mode::Enforce,
+        );
+        assert!(d.allowed && d.reserve);
+        assert!(
+            d.warnings[0].contains("node node-a (connection refused)"),
+            "{:?}",
+            d.warnings
+        );
+        let d = fallback(
+            admitted.clone(),
+            "timed out",
+            "node-a",
+            StalePolicy::Deny,
+            Mode::Enforce,
+        );
+        assert!(!d.allowed && !d.reserve);
+        assert!(
+            d.message
+                .as_deref()
+                .is_some_and(|m| m.contains("stale-report policy denies"))
+        );
+        let d = fallback(
+            admitted,
+            "timed out",
+            "node-a",
+            StalePolicy::Deny,
+            Mode::Warn,
+        );
+        assert!(
+            d.allowed && !d.reserve,
+            "warn mode turns the refusal into a warning"
+        );
+    }
+
+    #[test]
+    fn an_entry_carries_the_pods_keys_and_the_replica() {
+        let e = super::entry(
+            "u1",
+            "vms/p",
+            &KeyRequests::from([(TeeKind::SevEs, 1)]),
+            t(0),
+            "webhook-b",
+        );
+        assert_eq!(
+            (e.sev_es, e.tdx, e.replica.as_str()),
+            (Some(1), None, "webhook-b")
+        );
     }
 }

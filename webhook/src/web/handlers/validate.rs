@@ -32,10 +32,8 @@ use axum::extract::{Request, State};
 use axum::response::Response;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{ObjectReference, PodSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use teeguard_shared::config::{Mode, StalePolicy};
 use teeguard_shared::pod::{KeyRequests, PodName, key_requests};
-use teeguard_shared::reservation::KeyReservation;
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
@@ -50,8 +48,9 @@ use crate::decide::mutation::{
     MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation,
     namespace_exempt,
 };
+use crate::decide::reservations;
 use crate::decide::validation::{
-    CandidateScan, Decision, NodeAssessment, Trigger, Verdict, apply_mode, check_created_limits,
+    CandidateScan, Decision, NodeAssessment, Trigger, apply_mode, check_created_limits,
     check_updated_limits, decide_on_node, expected_limits, has_limit_annotations, mode_name,
     namespace_mode, reason,
 };
@@ -438,19 +437,9 @@ async fn check_node<L: Lookups>(
     let Some(shared) = ctx.shared.filter(|_| decision.reserve && !p.dry_run) else {
         return decision;
     };
-    let mut entry = KeyReservation {
-        pod_uid: p.uid.to_string(),
-        pod: p.pod.to_string(),
-        tdx: None,
-        sev: None,
-        sev_es: None,
-        admitted_at: Time(now),
-        replica: shared.replica().to_string(),
-    };
-    entry.set_keys(requests);
     let request = SharedRequest {
         node,
-        candidate: entry,
+        candidate: reservations::entry(p.uid, p.pod, requests, now, shared.replica()),
         counted_pods: m.counted_pods,
         local: ctx.ledger.held_entries(node, m, mono, p.uid),
     };
@@ -467,46 +456,16 @@ async fn check_node<L: Lookups>(
         }
         SharedOutcome::Unavailable(why) => {
             tracing::warn!(pod = p.pod, node, error = %why, "shared reservations unavailable; deciding with this replica's ledger and the stale-report policy");
-            shared_fallback(decision, &why, node, p, ctx.ledger)
+            if p.policy == StalePolicy::Deny {
+                ctx.ledger.release(p.uid);
+            }
+            reservations::fallback(decision, &why, node, p.policy, p.mode)
         }
     };
     if let Some(metrics) = ctx.metrics {
         metrics.set_ledger_reservations(ctx.ledger.len());
     }
     decision
-}
-
-/// The API server cannot be reached for the shared reservations: the stale-report policy decides —
-/// `allow` keeps this replica's ledger decision (with a warning), `deny` refuses.
-fn shared_fallback(
-    decision: Decision,
-    why: &str,
-    node: &str,
-    p: NodeCheck<'_>,
-    ledger: &Ledger,
-) -> Decision {
-    let note = format!(
-        "teeguard could not record the reservation shared by its replicas for node {node} ({why})"
-    );
-    match p.policy {
-        StalePolicy::Allow => {
-            let mut d = decision;
-            d.warnings.push(format!(
-                "{note}; decided with this replica's ledger only: a concurrent admission by another replica may take the same key"
-            ));
-            d
-        }
-        StalePolicy::Deny => {
-            ledger.release(p.uid);
-            let refused = Verdict::Refuse {
-                reason: reason::REPORT_UNKNOWN,
-                message: format!(
-                    "{note}; the stale-report policy denies; retry when the API server answers"
-                ),
-            };
-            apply_mode(refused, p.mode)
-        }
-    }
 }
 
 /// In enforce mode, a refusal for lack of keys (not a dry run) puts an Event on the VMI.
