@@ -7,7 +7,6 @@ use std::fmt::Debug;
 use std::hash::Hash;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{
@@ -220,61 +219,7 @@ pub fn slim_node(node: &mut Node) {
     });
 }
 
-/// Exponential backoff with jitter for watches and API retries.
-#[derive(Clone, Debug)]
-pub struct Backoff {
-    initial: Duration,
-    max: Duration,
-    next: Duration,
-    seed: u64,
-}
-
-impl Backoff {
-    /// Start at `initial`, double up to `max`, with ±20 % jitter.
-    pub fn new(initial: Duration, max: Duration) -> Backoff {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0x9E37_79B9_7F4A_7C15)
-            | 1;
-        Backoff {
-            initial,
-            max: max.max(initial),
-            next: initial,
-            seed,
-        }
-    }
-
-    /// The next delay.
-    pub fn next_delay(&mut self) -> Duration {
-        let base = self.next;
-        self.next = (self.next * 2).min(self.max);
-        // xorshift64: cheap jitter so that a DaemonSet does not retry in lockstep.
-        self.seed ^= self.seed << 13;
-        self.seed ^= self.seed >> 7;
-        self.seed ^= self.seed << 17;
-        let permille = 800 + (self.seed % 401); // 0.8 ..= 1.2
-        base.mul_f64(permille as f64 / 1000.0)
-    }
-
-    /// Back to the initial delay (after a success).
-    pub fn reset(&mut self) {
-        self.next = self.initial;
-    }
-}
-
-impl Iterator for Backoff {
-    type Item = Duration;
-    fn next(&mut self) -> Option<Duration> {
-        Some(self.next_delay())
-    }
-}
-
-impl kube::runtime::utils::Backoff for Backoff {
-    fn reset(&mut self) {
-        Backoff::reset(self);
-    }
-}
+pub use teeguard_shared::ops::Backoff;
 
 /// A running reflector: its store, a notification on every change, and whether the initial list
 /// completed.
@@ -454,6 +399,7 @@ mod tests {
     use super::*;
     use crate::attribution::{KindCounts, PodPhase};
     use serde_json::json;
+    use std::time::Duration;
     use teeguard_shared::TeeKind;
 
     #[test]

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
@@ -237,5 +238,62 @@ mod tests {
             .expect("admin server stops on cancel")
             .expect("join")
             .expect("serve");
+    }
+}
+
+/// Exponential backoff with ±20 % jitter for watches and API retries (both binaries): many agents or
+/// replicas never retry in lockstep after an API server restart.
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+    seed: u64,
+}
+
+impl Backoff {
+    /// Start at `initial`, double up to `max`, with ±20 % jitter.
+    pub fn new(initial: Duration, max: Duration) -> Backoff {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0x9E37_79B9_7F4A_7C15)
+            | 1;
+        Backoff {
+            initial,
+            max: max.max(initial),
+            next: initial,
+            seed,
+        }
+    }
+
+    /// The next delay.
+    pub fn next_delay(&mut self) -> Duration {
+        let base = self.next;
+        self.next = (self.next * 2).min(self.max);
+        // xorshift64: cheap jitter so that a DaemonSet does not retry in lockstep.
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        let permille = 800 + (self.seed % 401); // 0.8 ..= 1.2
+        base.mul_f64(permille as f64 / 1000.0)
+    }
+
+    /// Back to the initial delay (after a success).
+    pub fn reset(&mut self) {
+        self.next = self.initial;
+    }
+}
+
+impl Iterator for Backoff {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        Some(self.next_delay())
+    }
+}
+
+impl kube::runtime::utils::Backoff for Backoff {
+    fn reset(&mut self) {
+        Backoff::reset(self);
     }
 }

@@ -1,6 +1,6 @@
 //! In-memory caches of the cluster objects reviews need, so the hot path makes no API call.
 //!
-//! Every cache is fed by a kube `watcher` (with `default_backoff`) started through
+//! Every cache is fed by a kube `watcher` (jittered backoff capped at 5 s) started through
 //! [`CacheBuilder::watch`], which strips `managedFields` (and `kubectl`'s last-applied annotation) from
 //! every object, reduces it to what decisions read, keeps an object-count gauge and registers the cache
 //! for [`Caches::wait_synced`]. Each cache is a [`NamedStore`] (by namespace and name: borrowed

@@ -7,16 +7,23 @@ use std::fmt::Debug;
 use std::hash::Hash;
 use std::ops::ControlFlow;
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use std::time::Duration;
 
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
+use teeguard_shared::ops::Backoff;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+
+/// First watch retry delay after an error.
+pub const WATCH_BACKOFF_INITIAL: Duration = Duration::from_millis(500);
+/// Longest watch retry delay.
+pub const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 use super::*;
 
@@ -68,8 +75,11 @@ impl CacheBuilder {
             // Only fails if the writer is dropped, i.e. the cache is shutting down.
             let _ = ready.wait_for(|r| *r).await;
         }));
+        // Jittered, capped at WATCH_BACKOFF_MAX: caches are current again within seconds of an API
+        // server outage (kube's default backoff grows to about a minute), and replicas re-list at
+        // different moments.
         let stream = watcher(api, config)
-            .default_backoff()
+            .backoff(Backoff::new(WATCH_BACKOFF_INITIAL, WATCH_BACKOFF_MAX))
             .modify(move |o: &mut K| {
                 o.managed_fields_mut().clear();
                 o.annotations_mut().remove(LAST_APPLIED);
