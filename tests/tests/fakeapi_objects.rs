@@ -1315,5 +1315,6 @@ async fn programmatic_api_and_registered_resources() {
             .flat_map(|g| g.recommended_resources())
             .any(|(ar, _)| ar.kind == "ConfigMap")
     );
-    assert_eq!(server.resources().len(), 9);
+    // Core kinds, Events (both APIs), Leases, VMIs, TeeCapacities, TeeReservations.
+    assert_eq!(server.resources().len(), 10);
 }
