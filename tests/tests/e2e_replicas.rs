@@ -340,3 +340,70 @@ async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_ledger_and_
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_pods_shared_reservation_is_released() {
+    bounded(async {
+        let env = E2eEnv::new("").await.expect("env");
+        let webhooks = start(&env, 2).await;
+        seed_node(&env.api, "node-a", 8, 1);
+        let vm1 = seed_vm(&env.api, "vm-1");
+        let vm2 = seed_vm(&env.api, "vm-2");
+        wait_reports(&webhooks, 1).await;
+        let a = webhooks[0].client().expect("client");
+        let b = webhooks[1].client().expect("client");
+        assert!(
+            a.review("/validate", &fixtures::binding_create(&vm1, "node-a"))
+                .await
+                .expect("answered")
+                .allowed
+        );
+        let refused = b
+            .review("/validate", &fixtures::binding_create(&vm2, "node-a"))
+            .await
+            .expect("answered");
+        assert!(!refused.allowed, "vm-1 holds the key: {:?}", refused.raw);
+        // vm-1's pod is deleted before it ever reaches the node: once the virt-launcher cache has had
+        // time to see a new pod (5 s), a pod missing from it no longer holds a key.
+        env.api
+            .delete(
+                "pods",
+                Some(fixtures::DEFAULT_NAMESPACE),
+                vm1.metadata.name.as_deref().expect("name"),
+            )
+            .expect("deleted");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let r = b
+                .review("/validate", &fixtures::binding_create(&vm2, "node-a"))
+                .await
+                .expect("answered");
+            if r.allowed {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "still refused: {:?}",
+                r.raw
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let res = env
+            .api
+            .get_typed::<TeeReservation>(None, "node-a")
+            .expect("typed")
+            .expect("exists");
+        let pods: Vec<&str> = res
+            .spec
+            .reservations
+            .iter()
+            .map(|r| r.pod_uid.as_str())
+            .collect();
+        assert_eq!(
+            pods,
+            [vm2.metadata.uid.as_deref().expect("uid")],
+            "vm-1's entry trimmed"
+        );
+    })
+    .await;
+}
