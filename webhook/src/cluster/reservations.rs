@@ -187,22 +187,23 @@ impl SharedReservations {
         ))
     }
 
-    /// A virt-launcher pod the cache no longer has, admitted long enough ago that the cache would
-    /// have it: its reservation ends (a deleted pod's keys are released).
+    /// A virt-launcher pod that is gone: its deletion was seen, or the cache does not have it although
+    /// it was admitted long enough ago that the cache would (a deleted pod's keys are released).
     fn pod_gone(&self, e: &KeyReservation) -> bool {
         let Some((ns, name)) = e.pod.split_once('/') else {
             return false;
         };
+        let pods = &self.caches.launcher_pods;
+        if !pods.is_ready() {
+            return false;
+        }
+        let absent = pods
+            .get_namespaced(ns, name)
+            .is_none_or(|p| p.uid.as_deref() != Some(e.pod_uid.as_str()));
         let settled = Timestamp::now()
             .duration_since(e.admitted_at.0)
             .is_positive_and_at_least(POD_CACHE_GRACE);
-        settled
-            && self.caches.launcher_pods.is_ready()
-            && self
-                .caches
-                .launcher_pods
-                .get_namespaced(ns, name)
-                .is_none_or(|p| p.uid.as_deref() != Some(e.pod_uid.as_str()))
+        absent && (settled || pods.was_removed(ns, name))
     }
 
     async fn write(

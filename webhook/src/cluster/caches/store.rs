@@ -166,6 +166,7 @@ impl<T> Objects<T> {
 pub struct NamedStore<T> {
     map: Arc<RwLock<Objects<T>>>,
     ready: tokio::sync::watch::Receiver<bool>,
+    removed: Arc<std::sync::Mutex<Removed>>,
 }
 
 impl<T> Clone for NamedStore<T> {
@@ -173,7 +174,33 @@ impl<T> Clone for NamedStore<T> {
         NamedStore {
             map: self.map.clone(),
             ready: self.ready.clone(),
+            removed: self.removed.clone(),
         }
+    }
+}
+
+/// Objects deleted recently (`namespace/name`), so a reader can tell "gone" from "not seen yet".
+/// Bounded: at most [`REMOVED_KEPT`] names, none older than [`REMOVED_FOR`].
+#[derive(Debug, Default)]
+struct Removed {
+    at: HashMap<String, std::time::Instant>,
+}
+
+/// How long a deletion is remembered.
+const REMOVED_FOR: Duration = Duration::from_secs(600);
+/// At most this many deletions are remembered.
+const REMOVED_KEPT: usize = 4096;
+
+impl Removed {
+    fn record(&mut self, namespace: &str, name: &str) {
+        let now = std::time::Instant::now();
+        if self.at.len() >= REMOVED_KEPT {
+            self.at.retain(|_, t| now.duration_since(*t) < REMOVED_FOR);
+            if self.at.len() >= REMOVED_KEPT {
+                self.at.clear();
+            }
+        }
+        self.at.insert(format!("{namespace}/{name}"), now);
     }
 }
 
@@ -192,17 +219,20 @@ impl<T: Send + Sync + 'static> NamedStore<T> {
         reduce: fn(K) -> T,
     ) -> (Self, NamedWriter<K, T>) {
         let map = Arc::new(RwLock::new(Objects::default()));
+        let removed = Arc::new(std::sync::Mutex::new(Removed::default()));
         let (tx, rx) = tokio::sync::watch::channel(false);
         (
             NamedStore {
                 map: map.clone(),
                 ready: rx,
+                removed: removed.clone(),
             },
             NamedWriter {
                 map,
                 buffer: None,
                 reduce,
                 ready: tx,
+                removed,
             },
         )
     }
@@ -222,6 +252,15 @@ impl<T> NamedStore<T> {
     /// The object `namespace/name`.
     pub fn get_namespaced(&self, namespace: &str, name: &str) -> Option<Arc<T>> {
         self.read().get(namespace, name).cloned()
+    }
+
+    /// Whether `namespace/name` was deleted within the last ten minutes (and not stored again).
+    pub fn was_removed(&self, namespace: &str, name: &str) -> bool {
+        self.removed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .at
+            .contains_key(&format!("{namespace}/{name}"))
     }
 
     /// Number of objects.
@@ -278,9 +317,14 @@ pub(super) struct NamedWriter<K, T> {
     buffer: Option<Objects<T>>,
     reduce: fn(K) -> T,
     ready: tokio::sync::watch::Sender<bool>,
+    removed: Arc<std::sync::Mutex<Removed>>,
 }
 
 impl<K, T> NamedWriter<K, T> {
+    fn removed(&self) -> std::sync::MutexGuard<'_, Removed> {
+        self.removed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<T>> {
         self.map.write().unwrap_or_else(PoisonError::into_inner)
     }
@@ -300,6 +344,7 @@ impl<K: Resource, T> NamedWriter<K, T> {
         match event {
             watcher::Event::Apply(o) => {
                 let (namespace, name) = key(&o);
+                self.removed().at.remove(&format!("{namespace}/{name}"));
                 let value = Arc::new((self.reduce)(o));
                 self.write().insert(&namespace, name, value);
             }
@@ -310,6 +355,7 @@ impl<K: Resource, T> NamedWriter<K, T> {
                     m.name.as_deref().unwrap_or_default(),
                 );
                 self.write().remove(namespace, name);
+                self.removed().record(namespace, name);
             }
             watcher::Event::Init => self.buffer = Some(Objects::default()),
             watcher::Event::InitApply(o) => {
@@ -322,6 +368,18 @@ impl<K: Resource, T> NamedWriter<K, T> {
             watcher::Event::InitDone => {
                 let fresh = self.buffer.take().unwrap_or_default();
                 let old = std::mem::replace(&mut *self.write(), fresh);
+                // Objects that vanished while the watch was down were deleted too.
+                {
+                    let map = self.map.read().unwrap_or_else(PoisonError::into_inner);
+                    let mut removed = self.removed();
+                    for (namespace, names) in &old.by_namespace {
+                        for name in names.keys() {
+                            if map.get(namespace, name).is_none() {
+                                removed.record(namespace, name);
+                            }
+                        }
+                    }
+                }
                 // The old map is dropped after the lock is released.
                 drop(old);
                 self.ready.send_replace(true);

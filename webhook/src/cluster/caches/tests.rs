@@ -139,3 +139,28 @@ fn namespaces_keep_only_the_labels_teeguard_reads() {
         Labels::new()
     );
 }
+
+#[test]
+fn deletions_are_remembered_until_the_object_returns() {
+    let (store, mut w) =
+        NamedStore::new(|n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default());
+    w.apply(watcher::Event::Init);
+    w.apply(watcher::Event::InitApply(node("a", "z1")));
+    w.apply(watcher::Event::InitApply(node("b", "z1")));
+    w.apply(watcher::Event::InitDone);
+    assert!(!store.was_removed("", "a"), "never deleted");
+    w.apply(watcher::Event::Delete(node("a", "z1")));
+    assert!(store.was_removed("", "a"));
+    assert!(
+        !store.was_removed("", "never-seen"),
+        "unknown is not deleted"
+    );
+    // Stored again: no longer deleted.
+    w.apply(watcher::Event::Apply(node("a", "z1")));
+    assert!(!store.was_removed("", "a"));
+    // Gone while the watch was down: a relist without it counts as a deletion.
+    w.apply(watcher::Event::Init);
+    w.apply(watcher::Event::InitApply(node("a", "z1")));
+    w.apply(watcher::Event::InitDone);
+    assert!(store.was_removed("", "b"));
+}
