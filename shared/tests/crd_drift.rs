@@ -5,18 +5,14 @@ use std::path::PathBuf;
 
 use teeguard_shared::crd::{CRD_CHART_PATH, crd_yaml};
 
-fn chart_crd_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+/// The CRD committed at `chart_path` equals `generated` (the YAML from the Rust type `ty`); with
+/// `TEEGUARD_REGENERATE` set, write it first.
+fn assert_committed(chart_path: &str, generated: &str, ty: &str) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("..")
-        .join(CRD_CHART_PATH)
-}
-
-#[test]
-fn chart_crd_matches_rust_type() {
-    let generated = crd_yaml().expect("generate CRD");
-    let path = chart_crd_path();
+        .join(chart_path);
     if std::env::var_os("TEEGUARD_REGENERATE").is_some() {
-        std::fs::write(&path, &generated).expect("write CRD");
+        std::fs::write(&path, generated).expect("write CRD");
     }
     let committed = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
@@ -26,9 +22,19 @@ fn chart_crd_matches_rust_type() {
     });
     assert!(
         committed == generated,
-        "{} differs from the CRD generated from teeguard_shared::crd::TeeCapacity; \
+        "{} differs from the CRD generated from {ty}; \
          run `TEEGUARD_REGENERATE=1 cargo test -p teeguard-shared --test crd_drift` and commit the result",
         path.display()
+    );
+}
+
+#[test]
+fn chart_crd_matches_rust_type() {
+    let generated = crd_yaml().expect("generate CRD");
+    assert_committed(
+        CRD_CHART_PATH,
+        &generated,
+        "teeguard_shared::crd::TeeCapacity",
     );
 }
 
@@ -73,23 +79,10 @@ fn crd_shape() {
 fn chart_reservation_crd_matches_rust_type() {
     use teeguard_shared::reservation::{RESERVATION_CRD_CHART_PATH, reservation_crd_yaml};
     let generated = reservation_crd_yaml().expect("generate CRD");
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(RESERVATION_CRD_CHART_PATH);
-    if std::env::var_os("TEEGUARD_REGENERATE").is_some() {
-        std::fs::write(&path, &generated).expect("write CRD");
-    }
-    let committed = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "cannot read {}: {e}; run `TEEGUARD_REGENERATE=1 cargo test -p teeguard-shared --test crd_drift`",
-            path.display()
-        )
-    });
-    assert!(
-        committed == generated,
-        "{} differs from the CRD generated from teeguard_shared::reservation::TeeReservation; \
-         run `TEEGUARD_REGENERATE=1 cargo test -p teeguard-shared --test crd_drift` and commit the result",
-        path.display()
+    assert_committed(
+        RESERVATION_CRD_CHART_PATH,
+        &generated,
+        "teeguard_shared::reservation::TeeReservation",
     );
     let crd: serde_json::Value = serde_yaml::from_str(&generated).expect("yaml");
     assert_eq!(crd["metadata"]["name"], "teereservations.teeguard.dev");

@@ -171,7 +171,7 @@ fn row(what: &str, s: &Stats, target: Option<Duration>) {
 }
 
 fn main() {
-    let events = if full_run() { 60 } else { 4 };
+    let events = if full_run() { 30 } else { 4 };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

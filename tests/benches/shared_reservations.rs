@@ -13,32 +13,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use support::{Stats, fmt_dur, full_run, section};
-use teeguard_shared::TeeKind;
 use teeguard_tests::e2e::{E2eEnv, WebhookProcess};
-use teeguard_tests::fakeapi::FakeApiServer;
-use teeguard_tests::fixtures::{
-    self, NodeBuilder, ReportBuilder, TDX_KEYS, Tee, VirtLauncherPod, Vmi, owned_by, seed_vmi,
-};
-use teeguard_tests::standalone::driver::strip_server_fields;
-
-fn seed(api: &FakeApiServer, node: &str, keys: u64) {
-    let mut n = NodeBuilder::new(node).tdx(keys).to_value();
-    strip_server_fields(&mut n);
-    api.create(&n).expect("node");
-    let report = ReportBuilder::new(node)
-        .kind_with_external(TeeKind::Tdx, keys, keys, 0)
-        .heartbeat_age(Duration::from_secs(1))
-        .to_value();
-    api.create(&report).expect("report");
-}
-
-fn seed_vm(api: &FakeApiServer, vmi: &str) -> Pod {
-    let uid = seed_vmi(api, &Vmi::new(vmi).tee(Tee::Tdx));
-    let pod = VirtLauncherPod::for_tee(vmi, Tee::Tdx)
-        .request(TDX_KEYS, "1")
-        .generated_name();
-    serde_json::from_value(api.create(&owned_by(&pod, &uid)).expect("pod")).expect("pod")
-}
+use teeguard_tests::fixtures;
 
 async fn wait_cached(w: &WebhookProcess, pods: usize) {
     let want = format!("teeguard_webhook_cache_objects{{cache=\"virt_launcher_pods\"}} {pods}");
@@ -57,10 +33,10 @@ async fn run(shared: bool, n: usize) -> (Stats, Stats) {
         .map(|i| format!("node-{i:03}"))
         .collect();
     for node in &nodes {
-        seed(&env.api, node, 64);
+        fixtures::seed_tdx_node(&env.api, node, 64, 64);
     }
     let pods: Vec<Pod> = (0..n)
-        .map(|i| seed_vm(&env.api, &format!("vm{i:05}")))
+        .map(|i| fixtures::seed_admitted_tdx_vm(&env.api, &format!("vm{i:05}")))
         .collect();
     let webhook = env.start_webhook(&[]).await.expect("webhook");
     wait_cached(&webhook, n).await;

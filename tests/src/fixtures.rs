@@ -285,6 +285,37 @@ pub fn seed_vmi(api: &crate::fakeapi::FakeApiServer, vmi: &Vmi) -> String {
         .to_string()
 }
 
+/// Create a TDX VMI and its virt-launcher pod as admitted (key request on `compute`, named) on the fake
+/// API server, in the default namespace; returns the stored pod (server-assigned UID).
+pub fn seed_admitted_tdx_vm(api: &crate::fakeapi::FakeApiServer, vmi: &str) -> Pod {
+    let uid = seed_vmi(api, &Vmi::new(vmi).tee(Tee::Tdx));
+    let pod = VirtLauncherPod::for_tee(vmi, Tee::Tdx)
+        .request(TDX_KEYS, "1")
+        .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+        .generated_name();
+    from_value(
+        api.create(&owned_by(&pod, &uid)).expect("create pod"),
+        "stored pod",
+    )
+}
+
+/// Create a Node with `capacity` TDX keys and its fresh report (heartbeat 1 s ago) with `free` of them
+/// free, nothing held outside Kubernetes.
+pub fn seed_tdx_node(api: &crate::fakeapi::FakeApiServer, node: &str, capacity: u64, free: u64) {
+    let mut n = NodeBuilder::new(node).tdx(capacity).to_value();
+    if let Some(m) = n.get_mut("metadata").and_then(Value::as_object_mut) {
+        for k in ["uid", "resourceVersion", "creationTimestamp"] {
+            m.remove(k);
+        }
+    }
+    api.create(&n).expect("create node");
+    let report = ReportBuilder::new(node)
+        .kind_with_external(teeguard_shared::TeeKind::Tdx, capacity, free, 0)
+        .heartbeat_age(std::time::Duration::from_secs(1))
+        .to_value();
+    api.create(&report).expect("create report");
+}
+
 /// Serialise a typed object to JSON.
 pub fn to_value<T: serde::Serialize>(object: &T) -> Value {
     serde_json::to_value(object).expect("k8s-openapi objects serialise")

@@ -8,14 +8,10 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
-use teeguard_shared::TeeKind;
 use teeguard_shared::reservation::TeeReservation;
 use teeguard_tests::e2e::{E2eEnv, WebhookProcess};
-use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, Verb};
-use teeguard_tests::fixtures::{
-    self, NodeBuilder, ReportBuilder, TDX_KEYS, Tee, VirtLauncherPod, Vmi, owned_by, seed_vmi,
-};
-use teeguard_tests::standalone::driver::strip_server_fields;
+use teeguard_tests::fakeapi::{FaultRule, Verb};
+use teeguard_tests::fixtures;
 
 const TEST_DEADLINE: Duration = Duration::from_secs(240);
 
@@ -23,29 +19,6 @@ async fn bounded<F: Future<Output = ()>>(f: F) {
     tokio::time::timeout(TEST_DEADLINE, f)
         .await
         .expect("the scenario finished within its deadline");
-}
-
-/// A node with `capacity` TDX keys of which `free` are free, its report fresh.
-fn seed_node(api: &FakeApiServer, node: &str, capacity: u64, free: u64) {
-    let mut n = NodeBuilder::new(node).tdx(capacity).to_value();
-    strip_server_fields(&mut n);
-    api.create(&n).expect("node");
-    let report = ReportBuilder::new(node)
-        .kind_with_external(TeeKind::Tdx, capacity, free, 0)
-        .heartbeat_age(Duration::from_secs(1))
-        .to_value();
-    api.create(&report).expect("report");
-}
-
-/// A VMI and its mutated, named virt-launcher pod (as stored after admission).
-fn seed_vm(api: &FakeApiServer, vmi: &str) -> Pod {
-    let uid = seed_vmi(api, &Vmi::new(vmi).tee(Tee::Tdx));
-    let pod = VirtLauncherPod::for_tee(vmi, Tee::Tdx)
-        .request(TDX_KEYS, "1")
-        .annotation("misc-max.teeguard.dev/compute", "tdx 1")
-        .generated_name();
-    let stored = api.create(&owned_by(&pod, &uid)).expect("pod");
-    serde_json::from_value(stored).expect("pod")
 }
 
 /// Wait until every webhook's report cache holds `n` reports.
@@ -85,9 +58,9 @@ async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once
         let mut violations = Vec::new();
         for round in 0..ROUNDS {
             let node = format!("node-{round:02}");
-            seed_node(&env.api, &node, 31, 1);
+            fixtures::seed_tdx_node(&env.api, &node, 31, 1);
             let pods: Vec<Pod> = (0..BINDINGS)
-                .map(|i| seed_vm(&env.api, &format!("r{round:02}-vm{i:02}")))
+                .map(|i| fixtures::seed_admitted_tdx_vm(&env.api, &format!("r{round:02}-vm{i:02}")))
                 .collect();
             wait_reports(&webhooks, round + 1).await;
             let barrier = Arc::new(tokio::sync::Barrier::new(BINDINGS));
@@ -172,9 +145,9 @@ async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run
     bounded(async {
         let env = E2eEnv::new("").await.expect("env");
         let webhooks = start(&env, 2).await;
-        seed_node(&env.api, "node-a", 8, 2);
-        let vm1 = seed_vm(&env.api, "vm-1");
-        let vm2 = seed_vm(&env.api, "vm-2");
+        fixtures::seed_tdx_node(&env.api, "node-a", 8, 2);
+        let vm1 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-1");
+        let vm2 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-2");
         wait_reports(&webhooks, 1).await;
         let a = webhooks[0].client().expect("client");
         let b = webhooks[1].client().expect("client");
@@ -252,7 +225,7 @@ async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run
                 .expect("answered")
                 .allowed
         );
-        let vm3 = seed_vm(&env.api, "vm-3");
+        let vm3 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-3");
         let r = a
             .review("/validate", &fixtures::binding_create(&vm3, "node-a"))
             .await
@@ -267,9 +240,9 @@ async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_ledger_and_
     bounded(async {
         let mut env = E2eEnv::new("").await.expect("env");
         let webhooks = start(&env, 1).await;
-        seed_node(&env.api, "node-a", 8, 4);
+        fixtures::seed_tdx_node(&env.api, "node-a", 8, 4);
         let pods: Vec<Pod> = (0..4)
-            .map(|i| seed_vm(&env.api, &format!("vm-{i}")))
+            .map(|i| fixtures::seed_admitted_tdx_vm(&env.api, &format!("vm-{i}")))
             .collect();
         wait_reports(&webhooks, 1).await;
         let c = webhooks[0].client().expect("client");
@@ -346,9 +319,9 @@ async fn a_deleted_pods_shared_reservation_is_released() {
     bounded(async {
         let env = E2eEnv::new("").await.expect("env");
         let webhooks = start(&env, 2).await;
-        seed_node(&env.api, "node-a", 8, 1);
-        let vm1 = seed_vm(&env.api, "vm-1");
-        let vm2 = seed_vm(&env.api, "vm-2");
+        fixtures::seed_tdx_node(&env.api, "node-a", 8, 1);
+        let vm1 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-1");
+        let vm2 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-2");
         wait_reports(&webhooks, 1).await;
         let a = webhooks[0].client().expect("client");
         let b = webhooks[1].client().expect("client");
