@@ -29,8 +29,10 @@ use crate::scan::{Driver, pod_cgroup_candidates, pod_uid_of_dir, qos_dirs};
 
 const MECHANISM: &str = "cgroup";
 
-/// A pod cgroup found without `misc.max` is looked at again after this long before it is reported.
+/// A pod cgroup found without `misc.max` is looked at again after this long.
 const RECHECK_AFTER: Duration = Duration::from_millis(5);
+/// ... and reported not delegated once it has had no `misc.max` for this long.
+const NOT_DELEGATED_AFTER: Duration = Duration::from_secs(2);
 
 async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
@@ -180,9 +182,10 @@ impl Writer {
         let mut watched: Vec<PathBuf> = Vec::new();
         let mut done: HashMap<String, Done> = HashMap::new();
         let mut failures: HashMap<String, String> = HashMap::new();
-        // Pods whose cgroup showed no misc.max once: a cgroup caught between its mkdir and its files
-        // looks the same, so only a second look (a later pass) decides it is not delegated.
-        let mut suspect: std::collections::HashSet<String> = std::collections::HashSet::new();
+        // Pods whose cgroup showed no misc.max, since when: a cgroup caught between its mkdir and its
+        // files looks the same, so it is looked at again every few milliseconds and reported not
+        // delegated only when that lasts NOT_DELEGATED_AFTER (a busy host may take a while).
+        let mut suspect: HashMap<String, std::time::Instant> = HashMap::new();
         let mut sweep = tokio::time::interval(self.sweep_every);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // A quick second look at a suspect cgroup (its files were likely still being created).
@@ -219,7 +222,7 @@ impl Writer {
             let desired = self.desired.borrow().clone();
             done.retain(|uid, _| desired.contains_key(uid));
             failures.retain(|uid, _| desired.contains_key(uid));
-            suspect.retain(|uid| desired.contains_key(uid));
+            suspect.retain(|uid, _| desired.contains_key(uid));
             // A new pod cgroup: only that pod. Otherwise every pod not limited yet (or whose limits changed).
             let only = created_dir
                 .as_deref()
@@ -241,6 +244,7 @@ impl Writer {
                 }
                 match apply(&kubepods, driver, uid, &want.limits) {
                     WriteOutcome::Written(dir) => {
+                        suspect.remove(uid);
                         for l in &want.limits {
                             self.metrics.limit_applied(MECHANISM, l.kind);
                         }
@@ -251,7 +255,13 @@ impl Writer {
                         done.insert(uid.clone(), Done::Applied(want.limits.clone()));
                     }
                     WriteOutcome::NoCgroup => {}
-                    WriteOutcome::NotDelegated(_) if suspect.insert(uid.clone()) => {
+                    WriteOutcome::NotDelegated(_)
+                        if suspect
+                            .entry(uid.clone())
+                            .or_insert_with(std::time::Instant::now)
+                            .elapsed()
+                            < NOT_DELEGATED_AFTER =>
+                    {
                         tracing::debug!(
                             uid,
                             "pod cgroup without misc.max yet; looking again shortly"
