@@ -5,10 +5,10 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use teeguard_tests::e2e::{E2eEnv, NODE, World};
+use teeguard_tests::e2e::{AgentProcess, E2eEnv, NODE, World};
 use teeguard_tests::fixtures::{self, TDX_KEYS, Tee, VirtLauncherPod};
 use teeguard_tests::host::{MiscDelegation, QosClass, SEV, SEV_ES, SimHost, TDX};
-use teeguard_tests::nri::{NriRuntime, misc_max};
+use teeguard_tests::nri::{NriRuntime, Registration, misc_max};
 use teeguard_tests::standalone::VmiSpec;
 
 const TEST_DEADLINE: Duration = Duration::from_secs(120);
@@ -107,21 +107,42 @@ fn launcher(tee: Tee, resource: &str, annotation: &str) -> k8s_openapi::api::cor
         .build()
 }
 
+/// The agent process in NRI mode against a fake runtime listening on a socket of its own, on `host`,
+/// registered. Fields drop in order: the agent first, the socket's directory last.
+struct NriWorld {
+    agent: AgentProcess,
+    runtime: NriRuntime,
+    env: E2eEnv,
+    _host: SimHost,
+    _sock_dir: tempfile::TempDir,
+}
+
+async fn nri_world(host: SimHost) -> (NriWorld, Registration) {
+    let sock_dir = tempfile::tempdir().expect("socket dir");
+    let socket = sock_dir.path().join("nri.sock");
+    let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
+    let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
+    seed_node(&env, NODE);
+    let agent = env.start_agent(NODE, &host).await.expect("agent starts");
+    let reg = runtime
+        .wait_registered(Duration::from_secs(10))
+        .await
+        .expect("the agent registers with the runtime");
+    let w = NriWorld {
+        agent,
+        runtime,
+        env,
+        _host: host,
+        _sock_dir: sock_dir,
+    };
+    (w, reg)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nri_plugin_registers_and_sets_misc_max_for_tee_compute_containers_only() {
     bounded(async {
-        let sock_dir = tempfile::tempdir().expect("socket dir");
-        let socket = sock_dir.path().join("nri.sock");
-        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
-        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
-        seed_node(&env, NODE);
         let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
-        let agent = env.start_agent(NODE, &host).await.expect("agent starts");
-
-        let reg = runtime
-            .wait_registered(Duration::from_secs(10))
-            .await
-            .expect("the agent registers with the runtime");
+        let (NriWorld { agent, runtime, env, _host, _sock_dir }, reg) = nri_world(host).await;
         assert_eq!((reg.plugin_name.as_str(), reg.plugin_idx.as_str()), ("teeguard", "50"));
         assert!(reg.subscribes(4), "subscribed to CREATE_CONTAINER: events {:#b}", reg.events);
         assert!(!reg.subscribes(1), "not to RUN_POD_SANDBOX: events {:#b}", reg.events);
@@ -164,21 +185,21 @@ async fn nri_plugin_registers_and_sets_misc_max_for_tee_compute_containers_only(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nri_plugin_gives_snp_sev_es_and_applies_the_requests_when_the_annotation_disagrees() {
     bounded(async {
-        let sock_dir = tempfile::tempdir().expect("socket dir");
-        let socket = sock_dir.path().join("nri.sock");
-        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
-        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
-        seed_node(&env, NODE);
         let host = SimHost::builder()
             .capacity(SEV, 16)
             .capacity(SEV_ES, 8)
             .build()
             .expect("host");
-        let agent = env.start_agent(NODE, &host).await.expect("agent starts");
-        runtime
-            .wait_registered(Duration::from_secs(10))
-            .await
-            .expect("registered");
+        let (
+            NriWorld {
+                agent,
+                runtime,
+                env,
+                _host,
+                _sock_dir,
+            },
+            _,
+        ) = nri_world(host).await;
 
         let snp = store_pod(&env, &launcher(Tee::Snp, ESIDS, "sev_es 1"));
         let (sandbox, compute) = nri_request(&snp, "compute");
@@ -211,17 +232,17 @@ async fn nri_plugin_gives_snp_sev_es_and_applies_the_requests_when_the_annotatio
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nri_plugin_registers_again_within_two_seconds_of_a_runtime_restart() {
     bounded(async {
-        let sock_dir = tempfile::tempdir().expect("socket dir");
-        let socket = sock_dir.path().join("nri.sock");
-        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
-        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
-        seed_node(&env, NODE);
         let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
-        let _agent = env.start_agent(NODE, &host).await.expect("agent starts");
-        let first = runtime
-            .wait_registered(Duration::from_secs(10))
-            .await
-            .expect("registered");
+        let (
+            NriWorld {
+                agent: _agent,
+                runtime,
+                env,
+                _host,
+                _sock_dir,
+            },
+            first,
+        ) = nri_world(host).await;
         for round in 2..=3 {
             let restarted = Instant::now();
             runtime.restart().await.expect("runtime restarts");
