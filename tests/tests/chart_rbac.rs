@@ -417,6 +417,7 @@ fn requests_are_mapped_to_rbac_terms() {
         field_manager: Some("teeguard-agent".into()),
         body: None,
         response_code: Some(code),
+        received_at: std::time::Instant::now(),
     };
     let created = needs(&apply(201, AGENT_USER_AGENT)).expect("resource request");
     assert_eq!(

@@ -64,6 +64,7 @@
 //! [`wait_for`]: FakeApiServer::wait_for
 
 mod apply;
+mod dispatch;
 mod error;
 mod faults;
 mod patch;
@@ -252,6 +253,24 @@ impl FakeApiServer {
     /// A kube client talking to this server in-process (default namespace `default`). Needs a Tokio runtime.
     pub fn client(&self) -> kube::Client {
         kube::Client::new(self.router(), "default")
+    }
+
+    /// [`FakeApiServer::client`] sending `user_agent` (so the request log tells clients apart), for
+    /// running many in-process clients without a socket each.
+    pub fn client_as(&self, user_agent: &str) -> Result<kube::Client, FakeApiError> {
+        let value = http::HeaderValue::from_str(user_agent).map_err(|e| {
+            FakeApiError::Kubeconfig(format!(
+                "user agent {user_agent:?} is not a header value: {e}"
+            ))
+        })?;
+        let service = tower::ServiceBuilder::new()
+            .map_request(move |mut req: http::Request<kube::client::Body>| {
+                req.headers_mut()
+                    .insert(http::header::USER_AGENT, value.clone());
+                req
+            })
+            .service(self.router());
+        Ok(kube::Client::new(service, "default"))
     }
 
     /// Serves on `127.0.0.1` on an ephemeral port.

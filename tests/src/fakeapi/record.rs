@@ -41,6 +41,8 @@ pub struct RecordedRequest {
     pub body: Option<Value>,
     /// HTTP status of the answer, once answered (watches: 200 when the stream starts).
     pub response_code: Option<u16>,
+    /// When the server received it.
+    pub received_at: std::time::Instant,
 }
 
 impl RecordedRequest {

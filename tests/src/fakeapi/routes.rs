@@ -337,6 +337,7 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
             field_manager: q(&query, "fieldManager").map(str::to_string),
             body,
             response_code: None,
+            received_at: std::time::Instant::now(),
         };
         Some(inner.record(rec))
     } else {

@@ -236,18 +236,31 @@ impl FieldSelector {
 
     /// Whether an object matches; a missing field compares as `""`.
     pub fn matches(&self, obj: &Value) -> bool {
-        self.0.iter().all(|(path, eq, want)| {
-            let mut cur = Some(obj);
-            for seg in path.split('.') {
-                cur = cur.and_then(|c| c.get(seg));
-            }
-            let got = match cur {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                Some(other) => other.to_string(),
-            };
-            (got == *want) == *eq
-        })
+        self.0
+            .iter()
+            .all(|(path, eq, want)| (field_value(obj, path) == *want) == *eq)
+    }
+
+    /// The value an equality requirement (`path=value`) asks `path` to have, if there is one.
+    pub fn required(&self, path: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(p, eq, _)| *eq && p == path)
+            .map(|(_, _, v)| v.as_str())
+    }
+}
+
+/// A field of an object as field selectors see it: strings as they are, other values as JSON, a
+/// missing field or `null` as `""`.
+pub(crate) fn field_value(obj: &Value, path: &str) -> String {
+    let mut cur = Some(obj);
+    for seg in path.split('.') {
+        cur = cur.and_then(|c| c.get(seg));
+    }
+    match cur {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
     }
 }
 

@@ -10,7 +10,9 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 
 use base64::Engine as _;
 use serde_json::{Map, Value, json};
-use tokio::sync::{broadcast, watch};
+use tokio::sync::watch;
+
+use super::dispatch::Dispatch;
 
 use super::apply;
 use super::error::ApiStatus;
@@ -1081,7 +1083,7 @@ fn decode_continue(t: &str) -> Result<(u64, Key), ApiStatus> {
 /// The store with its notification channels.
 pub(crate) struct Store {
     state: RwLock<State>,
-    pub events: broadcast::Sender<Arc<StoredEvent>>,
+    pub dispatch: Dispatch,
     pub rv_tx: watch::Sender<u64>,
 }
 
@@ -1095,11 +1097,10 @@ impl std::fmt::Debug for Store {
 
 impl Store {
     pub fn new(history_cap: usize, broadcast_cap: usize) -> Self {
-        let (events, _) = broadcast::channel(broadcast_cap.max(16));
         let (rv_tx, _) = watch::channel(0);
         Self {
             state: RwLock::new(State::new(history_cap)),
-            events,
+            dispatch: Dispatch::new(broadcast_cap),
             rv_tx,
         }
     }
@@ -1115,9 +1116,8 @@ impl Store {
         let r = f(&mut st);
         let pending = st.take_pending();
         if !pending.is_empty() {
-            for ev in pending {
-                // No receivers is fine.
-                let _ = self.events.send(ev);
+            for ev in &pending {
+                self.dispatch.publish(ev);
             }
             self.rv_tx.send_replace(st.rv);
         }

@@ -177,7 +177,7 @@ pub(crate) fn start(inner: Arc<Inner>, req: WatchRequest) -> Result<Response, Ap
     let (reg, initial, gone, mut rx, start_rv) = {
         let st = inner.store.read();
         let reg = st.resources[req.rid].clone();
-        let rx = inner.store.events.subscribe();
+        let rx = inner.store.dispatch.subscribe(reg.storage, &req.selectors);
         let cur = st.rv;
         let rv_param = req.resource_version.as_deref().filter(|s| !s.is_empty());
         let mut initial = Vec::new();
