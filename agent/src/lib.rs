@@ -9,7 +9,7 @@
 //! - [`attribution`]: pure attribution of kernel usage to pods, external consumers and pending pods;
 //! - [`report`]: pure construction of the `TeeCapacity` status and the publish decision;
 //! - [`advertise`]: pure Node diff (JSON Patch) and its kube adapter;
-//! - [`publish`]: server-side apply of the `TeeCapacity`;
+//! - [`publish`]: server-side apply of the `TeeCapacity`; [`lease`]: its heartbeat Lease;
 //! - [`pods`]: reflectors for the node's pods and its Node;
 //! - [`metrics`], [`run`] (the loops), [`cli`].
 
@@ -19,6 +19,7 @@ pub mod cleanup;
 pub mod cli;
 pub mod enforce;
 pub mod error;
+pub mod lease;
 pub mod metrics;
 pub mod pods;
 pub mod publish;

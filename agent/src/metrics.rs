@@ -14,7 +14,8 @@
 //! | `teeguard_agent_events_rescans_total` | counter | |
 //! | `teeguard_agent_api_errors_total` | counter | `operation` |
 //! | `teeguard_agent_publishes_total` | counter | |
-//! | `teeguard_agent_last_publish_timestamp_seconds` | gauge | |
+//! | `teeguard_agent_lease_renewals_total` | counter | |
+//! | `teeguard_agent_last_publish_timestamp_seconds` | gauge: last status publish or Lease renewal | |
 //! | `teeguard_agent_node_patches_total` | counter | |
 //! | `teeguard_agent_limits_applied_total` | counter | `mechanism` (`nri`, `cgroup`), `kind` |
 //! | `teeguard_agent_limit_mismatches_total` | counter | `mechanism` |
@@ -88,7 +89,10 @@ pub struct Metrics {
     api_errors: Family<OperationLabel, Counter>,
     /// Successful status publishes.
     pub publishes: Counter,
-    /// Unix time of the last successful publish (the report's heartbeat, as the alerts see it).
+    /// Heartbeat Lease renewals.
+    pub lease_renewals: Counter,
+    /// Unix time the report was last confirmed current: a status publish or a heartbeat Lease renewal
+    /// (the report's age as the webhook and the alerts see it).
     pub last_publish: Gauge,
     /// Successful Node writes (annotation or extended resources).
     pub node_patches: Counter,
@@ -120,6 +124,7 @@ impl Metrics {
             events_rescans: Counter::default(),
             api_errors: Family::default(),
             publishes: Counter::default(),
+            lease_renewals: Counter::default(),
             last_publish: Gauge::default(),
             node_patches: Counter::default(),
             limits_applied: Family::default(),
@@ -200,8 +205,13 @@ impl Metrics {
             m.publishes.clone(),
         );
         r.register(
+            "lease_renewals",
+            "Heartbeat Lease renewals (heartbeats while the published status is current)",
+            m.lease_renewals.clone(),
+        );
+        r.register(
             "last_publish_timestamp_seconds",
-            "Unix time of the last successful TeeCapacity status publish",
+            "Unix time the TeeCapacity report was last confirmed current: a status publish or a heartbeat Lease renewal",
             m.last_publish.clone(),
         );
         r.register(

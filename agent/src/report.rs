@@ -471,23 +471,64 @@ pub fn lists_new_pods(prev: &TeeCapacityStatus, new: &TeeCapacityStatus) -> bool
         .any(|uid| !prev.counted_pods.contains(uid))
 }
 
-/// Whether to publish `new`: always the first time, immediately when the content changed or a pod is
-/// newly counted (the webhook is holding its keys until it sees that), otherwise once the heartbeat
-/// interval has passed since the last publish.
-pub fn needs_publish(
+/// What a reconcile writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Write {
+    /// Nothing: the published report is current and its heartbeat is not due.
+    Nothing,
+    /// The report: the first time, when its content changed, or when it newly counts a pod (the
+    /// webhook holds that pod's keys until it sees that).
+    Report,
+    /// A heartbeat: the published report is still current (to its `countedPods`) and the heartbeat
+    /// is due (the agent renews its Lease, see [`crate::lease`]).
+    Heartbeat,
+}
+
+/// What to write for `new`, given `last`: the last published status and when its heartbeat is due
+/// (see [`next_heartbeat`]).
+pub fn next_write(
     last: Option<(&TeeCapacityStatus, Instant)>,
     new: &TeeCapacityStatus,
     now: Instant,
-    heartbeat: Duration,
-) -> bool {
+) -> Write {
     match last {
-        None => true,
-        Some((prev, at)) => {
-            content_differs(prev, new)
-                || lists_new_pods(prev, new)
-                || now.saturating_duration_since(at) >= heartbeat
+        None => Write::Report,
+        Some((prev, _)) if content_differs(prev, new) || lists_new_pods(prev, new) => Write::Report,
+        // Pods that left `countedPods` are no news: they go out with the next heartbeat.
+        Some((prev, heartbeat_due)) if now >= heartbeat_due => {
+            if prev.counted_pods == new.counted_pods {
+                Write::Heartbeat
+            } else {
+                Write::Report
+            }
         }
+        Some(_) => Write::Nothing,
     }
+}
+
+/// Where in each heartbeat interval `node`'s heartbeats fall: a hash of its name (FNV-1a), so the
+/// nodes of a cluster are spread evenly over the interval, and a restarted agent keeps its place.
+pub fn heartbeat_offset(node: &str, interval: Duration) -> Duration {
+    let hash = node.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let interval_ms = interval.as_millis().max(1);
+    Duration::from_millis((u128::from(hash) % interval_ms) as u64)
+}
+
+/// When the heartbeat after a publish at `last` (time since the UNIX epoch) is due: the node's first
+/// slot at least half an interval after it. A node's slots are `interval` apart, `offset` into each
+/// interval of the UNIX clock ([`heartbeat_offset`]). In steady state a node's heartbeats are thus
+/// exactly one interval apart, and many nodes started (or brought back after an API server outage)
+/// together do not heartbeat together: each goes back to its own slot. After a publish of a change
+/// the next heartbeat comes half an interval to one and a half intervals later.
+pub fn next_heartbeat(last: Duration, interval: Duration, offset: Duration) -> Duration {
+    let interval_ms = interval.as_millis().max(1);
+    let offset_ms = offset.as_millis() % interval_ms;
+    let earliest = (last + interval / 2).as_millis();
+    let slots = earliest.saturating_sub(offset_ms).div_ceil(interval_ms);
+    let due = offset_ms + slots * interval_ms;
+    Duration::from_millis(u64::try_from(due).unwrap_or(u64::MAX))
 }
 
 /// The per-kind usage map's kinds, for logs.
@@ -850,9 +891,9 @@ mod tests {
     }
 
     #[test]
-    fn publish_decision() {
+    fn write_decision() {
         let t0 = Instant::now();
-        let hb = Duration::from_secs(30);
+        let due = t0 + Duration::from_secs(30);
         let a = TeeCapacityStatus {
             heartbeat_time: Some(Time(ts(1))),
             ..Default::default()
@@ -863,20 +904,77 @@ mod tests {
         };
         let mut c = b.clone();
         c.agent_version = Some("other".into());
-        assert!(needs_publish(None, &a, t0, hb));
-        assert!(!needs_publish(
-            Some((&a, t0)),
-            &b,
-            t0 + Duration::from_secs(29),
-            hb
-        ));
-        assert!(needs_publish(Some((&a, t0)), &b, t0 + hb, hb));
-        assert!(needs_publish(Some((&a, t0)), &c, t0, hb));
+        assert_eq!(next_write(None, &a, t0), Write::Report);
+        assert_eq!(
+            next_write(Some((&a, due)), &b, due - Duration::from_millis(1)),
+            Write::Nothing
+        );
+        assert_eq!(next_write(Some((&a, due)), &b, due), Write::Heartbeat);
+        assert_eq!(next_write(Some((&a, due)), &c, t0), Write::Report);
+        assert_eq!(next_write(Some((&a, due)), &c, due), Write::Report);
         // A newly counted pod is published at once; one leaving the list waits for the heartbeat.
         let mut listed = b.clone();
         listed.counted_pods = vec!["vm2".into()];
-        assert!(needs_publish(Some((&a, t0)), &listed, t0, hb));
-        assert!(!needs_publish(Some((&listed, t0)), &b, t0, hb));
+        assert_eq!(next_write(Some((&a, due)), &listed, t0), Write::Report);
+        assert_eq!(next_write(Some((&listed, due)), &b, t0), Write::Nothing);
+        assert_eq!(next_write(Some((&listed, due)), &b, due), Write::Report);
+    }
+
+    #[test]
+    fn heartbeats_in_steady_state_are_exactly_one_interval_apart_at_the_nodes_offset() {
+        let hb = Duration::from_secs(30);
+        let offset = Duration::from_millis(12_345);
+        // Published late in a slot's second (the write took 40 ms): the next slot, not the one after.
+        let mut at = Duration::from_secs(1_700_000_000);
+        let mut beats = Vec::new();
+        for _ in 0..5 {
+            let due = next_heartbeat(at, hb, offset);
+            assert_eq!(due.as_millis() % hb.as_millis(), offset.as_millis());
+            beats.push(due);
+            at = due + Duration::from_millis(40);
+        }
+        for pair in beats.windows(2) {
+            assert_eq!(pair[1] - pair[0], hb);
+        }
+    }
+
+    #[test]
+    fn after_a_change_the_next_heartbeat_is_half_to_one_and_a_half_intervals_later() {
+        let hb = Duration::from_secs(30);
+        for offset_ms in [0, 1, 7_500, 15_000, 29_999] {
+            for change_ms in (0..60_000).step_by(997) {
+                let change = Duration::from_secs(1_700_000_000) + Duration::from_millis(change_ms);
+                let due = next_heartbeat(change, hb, Duration::from_millis(offset_ms));
+                let gap = due - change;
+                assert!(
+                    gap >= hb / 2 && gap < hb * 3 / 2,
+                    "offset {offset_ms} ms, change at +{change_ms} ms: next heartbeat after {gap:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn five_thousand_nodes_heartbeats_are_spread_evenly_over_the_interval() {
+        let hb = Duration::from_secs(30);
+        let mut buckets = [0usize; 10];
+        for i in 0..5000 {
+            let offset = heartbeat_offset(&format!("node-{i:05}"), hb);
+            assert!(offset < hb);
+            buckets[(offset.as_millis() * 10 / hb.as_millis()) as usize] += 1;
+        }
+        // 500 per tenth of the interval; lockstep would put all 5,000 in one.
+        for (i, n) in buckets.iter().enumerate() {
+            assert!(
+                (400..=600).contains(n),
+                "tenth {i} of the interval holds {n} of 5,000 nodes' heartbeats: {buckets:?}"
+            );
+        }
+        assert_eq!(
+            heartbeat_offset("node-a", hb),
+            heartbeat_offset("node-a", hb),
+            "a restarted agent keeps its place"
+        );
     }
 
     fn counted_pod(uid: &str, pending: bool) -> CountedPod {

@@ -21,10 +21,11 @@ use tokio_util::sync::CancellationToken;
 use crate::advertise::{self, AdvertiseOutcome, Desired};
 use crate::enforce::{Enforcement, StartOptions};
 use crate::error::{Error, Result};
+use crate::lease::HeartbeatLease;
 use crate::metrics::Metrics;
 use crate::pods::{self, Backoff, CachedPod, PodsView, Watched};
 use crate::publish::Publisher;
-use crate::report::{self, CountedPods, KernelView, StatusInput};
+use crate::report::{self, CountedPods, KernelView, StatusInput, Write};
 use crate::scan::{HostState, Interest, Scanner};
 
 /// Readiness check: the first scan succeeded.
@@ -118,6 +119,11 @@ pub async fn run(
     let mut agent = Agent {
         enforcement,
         publisher: Publisher::new(client.clone(), opts.node_name.clone()),
+        lease: Some(HeartbeatLease::new(
+            client.clone(),
+            opts.node_name.clone(),
+            opts.config.admission.stale_report_after,
+        )),
         nodes: Api::all(client),
         scanner: Some(Scanner::new(opts.cgroup_root.clone())),
         kernel: KernelView::default(),
@@ -155,6 +161,8 @@ struct Agent {
     metrics: Metrics,
     readiness: Readiness,
     publisher: Publisher,
+    /// The heartbeat Lease (`None` once writing it was forbidden: heartbeats re-publish the report).
+    lease: Option<HeartbeatLease>,
     nodes: Api<Node>,
     scanner: Option<Scanner>,
     kernel: KernelView,
@@ -168,6 +176,7 @@ struct Agent {
     patched_node: Option<Arc<Node>>,
     advertiser: advertise::Advertiser,
     interest: Arc<HashSet<String>>,
+    /// The last published status and when its heartbeat is due.
     last_published: Option<(TeeCapacityStatus, Instant)>,
     seeded_previous: Option<TeeCapacityStatus>,
     publish_backoff: Backoff,
@@ -232,10 +241,7 @@ impl Agent {
     /// poll tick re-evaluates them), so a blocked publish never turns into a busy loop.
     fn next_deadline(&self) -> Instant {
         let now = Instant::now();
-        let heartbeat = self
-            .last_published
-            .as_ref()
-            .map(|(_, at)| *at + self.opts.config.agent.heartbeat_interval);
+        let heartbeat = self.last_published.as_ref().map(|(_, due)| *due);
         [heartbeat, self.publish_retry_at, self.node_retry_at]
             .into_iter()
             .flatten()
@@ -431,13 +437,12 @@ impl Agent {
         let mut status = self.build(&figures, &counted_pods, &outcome);
         let now = Instant::now();
         let last = self.last_published.as_ref().map(|(s, at)| (s, *at));
-        if !report::needs_publish(
-            last,
-            &status,
-            now,
-            self.opts.config.agent.heartbeat_interval,
-        ) || !due(self.publish_retry_at)
-        {
+        let write = report::next_write(last, &status, now);
+        if write == Write::Nothing || !due(self.publish_retry_at) {
+            return;
+        }
+        if write == Write::Heartbeat && self.lease.is_some() {
+            self.renew_lease(&node).await;
             return;
         }
         let changed = last.is_none_or(|(prev, _)| report::content_differs(prev, &status));
@@ -478,12 +483,64 @@ impl Agent {
                 } else {
                     tracing::debug!(node = %self.opts.node_name, "heartbeat published");
                 }
-                self.last_published = Some((status, Instant::now()));
+                self.last_published = Some((status, self.heartbeat_due()));
                 self.publish_retry_at = None;
                 self.publish_backoff.reset();
             }
             Err(e) => self.publish_failed(&e),
         }
+    }
+
+    /// A heartbeat while the published report is current: renew the Lease. Without permission to
+    /// write Leases (an RBAC left from an older chart), heartbeats re-publish the report instead.
+    async fn renew_lease(&mut self, node: &Node) {
+        let Some(lease) = self.lease.as_mut() else {
+            return;
+        };
+        let result = with_timeout(
+            self.opts.api_timeout,
+            "renew the heartbeat Lease",
+            lease.renew(node, jiff::Timestamp::now()),
+        )
+        .await;
+        match result {
+            Ok(()) => {
+                self.metrics.lease_renewals.inc();
+                self.metrics
+                    .last_publish
+                    .set(jiff::Timestamp::now().as_second());
+                tracing::debug!(node = %self.opts.node_name, "heartbeat: Lease renewed");
+                let due = self.heartbeat_due();
+                if let Some((_, at)) = self.last_published.as_mut() {
+                    *at = due;
+                }
+                self.publish_retry_at = None;
+                self.publish_backoff.reset();
+            }
+            Err(e) if e.api_code() == Some(403) => {
+                tracing::warn!(
+                    error = %e,
+                    namespace = %lease.namespace(),
+                    "not allowed to write the heartbeat Lease (grant leases get/create/patch in this \
+                     namespace, as the chart does); heartbeats re-publish the report instead"
+                );
+                self.api_failed(&e);
+                self.lease = None;
+            }
+            Err(e) => self.publish_failed(&e),
+        }
+    }
+
+    /// When the heartbeat after a publish completing now is due ([`report::next_heartbeat`]): at the
+    /// node's own place in the interval, so the nodes of a cluster do not heartbeat together.
+    fn heartbeat_due(&self) -> Instant {
+        let interval = self.opts.config.agent.heartbeat_interval;
+        let now = Instant::now();
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let offset = report::heartbeat_offset(&self.opts.node_name, interval);
+        now + report::next_heartbeat(wall, interval, offset).saturating_sub(wall)
     }
 
     fn build(

@@ -66,6 +66,9 @@ pub const AGENT_EXTENDED_RESOURCES_ANNOTATION: &str = "teeguard.dev/extended-res
 
 /// Field manager name the agent uses for server-side apply.
 pub const AGENT_FIELD_MANAGER: &str = "teeguard-agent";
+/// Label on each agent's heartbeat Lease (`coordination.k8s.io/v1`, named after its node, in the
+/// agent's namespace); the webhook watches the Leases carrying it.
+pub const AGENT_LEASE_LABEL: &str = "teeguard.dev/agent-heartbeat";
 /// Field manager / reporting controller name the webhook uses.
 pub const WEBHOOK_FIELD_MANAGER: &str = "teeguard-webhook";
 

@@ -69,6 +69,8 @@ pub enum Cache {
     LauncherPods,
     /// Shared reservations (`TeeReservation`).
     Reservations,
+    /// The agents' heartbeat Leases.
+    AgentLeases,
 }
 
 /// What one shared-reservation step did.
@@ -130,6 +132,7 @@ label_values!(Cache {
     Nodes => "nodes",
     LauncherPods => "virt_launcher_pods",
     Reservations => "teereservations",
+    AgentLeases => "agent_leases",
 });
 label_values!(SharedResult {
     Reserved => "reserved",

@@ -43,7 +43,17 @@ pub struct Agent {
 impl Agent {
     /// Start `run` against `api` reading `root`.
     pub fn start(api: &FakeApiServer, root: &std::path::Path, config: Config) -> Agent {
-        let mut opts = AgentOptions::new(NODE, root, config);
+        Self::start_on(api, NODE, root, config)
+    }
+
+    /// [`Agent::start`] for another node than [`NODE`].
+    pub fn start_on(
+        api: &FakeApiServer,
+        node: &str,
+        root: &std::path::Path,
+        config: Config,
+    ) -> Agent {
+        let mut opts = AgentOptions::new(node, root, config);
         opts.backoff_initial = Duration::from_millis(20);
         opts.backoff_max = Duration::from_millis(200);
         opts.api_timeout = Duration::from_secs(5);

@@ -6,9 +6,10 @@
 //! for [`Caches::wait_synced`]. Each cache is a [`NamedStore`] (by namespace and name: borrowed
 //! lookups and allocation-free scans).
 //!
-//! Caches: VMIs and Namespace labels (mutation and validation), TeeCapacity reports, Node labels
-//! (node selection for pod CREATE) and virt-launcher pods (label `kubevirt.io=virt-launcher`, reduced to
-//! [`CachedLauncherPod`], for bindings). Memory: everything not read is dropped when the object arrives
+//! Caches: VMIs and Namespace labels (mutation and validation), TeeCapacity reports and the agents'
+//! heartbeat Leases (in the webhook's namespace: a report's age is that of the newer of its heartbeat
+//! and its agent's Lease renewal), Node labels (node selection for pod CREATE) and virt-launcher pods
+//! (label `kubevirt.io=virt-launcher`, reduced to [`CachedLauncherPod`], for bindings). Memory: everything not read is dropped when the object arrives
 //! (see [`slim_vmi`], [`CachedLauncherPod`], [`slim_report`]).
 //!
 //! Adding a cache: add a field to [`Caches`], create it in [`Caches::start`] with one
@@ -21,6 +22,7 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::core::PartialObjectMeta;
 use kube::runtime::watcher;
@@ -82,6 +84,12 @@ pub trait Lookups: Send + Sync {
 
     /// The node's `TeeCapacity` report, if any (cache only: reports are cluster-scoped and cached).
     fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>>;
+
+    /// When the node's agent last renewed its heartbeat Lease (cache only); `None` where Leases are
+    /// not watched (the offline `review` command: the reports' own heartbeats count).
+    fn agent_lease(&self, _node: &str) -> Option<jiff::Timestamp> {
+        None
+    }
 
     /// Call `visit` with the name of each known node for which `filter(name, labels)` holds, until
     /// `visit` breaks: `first` (when it is a known node) before the others, then in no particular order,
@@ -156,6 +164,11 @@ pub struct Caches {
     pub launcher_pods: NamedStore<CachedLauncherPod>,
     /// The shared reservations, one `TeeReservation` per node.
     pub reservations: NamedStore<TeeReservation>,
+    /// The agents' heartbeat Leases (named after their nodes, in [`Caches::lease_namespace`]): when
+    /// each was last renewed.
+    pub agent_leases: NamedStore<Option<jiff::Timestamp>>,
+    /// The namespace of the agents' Leases: the webhook's own (from its client).
+    pub lease_namespace: String,
     synced: Arc<tokio::sync::watch::Receiver<bool>>,
 }
 
@@ -168,6 +181,7 @@ impl Debug for Caches {
             .field("nodes", &self.nodes.len())
             .field("launcher_pods", &self.launcher_pods.len())
             .field("reservations", &self.reservations.len())
+            .field("agent_leases", &self.agent_leases.len())
             .field("synced", &self.is_synced())
             .finish()
     }
@@ -227,6 +241,15 @@ impl Caches {
             watcher::Config::default().any_semantic(),
             |r: TeeReservation| r,
         );
+        let lease_namespace = client.default_namespace().to_string();
+        let agent_leases = b.watch(
+            Cache::AgentLeases.as_str(),
+            Api::<Lease>::namespaced(client.clone(), &lease_namespace),
+            watcher::Config::default()
+                .labels(&format!("{}=true", names::AGENT_LEASE_LABEL))
+                .any_semantic(),
+            |l: Lease| l.spec.and_then(|s| s.renew_time).map(|t| t.0),
+        );
         let (tasks, ready) = b.finish();
         let (tx, rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
@@ -243,6 +266,8 @@ impl Caches {
             nodes,
             launcher_pods,
             reservations,
+            agent_leases,
+            lease_namespace,
             synced: Arc::new(rx),
         };
         (caches, tasks)
@@ -391,6 +416,12 @@ impl Lookups for Caches {
 
     fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>> {
         self.tee_capacities.get(node)
+    }
+
+    fn agent_lease(&self, node: &str) -> Option<jiff::Timestamp> {
+        self.agent_leases
+            .get_namespaced(&self.lease_namespace, node)
+            .and_then(|t| *t)
     }
 
     fn scan_nodes(

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use teeguard_shared::config::StalePolicy;
-use teeguard_shared::crd::TeeCapacityStatus;
 use teeguard_shared::pod::KeyRequests;
 
 use super::*;
@@ -45,15 +44,16 @@ impl<'r> CandidateScan<'r> {
 
     /// Offer the candidate `node` with its report (`None`: no report) and the keys `reserved` there by
     /// other pods (see [`NodeAssessment::new`]). Allocates only when the node joins the listed few.
-    pub fn offer(
+    pub fn offer<'a>(
         &mut self,
         node: &str,
-        status: Option<&TeeCapacityStatus>,
+        report: impl Into<Report<'a>>,
         reserved: &KeyRequests,
         now: Timestamp,
         stale_after: Duration,
     ) -> ControlFlow<()> {
-        let report = current_report(status, now, stale_after);
+        let given = report.into();
+        let report = current_report(given, now, stale_after);
         let requests = self.requests;
         let (fit, rank) = fit_and_rank(
             requests
@@ -61,7 +61,7 @@ impl<'r> CandidateScan<'r> {
                 .map(|(kind, n)| (*n, kind_figures(*kind, &report, reserved))),
         );
         self.add(fit, rank, node, || {
-            NodeAssessment::new(node, requests, status, reserved, now, stale_after)
+            NodeAssessment::new(node, requests, given, reserved, now, stale_after)
         })
     }
 

@@ -4,7 +4,8 @@
 //!
 //! Free keys of a node = the report's `free` − keys this replica reserved there for pods the report does
 //! not show yet (see [`crate::decide::ledger`]). A report is unknown when it is missing, has no heartbeat, or its
-//! heartbeat is older than `admission.staleReportAfter`; `admission.staleReportPolicy` says whether an
+//! heartbeat is older than `admission.staleReportAfter`, its heartbeat being the newer of its own
+//! `heartbeatTime` and its agent's Lease renewal ([`Report`]); `admission.staleReportPolicy` says whether an
 //! unknown report refuses (`deny`) or admits with a warning (`allow`). A report without figures for a
 //! kind means the host has no keys of that kind.
 //!
@@ -120,15 +121,42 @@ pub fn human(d: Duration) -> String {
     }
 }
 
+/// What the webhook knows of a node's agent: its report and when it last renewed its heartbeat
+/// Lease. The agent renews the Lease instead of re-writing an unchanged report, so the report's age is
+/// that of the newer of the two.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Report<'a> {
+    /// The report's status (`None`: no report).
+    pub status: Option<&'a TeeCapacityStatus>,
+    /// When the agent's Lease was last renewed (`None`: no Lease seen).
+    pub lease_renewed: Option<Timestamp>,
+}
+
+impl<'a> From<Option<&'a TeeCapacityStatus>> for Report<'a> {
+    /// A report without a Lease.
+    fn from(status: Option<&'a TeeCapacityStatus>) -> Self {
+        Report {
+            status,
+            lease_renewed: None,
+        }
+    }
+}
+
 /// The report if it is current, or why it is unknown.
-pub fn current_report(
-    status: Option<&TeeCapacityStatus>,
+pub fn current_report<'a>(
+    report: impl Into<Report<'a>>,
     now: Timestamp,
     stale_after: Duration,
-) -> Result<&TeeCapacityStatus, Unknown> {
-    let status = status.ok_or(Unknown::NoReport)?;
-    let hb = status.heartbeat_time.as_ref().ok_or(Unknown::NoHeartbeat)?;
-    let age = now.duration_since(hb.0);
+) -> Result<&'a TeeCapacityStatus, Unknown> {
+    let report = report.into();
+    let status = report.status.ok_or(Unknown::NoReport)?;
+    let hb = status
+        .heartbeat_time
+        .as_ref()
+        .map(|t| t.0)
+        .max(report.lease_renewed)
+        .ok_or(Unknown::NoHeartbeat)?;
+    let age = now.duration_since(hb);
     // A heartbeat in the future (clock skew) is current.
     let age = Duration::try_from(age).unwrap_or(Duration::ZERO);
     if age > stale_after {
@@ -238,15 +266,15 @@ pub struct NodeAssessment {
 impl NodeAssessment {
     /// Assess `node` for `requests` from its report (`None`: no report) and the keys `reserved` there by
     /// other pods.
-    pub fn new(
+    pub fn new<'a>(
         node: &str,
         requests: &KeyRequests,
-        status: Option<&TeeCapacityStatus>,
+        report: impl Into<Report<'a>>,
         reserved: &KeyRequests,
         now: Timestamp,
         stale_after: Duration,
     ) -> Self {
-        let report = current_report(status, now, stale_after);
+        let report = current_report(report, now, stale_after);
         let kinds = requests
             .iter()
             .map(|(kind, n)| (*kind, *n, kind_figures(*kind, &report, reserved)))

@@ -83,6 +83,49 @@ fn report_freshness() {
 }
 
 #[test]
+fn a_report_unchanged_for_long_is_current_while_its_agent_renews_its_lease() {
+    let ago = |secs: i64| {
+        now()
+            .checked_sub(jiff::SignedDuration::from_secs(secs))
+            .expect("ts")
+    };
+    let old = report(Some(kind(31, 1, 0)), 3600);
+    let renewed = |secs| Report {
+        status: Some(&old),
+        lease_renewed: Some(ago(secs)),
+    };
+    assert!(current_report(renewed(20), now(), STALE).is_ok());
+    // The age is the newer of the two: a Lease left behind does not make a fresh report stale...
+    let fresh = report(Some(kind(31, 1, 0)), 10);
+    let old_lease = Report {
+        status: Some(&fresh),
+        lease_renewed: Some(ago(3600)),
+    };
+    assert!(current_report(old_lease, now(), STALE).is_ok());
+    // ... and when both are old, the report is stale since the newer one.
+    assert_eq!(
+        current_report(renewed(400), now(), STALE),
+        Err(Unknown::Stale {
+            age: Duration::from_secs(400)
+        })
+    );
+    // A Lease without a report is no report.
+    let lease_only = Report {
+        status: None,
+        lease_renewed: Some(ago(1)),
+    };
+    assert_eq!(
+        current_report(lease_only, now(), STALE),
+        Err(Unknown::NoReport)
+    );
+    // The candidate scan and a node's assessment see the same.
+    let a = NodeAssessment::new("n", &tdx(1), renewed(20), &tdx(0), now(), STALE);
+    assert_eq!(a.fit(), Fit::Fits);
+    let a = NodeAssessment::new("n", &tdx(1), Some(&old), &tdx(0), now(), STALE);
+    assert_ne!(a.fit(), Fit::Fits);
+}
+
+#[test]
 fn human_durations() {
     for (s, want) in [
         (0, "0s"),

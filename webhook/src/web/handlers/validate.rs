@@ -50,7 +50,7 @@ use crate::decide::mutation::{
 };
 use crate::decide::reservations;
 use crate::decide::validation::{
-    CandidateScan, Decision, NodeAssessment, Trigger, apply_mode, check_created_limits,
+    CandidateScan, Decision, NodeAssessment, Report, Trigger, apply_mode, check_created_limits,
     check_updated_limits, decide_on_node, expected_limits, has_limit_annotations, mode_name,
     namespace_mode, reason,
 };
@@ -351,11 +351,14 @@ async fn pod_create<L: Lookups>(
             let mut fitted = None;
             lookups.scan_nodes(&filter, hint.as_deref(), &mut |node| {
                 let cap = lookups.tee_capacity(node);
-                let status = cap.as_ref().and_then(|c| c.status.as_ref());
+                let report = Report {
+                    status: cap.as_ref().and_then(|c| c.status.as_ref()),
+                    lease_renewed: lookups.agent_lease(node),
+                };
                 let held = ctx.ledger.held(node, mark(cap.as_deref()), mono, &uid);
                 let flow = scan.offer(
                     node,
-                    status,
+                    report,
                     &held,
                     now,
                     config.admission.stale_report_after,
@@ -410,7 +413,10 @@ async fn check_node<L: Lookups>(
     let now = Timestamp::now();
     let mono = Instant::now();
     let cap = lookups.tee_capacity(node);
-    let status = cap.as_ref().and_then(|c| c.status.as_ref());
+    let report = Report {
+        status: cap.as_ref().and_then(|c| c.status.as_ref()),
+        lease_renewed: lookups.agent_lease(node),
+    };
     let m = mark(cap.as_deref());
     let candidate = Reservation {
         pod_uid: p.uid.to_string(),
@@ -420,7 +426,7 @@ async fn check_node<L: Lookups>(
     };
     let stale_after = ctx.config.admission.stale_report_after;
     let decide = |held: &KeyRequests| {
-        let a = NodeAssessment::new(node, requests, status, held, now, stale_after);
+        let a = NodeAssessment::new(node, requests, report, held, now, stale_after);
         apply_mode(decide_on_node(trigger, requests, &a, p.policy), p.mode)
     };
     let (decision, reserved) = ctx
