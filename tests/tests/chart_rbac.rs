@@ -1,5 +1,6 @@
-//! The chart's ClusterRoles grant exactly the API calls the code makes: nothing missing (the binaries would
-//! fail with 403) and nothing extra (least privilege).
+//! The chart's ClusterRoles and Roles grant exactly the API calls the code makes: nothing missing (the
+//! binaries would fail with 403) and nothing extra (least privilege). The agents' heartbeat Leases live
+//! in the release namespace: those calls are granted by a Role there, everything else by a ClusterRole.
 //!
 //! "What the code makes" is recorded, not written down: the standalone scenario runs the real webhook and
 //! the real agent against the fake API server, each with its own kube client tagged by `User-Agent`, and
@@ -23,6 +24,13 @@ use teeguard_tests::standalone::{Standalone, StandaloneOptions, run_scenario};
 
 /// One permission: (verb, API group, resource, subresource; `""` for none).
 type Access = (String, String, String, String);
+
+/// Resources the binaries use only in their own (the release's) namespace, granted by a Role there.
+const OWN_NAMESPACE: &[(&str, &str)] = &[("coordination.k8s.io", "leases")];
+
+fn in_own_namespace(group: &str, resource: &str) -> bool {
+    OWN_NAMESPACE.contains(&(group, resource))
+}
 
 /// A rule the chart grants that the recorded scenario does not exercise, and the code path that needs it.
 struct NotExercised {
@@ -284,13 +292,19 @@ fn granted(role: &Value) -> BTreeSet<Access> {
     set
 }
 
-/// The ClusterRole bound to the ServiceAccount the component's workload runs as.
-fn role_of<'a>(docs: &'a [Value], kind: &str, workload: &str) -> &'a Value {
+/// The ClusterRole (or, with `namespaced`, the Role in the release namespace) bound to the
+/// ServiceAccount the component's workload runs as.
+fn role_of<'a>(docs: &'a [Value], kind: &str, workload: &str, namespaced: bool) -> &'a Value {
+    let (binding_kind, role_kind) = if namespaced {
+        ("RoleBinding", "Role")
+    } else {
+        ("ClusterRoleBinding", "ClusterRole")
+    };
     let sa = find(docs, kind, workload)["spec"]["template"]["spec"]["serviceAccountName"]
         .as_str()
         .unwrap_or_else(|| panic!("{kind} {workload} names no serviceAccountName"))
         .to_string();
-    let bindings: Vec<&Value> = all(docs, "ClusterRoleBinding")
+    let bindings: Vec<&Value> = all(docs, binding_kind)
         .into_iter()
         .filter(|b| {
             b["subjects"].as_array().is_some_and(|s| {
@@ -302,23 +316,44 @@ fn role_of<'a>(docs: &'a [Value], kind: &str, workload: &str) -> &'a Value {
             })
         })
         .collect();
-    assert_eq!(bindings.len(), 1, "one ClusterRoleBinding for {sa}");
-    assert_eq!(bindings[0]["roleRef"]["kind"], "ClusterRole");
+    assert_eq!(bindings.len(), 1, "one {binding_kind} for {sa}");
+    assert_eq!(bindings[0]["roleRef"]["kind"], role_kind);
     let role = bindings[0]["roleRef"]["name"]
         .as_str()
         .expect("roleRef.name");
-    find(docs, "ClusterRole", role)
+    let found = find(docs, role_kind, role);
+    if namespaced {
+        assert_eq!(
+            (
+                bindings[0]["metadata"]["namespace"].as_str(),
+                found["metadata"]["namespace"].as_str()
+            ),
+            (Some(NAMESPACE), Some(NAMESPACE)),
+            "{role_kind} {role} and its binding live in the release namespace"
+        );
+    }
+    found
 }
 
-/// Compare a role with what `component` called plus its [`NOT_EXERCISED`] entries.
-fn compare(component: &str, role: &Value, called: &BTreeSet<Access>) {
+/// Compare a role with what `component` called plus its [`NOT_EXERCISED`] entries, in the role's scope
+/// (its own namespace with `namespaced`, else cluster-wide).
+fn compare(component: &str, role: &Value, called: &BTreeSet<Access>, namespaced: bool) {
+    let called: BTreeSet<Access> = called
+        .iter()
+        .filter(|(_, g, r, _)| in_own_namespace(g, r) == namespaced)
+        .cloned()
+        .collect();
+    let called = &called;
     let have = granted(role);
     let mut problems = Vec::new();
     for a in called.difference(&have) {
         problems.push(format!("missing (the call gets 403): {a:?}"));
     }
     let mut allowed = BTreeSet::new();
-    for n in NOT_EXERCISED.iter().filter(|n| n.component == component) {
+    for n in NOT_EXERCISED
+        .iter()
+        .filter(|n| n.component == component && in_own_namespace(n.group, n.resource) == namespaced)
+    {
         assert!(!n.why.is_empty());
         let a = access(n.verb, n.group, n.resource, n.subresource);
         if !have.contains(&a) {
@@ -333,7 +368,8 @@ fn compare(component: &str, role: &Value, called: &BTreeSet<Access>) {
     }
     assert!(
         problems.is_empty(),
-        "ClusterRole of {component} differs from its recorded calls (verb, group, resource, subresource):\n{}",
+        "{} of {component} differs from its recorded calls (verb, group, resource, subresource):\n{}",
+        if namespaced { "Role" } else { "ClusterRole" },
         problems.join("\n")
     );
 }
@@ -361,18 +397,30 @@ fn cluster_roles_grant_exactly_what_the_recorded_run_called() {
             "{stem}: one ClusterRole per binary"
         );
         let prefix = if stem == "custom" { "tg" } else { "teeguard" };
-        compare(
-            WEBHOOK_USER_AGENT,
-            role_of(&docs, "Deployment", &format!("{prefix}-webhook")),
-            &webhook_calls,
+        for namespaced in [false, true] {
+            compare(
+                WEBHOOK_USER_AGENT,
+                role_of(
+                    &docs,
+                    "Deployment",
+                    &format!("{prefix}-webhook"),
+                    namespaced,
+                ),
+                &webhook_calls,
+                namespaced,
+            );
+            compare(
+                AGENT_USER_AGENT,
+                role_of(&docs, "DaemonSet", &format!("{prefix}-agent"), namespaced),
+                &agent_calls,
+                namespaced,
+            );
+        }
+        assert_eq!(
+            (all(&docs, "Role").len(), all(&docs, "RoleBinding").len()),
+            (2, 2),
+            "{stem}: one Role (the heartbeat Leases) per binary"
         );
-        compare(
-            AGENT_USER_AGENT,
-            role_of(&docs, "DaemonSet", &format!("{prefix}-agent")),
-            &agent_calls,
-        );
-        // No namespaced Roles: everything the binaries read or write is cluster-wide or in any namespace.
-        assert!(all(&docs, "Role").is_empty() && all(&docs, "RoleBinding").is_empty());
     }
 }
 
@@ -382,17 +430,26 @@ fn comparison_catches_missing_and_extra_rules() {
     // both ways.
     let agent_calls = recorded().of(AGENT_USER_AGENT);
     let docs = render("default", &[]);
-    let mut role = role_of(&docs, "DaemonSet", "teeguard-agent").clone();
+    let mut role = role_of(&docs, "DaemonSet", "teeguard-agent", false).clone();
     let rules = role["rules"].as_array_mut().expect("rules");
     rules.retain(|r| r["resources"] != serde_json::json!(["nodes/status"]));
     rules.push(serde_json::json!({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}));
-    let result = std::panic::catch_unwind(|| compare(AGENT_USER_AGENT, &role, &agent_calls));
+    let result = std::panic::catch_unwind(|| compare(AGENT_USER_AGENT, &role, &agent_calls, false));
     let message = *result
         .expect_err("a changed role must not match")
         .downcast::<String>()
         .expect("panic message");
     assert!(message.contains("\"nodes\", \"status\""), "{message}");
     assert!(message.contains("\"secrets\""), "{message}");
+    // The same for the namespaced Role: without the Lease rule, the heartbeat gets 403.
+    let mut role = role_of(&docs, "DaemonSet", "teeguard-agent", true).clone();
+    role["rules"] = serde_json::json!([]);
+    let result = std::panic::catch_unwind(|| compare(AGENT_USER_AGENT, &role, &agent_calls, true));
+    let message = *result
+        .expect_err("a Role without the Lease rule must not match")
+        .downcast::<String>()
+        .expect("panic message");
+    assert!(message.contains("\"leases\""), "{message}");
 }
 
 #[test]

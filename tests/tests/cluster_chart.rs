@@ -1,7 +1,7 @@
 //! The Helm chart against a real kube-apiserver, kube-controller-manager and kubectl (see
 //! `teeguard_tests::controlplane`): `helm install` is accepted without a single warning, the agent's
-//! own-node ValidatingAdmissionPolicy type-checks clean and holds an agent to its own node (checked
-//! by impersonating the agent's ServiceAccount), `kubectl get teecapacities` prints the CRD's
+//! own-node ValidatingAdmissionPolicy type-checks clean and holds an agent to its own node, its
+//! report, Node and heartbeat Lease (checked by impersonating the agent's ServiceAccount), `kubectl get teecapacities` prints the CRD's
 //! columns, and `helm uninstall` leaves only what the README says. Skipped (one line) without
 //! control plane binaries, unless `CI=true`.
 
@@ -282,6 +282,52 @@ async fn own_node_policy_lets_an_agent_write_only_its_own_node() {
             "{}",
             none.stderr
         );
+        // Heartbeat Leases too: RBAC lets the agent write Leases in the release namespace, the
+        // policy only its own node's.
+        let lease = |name: &str| {
+            let manifest = dir.path().join(format!("lease-{name}.yaml"));
+            std::fs::write(
+                &manifest,
+                format!(
+                    "apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata: {{name: {name}, namespace: {NAMESPACE}}}\n\
+                     spec: {{holderIdentity: {name}}}\n"
+                ),
+            )
+            .expect("manifest");
+            let file = manifest.display().to_string();
+            kubectl(
+                c.cp,
+                &[
+                    "create",
+                    "-f",
+                    &file,
+                    "--dry-run=server",
+                    &format!("--as={agent}"),
+                    "--as-user-extra=authentication.kubernetes.io/node-name=node-own",
+                ],
+                &[],
+            )
+        };
+        let own_lease = lease("node-own");
+        assert!(own_lease.success, "its own node's Lease is allowed: {}", own_lease.stderr);
+        let other_lease = lease("node-other");
+        assert!(
+            !other_lease.success
+                && other_lease
+                    .stderr
+                    .contains("may write only its own node, not leases node-other"),
+            "{}",
+            other_lease.stderr
+        );
+        let webhook = format!("system:serviceaccount:{NAMESPACE}:{RELEASE}-webhook");
+        for verb in ["list", "watch"] {
+            let can = kubectl(
+                c.cp,
+                &["auth", "can-i", verb, "leases.coordination.k8s.io", "-n", NAMESPACE, &format!("--as={webhook}")],
+                &[],
+            );
+            assert_eq!(can.stdout.trim(), "yes", "the webhook may {verb} the agents' Leases: {}", can.stderr);
+        }
         // Nodes too: patching another node's Node is refused.
         c.node(&teeguard_tests::fixtures::NodeBuilder::new("node-elsewhere"))
             .await
