@@ -29,7 +29,7 @@ use crate::tee::TeeKind;
     printcolumn = r#"{"name": "SEV-Free", "type": "integer", "jsonPath": ".status.sev.free", "description": "SEV ASIDs free for new VMs"}"#,
     printcolumn = r#"{"name": "SEV-ES-Free", "type": "integer", "jsonPath": ".status.sevEs.free", "description": "SEV-ES/SNP ASIDs free for new VMs"}"#,
     printcolumn = r#"{"name": "External", "type": "integer", "jsonPath": ".status.tdx.external", "description": "TDX keys held outside Kubernetes pods that request them", "priority": 1}"#,
-    printcolumn = r#"{"name": "Heartbeat", "type": "date", "jsonPath": ".status.heartbeatTime", "description": "When the agent last published"}"#,
+    printcolumn = r#"{"name": "Published", "type": "date", "jsonPath": ".status.heartbeatTime", "description": "When the agent last wrote this status (between changes it renews its heartbeat Lease instead)"}"#,
     printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -51,8 +51,10 @@ pub struct TeeCapacityStatus {
     /// AMD SEV-ES/SEV-SNP ASIDs; absent when the host has no SEV-ES capacity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sev_es: Option<KindStatus>,
-    /// When the agent last published this status; a report older than the webhook's
-    /// `admission.staleReportAfter` counts as unknown.
+    /// When the agent last published this status. Between changes the agent renews its heartbeat
+    /// Lease (named after the node, in teeguard's namespace) instead of re-writing the status; a report
+    /// whose newer of the two is older than the webhook's `admission.staleReportAfter` counts as
+    /// unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heartbeat_time: Option<Time>,
     /// Version of the agent that wrote the report.

@@ -53,7 +53,7 @@ fn crd_shape() {
         .iter()
         .filter_map(|c| c["name"].as_str())
         .collect();
-    for want in ["TDX-Free", "SEV-Free", "SEV-ES-Free", "Heartbeat"] {
+    for want in ["TDX-Free", "SEV-Free", "SEV-ES-Free", "Published"] {
         assert!(
             columns.contains(&want),
             "missing printer column {want}: {columns:?}"

@@ -3,11 +3,10 @@
 //! heartbeats at the rate 5,000 nodes send them (one per node per 30 s: 167/s), with two watchers on
 //! the written resource (the two webhook replicas), in three forms:
 //!
-//! - `apply`: server-side apply of the whole report status (what the agent sent until this bench);
-//! - `merge`: a JSON merge patch of `status.heartbeatTime` only (what the agent now sends when
-//!   nothing changed);
-//! - `lease`: a merge patch of a `coordination.k8s.io/v1` Lease's `spec.renewTime` (the kubelet's
-//!   heartbeat, for comparison).
+//! - `apply`: server-side apply of the whole report status (the agent's heartbeat before the Lease);
+//! - `merge`: a JSON merge patch of `status.heartbeatTime` only (measured, not adopted: no cheaper);
+//! - `lease`: a merge patch of a `coordination.k8s.io/v1` Lease's `spec.renewTime` (the agent's
+//!   heartbeat now, as the kubelet's).
 //!
 //! The figure is the CPU time kube-apiserver and etcd spent per heartbeat (utime + stime from
 //! `/proc`), measured over the run. The report status is the one a real agent published for a

@@ -237,7 +237,26 @@ fn recorded() -> &'static Recorded {
             let run =
                 tokio::time::timeout(SCENARIO_DEADLINE, run_scenario(&sa, &mut std::io::sink()))
                     .await;
+            // The agent's heartbeat Lease is created at its first heartbeat with nothing changing
+            // (1 s in the standalone): wait for it, so its create and patch are always recorded.
+            let lease = sa
+                .api
+                .wait_for(
+                    SCENARIO_DEADLINE,
+                    "the agent's heartbeat Lease created",
+                    |api| {
+                        api.requests_where(|r| {
+                            r.resource.as_deref() == Some("leases")
+                                && r.user_agent.as_deref() == Some(AGENT_USER_AGENT)
+                                && r.response_code == Some(201)
+                        })
+                        .into_iter()
+                        .next()
+                    },
+                )
+                .await;
             sa.stop().await;
+            lease.expect("the agent heartbeats with its Lease");
             let report = run.expect("scenario ended in time").expect("scenario runs");
             // The run must have exercised the interesting paths: denials (Events) and bindings.
             assert!(

@@ -660,7 +660,8 @@ fn own_node_policy_restricts_the_agent_to_its_node() {
             "teecapacities",
             "teecapacities/status",
             "nodes",
-            "nodes/status"
+            "nodes/status",
+            "leases"
         ]
     );
     assert_eq!(

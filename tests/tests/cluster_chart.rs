@@ -203,7 +203,7 @@ async fn kubectl_get_teecapacities_prints_the_report_columns() {
                 "TDX-FREE",
                 "SEV-FREE",
                 "SEV-ES-FREE",
-                "HEARTBEAT",
+                "PUBLISHED",
                 "AGE"
             ],
             "{}",

@@ -84,45 +84,30 @@ fn report_freshness() {
 
 #[test]
 fn a_report_unchanged_for_long_is_current_while_its_agent_renews_its_lease() {
-    let ago = |secs: i64| {
-        now()
-            .checked_sub(jiff::SignedDuration::from_secs(secs))
-            .expect("ts")
-    };
     let old = report(Some(kind(31, 1, 0)), 3600);
-    let renewed = |secs| Report {
-        status: Some(&old),
-        lease_renewed: Some(ago(secs)),
-    };
-    assert!(current_report(renewed(20), now(), STALE).is_ok());
-    // The age is the newer of the two: a Lease left behind does not make a fresh report stale...
     let fresh = report(Some(kind(31, 1, 0)), 10);
-    let old_lease = Report {
-        status: Some(&fresh),
-        lease_renewed: Some(ago(3600)),
+    let with = |status, secs| Report {
+        status,
+        lease_renewed: now()
+            .checked_sub(jiff::SignedDuration::from_secs(secs))
+            .ok(),
     };
-    assert!(current_report(old_lease, now(), STALE).is_ok());
-    // ... and when both are old, the report is stale since the newer one.
+    assert!(current_report(with(Some(&old), 20), now(), STALE).is_ok());
+    // The newer of the two counts: an old Lease does not make a fresh report stale, and when both
+    // are old the report is stale since the newer one.
+    assert!(current_report(with(Some(&fresh), 3600), now(), STALE).is_ok());
+    let stale = Err(Unknown::Stale {
+        age: Duration::from_secs(400),
+    });
+    assert_eq!(current_report(with(Some(&old), 400), now(), STALE), stale);
     assert_eq!(
-        current_report(renewed(400), now(), STALE),
-        Err(Unknown::Stale {
-            age: Duration::from_secs(400)
-        })
-    );
-    // A Lease without a report is no report.
-    let lease_only = Report {
-        status: None,
-        lease_renewed: Some(ago(1)),
-    };
-    assert_eq!(
-        current_report(lease_only, now(), STALE),
+        current_report(with(None, 1), now(), STALE),
         Err(Unknown::NoReport)
     );
-    // The candidate scan and a node's assessment see the same.
-    let a = NodeAssessment::new("n", &tdx(1), renewed(20), &tdx(0), now(), STALE);
-    assert_eq!(a.fit(), Fit::Fits);
-    let a = NodeAssessment::new("n", &tdx(1), Some(&old), &tdx(0), now(), STALE);
-    assert_ne!(a.fit(), Fit::Fits);
+    // A node's assessment (and so the candidate scan) sees the same.
+    let fits = |r: Report<'_>| NodeAssessment::new("n", &tdx(1), r, &tdx(0), now(), STALE).fit();
+    assert_eq!(fits(with(Some(&old), 20)), Fit::Fits);
+    assert_eq!(fits(Some(&old).into()), Fit::Unknown);
 }
 
 #[test]
