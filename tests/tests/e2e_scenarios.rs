@@ -430,7 +430,7 @@ async fn dead_agent_goes_stale_and_a_restart_does_not_double_count() {
         let pod2 = adm.pod.expect("admitted while fresh");
 
         w.kill_agent();
-        let last = w.driver.report(NODE).and_then(|s| s.heartbeat_time).expect("heartbeat").0;
+        let last = w.driver.last_heartbeat(NODE).expect("heartbeat");
         // Past staleReportAfter (2 s) plus the webhook's whole-second clock margin.
         let stale_at = last + jiff::SignedDuration::from_millis(3500);
         while jiff::Timestamp::now() < stale_at {
@@ -463,6 +463,29 @@ async fn dead_agent_goes_stale_and_a_restart_does_not_double_count() {
         // Fresh again: vm-3's retry is admitted.
         let again = pod_create(&w, &vmi3).await;
         assert!(again.pod.is_some(), "{:?}", again.validate);
+    })
+    .await;
+}
+
+// 4b. Nothing changes for longer than staleReportAfter: the agent renews its heartbeat Lease instead of
+//     re-writing the report, and the webhook (which reads the Leases) still takes the report as current.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unchanged_report_stays_current_while_its_agent_renews_its_lease() {
+    bounded(async {
+        let config = "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 500ms\nadmission:\n  staleReportAfter: 2s\n";
+        let w = world(4, config).await;
+        let written = w.driver.report(NODE).and_then(|s| s.heartbeat_time).expect("report").0;
+        // Past staleReportAfter (2 s) of the report's own heartbeat, plus the whole-second margin.
+        let stale_at = written + jiff::SignedDuration::from_millis(3500);
+        while jiff::Timestamp::now() < stale_at {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let now_written = w.driver.report(NODE).and_then(|s| s.heartbeat_time).expect("report").0;
+        assert_eq!(now_written, written, "nothing changed: the report was not re-written");
+        let renewed = w.driver.last_heartbeat(NODE).expect("lease");
+        assert!(renewed > written + jiff::SignedDuration::from_secs(2), "the Lease was renewed");
+        let (_, adm) = vm_pod(&w, VmiSpec::new("vm-1", Tee::Tdx)).await;
+        assert!(adm.pod.is_some(), "admitted on the report its Lease keeps current: {:?}", adm.validate);
     })
     .await;
 }

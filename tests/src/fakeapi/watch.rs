@@ -174,6 +174,7 @@ impl Drop for OpenWatch {
 /// Starts a watch; errors before the stream starts are plain HTTP errors.
 pub(crate) fn start(inner: Arc<Inner>, req: WatchRequest) -> Result<Response, ApiStatus> {
     let mut drop_rx = inner.drops.subscribe();
+    let mut store_rv = inner.store.rv_tx.subscribe();
     let (reg, initial, gone, mut rx, start_rv) = {
         let st = inner.store.read();
         let reg = st.resources[req.rid].clone();
@@ -269,7 +270,18 @@ pub(crate) fn start(inner: Arc<Inner>, req: WatchRequest) -> Result<Response, Ap
                 }
                 // A watcher that fell behind is closed; the client resumes from its last resourceVersion.
                 Step::Event(Err(_)) => break,
-                Step::Bookmark => yield Ok(bookmark(&reg, last_rv, false, metadata_only)),
+                // Like the real server's, a bookmark carries the store's progress, not just the last
+                // event this watch was sent: a watch of one node sees few events, and a resume from its
+                // last event's resourceVersion would be answered 410 Gone once the history moved on.
+                // Read the progress first, then check nothing routed here is still queued: every event
+                // up to it was sent to the channels before it was published.
+                Step::Bookmark => {
+                    let progress = *store_rv.borrow_and_update();
+                    if rx.is_empty() {
+                        last_rv = last_rv.max(progress);
+                    }
+                    yield Ok(bookmark(&reg, last_rv, false, metadata_only));
+                }
                 Step::Dropped(DropMode::Expire) => {
                     yield Ok(error_line(&ApiStatus::gone(format!("too old resource version: {last_rv}"))));
                     break;

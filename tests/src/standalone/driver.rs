@@ -515,6 +515,23 @@ impl ApiServerDriver {
             .and_then(|t| t.status)
     }
 
+    /// When `node`'s report was last confirmed current: the newer of its `heartbeatTime` and its
+    /// agent's heartbeat Lease renewal (Leases in the client namespace, `default`), as the webhook sees it.
+    pub fn last_heartbeat(&self, node: &str) -> Option<jiff::Timestamp> {
+        let report = self
+            .report(node)
+            .and_then(|s| s.heartbeat_time)
+            .map(|t| t.0);
+        let lease = self
+            .api
+            .get_typed::<k8s_openapi::api::coordination::v1::Lease>(Some("default"), node)
+            .ok()
+            .flatten()
+            .and_then(|l| l.spec?.renew_time)
+            .map(|t| t.0);
+        report.max(lease)
+    }
+
     /// The figures of one kind in `node`'s report.
     pub fn kind_report(&self, node: &str, kind: TeeKind) -> Option<KindStatus> {
         self.report(node).and_then(|s| s.kind(kind).cloned())
