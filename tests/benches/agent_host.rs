@@ -95,11 +95,7 @@ fn main() {
         Some(path) => std::path::PathBuf::from(path),
         None => release_binary("teeguard-agent", "teeguard-agent"),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime(1);
 
     let host = SimHost::builder()
         .version(CgroupVersion::V2)

@@ -495,11 +495,7 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(if full { 5000 } else { 100 });
     let t = Timing::new(full);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime(2);
     rt.block_on(async {
         section(&format!(
             "API load: {nodes} nodes (one in-process agent each), 2 webhook processes, heartbeat {:.0} s",

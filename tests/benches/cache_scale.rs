@@ -260,11 +260,7 @@ fn main() {
     };
     let iterations = if full { 2_000 } else { 100 };
     let binary = release_binary("teeguard-webhook", "teeguard-webhook");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime(2);
     teeguard_webhook::web::tls::install_crypto_provider();
     let (ca, leaf) = ca_and_leaf();
     let certs = SecretDir::temporary(leaf.cert_pem(), leaf.key_pem()).expect("secret dir");

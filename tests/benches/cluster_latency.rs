@@ -130,11 +130,7 @@ fn main() {
         );
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime(2);
     rt.block_on(run(cp));
 }
 

@@ -161,11 +161,7 @@ async fn cgroup(pods: usize) {
 
 fn main() {
     let full = full_run();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime(2);
     rt.block_on(async {
         nri(if full { 2000 } else { 50 }).await;
         cgroup(if full { 100 } else { 10 }).await;

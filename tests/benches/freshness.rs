@@ -172,11 +172,7 @@ fn row(what: &str, s: &Stats, target: Option<Duration>) {
 
 fn main() {
     let events = if full_run() { 30 } else { 4 };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime(2);
     rt.block_on(async {
         section(
             "freshness: a freed key becomes admissible / a taken key leaves the Node's allocatable",

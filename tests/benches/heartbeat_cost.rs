@@ -165,11 +165,7 @@ where
 
 fn main() {
     let count = if full_run() { 5000 } else { 500 };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime(2);
     rt.block_on(async {
         section(&format!(
             "heartbeat cost on a real kube-apiserver: {count} heartbeats per form at {RATE:.0}/s (5,000 nodes every 30 s), 2 watchers"

@@ -93,11 +93,7 @@ fn row(what: &str, s: &Stats) {
 
 fn main() {
     let n = if full_run() { 1000 } else { 30 };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime(2);
     rt.block_on(async {
         section("admitted TEE binding, new HTTPS connection per review");
         let (off_tee, off_other) = run(false, n).await;

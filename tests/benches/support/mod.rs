@@ -44,6 +44,15 @@ impl Stats {
     }
 }
 
+/// A multi-threaded Tokio runtime with `workers` threads (most benches: 2, the machine's cores).
+pub fn runtime(workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 /// `12.3 µs` / `1.23 ms` / `1.23 s`.
 pub fn fmt_dur(d: Duration) -> String {
     let us = d.as_secs_f64() * 1e6;
