@@ -180,7 +180,8 @@ pub struct AgentConfig {
     pub advertise: bool,
     /// How often usage is read from the kernel (it sends no event for usage).
     pub poll_interval: Duration,
-    /// The report is re-published at least this often even when nothing changed.
+    /// How often the agent renews its heartbeat Lease while nothing changes (a change is published at
+    /// once); each node at its own place in the interval.
     pub heartbeat_interval: Duration,
 }
 
