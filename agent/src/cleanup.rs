@@ -1,7 +1,8 @@
 //! `teeguard-agent cleanup --node-name N`: after `helm uninstall`, remove from one Node what teeguard's
 //! agent added and nothing else: the extended resources listed in its `teeguard.dev/extended-resources`
-//! annotation (from `status.capacity` and `status.allocatable`), that annotation, and the node's
-//! `TeeCapacity` report (if the CRD is still installed). Resources another manager owns (NFD's, or
+//! annotation (from `status.capacity` and `status.allocatable`), that annotation, the node's
+//! `TeeCapacity` report (if the CRD is still installed) and its heartbeat Lease (in the client's
+//! namespace, only if it carries teeguard's label). Resources another manager owns (NFD's, or
 //! ones the Node had before teeguard) are left alone, exactly as the running agent leaves them: the
 //! writes are [`advertise::plan`]'s with advertising switched off. Running it twice changes nothing the
 //! second time.
@@ -11,11 +12,13 @@
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::DeleteParams;
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use teeguard_shared::TeeCapacity;
 use teeguard_shared::config::ResourcesConfig;
+use teeguard_shared::names::AGENT_LEASE_LABEL;
 
 use crate::advertise::{self, Desired, NodeWrite};
 use crate::error::{Error, Result};
@@ -29,11 +32,13 @@ pub struct Cleaned {
     pub annotation: bool,
     /// Whether the node's `TeeCapacity` was deleted.
     pub report: bool,
+    /// Whether the node's heartbeat Lease was deleted.
+    pub lease: bool,
 }
 
 impl std::fmt::Display for Cleaned {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.resources.is_empty() && !self.annotation && !self.report {
+        if self.resources.is_empty() && !self.annotation && !self.report && !self.lease {
             return f.write_str("nothing of teeguard's was left on the node");
         }
         let mut parts = Vec::new();
@@ -48,6 +53,9 @@ impl std::fmt::Display for Cleaned {
         }
         if self.report {
             parts.push("deleted its TeeCapacity".into());
+        }
+        if self.lease {
+            parts.push("deleted its heartbeat Lease".into());
         }
         f.write_str(&parts.join("; "))
     }
@@ -86,12 +94,29 @@ pub async fn cleanup(client: Client, node: &str, resources: &ResourcesConfig) ->
     if !plan.writes.is_empty() {
         advertise::apply(&nodes, node, &plan.writes).await?;
     }
-    let reports: Api<TeeCapacity> = Api::all(client);
+    let reports: Api<TeeCapacity> = Api::all(client.clone());
     match reports.delete(node, &DeleteParams::default()).await {
         Ok(_) => cleaned.report = true,
         // Gone already, or the CRD was removed with everything else.
         Err(kube::Error::Api(s)) if s.code == 404 => {}
         Err(e) => return Err(Error::kube("delete the node's TeeCapacity", e)),
+    }
+    // The Lease of that name is teeguard's only if it carries teeguard's label.
+    let leases: Api<Lease> = Api::default_namespaced(client);
+    let lease = leases
+        .get_opt(node)
+        .await
+        .map_err(|e| Error::kube("get the node's heartbeat Lease", e))?;
+    if lease.is_some_and(|l| {
+        l.labels()
+            .get(AGENT_LEASE_LABEL)
+            .is_some_and(|v| v == "true")
+    }) {
+        match leases.delete(node, &DeleteParams::default()).await {
+            Ok(_) => cleaned.lease = true,
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(Error::kube("delete the node's heartbeat Lease", e)),
+        }
     }
     Ok(cleaned)
 }

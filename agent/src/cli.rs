@@ -97,14 +97,23 @@ pub struct CleanupArgs {
     /// The teeguard configuration file (resource names); defaults apply when absent.
     #[arg(long, env = "TEEGUARD_CONFIG")]
     pub config: Option<PathBuf>,
+    /// The namespace of the agents' heartbeat Leases (teeguard's release namespace); default: the
+    /// kubeconfig's (in a pod: its own).
+    #[arg(long, env = "TEEGUARD_NAMESPACE")]
+    pub namespace: Option<String>,
 }
 
 /// `teeguard-agent cleanup`: see [`crate::cleanup`]. Prints what it changed.
 pub async fn cleanup_command(args: &CleanupArgs, out: &mut dyn Write) -> Result<()> {
     let config = load_config(args.config.as_deref())?;
-    let client = kube::Client::try_default()
+    let build = "build the Kubernetes client (in-cluster or kubeconfig)";
+    let mut kube_config = kube::Config::infer()
         .await
-        .map_err(|e| Error::kube("build the Kubernetes client (in-cluster or kubeconfig)", e))?;
+        .map_err(|e| Error::kube(build, kube::Error::InferConfig(e)))?;
+    if let Some(namespace) = &args.namespace {
+        kube_config.default_namespace = namespace.clone();
+    }
+    let client = kube::Client::try_from(kube_config).map_err(|e| Error::kube(build, e))?;
     let cleaned = crate::cleanup::cleanup(client, &args.node_name, &config.resources).await?;
     writeln!(out, "node {}: {cleaned}", args.node_name).map_err(|e| Error::Render {
         what: "the cleanup summary",

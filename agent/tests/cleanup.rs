@@ -1,13 +1,14 @@
 //! `teeguard-agent cleanup`: through the kube client against the fake API server, it removes from a
-//! Node exactly what the agent added (its extended resources and their annotation) and the node's
-//! TeeCapacity, leaves what others own (NFD's resource, cpu, other annotations), and is idempotent.
+//! Node exactly what the agent added (its extended resources and their annotation), the node's
+//! TeeCapacity and its heartbeat Lease, leaves what others own (NFD's resource, cpu, other annotations,
+//! a Lease of the same name without teeguard's label), and is idempotent.
 
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{Value, json};
 use teeguard_agent::cleanup::{Cleaned, cleanup};
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::{
-    AGENT_EXTENDED_RESOURCES_ANNOTATION, NFD_EXTENDED_RESOURCES_ANNOTATION,
+    AGENT_EXTENDED_RESOURCES_ANNOTATION, AGENT_LEASE_LABEL, NFD_EXTENDED_RESOURCES_ANNOTATION,
 };
 use teeguard_shared::{TeeCapacity, TeeKind};
 use teeguard_tests::fakeapi::FakeApiServer;
@@ -44,6 +45,7 @@ async fn cleanup_removes_only_what_the_agent_added_and_is_idempotent() {
             .to_value(),
     )
     .expect("report");
+    api.create(&lease("node-a", true)).expect("lease");
     let res = ResourcesConfig::default();
 
     let cleaned = cleanup(api.client(), "node-a", &res)
@@ -55,7 +57,12 @@ async fn cleanup_removes_only_what_the_agent_added_and_is_idempotent() {
             resources: vec![TDX.to_string()],
             annotation: true,
             report: true,
+            lease: true,
         }
+    );
+    assert!(
+        api.get("leases", Some("default"), "node-a").is_none(),
+        "the heartbeat Lease is deleted"
     );
     let n: Node = api
         .get_typed(None, "node-a")
@@ -102,6 +109,32 @@ async fn cleanup_removes_only_what_the_agent_added_and_is_idempotent() {
         again.to_string(),
         "nothing of teeguard's was left on the node"
     );
+}
+
+/// A Lease named after the node in the client's namespace, with or without teeguard's label.
+fn lease(node: &str, teeguards: bool) -> Value {
+    let mut v = json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": node, "namespace": "default"},
+        "spec": {"holderIdentity": node},
+    });
+    if teeguards {
+        v["metadata"]["labels"] = json!({AGENT_LEASE_LABEL: "true"});
+    }
+    v
+}
+
+#[tokio::test]
+async fn cleanup_leaves_a_lease_of_the_same_name_that_is_not_teeguards() {
+    let api = FakeApiServer::new();
+    api.create(&node()).expect("node");
+    api.create(&lease("node-a", false))
+        .expect("someone else's lease");
+    let cleaned = cleanup(api.client(), "node-a", &ResourcesConfig::default())
+        .await
+        .expect("cleanup");
+    assert!(!cleaned.lease, "{cleaned:?}");
+    assert!(api.get("leases", Some("default"), "node-a").is_some());
 }
 
 #[tokio::test]

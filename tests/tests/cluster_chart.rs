@@ -452,6 +452,21 @@ async fn cleanup_removes_what_the_agent_added_to_a_real_node() {
         c.report(&ReportBuilder::new(name).kind(TeeKind::Tdx, 4, 1))
             .await
             .expect("report");
+        // Its heartbeat Lease, in the client's namespace (the agent's, in a cluster).
+        let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+            Api::default_namespaced(c.client.clone());
+        leases
+            .create(
+                &Default::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": name, "labels": {"teeguard.dev/agent-heartbeat": "true"}},
+                    "spec": {"holderIdentity": name},
+                }))
+                .expect("lease"),
+            )
+            .await
+            .expect("lease created");
 
         let cleaned = teeguard_agent::cleanup::cleanup(
             c.client.clone(),
@@ -461,7 +476,14 @@ async fn cleanup_removes_what_the_agent_added_to_a_real_node() {
         .await
         .expect("cleanup");
         assert_eq!(cleaned.resources, ["tdx.intel.com/keys"]);
-        assert!(cleaned.annotation && cleaned.report, "{cleaned:?}");
+        assert!(
+            cleaned.annotation && cleaned.report && cleaned.lease,
+            "{cleaned:?}"
+        );
+        assert!(
+            leases.get_opt(name).await.expect("get").is_none(),
+            "the Lease is deleted"
+        );
         let n = nodes.get(name).await.expect("the Node stays");
         let status = n.status.expect("status");
         for map in [
