@@ -521,8 +521,8 @@ impl Agent {
                 tracing::warn!(
                     error = %e,
                     namespace = %lease.namespace(),
-                    "not allowed to write the heartbeat Lease (grant leases get/create/patch in this \
-                     namespace, as the chart does); heartbeats re-publish the report instead"
+                    "not allowed to write the heartbeat Lease (grant leases create and patch in this \
+                     namespace, as the chart's Role does); heartbeats re-publish the report instead"
                 );
                 self.api_failed(&e);
                 self.lease = None;

@@ -9,8 +9,9 @@
 //! Caches: VMIs and Namespace labels (mutation and validation), TeeCapacity reports and the agents'
 //! heartbeat Leases (in the webhook's namespace: a report's age is that of the newer of its heartbeat
 //! and its agent's Lease renewal), Node labels (node selection for pod CREATE) and virt-launcher pods
-//! (label `kubevirt.io=virt-launcher`, reduced to [`CachedLauncherPod`], for bindings). Memory: everything not read is dropped when the object arrives
-//! (see [`slim_vmi`], [`CachedLauncherPod`], [`slim_report`]).
+//! (label `kubevirt.io=virt-launcher`, reduced to [`CachedLauncherPod`], for bindings). Memory:
+//! everything not read is dropped when the object arrives (see [`slim_vmi`], [`CachedLauncherPod`],
+//! [`slim_report`]; a Lease is kept as its renewal time).
 //!
 //! Adding a cache: add a field to [`Caches`], create it in [`Caches::start`] with one
 //! `builder.watch(...)` call, and add a lookup method (cache first, one GET on a miss if a miss can be a
