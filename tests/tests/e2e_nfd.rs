@@ -337,6 +337,43 @@ fn stored(w: &World, ns: &str, name: &str) -> Pod {
         .expect("pod exists")
 }
 
+/// Keys the VM and the Kata pod of the hand-over scenarios hold.
+const IN_USE: u64 = 2;
+
+/// The start of both hand-over scenarios: NFD owns the name, a VM and a Kata pod run with their keys.
+struct HandOver {
+    vm: Pod,
+    kata: Pod,
+    /// The host's usage (the pods' keys and the external ones).
+    usage: u64,
+    /// The Node's resourceVersion before the hand-over.
+    from: u64,
+}
+
+async fn hand_over_start(w: &World) -> HandOver {
+    nfd_takes_over(w, Duration::ZERO).await;
+    let vm = run_vm(w, "vm-1").await;
+    let kata = run_kata(w, "kata-1").await;
+    let usage = w.host.usage(TDX);
+    assert_eq!(usage, IN_USE + EXTERNAL);
+    HandOver {
+        vm,
+        kata,
+        usage,
+        from: rv(&node(w)),
+    }
+}
+
+/// The end of both: the pods kept their keys and run, and the agent's `Advertising` is True with 13.
+async fn hand_over_end(w: &World, h: &HandOver) {
+    assert_eq!(w.host.usage(TDX), h.usage, "the pods keep their keys");
+    assert!(running(w, &h.vm) && running(w, &h.kata));
+    wait_advertising(w, "Advertising is True again", |status, m| {
+        status == "True" && m.contains(&format!("{TDX_KEYS}=13"))
+    })
+    .await;
+}
+
 fn running(w: &World, pod: &Pod) -> bool {
     let p = stored(
         w,
@@ -433,13 +470,7 @@ async fn handing_the_keys_to_teeguard_by_editing_the_rule_keeps_running_pods_and
  {
     bounded(async {
         let w = world().await;
-        nfd_takes_over(&w, Duration::ZERO).await;
-        let vm = run_vm(&w, "vm-1").await;
-        let kata = run_kata(&w, "kata-1").await;
-        let in_use = 2;
-        let usage = w.host.usage(TDX);
-        assert_eq!(usage, in_use + EXTERNAL);
-        let from = rv(&node(&w));
+        let h = hand_over_start(&w).await;
 
         let started = Instant::now();
         let nfd = nfd_master_pass(&w, &[], Duration::ZERO).await;
@@ -458,7 +489,7 @@ async fn handing_the_keys_to_teeguard_by_editing_the_rule_keeps_running_pods_and
 
         let nfd_removal = nfd.status.expect("nfd-master removed its value");
         let nfd_annotation = nfd.annotation.expect("nfd-master dropped its annotation");
-        let versions = node_versions_since(&w, from).await;
+        let versions = node_versions_since(&w, h.from).await;
         let mut missing = Vec::new();
         for n in &versions {
             let (r, c, a) = (rv(n), value(n, "capacity"), value(n, "allocatable"));
@@ -468,7 +499,7 @@ async fn handing_the_keys_to_teeguard_by_editing_the_rule_keeps_running_pods_and
             // The agent's writes: its claim (the value still missing, right after NFD's writes) and
             // its value.
             match (c, a) {
-                (Some(c), Some(a)) => assert!(c >= in_use && a >= in_use, "rv {r}: {c}/{a}"),
+                (Some(c), Some(a)) => assert!(c >= IN_USE && a >= IN_USE, "rv {r}: {c}/{a}"),
                 _ => missing.push(r),
             }
         }
@@ -480,18 +511,13 @@ async fn handing_the_keys_to_teeguard_by_editing_the_rule_keeps_running_pods_and
         let s = w.settle().await.expect("settled");
         assert_eq!(
             (s.pods_used, s.external, s.advertised),
-            (in_use, EXTERNAL, Some(13)),
+            (IN_USE, EXTERNAL, Some(13)),
             "{s:?}"
         );
-        assert_eq!(w.host.usage(TDX), usage, "the pods keep their keys");
-        assert!(running(&w, &vm) && running(&w, &kata));
         let uid = |p: &Pod| p.metadata.uid.clone().expect("uid");
-        assert_eq!(w.host.pod_usage(&uid(&vm), TDX), 1);
-        assert_eq!(w.host.pod_usage(&uid(&kata), TDX), 1);
-        wait_advertising(&w, "Advertising is True again", |status, m| {
-            status == "True" && m.contains(&format!("{TDX_KEYS}=13"))
-        })
-        .await;
+        assert_eq!(w.host.pod_usage(&uid(&h.vm), TDX), 1);
+        assert_eq!(w.host.pod_usage(&uid(&h.kata), TDX), 1);
+        hand_over_end(&w, &h).await;
     })
     .await;
 }
@@ -506,12 +532,7 @@ async fn handing_the_keys_to_teeguard_annotation_first_never_leaves_the_node_wit
 {
     bounded(async {
         let w = world().await;
-        nfd_takes_over(&w, Duration::ZERO).await;
-        let vm = run_vm(&w, "vm-1").await;
-        let kata = run_kata(&w, "kata-1").await;
-        let in_use = 2;
-        let usage = w.host.usage(TDX);
-        let from = rv(&node(&w));
+        let h = hand_over_start(&w).await;
 
         // `kubectl annotate node node-a nfd.node.kubernetes.io/extended-resources-` (the only name).
         let key = NFD_EXTENDED_RESOURCES_ANNOTATION.replace('/', "~1");
@@ -537,22 +558,17 @@ async fn handing_the_keys_to_teeguard_annotation_first_never_leaves_the_node_wit
         tokio::time::sleep(POLL * 2).await;
         assert_eq!(rv(&node(&w)), rv(&taken), "nothing wrote the Node since");
 
-        let versions = node_versions_since(&w, from).await;
+        let versions = node_versions_since(&w, h.from).await;
         assert!(versions.len() >= 3, "{}", versions.len());
         for n in &versions {
             let (c, a) = (value(n, "capacity"), value(n, "allocatable"));
             assert!(
-                c.is_some_and(|v| v >= in_use) && a.is_some_and(|v| v >= in_use),
+                c.is_some_and(|v| v >= IN_USE) && a.is_some_and(|v| v >= IN_USE),
                 "rv {}: capacity {c:?} allocatable {a:?}",
                 rv(n)
             );
         }
-        assert_eq!(w.host.usage(TDX), usage);
-        assert!(running(&w, &vm) && running(&w, &kata));
-        wait_advertising(&w, "Advertising is True again", |status, m| {
-            status == "True" && m.contains(&format!("{TDX_KEYS}=13"))
-        })
-        .await;
+        hand_over_end(&w, &h).await;
     })
     .await;
 }
