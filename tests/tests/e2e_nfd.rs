@@ -508,7 +508,17 @@ async fn handing_the_keys_to_teeguard_by_editing_the_rule_keeps_running_pods_and
             "only the agent's claim precedes its value: {missing:?}"
         );
 
-        let s = w.settle().await.expect("settled");
+        w.settle().await.expect("settled");
+        // The report's `advertised` follows the agent's Node write in its next pass (woken by the
+        // Node's watch event), a moment after the kernel figures settle.
+        let s = w
+            .env
+            .api
+            .wait_for(WAIT, "the report to show advertised 13", |_| {
+                w.env.report(NODE)?.tdx.filter(|t| t.advertised == Some(13))
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e}; report: {:?}", w.env.report(NODE)));
         assert_eq!(
             (s.pods_used, s.external, s.advertised),
             (IN_USE, EXTERNAL, Some(13)),
