@@ -210,12 +210,15 @@ fn main() {
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
     let token = CancellationToken::new();
+    let config = Config::default();
+    let ledger = Arc::new(Ledger::new(config.admission.ledger_ttl));
     // Keep the reflector tasks alive (dropping `CacheTasks` aborts them).
     let (caches, _cache_tasks) = rt.block_on(async {
         let (caches, tasks) = Caches::start(
             api.client(),
             metrics.clone(),
             Duration::from_secs(2),
+            ledger.clone(),
             token.clone(),
         );
         tokio::time::timeout(Duration::from_secs(60), caches.wait_synced())
@@ -224,8 +227,6 @@ fn main() {
         (caches, tasks)
     });
     assert_eq!(caches.vmis.len(), FILLER_VMIS + kinds.len());
-    let config = Config::default();
-    let ledger = Ledger::new(config.admission.ledger_ttl);
     let ctx = ValidationContext {
         config: &config,
         ledger: &ledger,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess};
@@ -298,6 +298,97 @@ async fn a_full_node_refuses_the_binding_until_a_key_is_freed() {
             .expect("one key stays outside");
         w.wait_report(&full, 0, 1).await;
         assert_eq!(w.wait_bound(&vm, Duration::from_secs(40)).await, full);
+    })
+    .await;
+}
+
+/// Delete `pod` (no grace: no kubelet runs here to confirm a graceful stop).
+async fn delete_now(w: &World, pod: &Pod) {
+    let name = pod.metadata.name.clone().expect("name");
+    w.pods()
+        .delete(&name, &DeleteParams::default().grace_period(0))
+        .await
+        .expect("pod deleted");
+}
+
+// Issue #28: a VM bound, counted by the agent's report (no other admission runs meanwhile), then
+// deleted; the next two VMs both fit the node's two free keys. With reservations ended only by a
+// check that sees the counting report, vm-1's came back once the report stopped listing it, and
+// vm-3 was refused as "1 just admitted, not in the report yet" for the rest of ledgerTtl (30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_vms_reservation_does_not_come_back_and_the_next_two_vms_fit() {
+    within(DEADLINE, async {
+        let Some(w) = World::start("deleted", &[("a", 2)], "").await else {
+            return;
+        };
+        let node = w.node(0);
+        w.wait_report(&node, 0, 2).await;
+        let vm1 = w.create_vm("vm-1").await.expect("vm-1 admitted");
+        assert_eq!(w.wait_bound(&vm1, Duration::from_secs(20)).await, node);
+        // The report counts vm-1; no check on the node runs while it is the cached one.
+        w.wait_report(&node, 1, 1).await;
+        delete_now(&w, &vm1).await;
+        w.wait_report(&node, 0, 2).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        let vm2 = w.create_vm("vm-2").await.expect("vm-2 admitted");
+        assert_eq!(w.wait_bound(&vm2, Duration::from_secs(20)).await, node);
+        let vm3 = w
+            .create_vm("vm-3")
+            .await
+            .unwrap_or_else(|e| panic!("vm-3 refused although vm-2 holds the only key taken: {e}"));
+        assert_eq!(w.wait_bound(&vm3, Duration::from_secs(20)).await, node);
+        w.wait_report(&node, 2, 0).await;
+    })
+    .await;
+}
+
+// Issue #28: a VM deleted and re-created at once on a full node, as KubeVirt does when a VMI is
+// restarted: the new launcher pod is admitted as soon as the agent's report shows the key free
+// (virt-controller retries a refused pod CREATE; so does the test, every 100 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_deleted_and_recreated_at_once_on_a_full_node_is_admitted_when_the_key_is_free() {
+    within(DEADLINE, async {
+        let Some(w) = World::start("recreate", &[("a", 1)], "").await else {
+            return;
+        };
+        let node = w.node(0);
+        w.wait_report(&node, 0, 1).await;
+        let vm1 = w.create_vm("vm-1").await.expect("vm-1 admitted");
+        assert_eq!(w.wait_bound(&vm1, Duration::from_secs(20)).await, node);
+        w.wait_report(&node, 1, 0).await;
+
+        delete_now(&w, &vm1).await;
+        let deleted = Instant::now();
+        let selector = [(TEST_LABEL, w.test.as_str())];
+        let uid = w
+            .cluster
+            .create_vmi(&w.ns, "vm-1-restarted", Tee::Tdx)
+            .await
+            .expect("VMI");
+        let pod = Cluster::launcher_pod(&w.ns, "vm-1-restarted", &uid, Tee::Tdx, &selector)
+            .expect("launcher pod");
+        let mut refusals = 0;
+        let created = loop {
+            match w.pods().create(&PostParams::default(), &pod).await {
+                Ok(p) => break p,
+                Err(e) => {
+                    refusals += 1;
+                    assert!(
+                        deleted.elapsed() < Duration::from_secs(10),
+                        "the re-created VM is still refused {:?} after the deletion \
+                         ({refusals} tries): {e}; logs:\n{}",
+                        deleted.elapsed(),
+                        w.env.all_logs()
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        let admitted = deleted.elapsed();
+        eprintln!("re-created VM admitted {admitted:?} after the deletion ({refusals} refusals)");
+        assert_eq!(w.wait_bound(&created, Duration::from_secs(20)).await, node);
+        w.wait_report(&node, 1, 0).await;
     })
     .await;
 }

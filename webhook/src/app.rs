@@ -105,10 +105,12 @@ pub async fn start(
 
     // Stopped once the HTTPS server has drained, not at SIGTERM: requests are still answered until then.
     let background = CancellationToken::new();
+    let ledger = Arc::new(Ledger::new(config.admission.ledger_ttl));
     let (caches, cache_tasks) = Caches::start(
         client.clone(),
         metrics.clone(),
         args.api_timeout,
+        ledger.clone(),
         background.clone(),
     );
     let (events, events_task) = EventSink::start(
@@ -118,7 +120,6 @@ pub async fn start(
         args.api_timeout,
         background.clone(),
     );
-    let ledger = Arc::new(Ledger::new(config.admission.ledger_ttl));
     let sweep_task = tokio::spawn(sweep_ledger(
         ledger.clone(),
         metrics.clone(),

@@ -6,6 +6,9 @@
 //! for [`Caches::wait_synced`]. Each cache is a [`NamedStore`] (by namespace and name: borrowed
 //! lookups and allocation-free scans).
 //!
+//! The report and virt-launcher pod caches also tell the admission ledger what they see (a report
+//! counting a pod, a pod deleted), so reservations end at once, not at the next check.
+//!
 //! Caches: VMIs and Namespace labels (mutation and validation), TeeCapacity reports and the agents'
 //! heartbeat Leases (in the webhook's namespace: a report's age is that of the newer of its heartbeat
 //! and its agent's Lease renewal), Node labels (node selection for pod CREATE) and virt-launcher pods
@@ -33,6 +36,7 @@ use teeguard_shared::{TeeCapacity, VirtualMachineInstance, names};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::decide::ledger::Ledger;
 use crate::decide::mutation::{VmiLookup, VmiRef};
 use crate::metrics::{Cache, LookupResult, Metrics};
 use crate::pods::{CachedLauncherPod, LauncherPod, slim_meta};
@@ -41,7 +45,30 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-pub use store::{CacheBuilder, NamedStore};
+pub use store::{CacheBuilder, NamedStore, Observer};
+
+/// Ends the ledger's reservations the moment a report counting their pods arrives.
+struct ReportsEndReservations(Arc<Ledger>);
+
+impl Observer<TeeCapacity> for ReportsEndReservations {
+    fn stored(&self, cap: &TeeCapacity) {
+        if let (Some(node), Some(status)) = (cap.metadata.name.as_deref(), cap.status.as_ref()) {
+            self.0
+                .report_arrived(node, &status.counted_pods, std::time::Instant::now());
+        }
+    }
+}
+
+/// Ends the ledger's reservation of a virt-launcher pod the moment its deletion is seen.
+struct DeletedPodsEndReservations(Arc<Ledger>);
+
+impl Observer<CachedLauncherPod> for DeletedPodsEndReservations {
+    fn removed(&self, pod: &CachedLauncherPod) {
+        if let Some(uid) = pod.uid.as_deref() {
+            self.0.pod_deleted(uid, std::time::Instant::now());
+        }
+    }
+}
 
 /// What looking a pod up gave.
 #[derive(Clone, Debug)]
@@ -189,11 +216,14 @@ impl Debug for Caches {
 }
 
 impl Caches {
-    /// Start every reflector. `api_timeout` bounds the GET made on a cache miss.
+    /// Start every reflector. `api_timeout` bounds the GET made on a cache miss. The report and
+    /// virt-launcher pod caches end `ledger`'s reservations as reports count their pods and pods are
+    /// deleted.
     pub fn start(
         client: Client,
         metrics: Arc<Metrics>,
         api_timeout: Duration,
+        ledger: Arc<Ledger>,
         shutdown: CancellationToken,
     ) -> (Caches, CacheTasks) {
         let mut b = CacheBuilder::new(metrics.clone(), shutdown);
@@ -212,11 +242,12 @@ impl Caches {
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Namespace>| namespace_labels(n.metadata.labels),
         );
-        let tee_capacities = b.watch(
+        let tee_capacities = b.watch_observed(
             Cache::TeeCapacities.as_str(),
             Api::<TeeCapacity>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             slim_report,
+            Some(Arc::new(ReportsEndReservations(ledger.clone()))),
         );
         let nodes = b.watch(
             Cache::Nodes.as_str(),
@@ -224,7 +255,7 @@ impl Caches {
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default(),
         );
-        let launcher_pods = b.watch(
+        let launcher_pods = b.watch_observed(
             Cache::LauncherPods.as_str(),
             Api::<LauncherPod>::all(client.clone()),
             watcher::Config::default()
@@ -235,6 +266,7 @@ impl Caches {
                 ))
                 .any_semantic(),
             CachedLauncherPod::from,
+            Some(Arc::new(DeletedPodsEndReservations(ledger))),
         );
         let reservations = b.watch(
             Cache::Reservations.as_str(),

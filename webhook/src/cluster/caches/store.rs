@@ -69,7 +69,26 @@ impl CacheBuilder {
         K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
         T: Send + Sync + 'static,
     {
+        self.watch_observed(name, api, config, reduce, None)
+    }
+
+    /// [`CacheBuilder::watch`], telling `observer` of every object stored or removed (after the
+    /// change, outside the store's lock).
+    pub fn watch_observed<K, T>(
+        &mut self,
+        name: &'static str,
+        api: Api<K>,
+        config: watcher::Config,
+        reduce: fn(K) -> T,
+        observer: Option<Arc<dyn Observer<T>>>,
+    ) -> NamedStore<T>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+        T: Send + Sync + 'static,
+    {
         let (store, mut writer) = NamedStore::new(reduce);
+        writer.observer = observer;
         let mut ready = store.ready.clone();
         self.ready.push(Box::pin(async move {
             // Only fails if the writer is dropped, i.e. the cache is shutting down.
@@ -110,6 +129,15 @@ impl CacheBuilder {
     }
 }
 
+/// Told of a cache's changes as they are applied: for state that must follow the cluster at once
+/// (the ledger ends a reservation when its pod is deleted or a report counts it).
+pub trait Observer<T>: Send + Sync {
+    /// `value` was stored (added or changed; also each object of a re-list).
+    fn stored(&self, _value: &T) {}
+    /// `value` was removed (a delete event, or gone from a re-list).
+    fn removed(&self, _value: &T) {}
+}
+
 /// Objects by namespace (`""` for cluster-scoped kinds), then name: a namespace's name is stored once
 /// for all its objects, and lookups take `&str`s.
 #[derive(Debug)]
@@ -145,16 +173,16 @@ impl<T> Objects<T> {
         }
     }
 
-    fn remove(&mut self, namespace: &str, name: &str) {
-        let Some(names) = self.by_namespace.get_mut(namespace) else {
-            return;
-        };
-        if names.remove(name).is_some() {
+    fn remove(&mut self, namespace: &str, name: &str) -> Option<Arc<T>> {
+        let names = self.by_namespace.get_mut(namespace)?;
+        let removed = names.remove(name);
+        if removed.is_some() {
             self.len -= 1;
         }
         if names.is_empty() {
             self.by_namespace.remove(namespace);
         }
+        removed
     }
 }
 
@@ -233,6 +261,7 @@ impl<T: Send + Sync + 'static> NamedStore<T> {
                 reduce,
                 ready: tx,
                 removed,
+                observer: None,
             },
         )
     }
@@ -318,6 +347,7 @@ pub(super) struct NamedWriter<K, T> {
     reduce: fn(K) -> T,
     ready: tokio::sync::watch::Sender<bool>,
     removed: Arc<std::sync::Mutex<Removed>>,
+    pub(super) observer: Option<Arc<dyn Observer<T>>>,
 }
 
 impl<K, T> NamedWriter<K, T> {
@@ -346,16 +376,20 @@ impl<K: Resource, T> NamedWriter<K, T> {
                 let (namespace, name) = key(&o);
                 self.removed().at.remove(&format!("{namespace}/{name}"));
                 let value = Arc::new((self.reduce)(o));
-                self.write().insert(&namespace, name, value);
+                self.write().insert(&namespace, name, value.clone());
+                if let Some(observer) = &self.observer {
+                    observer.stored(&value);
+                }
             }
             watcher::Event::Delete(o) => {
-                let m = o.meta();
-                let (namespace, name) = (
-                    m.namespace.as_deref().unwrap_or_default(),
-                    m.name.as_deref().unwrap_or_default(),
-                );
-                self.write().remove(namespace, name);
-                self.removed().record(namespace, name);
+                let (namespace, name) = key(&o);
+                let gone = self.write().remove(&namespace, &name);
+                self.removed().record(&namespace, &name);
+                if let Some(observer) = &self.observer {
+                    // The stored value, or (never stored here) the deleted object itself.
+                    let value = gone.unwrap_or_else(|| Arc::new((self.reduce)(o)));
+                    observer.removed(&value);
+                }
             }
             watcher::Event::Init => self.buffer = Some(Objects::default()),
             watcher::Event::InitApply(o) => {
@@ -369,19 +403,36 @@ impl<K: Resource, T> NamedWriter<K, T> {
                 let fresh = self.buffer.take().unwrap_or_default();
                 let old = std::mem::replace(&mut *self.write(), fresh);
                 // Objects that vanished while the watch was down were deleted too.
+                let mut vanished = Vec::new();
                 {
                     let map = self.map.read().unwrap_or_else(PoisonError::into_inner);
                     let mut removed = self.removed();
                     for (namespace, names) in &old.by_namespace {
-                        for name in names.keys() {
+                        for (name, value) in names {
                             if map.get(namespace, name).is_none() {
                                 removed.record(namespace, name);
+                                vanished.push(value.clone());
                             }
                         }
                     }
                 }
                 // The old map is dropped after the lock is released.
                 drop(old);
+                if let Some(observer) = &self.observer {
+                    for value in &vanished {
+                        observer.removed(value);
+                    }
+                    let stored: Vec<Arc<T>> = {
+                        let map = self.map.read().unwrap_or_else(PoisonError::into_inner);
+                        map.by_namespace
+                            .values()
+                            .flat_map(|names| names.values().cloned())
+                            .collect()
+                    };
+                    for value in &stored {
+                        observer.stored(value);
+                    }
+                }
                 self.ready.send_replace(true);
             }
         }

@@ -164,3 +164,88 @@ fn deletions_are_remembered_until_the_object_returns() {
     w.apply(watcher::Event::InitDone);
     assert!(store.was_removed("", "b"));
 }
+
+/// Records what an observed cache tells.
+#[derive(Default)]
+struct Seen(std::sync::Mutex<Vec<String>>);
+
+impl Observer<Labels> for Seen {
+    fn stored(&self, v: &Labels) {
+        let zone = v.get("zone").cloned().unwrap_or_default();
+        self.0.lock().expect("lock").push(format!("+{zone}"));
+    }
+    fn removed(&self, v: &Labels) {
+        let zone = v.get("zone").cloned().unwrap_or_default();
+        self.0.lock().expect("lock").push(format!("-{zone}"));
+    }
+}
+
+#[test]
+fn an_observer_is_told_of_stores_deletions_and_what_a_relist_brings_or_drops() {
+    let (_store, mut w) =
+        NamedStore::new(|n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default());
+    let seen = Arc::new(Seen::default());
+    w.observer = Some(seen.clone());
+    let take = || std::mem::take(&mut *seen.0.lock().expect("lock"));
+    w.apply(watcher::Event::Apply(node("a", "z1")));
+    w.apply(watcher::Event::Apply(node("b", "z2")));
+    w.apply(watcher::Event::Delete(node("a", "z1-at-deletion")));
+    // The deleted value is the stored one.
+    assert_eq!(take(), ["+z1", "+z2", "-z1"]);
+    // Deleted without ever being stored: the deleted object itself.
+    w.apply(watcher::Event::Delete(node("x", "zx")));
+    assert_eq!(take(), ["-zx"]);
+    // A relist: `b` vanished (removed), `c` arrived (stored).
+    w.apply(watcher::Event::Init);
+    w.apply(watcher::Event::InitApply(node("c", "z3")));
+    assert!(take().is_empty(), "nothing before the list is complete");
+    w.apply(watcher::Event::InitDone);
+    assert_eq!(take(), ["-z2", "+z3"]);
+}
+
+fn report(node: &str, counted: &[&str]) -> TeeCapacity {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity",
+        "metadata": {"name": node},
+        "spec": {"nodeName": node},
+        "status": {"countedPods": counted}
+    }))
+    .expect("report")
+}
+
+/// Issue #28: the reservation ends when the report counting its pod arrives, with no check on the
+/// node in between; and when the pod's deletion arrives.
+#[test]
+fn the_caches_end_ledger_reservations_as_reports_and_deletions_arrive() {
+    use crate::decide::ledger::{ReportMark, Reservation};
+    use std::time::Instant;
+    use teeguard_shared::TeeKind;
+    let ledger = Arc::new(Ledger::new(Duration::from_secs(30)));
+    let t0 = Instant::now();
+    for uid in ["uid-a", "uid-b"] {
+        let candidate = Reservation {
+            pod_uid: uid.into(),
+            pod: format!("ns/{uid}"),
+            keys: teeguard_shared::pod::KeyRequests::from([(TeeKind::Tdx, 1)]),
+            admitted: t0,
+        };
+        ledger.check_and_reserve("n1", ReportMark::default(), t0, candidate, |_| ((), true));
+    }
+    assert_eq!(ledger.len(), 2);
+    let (_reports, mut w) = NamedStore::new(slim_report);
+    w.observer = Some(Arc::new(ReportsEndReservations(ledger.clone())));
+    w.apply(watcher::Event::Apply(report("n1", &["uid-a"])));
+    assert_eq!(ledger.len(), 1, "a's ended at the report's arrival");
+    let pod = |uid: &str| -> LauncherPod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "virt-launcher-b", "namespace": "ns", "uid": uid}
+        }))
+        .expect("pod")
+    };
+    let (_pods, mut w) = NamedStore::new(CachedLauncherPod::from);
+    w.observer = Some(Arc::new(DeletedPodsEndReservations(ledger.clone())));
+    w.apply(watcher::Event::Apply(pod("uid-b")));
+    assert_eq!(ledger.len(), 1, "a stored pod ends nothing");
+    w.apply(watcher::Event::Delete(pod("uid-b")));
+    assert!(ledger.is_empty(), "b's ended at its deletion");
+}

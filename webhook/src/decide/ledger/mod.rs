@@ -9,14 +9,23 @@
 //! one atomic step ([`Ledger::check_and_reserve`]: a mutex held only across the pure check and the
 //! insert, never across an `await`).
 //!
-//! A reservation ends when
+//! A reservation ends, for good, when
 //! - a report that **counts the pod** arrives: the agent lists the UIDs of the recently bound pods whose
 //!   keys its figures count in `status.countedPods` (every pod still pending, and every pod first
 //!   counted within `admission.ledgerTtl`), so from that report on the pod's keys are in `free` and
-//!   holding them here too would count them twice ([`Reservation::counted_in`]). No clocks are
-//!   compared: skew between the node and the webhook does not matter; or
+//!   holding them here too would count them twice ([`Reservation::counted_in`]). The report cache
+//!   tells the ledger at the report's arrival ([`Ledger::report_arrived`]), not at the next check on
+//!   that node: a pod deleted before any check saw such a report would otherwise be held again once
+//!   the report stops listing it. No clocks are compared: skew between the node and the webhook does
+//!   not matter; or
+//! - its pod is deleted (the pod cache's delete event, also one a re-list reveals:
+//!   [`Ledger::pod_deleted`]); or
 //! - `admission.ledgerTtl` has passed since the admission: the backstop for pods that never reach the
-//!   node (deleted, the bind failed) or a node whose agent does not report.
+//!   node (the bind failed) or a node whose agent does not report.
+//!
+//! An ended reservation never comes back: its pod's UID is remembered for the TTL, and a later
+//! binding of the same pod (a retry) is decided but reserves nothing; neither does a binding of a pod
+//! the node's current report already counts.
 //!
 //! Reservations are keyed by pod UID: a retried binding of the same pod does not reserve twice; a
 //! binding of the same pod to another node moves the reservation.
@@ -69,11 +78,17 @@ impl Reservation {
     }
 }
 
+/// At most this many ended reservations are remembered (far more than bindings within a TTL).
+const ENDED_KEPT: usize = 65_536;
+
 /// What [`Ledger::check_and_reserve`] did with the candidate reservation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Reserved {
     /// The decision did not ask for a reservation.
     No,
+    /// The decision admitted the pod, but its keys are counted already: the node's report counts
+    /// the pod, or the pod's reservation ended (counted, or the pod deleted) within the TTL.
+    Counted,
     /// A new reservation was added.
     Added,
     /// The pod already held a reservation on this node; it was kept as is.
@@ -90,6 +105,9 @@ struct State {
     nodes: HashMap<String, Vec<Reservation>>,
     pods: HashMap<String, String>,
     len: usize,
+    /// Pods whose reservation ended (counted by a report, or deleted), with when: no reservation is
+    /// made for them again within the TTL.
+    ended: HashMap<String, Instant>,
 }
 
 impl State {
@@ -110,6 +128,42 @@ impl State {
         if list.is_empty() {
             self.nodes.remove(node);
         }
+    }
+
+    /// Drop the node's reservations that expired or that `mark` counts; the counted ones end for good.
+    fn settle(&mut self, node: &str, mark: ReportMark<'_>, now: Instant, ttl: Duration) {
+        let mut counted = Vec::new();
+        self.retain_node(node, |r| {
+            if r.expired(now, ttl) {
+                return false;
+            }
+            if r.counted_in(mark) {
+                counted.push(r.pod_uid.clone());
+                return false;
+            }
+            true
+        });
+        for uid in counted {
+            self.end(&uid, now, ttl);
+        }
+    }
+
+    /// Remember that `uid`'s reservation ended at `now` (bounded: entries older than `ttl` go first).
+    fn end(&mut self, uid: &str, now: Instant, ttl: Duration) {
+        if self.ended.len() >= ENDED_KEPT {
+            self.ended
+                .retain(|_, at| now.saturating_duration_since(*at) < ttl);
+            if self.ended.len() >= ENDED_KEPT {
+                self.ended.clear();
+            }
+        }
+        self.ended.insert(uid.to_string(), now);
+    }
+
+    fn has_ended(&self, uid: &str, now: Instant, ttl: Duration) -> bool {
+        self.ended
+            .get(uid)
+            .is_some_and(|at| now.saturating_duration_since(*at) < ttl)
     }
 
     fn held_except(&self, node: &str, except_uid: &str) -> KeyRequests {
@@ -236,7 +290,7 @@ impl Ledger {
         }
         let mut st = self.lock();
         let ttl = self.ttl;
-        st.retain_node(node, |r| !r.expired(now, ttl) && !r.counted_in(mark));
+        st.settle(node, mark, now, ttl);
         st.held_except(node, except_uid)
     }
 
@@ -254,11 +308,14 @@ impl Ledger {
     ) -> (T, Reserved) {
         let mut st = self.lock();
         let ttl = self.ttl;
-        st.retain_node(node, |r| !r.expired(now, ttl) && !r.counted_in(mark));
+        st.settle(node, mark, now, ttl);
         let held = st.held_except(node, &candidate.pod_uid);
         let (out, reserve) = decide(&held);
         if !reserve {
             return (out, Reserved::No);
+        }
+        if candidate.counted_in(mark) || st.has_ended(&candidate.pod_uid, now, ttl) {
+            return (out, Reserved::Counted);
         }
         let reserved = match st.pods.get(&candidate.pod_uid).cloned() {
             Some(existing) if existing == node => Reserved::AlreadyHeld,
@@ -294,7 +351,7 @@ impl Ledger {
         }
         let mut st = self.lock();
         let ttl = self.ttl;
-        st.retain_node(node, |r| !r.expired(now, ttl) && !r.counted_in(mark));
+        st.settle(node, mark, now, ttl);
         st.nodes
             .get(node)
             .into_iter()
@@ -302,6 +359,24 @@ impl Ledger {
             .filter(|r| r.pod_uid != except_uid)
             .map(|r| (r.pod_uid.clone(), r.keys.clone()))
             .collect()
+    }
+
+    /// A report of `node` arrived listing `counted_pods`: their reservations there end now, for good.
+    pub fn report_arrived(&self, node: &str, counted_pods: &[String], now: Instant) {
+        if self.reserved.load(Ordering::Acquire) == 0 || counted_pods.is_empty() {
+            return;
+        }
+        let mark = ReportMark { counted_pods };
+        self.lock().settle(node, mark, now, self.ttl);
+    }
+
+    /// The pod `pod_uid` was deleted: its reservation ends now, and none is made for it again.
+    pub fn pod_deleted(&self, pod_uid: &str, now: Instant) {
+        let mut st = self.lock();
+        if let Some(node) = st.pods.get(pod_uid).cloned() {
+            st.retain_node(&node, |r| r.pod_uid != pod_uid);
+        }
+        st.end(pod_uid, now, self.ttl);
     }
 
     /// Drop the pod's reservation wherever it is (the shared reservation refused what this replica's
@@ -322,6 +397,8 @@ impl Ledger {
         for node in nodes {
             st.retain_node(&node, |r| !r.expired(now, ttl));
         }
+        st.ended
+            .retain(|_, at| now.saturating_duration_since(*at) < ttl);
         st.len
     }
 
@@ -342,246 +419,4 @@ impl Ledger {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::Arc;
-    use teeguard_shared::TeeKind;
-
-    const TTL: Duration = Duration::from_secs(30);
-
-    fn res(uid: &str, keys: u64, mono: Instant) -> Reservation {
-        Reservation {
-            pod_uid: uid.into(),
-            pod: format!("ns/{uid}"),
-            keys: KeyRequests::from([(TeeKind::Tdx, keys)]),
-            admitted: mono,
-        }
-    }
-
-    fn uids(list: &[&str]) -> Vec<String> {
-        list.iter().map(|u| u.to_string()).collect()
-    }
-
-    fn counting(pods: &[String]) -> ReportMark<'_> {
-        ReportMark { counted_pods: pods }
-    }
-
-    /// Admit when `free − held ≥ 1` (the shape of the real decision).
-    fn admit_if_free(free: u64) -> impl FnOnce(&KeyRequests) -> (bool, bool) {
-        move |held| {
-            let ok = free.saturating_sub(held.get(&TeeKind::Tdx).copied().unwrap_or(0)) >= 1;
-            (ok, ok)
-        }
-    }
-
-    #[test]
-    fn release_drops_only_that_pods_reservation_and_held_entries_list_the_others() {
-        let ledger = Ledger::new(TTL);
-        let t0 = Instant::now();
-        for uid in ["a", "b", "c"] {
-            ledger.check_and_reserve(
-                "n1",
-                ReportMark::default(),
-                t0,
-                res(uid, 1, t0),
-                admit_if_free(8),
-            );
-        }
-        assert_eq!(ledger.len(), 3);
-        ledger.release("b");
-        assert_eq!(ledger.len(), 2);
-        ledger.release("nope");
-        assert_eq!(ledger.len(), 2);
-        let others: Vec<String> = ledger
-            .held_entries("n1", ReportMark::default(), t0, "a")
-            .into_iter()
-            .map(|(uid, _)| uid)
-            .collect();
-        assert_eq!(others, ["c"]);
-    }
-
-    #[test]
-    fn a_report_counts_a_reservation_only_when_it_lists_its_pod() {
-        let r = res("a", 1, Instant::now());
-        assert!(!r.counted_in(ReportMark::default()), "no report");
-        assert!(!r.counted_in(counting(&uids(&[]))));
-        assert!(!r.counted_in(counting(&uids(&["b", "c"]))));
-        assert!(
-            !r.counted_in(counting(&uids(&["ab", "A"]))),
-            "whole UIDs only"
-        );
-        assert!(r.counted_in(counting(&uids(&["b", "a"]))));
-    }
-
-    #[test]
-    fn released_by_the_first_report_that_counts_the_pod() {
-        let ledger = Ledger::new(TTL);
-        let t0 = Instant::now();
-        let before = uids(&["older"]);
-        let (ok, _) = ledger.check_and_reserve(
-            "n1",
-            counting(&before),
-            t0,
-            res("a", 1, t0),
-            admit_if_free(2),
-        );
-        assert!(ok);
-        // A report that does not list the pod (any number of them: heartbeats, other pods' changes)
-        // keeps the reservation.
-        let others = uids(&["older", "b"]);
-        assert_eq!(
-            ledger.held("n1", counting(&others), t0, ""),
-            KeyRequests::from([(TeeKind::Tdx, 1)])
-        );
-        // The report that counts it, published at once (no settle time), releases it: its `free`
-        // includes the pod now.
-        let with_a = uids(&["a", "older"]);
-        assert!(ledger.held("n1", counting(&with_a), t0, "").is_empty());
-        assert!(ledger.is_empty());
-        // A later report that no longer lists it (the pod aged out of the list) holds nothing back.
-        assert!(ledger.held("n1", counting(&others), t0, "").is_empty());
-    }
-
-    #[test]
-    fn released_by_the_ttl_when_the_pod_never_appears() {
-        let ledger = Ledger::new(TTL);
-        let t0 = Instant::now();
-        let none: Vec<String> = Vec::new();
-        ledger.check_and_reserve("n1", counting(&none), t0, res("a", 1, t0), admit_if_free(1));
-        let later = t0 + TTL - Duration::from_millis(1);
-        assert_eq!(ledger.held("n1", counting(&none), later, "").len(), 1);
-        assert_eq!(ledger.prune_expired(later), 1);
-        assert!(ledger.held("n1", counting(&none), t0 + TTL, "").is_empty());
-        assert!(ledger.is_empty());
-    }
-
-    #[test]
-    fn a_report_counting_the_pod_at_check_time_holds_nothing_back() {
-        // The pod is already in the report (a retried binding after the agent saw the first one):
-        // its keys are in `free`, the reservation made now is released by the next check.
-        let ledger = Ledger::new(TTL);
-        let t0 = Instant::now();
-        let with_a = uids(&["a"]);
-        ledger.check_and_reserve(
-            "n1",
-            counting(&with_a),
-            t0,
-            res("a", 1, t0),
-            admit_if_free(1),
-        );
-        let (ok, _) = ledger.check_and_reserve(
-            "n1",
-            counting(&with_a),
-            t0,
-            res("b", 1, t0),
-            admit_if_free(1),
-        );
-        assert!(ok, "a's key is counted once, in the report's free");
-    }
-
-    #[test]
-    fn reserve_blocks_the_last_key_and_expires() {
-        let ledger = Ledger::new(TTL);
-        let t0 = Instant::now();
-        let m = ReportMark::default();
-        let (ok, r) = ledger.check_and_reserve("n1", m, t0, res("a", 1, t0), admit_if_free(1));
-        assert!(ok);
-        assert_eq!(r, Reserved::Added);
-        assert_eq!(ledger.len(), 1);
-        // A second pod sees the key held.
-        let (ok, r) = ledger.check_and_reserve("n1", m, t0, res("b", 1, t0), admit_if_free(1));
-        assert!(!ok);
-        assert_eq!(r, Reserved::No);
-        assert_eq!(ledger.len(), 1);
-        // Another node is unaffected.
-        assert!(ledger.held("n2", m, t0, "").is_empty());
-        assert_eq!(
-            ledger.held("n1", m, t0, ""),
-            KeyRequests::from([(TeeKind::Tdx, 1)])
-        );
-        assert!(
-            ledger.held("n1", m, t0, "a").is_empty(),
-            "own reservation excluded"
-        );
-        // Just before the TTL still held; at the TTL gone.
-        let later = t0 + TTL - Duration::from_millis(1);
-        assert_eq!(ledger.held("n1", m, later, "").len(), 1);
-        assert_eq!(ledger.prune_expired(later), 1);
-        assert_eq!(ledger.prune_expired(t0 + TTL), 0);
-        assert!(ledger.is_empty());
-        let (ok, _) =
-            ledger.check_and_reserve("n1", m, t0 + TTL, res("b", 1, t0 + TTL), admit_if_free(1));
-        assert!(ok);
-    }
-
-    #[test]
-    fn idempotent_per_pod_and_moves_between_nodes() {
-        let ledger = Ledger::new(TTL);
-        let t0 = Instant::now();
-        let m = ReportMark::default();
-        let first = res("a", 1, t0);
-        let (_, r) = ledger.check_and_reserve("n1", m, t0, first.clone(), admit_if_free(1));
-        assert_eq!(r, Reserved::Added);
-        // The scheduler retries the same pod: its own key does not count against it, nothing doubles.
-        let retry = res("a", 1, t0 + Duration::from_secs(5));
-        let (ok, r) = ledger.check_and_reserve("n1", m, t0, retry, admit_if_free(1));
-        assert!(ok);
-        assert_eq!(r, Reserved::AlreadyHeld);
-        assert_eq!(
-            ledger.reservations("n1"),
-            vec![first],
-            "the original is kept"
-        );
-        // The same pod bound to another node: moved.
-        let (ok, r) = ledger.check_and_reserve("n2", m, t0, res("a", 1, t0), admit_if_free(1));
-        assert!(ok);
-        assert_eq!(r, Reserved::Moved { from: "n1".into() });
-        assert!(ledger.reservations("n1").is_empty());
-        assert_eq!(ledger.reservations("n2").len(), 1);
-        assert_eq!(ledger.len(), 1);
-    }
-
-    #[test]
-    fn keys_sum_per_kind() {
-        let ledger = Ledger::new(TTL);
-        let t0 = Instant::now();
-        let m = ReportMark::default();
-        for (uid, kind, n) in [
-            ("a", TeeKind::Tdx, 2),
-            ("b", TeeKind::Tdx, 1),
-            ("c", TeeKind::SevEs, 1),
-        ] {
-            let mut r = res(uid, 0, t0);
-            r.keys = KeyRequests::from([(kind, n)]);
-            ledger.check_and_reserve("n", m, t0, r, |_| ((), true));
-        }
-        assert_eq!(
-            ledger.held("n", m, t0, "b"),
-            KeyRequests::from([(TeeKind::Tdx, 2), (TeeKind::SevEs, 1)])
-        );
-    }
-
-    #[test]
-    fn concurrent_reservations_take_the_last_key_once() {
-        let ledger = Arc::new(Ledger::new(TTL));
-        let t0 = Instant::now();
-        let handles: Vec<_> = (0..16)
-            .map(|i| {
-                let ledger = ledger.clone();
-                std::thread::spawn(move || {
-                    let r = res(&format!("p{i}"), 1, t0);
-                    ledger
-                        .check_and_reserve("n1", ReportMark::default(), t0, r, admit_if_free(1))
-                        .0
-                })
-            })
-            .collect();
-        let admitted = handles
-            .into_iter()
-            .map(|h| h.join().expect("thread"))
-            .filter(|ok| *ok)
-            .count();
-        assert_eq!(admitted, 1);
-        assert_eq!(ledger.len(), 1);
-    }
-}
+mod tests;
