@@ -10,10 +10,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{
-    Container, Node, NodeStatus, Pod, PodSpec, PodStatus, ResourceRequirements,
+    Container, Namespace, Node, NodeStatus, Pod, PodSpec, PodStatus, ResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
@@ -282,6 +283,64 @@ pub fn watch_pods(
         metrics,
         shutdown,
     )
+}
+
+/// The namespaces labelled `teeguard.dev/exempt: "true"` (strict mode leaves their pods alone, as the
+/// webhook does). Cheap to clone; empty when not watched.
+#[derive(Clone, Default)]
+pub struct ExemptNamespaces {
+    store: Option<Store<PartialObjectMeta<Namespace>>>,
+    synced: Option<Arc<AtomicBool>>,
+}
+
+impl Debug for ExemptNamespaces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExemptNamespaces")
+            .field("watched", &self.store.is_some())
+            .finish()
+    }
+}
+
+impl ExemptNamespaces {
+    /// Whether `namespace` is labelled exempt (as the watch last saw it). Before the watch's first
+    /// list every namespace counts as exempt: strict mode zeroes no pod it cannot yet tell is exempt
+    /// (a wrong zero would stop a container that should start; a late one only delays strictness).
+    pub fn contains(&self, namespace: &str) -> bool {
+        let Some(store) = &self.store else {
+            return false;
+        };
+        let synced = self
+            .synced
+            .as_ref()
+            .is_some_and(|s| s.load(Ordering::Acquire));
+        !synced || store.get(&reflector::ObjectRef::new(namespace)).is_some()
+    }
+}
+
+/// Watch the namespaces labelled `teeguard.dev/exempt=true` (metadata only; the label selector keeps
+/// the watch to those few). A namespace's label added or removed takes effect for containers created
+/// from then on and, with the cgroup writer, at the next poll.
+pub fn watch_exempt_namespaces(
+    client: Client,
+    backoff: Backoff,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) -> (ExemptNamespaces, Watched<PartialObjectMeta<Namespace>>) {
+    let cfg = watcher::Config::default().labels(&format!("{EXEMPT_LABEL}=true"));
+    let watched = spawn_reflector(
+        Api::all(client),
+        cfg,
+        |_: &mut PartialObjectMeta<Namespace>| {},
+        "watch exempt namespaces",
+        backoff,
+        metrics,
+        shutdown,
+    );
+    let exempt = ExemptNamespaces {
+        store: Some(watched.store.clone()),
+        synced: Some(watched.synced.clone()),
+    };
+    (exempt, watched)
 }
 
 /// Watch the agent's own Node (field selector `metadata.name=<node>`).

@@ -104,11 +104,26 @@ pub async fn run(
         shutdown.clone(),
     );
     let events = EventsWatch::new();
+    // Strict mode leaves the pods of exempt namespaces alone: only then are those namespaces watched.
+    let strict = opts.config.enforcement.strict
+        && opts.config.enforcement.mode != teeguard_shared::config::EnforcementMode::Off;
+    let (exempt_namespaces, _exempt_watch) = if strict {
+        let (exempt, watched) = pods::watch_exempt_namespaces(
+            client.clone(),
+            opts.backoff(),
+            metrics.clone(),
+            shutdown.clone(),
+        );
+        (exempt, Some(watched))
+    } else {
+        (pods::ExemptNamespaces::default(), None)
+    };
     let enforcement = Enforcement::start(
         StartOptions {
             config: opts.config.enforcement.clone(),
             resources: opts.config.resources.clone(),
             pods: pods.store.clone(),
+            exempt_namespaces,
             client: Some(client.clone()),
             node_name: opts.node_name.clone(),
             poll_interval: opts.config.agent.poll_interval,

@@ -47,6 +47,23 @@ struct NotExercised {
 /// not record them. The test fails when an entry is not granted (stale).
 const NOT_EXERCISED: &[NotExercised] = &[
     NotExercised {
+        component: AGENT_USER_AGENT,
+        verb: "list",
+        group: "",
+        resource: "namespaces",
+        subresource: "",
+        why: "agent/src/pods.rs watch_exempt_namespaces: strict mode only (the standalone runs without it; \
+              tests/tests/e2e_enforcement.rs strict_mode_leaves_the_pods_of_an_exempt_namespace_alone does)",
+    },
+    NotExercised {
+        component: AGENT_USER_AGENT,
+        verb: "watch",
+        group: "",
+        resource: "namespaces",
+        subresource: "",
+        why: "agent/src/pods.rs watch_exempt_namespaces: strict mode only",
+    },
+    NotExercised {
         component: WEBHOOK_USER_AGENT,
         verb: "get",
         group: "teeguard.dev",

@@ -427,3 +427,51 @@ async fn a_host_without_misc_delegation_reports_enforcing_false_and_writes_nothi
     })
     .await;
 }
+
+// Issue #32: strict mode honours the namespace label `teeguard.dev/exempt: "true"` as the webhook does:
+// a pod of such a namespace that requested no key is left alone, while the same pod elsewhere gets
+// `tdx 0`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
+    bounded(async {
+        let config = format!("{CGROUP_CONFIG}  strict: true\n");
+        let w = World::start(4, &config).await.expect("world starts");
+        w.env
+            .api
+            .create(&json!({
+                "apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": "lab", "labels": {teeguard_shared::names::EXEMPT_LABEL: "true"}}
+            }))
+            .expect("exempt namespace");
+        let plain = |name: &str, ns: &str| {
+            VirtLauncherPod::for_tee(name, Tee::None)
+                .namespace(ns)
+                .running_on(NODE)
+                .build()
+        };
+        let exempt = uid(&store_pod(&w.env, &plain("in-lab", "lab")));
+        let strict = uid(&store_pod(&w.env, &plain("in-default", "default")));
+        for uid in [&exempt, &strict] {
+            w.host
+                .add_pod(uid, QosClass::Burstable, &["compute"])
+                .expect("pod cgroup");
+        }
+        eventually(
+            "misc.max tdx 0 for the pod outside the exempt namespace",
+            Duration::from_secs(5),
+            || (w.host.pod_max(&strict, TDX) == Some(Some(0))).then_some(()),
+        )
+        .await;
+        // Both pods were known when the first was limited; give the writer a few more sweeps.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_ne!(
+            w.host.pod_max(&exempt, TDX),
+            Some(Some(0)),
+            "the exempt namespace's pod was zeroed"
+        );
+        w.host
+            .start_vm(&exempt, "compute", TDX)
+            .expect("a VM of the exempt namespace takes a key");
+    })
+    .await;
+}

@@ -19,7 +19,7 @@ use super::limits::{self, ContainerLimit, PodFacts, Policy};
 use super::nri::plugin::{Answer, Containers};
 use super::nri::wire::CreateContainer;
 use crate::metrics::Metrics;
-use crate::pods::CachedPod;
+use crate::pods::{CachedPod, ExemptNamespaces};
 
 const MECHANISM: &str = "nri";
 
@@ -36,6 +36,8 @@ pub struct NriContainers {
     pub resources: Arc<ResourcesConfig>,
     /// Strict mode.
     pub strict: bool,
+    /// Namespaces labelled exempt (strict mode leaves their pods alone).
+    pub exempt_namespaces: ExemptNamespaces,
     /// Metrics.
     pub metrics: Metrics,
     /// Warning Events.
@@ -68,6 +70,7 @@ impl NriContainers {
             PodFacts {
                 pod,
                 annotations: &req.annotations,
+                namespace_exempt: self.exempt_namespaces.contains(&req.pod_namespace),
             },
             &req.container_name,
             Policy {

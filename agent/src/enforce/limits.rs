@@ -13,7 +13,8 @@
 //!   in the pod sandbox cgroup, which container adjustments do not reach).
 //! - Strict mode: a pod that requests no key of a kind the host has gets `<kind> 0` for it, so an
 //!   unaccounted KVM user fails at the kernel instead of taking a key the scheduler gave to someone
-//!   else. Exempt pods (`teeguard.dev/exempt: "true"`) are left alone.
+//!   else. Exempt pods (label `teeguard.dev/exempt: "true"` on the pod or on its namespace, as the
+//!   webhook honours it) are left alone.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -115,6 +116,8 @@ pub struct PodFacts<'a> {
     pub pod: Option<&'a Pod>,
     /// The pod's annotations (from the runtime, or the pod).
     pub annotations: &'a BTreeMap<String, String>,
+    /// The pod's namespace carries `teeguard.dev/exempt: "true"`.
+    pub namespace_exempt: bool,
 }
 
 /// Settings that do not change per pod.
@@ -135,13 +138,16 @@ pub fn has_limit_annotation(annotations: &BTreeMap<String, String>) -> bool {
         .any(|k| k.starts_with(teeguard_shared::names::MISC_MAX_ANNOTATION_PREFIX))
 }
 
-/// Whether the pod is exempt from teeguard (label `teeguard.dev/exempt: "true"`).
-pub fn is_exempt(pod: &Pod) -> bool {
-    pod.metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(EXEMPT_LABEL))
-        .is_some_and(|v| v == "true")
+/// Whether the pod is exempt from teeguard: label `teeguard.dev/exempt: "true"` on the pod, or on its
+/// namespace (`namespace_exempt`, from the agent's watch of exempt namespaces).
+pub fn is_exempt(pod: &Pod, namespace_exempt: bool) -> bool {
+    namespace_exempt
+        || pod
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(EXEMPT_LABEL))
+            .is_some_and(|v| v == "true")
 }
 
 /// The container's limit: see the module documentation.
@@ -172,7 +178,7 @@ pub fn container_limit(facts: PodFacts<'_>, container: &str, policy: Policy<'_>)
         (None, None) => None,
     };
     let Some(limit) = derived else {
-        return strict_zero(pod, policy);
+        return strict_zero(pod, facts.namespace_exempt, policy);
     };
     let mismatch = match annotated {
         Some(a) => match Limit::parse(a) {
@@ -193,8 +199,8 @@ pub fn container_limit(facts: PodFacts<'_>, container: &str, policy: Policy<'_>)
 
 /// Strict mode for a container of a pod requesting nothing: `<kind> 0` when the host has exactly one
 /// kind (one line per container); with several kinds the pod-level cgroup writer covers them all.
-fn strict_zero(pod: &Pod, policy: Policy<'_>) -> ContainerLimit {
-    if !policy.strict || is_exempt(pod) || requests_any(pod, policy.resources) {
+fn strict_zero(pod: &Pod, namespace_exempt: bool, policy: Policy<'_>) -> ContainerLimit {
+    if !policy.strict || is_exempt(pod, namespace_exempt) || requests_any(pod, policy.resources) {
         return ContainerLimit::Unlimited;
     }
     match policy.host_kinds {
@@ -211,12 +217,13 @@ fn strict_zero(pod: &Pod, policy: Policy<'_>) -> ContainerLimit {
 
 /// The pod cgroup's limits (the cgroup writer): for each kind the host has, the pod's request
 /// (with overhead) when it requests keys of that kind; `0` in strict mode otherwise (not for exempt
-/// pods); nothing else. Unparsable quantities give no limit (the report names the pod already).
-pub fn pod_limits(pod: &Pod, policy: Policy<'_>) -> Vec<Limit> {
+/// pods, `namespace_exempt`: their namespace is); nothing else. Unparsable quantities give no limit
+/// (the report names the pod already).
+pub fn pod_limits(pod: &Pod, namespace_exempt: bool, policy: Policy<'_>) -> Vec<Limit> {
     let Ok(requests) = key_requests(pod, policy.resources) else {
         return Vec::new();
     };
-    let strict = policy.strict && !is_exempt(pod);
+    let strict = policy.strict && !is_exempt(pod, namespace_exempt);
     policy
         .host_kinds
         .iter()

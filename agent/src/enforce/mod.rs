@@ -232,6 +232,7 @@ mod tests;
 pub struct Enforcement {
     mechanism: Mechanism,
     strict: bool,
+    exempt_namespaces: crate::pods::ExemptNamespaces,
     resources: std::sync::Arc<teeguard_shared::config::ResourcesConfig>,
     host_tx: tokio::sync::watch::Sender<HostFacts>,
     host_seen: bool,
@@ -248,6 +249,8 @@ pub struct StartOptions {
     pub resources: teeguard_shared::config::ResourcesConfig,
     /// The node's pods (the agent's watch).
     pub pods: kube::runtime::reflector::Store<crate::pods::CachedPod>,
+    /// Namespaces labelled exempt (the agent's watch, in strict mode).
+    pub exempt_namespaces: crate::pods::ExemptNamespaces,
     /// For looking up pods the cache does not know yet (NRI), and Events. `None`: no lookups, no Events.
     pub client: Option<kube::Client>,
     /// This node.
@@ -297,6 +300,7 @@ impl Enforcement {
                     host: host_rx,
                     resources: resources.clone(),
                     strict: opts.config.strict,
+                    exempt_namespaces: opts.exempt_namespaces.clone(),
                     metrics: opts.metrics.clone(),
                     events,
                 };
@@ -341,6 +345,7 @@ impl Enforcement {
         Enforcement {
             mechanism,
             strict: opts.config.strict,
+            exempt_namespaces: opts.exempt_namespaces,
             resources,
             host_tx,
             host_seen: false,
@@ -398,7 +403,8 @@ impl Enforcement {
             if terminated {
                 continue;
             }
-            let pod_limits = limits::pod_limits(pod, policy);
+            let namespace_exempt = self.exempt_namespaces.contains(&ns);
+            let pod_limits = limits::pod_limits(pod, namespace_exempt, policy);
             if !pod_limits.is_empty() {
                 desired.insert(
                     uid.clone(),

@@ -51,6 +51,7 @@ fn decide(
         PodFacts {
             pod,
             annotations: ann,
+            namespace_exempt: false,
         },
         container,
         Policy {
@@ -264,24 +265,30 @@ fn pod_limits_follow_requests_overhead_and_strict_mode() {
     };
     let vm = admitted(Tee::Tdx, TDX_KEYS, Some("tdx 1"));
     assert_eq!(
-        pod_limits(&vm, policy(&[TeeKind::Tdx], false)),
+        pod_limits(&vm, false, policy(&[TeeKind::Tdx], false)),
         vec![tdx(1)]
     );
-    assert_eq!(pod_limits(&vm, policy(&[TeeKind::Tdx], true)), vec![tdx(1)]);
+    assert_eq!(
+        pod_limits(&vm, false, policy(&[TeeKind::Tdx], true)),
+        vec![tdx(1)]
+    );
 
     // Kata: the key comes from the RuntimeClass overhead.
     let kata = fx::kata_pod("kata", KataTee::Tdx);
     assert_eq!(
-        pod_limits(&kata, policy(&[TeeKind::Tdx], false)),
+        pod_limits(&kata, false, policy(&[TeeKind::Tdx], false)),
         vec![tdx(1)]
     );
 
     let plain = VirtLauncherPod::for_tee("plain", Tee::None)
         .running_on("node-a")
         .build();
-    assert_eq!(pod_limits(&plain, policy(&[TeeKind::Tdx], false)), vec![]);
     assert_eq!(
-        pod_limits(&plain, policy(&[TeeKind::Sev, TeeKind::SevEs], true)),
+        pod_limits(&plain, false, policy(&[TeeKind::Tdx], false)),
+        vec![]
+    );
+    assert_eq!(
+        pod_limits(&plain, false, policy(&[TeeKind::Sev, TeeKind::SevEs], true)),
         vec![
             Limit {
                 kind: TeeKind::Sev,
@@ -293,7 +300,7 @@ fn pod_limits_follow_requests_overhead_and_strict_mode() {
     // An SNP VM on an AMD host in strict mode: its own kind at its request, the other at 0.
     let snp = admitted(Tee::Snp, ESIDS, Some("sev_es 1"));
     assert_eq!(
-        pod_limits(&snp, policy(&[TeeKind::Sev, TeeKind::SevEs], true)),
+        pod_limits(&snp, false, policy(&[TeeKind::Sev, TeeKind::SevEs], true)),
         vec![
             Limit {
                 kind: TeeKind::Sev,
@@ -306,7 +313,10 @@ fn pod_limits_follow_requests_overhead_and_strict_mode() {
         .exempt()
         .running_on("node-a")
         .build();
-    assert_eq!(pod_limits(&exempt, policy(&[TeeKind::Tdx], true)), vec![]);
+    assert_eq!(
+        pod_limits(&exempt, false, policy(&[TeeKind::Tdx], true)),
+        vec![]
+    );
 }
 
 #[test]
@@ -321,7 +331,7 @@ fn an_unparsable_request_is_never_zeroed() {
         host_kinds: &[TeeKind::Tdx],
         strict: true,
     };
-    assert_eq!(pod_limits(&pod, policy), vec![]);
+    assert_eq!(pod_limits(&pod, false, policy), vec![]);
     assert_eq!(
         decide(
             Some(&pod),
@@ -343,4 +353,41 @@ fn the_annotation_check_sees_only_teeguards_prefix() {
     assert!(!has_limit_annotation(&ann));
     ann.insert(ANNOTATION.into(), "tdx 1".into());
     assert!(has_limit_annotation(&ann));
+}
+
+#[test]
+fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
+    let resources = ResourcesConfig::default();
+    let policy = Policy {
+        resources: &resources,
+        host_kinds: &[TeeKind::Tdx],
+        strict: true,
+    };
+    let plain = VirtLauncherPod::for_tee("plain", Tee::None)
+        .running_on("node-a")
+        .build();
+    let none = BTreeMap::new();
+    let facts = |namespace_exempt| PodFacts {
+        pod: Some(&plain),
+        annotations: &none,
+        namespace_exempt,
+    };
+    assert_eq!(
+        container_limit(facts(false), "compute", policy),
+        ContainerLimit::Set {
+            limit: tdx(0),
+            mismatch: None
+        },
+        "not exempt: zeroed"
+    );
+    assert_eq!(
+        container_limit(facts(true), "compute", policy),
+        ContainerLimit::Unlimited
+    );
+    assert_eq!(pod_limits(&plain, false, policy), vec![tdx(0)]);
+    assert_eq!(pod_limits(&plain, true, policy), vec![]);
+    // A pod of an exempt namespace that requests a key is still held to its request (what the
+    // scheduler counted): exemption only lifts strict mode's zero.
+    let vm = admitted(Tee::Tdx, TDX_KEYS, Some("tdx 1"));
+    assert_eq!(pod_limits(&vm, true, policy), vec![tdx(1)]);
 }
