@@ -36,6 +36,8 @@ pub enum ReloadResult {
 pub enum LookupResult {
     /// Found in the cache.
     CacheHit,
+    /// Not cached when asked; arrived through the watch within the brief wait (no GET).
+    WatchHit,
     /// Not cached; found by a GET.
     ApiFound,
     /// Not cached; the GET said 404.
@@ -150,6 +152,7 @@ label_values!(EventResult {
 label_values!(ReloadResult { Ok => "ok", Failed => "failed" });
 label_values!(LookupResult {
     CacheHit => "cache_hit",
+    WatchHit => "watch_hit",
     ApiFound => "api_found",
     ApiNotFound => "api_not_found",
     ApiError => "api_error",

@@ -161,6 +161,10 @@ pub fn slim_report(mut cap: TeeCapacity) -> TeeCapacity {
     cap
 }
 
+/// How long a mutation waits for a VMI that is not cached yet to arrive through the watch before it
+/// asks the API server (well inside the webhook's timeout and `--api-timeout`).
+pub const VMI_WATCH_WAIT: Duration = Duration::from_millis(250);
+
 /// The running reflector tasks; they end when the shutdown token is cancelled.
 #[derive(Debug)]
 pub struct CacheTasks {
@@ -355,6 +359,26 @@ impl Caches {
         got.map(|o| o.map(|ns| namespace_labels(ns.metadata.labels)))
     }
 
+    /// A VMI not cached yet: virt-controller creates it a moment before its pod, so the watch usually
+    /// delivers it within milliseconds; wait for that (at most [`VMI_WATCH_WAIT`]) before the GET.
+    async fn vmi_after_wait(
+        &self,
+        vmi: &VmiRef,
+        same: impl Fn(&VirtualMachineInstance) -> bool,
+    ) -> VmiLookup {
+        if self.vmis.is_ready()
+            && let Some(found) = self
+                .vmis
+                .wait_for(&vmi.namespace, &vmi.name, VMI_WATCH_WAIT, same)
+                .await
+        {
+            self.metrics
+                .lookup(Cache::Vmis.as_str(), LookupResult::WatchHit);
+            return VmiLookup::Found(found);
+        }
+        self.vmi_from_api(vmi).await
+    }
+
     /// The API fallback of [`Lookups::vmi`] on a cache miss.
     async fn vmi_from_api(&self, vmi: &VmiRef) -> VmiLookup {
         let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), &vmi.namespace);
@@ -423,16 +447,20 @@ impl Lookups for Caches {
     }
 
     async fn vmi(&self, vmi: &VmiRef) -> VmiLookup {
-        if let Some(found) = self.vmis.get_namespaced(&vmi.namespace, &vmi.name) {
-            let uid = found.metadata.uid.as_deref().unwrap_or("");
-            // A cached VMI of the same name but another UID may be a deleted predecessor: ask.
-            if vmi.uid.is_empty() || uid == vmi.uid {
-                self.metrics
-                    .lookup(Cache::Vmis.as_str(), LookupResult::CacheHit);
-                return VmiLookup::Found(found);
-            }
+        // A cached VMI of the same name but another UID may be a deleted predecessor: not this one.
+        let same = |found: &VirtualMachineInstance| {
+            vmi.uid.is_empty() || found.metadata.uid.as_deref().unwrap_or("") == vmi.uid
+        };
+        if let Some(found) = self
+            .vmis
+            .get_namespaced(&vmi.namespace, &vmi.name)
+            .filter(|f| same(f))
+        {
+            self.metrics
+                .lookup(Cache::Vmis.as_str(), LookupResult::CacheHit);
+            return VmiLookup::Found(found);
         }
-        Box::pin(self.vmi_from_api(vmi)).await
+        Box::pin(self.vmi_after_wait(vmi, same)).await
     }
 
     async fn launcher_pod(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {

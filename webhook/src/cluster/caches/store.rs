@@ -195,6 +195,8 @@ pub struct NamedStore<T> {
     map: Arc<RwLock<Objects<T>>>,
     ready: tokio::sync::watch::Receiver<bool>,
     removed: Arc<std::sync::Mutex<Removed>>,
+    /// Woken after every change (for [`NamedStore::wait_for`]).
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl<T> Clone for NamedStore<T> {
@@ -203,6 +205,7 @@ impl<T> Clone for NamedStore<T> {
             map: self.map.clone(),
             ready: self.ready.clone(),
             removed: self.removed.clone(),
+            changed: self.changed.clone(),
         }
     }
 }
@@ -249,11 +252,13 @@ impl<T: Send + Sync + 'static> NamedStore<T> {
         let map = Arc::new(RwLock::new(Objects::default()));
         let removed = Arc::new(std::sync::Mutex::new(Removed::default()));
         let (tx, rx) = tokio::sync::watch::channel(false);
+        let changed = Arc::new(tokio::sync::Notify::new());
         (
             NamedStore {
                 map: map.clone(),
                 ready: rx,
                 removed: removed.clone(),
+                changed: changed.clone(),
             },
             NamedWriter {
                 map,
@@ -262,6 +267,7 @@ impl<T: Send + Sync + 'static> NamedStore<T> {
                 ready: tx,
                 removed,
                 observer: None,
+                changed,
             },
         )
     }
@@ -281,6 +287,31 @@ impl<T> NamedStore<T> {
     /// The object `namespace/name`.
     pub fn get_namespaced(&self, namespace: &str, name: &str) -> Option<Arc<T>> {
         self.read().get(namespace, name).cloned()
+    }
+
+    /// The object `namespace/name` for which `accept` holds, waiting at most `wait` for the watch to
+    /// deliver it (an object created a moment ago, e.g. the VMI virt-controller created just before
+    /// its pod). `None` when it did not arrive in time.
+    pub async fn wait_for(
+        &self,
+        namespace: &str,
+        name: &str,
+        wait: Duration,
+        accept: impl Fn(&T) -> bool,
+    ) -> Option<Arc<T>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Registered before the look, so a change between the look and the wait still wakes it.
+            let notified = self.changed.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(found) = self.get_namespaced(namespace, name).filter(|v| accept(v)) {
+                return Some(found);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
+            }
+        }
     }
 
     /// Whether `namespace/name` was deleted within the last ten minutes (and not stored again).
@@ -348,6 +379,7 @@ pub(super) struct NamedWriter<K, T> {
     ready: tokio::sync::watch::Sender<bool>,
     removed: Arc<std::sync::Mutex<Removed>>,
     pub(super) observer: Option<Arc<dyn Observer<T>>>,
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl<K, T> NamedWriter<K, T> {
@@ -377,6 +409,7 @@ impl<K: Resource, T> NamedWriter<K, T> {
                 self.removed().at.remove(&format!("{namespace}/{name}"));
                 let value = Arc::new((self.reduce)(o));
                 self.write().insert(&namespace, name, value.clone());
+                self.changed.notify_waiters();
                 if let Some(observer) = &self.observer {
                     observer.stored(&value);
                 }
@@ -402,6 +435,7 @@ impl<K: Resource, T> NamedWriter<K, T> {
             watcher::Event::InitDone => {
                 let fresh = self.buffer.take().unwrap_or_default();
                 let old = std::mem::replace(&mut *self.write(), fresh);
+                self.changed.notify_waiters();
                 // Objects that vanished while the watch was down were deleted too.
                 let mut vanished = Vec::new();
                 {

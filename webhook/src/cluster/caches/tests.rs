@@ -249,3 +249,31 @@ fn the_caches_end_ledger_reservations_as_reports_and_deletions_arrive() {
     w.apply(watcher::Event::Delete(pod("uid-b")));
     assert!(ledger.is_empty(), "b's ended at its deletion");
 }
+
+#[tokio::test]
+async fn wait_for_returns_an_object_the_watch_delivers_within_the_wait_and_none_after_it() {
+    let (store, mut w) =
+        NamedStore::new(|n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default());
+    let zone = |l: &Labels| l.get("zone").cloned();
+    let writer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        w.apply(watcher::Event::Apply(node("a", "z0")));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        w.apply(watcher::Event::Apply(node("a", "z1")));
+        w
+    });
+    // Only the change that makes `accept` hold ends the wait.
+    let found = store
+        .wait_for("", "a", Duration::from_secs(5), |l| {
+            zone(l).as_deref() == Some("z1")
+        })
+        .await;
+    assert_eq!(found.and_then(|l| zone(&l)).as_deref(), Some("z1"));
+    let _w = writer.await.expect("writer");
+    let started = std::time::Instant::now();
+    let none = store
+        .wait_for("", "b", Duration::from_millis(50), |_| true)
+        .await;
+    assert!(none.is_none());
+    assert!(started.elapsed() >= Duration::from_millis(50));
+}
