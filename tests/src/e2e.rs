@@ -797,13 +797,19 @@ impl ProcessEnv {
     /// Start `teeguard-agent run` for `node` reading `host`'s cgroup tree; wait until it has
     /// published a report for the node that agrees with the host's kernel usage.
     pub async fn start_agent(&self, node: &str, host: &SimHost) -> Result<AgentProcess> {
+        self.start_agent_at(node, host.root()).await
+    }
+
+    /// [`ProcessEnv::start_agent`] reading the cgroup tree at `cgroup_root` (a simulated host's, or
+    /// the machine's own `/sys/fs/cgroup`).
+    pub async fn start_agent_at(&self, node: &str, cgroup_root: &Path) -> Result<AgentProcess> {
         let bins = binaries()?;
         let args: Vec<String> = vec![
             "run".into(),
             "--node-name".into(),
             node.into(),
             "--cgroup-root".into(),
-            host.root().display().to_string(),
+            cgroup_root.display().to_string(),
             "--config".into(),
             self.config_path.display().to_string(),
             "--admin-addr".into(),

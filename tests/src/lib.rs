@@ -8,6 +8,8 @@ pub mod fakeapi;
 pub mod fixtures;
 pub mod fuzzing;
 pub mod host;
+/// A real node (containerd or CRI-O, and a kubelet) joined to the real control plane.
+pub mod node;
 /// A fake container runtime speaking NRI (multiplexed ttrpc over a Unix socket), for NRI plugin tests.
 pub mod nri;
 pub mod realcluster;

@@ -1,0 +1,350 @@
+//! A real node for tests: a container runtime (containerd or CRI-O, both with CRI and NRI) and a kubelet
+//! started from the binaries in the directory named by `TEEGUARD_NODE_RUNTIME` (plain, or the `.xz`
+//! files of `../shared/node-runtime` as shipped, unpacked here once), joined to the test binary's
+//! control plane ([`crate::controlplane`]).
+//!
+//! - One node per runtime per test binary ([`RealNode::shared`]), started on first use; its tests take
+//!   it in turn ([`RealNode::acquire`]: restarts what a previous test left stopped, removes its pods).
+//! - Everything lives under a temporary state directory (sockets, images, kubelet root, logs); ports
+//!   are free 127.0.0.1 ports, and the kubelet's pod cgroups go under a cgroup root of this node's own
+//!   (`/sys/fs/cgroup/<controller>/<node name>/kubepods/...`), so two nodes on one machine never meet.
+//! - Containers run through `runc-record` (the `RECORD=1` of `../shared/node-runtime/up.sh`): each
+//!   container's OCI `config.json` is saved as the runtime wrote it ([`RealNode::records`]) and
+//!   `linux.resources.unified` is dropped before runc, since this kind of machine (cgroup v1, no misc
+//!   controller) cannot apply it.
+//! - Stopping: statics are never dropped, so a janitor process waits for the test process to exit, then
+//!   stops the kubelet, the pods (so the pod cgroups go away), the runtime and whatever is left of this
+//!   node (its shims and containers), removes its cgroups, puts back the kernel tunables the kubelet set
+//!   (when no other test node is running) and removes the state directory, keeping the logs and the
+//!   recorded configs when a test of the binary panicked (the panic message says where).
+//!   `<state>/teardown.sh` does the same by hand.
+//! - Without binaries, Debian packages or root, the tests skip with one line saying what is missing;
+//!   with `CI=true` they fail instead.
+
+mod kube_node;
+pub mod pods;
+mod records;
+mod start;
+mod teardown;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+pub use records::{ContainerKind, Recorded};
+
+use crate::controlplane::{ControlPlane, ci};
+
+/// The environment variable naming the directory with the binaries.
+pub const ENV: &str = "TEEGUARD_NODE_RUNTIME";
+
+/// The busybox image every test pod runs (`imagePullPolicy: Never`: no registry is reachable).
+pub const BUSYBOX: &str = "localhost/test/busybox:1";
+
+/// The sandbox image.
+pub const PAUSE: &str = "registry.k8s.io/pause:3.10";
+
+/// How long the runtime's NRI waits for a plugin's answer (`plugin_request_timeout` of containerd,
+/// `nri_plugin_request_timeout` of CRI-O).
+pub const NRI_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Longest the runtime, or the kubelet with its Node, may take to come up.
+pub const READY_DEADLINE: Duration = Duration::from_secs(60);
+
+/// What to do when a node cannot be had.
+const HOW_TO: &str = "set TEEGUARD_NODE_RUNTIME to a directory holding containerd, \
+    containerd-shim-runc-v2, ctr, crio, pinns, kubelet, crictl, pause (plain or .xz), runc-record and \
+    make-oci-image.py, e.g. ../shared/node-runtime, run as root, and install runc, busybox-static, \
+    containernetworking-plugins, conmon and skopeo (Debian); scripts/test.sh does all this when \
+    ../shared/node-runtime exists";
+
+/// The container runtime of a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Runtime {
+    /// containerd (CRI plugin, NRI).
+    Containerd,
+    /// CRI-O (NRI).
+    Crio,
+}
+
+impl Runtime {
+    /// `containerd` or `crio`: the binary, and the name in logs and file names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Containerd => "containerd",
+            Runtime::Crio => "crio",
+        }
+    }
+
+    /// The binaries of this runtime, besides the kubelet's.
+    fn binaries(self) -> &'static [&'static str] {
+        match self {
+            Runtime::Containerd => &["containerd", "containerd-shim-runc-v2", "ctr"],
+            Runtime::Crio => &["crio", "pinns"],
+        }
+    }
+}
+
+/// Errors of the harness; each names what failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// Something the node needs is missing (the tests skip, unless `CI=true`).
+    #[error("no real node: {0}; {HOW_TO}")]
+    Missing(String),
+    /// A file or process operation failed.
+    #[error("real node: cannot {what}: {source}")]
+    Io {
+        /// What was attempted.
+        what: String,
+        /// Why it failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A command ran and failed.
+    #[error("real node: {command} failed ({status}): {output}")]
+    Command {
+        /// The command line.
+        command: String,
+        /// Its exit status.
+        status: String,
+        /// Its output.
+        output: String,
+    },
+    /// A component did not come up, or something did not happen in time; the logs say why.
+    #[error("real node: {what}; logs in {}", logs.display())]
+    NotReady {
+        /// What did not happen.
+        what: String,
+        /// The log directory.
+        logs: PathBuf,
+    },
+    /// The API server refused or failed a request about the node.
+    #[error("real node: {what}: {reason}")]
+    Api {
+        /// What was asked.
+        what: String,
+        /// What the API server said.
+        reason: String,
+    },
+}
+
+type Result<T, E = NodeError> = std::result::Result<T, E>;
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NodeError {
+    let what = what.into();
+    move |source| NodeError::Io { what, source }
+}
+
+/// A running node: the runtime and the kubelet, joined to the control plane as Node [`RealNode::name`].
+#[derive(Debug)]
+pub struct RealNode {
+    /// Its container runtime.
+    pub runtime: Runtime,
+    /// The Node's name (also the name of its cgroup root).
+    pub name: String,
+    /// The control plane it joined.
+    pub cp: &'static ControlPlane,
+    /// How long start-up took (binaries, images, runtime, kubelet, Node registered and untainted).
+    pub started_in: Duration,
+    dir: PathBuf,
+    bin: PathBuf,
+    kubelet_healthz: u16,
+    procs: Mutex<BTreeMap<&'static str, Child>>,
+    turn: tokio::sync::Mutex<()>,
+}
+
+static CONTAINERD: OnceLock<Result<RealNode, String>> = OnceLock::new();
+static CRIO: OnceLock<Result<RealNode, String>> = OnceLock::new();
+
+impl RealNode {
+    /// The node of this test binary with `runtime`, started on first use (with the control plane).
+    /// `None` (after printing one line) when something it needs is missing and `CI` is not `true`;
+    /// panics when `CI=true` and something is missing, or when the node does not start.
+    pub fn shared(runtime: Runtime) -> Option<&'static RealNode> {
+        let cell = match runtime {
+            Runtime::Containerd => &CONTAINERD,
+            Runtime::Crio => &CRIO,
+        };
+        // Checked first: a machine without the node's binaries need not start a control plane.
+        if let Err(NodeError::Missing(m)) = start::prerequisites(runtime) {
+            if ci() {
+                panic!("{}", NodeError::Missing(m));
+            }
+            eprintln!("skipped: needs a real node ({m}); {HOW_TO}");
+            return None;
+        }
+        let cp = ControlPlane::shared()?;
+        let got = cell.get_or_init(|| {
+            // On its own thread: a test's tokio runtime cannot block on another runtime.
+            std::thread::spawn(move || start::start(runtime, cp))
+                .join()
+                .unwrap_or_else(|_| Err(NodeError::Missing("the node's start-up panicked".into())))
+                .map_err(|e| e.to_string())
+        });
+        match got {
+            Ok(node) => Some(node),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Take the node for one test: waits for the previous test to finish, starts the runtime or the
+    /// kubelet again if it left them stopped, re-registers an untainted Node, and deletes the pods it
+    /// left (waiting until they are gone).
+    pub async fn acquire(&'static self) -> NodeTurn {
+        let guard = self.turn.lock().await;
+        self.heal().await.unwrap_or_else(|e| panic!("{e}"));
+        NodeTurn {
+            node: self,
+            _guard: guard,
+        }
+    }
+
+    /// The state directory (`log/`, `record/`, sockets, `teardown.sh`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The runtime's CRI socket.
+    pub fn cri_socket(&self) -> PathBuf {
+        self.dir.join(format!("{}.sock", self.runtime.name()))
+    }
+
+    /// The runtime's NRI socket.
+    pub fn nri_socket(&self) -> PathBuf {
+        self.dir.join("nri.sock")
+    }
+
+    /// The log of `component` (`kubelet`, `containerd`, `crio`) so far.
+    pub fn log(&self, component: &str) -> String {
+        std::fs::read_to_string(self.dir.join("log").join(format!("{component}.log")))
+            .unwrap_or_default()
+    }
+
+    /// The containers' OCI configs as the runtime handed them to runc, oldest first.
+    pub fn records(&self) -> Vec<Recorded> {
+        records::read_all(&self.dir.join("record"))
+    }
+
+    /// The recorded configs of the pod with UID `pod_uid` (sandbox and containers), oldest first.
+    pub fn records_of(&self, pod_uid: &str) -> Vec<Recorded> {
+        self.records()
+            .into_iter()
+            .filter(|r| r.pod_uid == pod_uid)
+            .collect()
+    }
+
+    /// Run `crictl` against the runtime; its standard output.
+    pub fn crictl(&self, args: &[&str]) -> Result<String> {
+        let sock = format!("unix://{}", self.cri_socket().display());
+        let mut cmd = Command::new(self.bin.join("crictl"));
+        cmd.args(["-r", &sock, "-i", &sock, "-t", "10s"]).args(args);
+        run(cmd, &format!("crictl {}", args.join(" ")))
+    }
+
+    /// Stop the runtime (SIGTERM, SIGKILL after 10 s) and start it again with the same state; returns
+    /// the moment its NRI socket was back (the socket file is removed while it is down).
+    pub async fn restart_runtime(&self) -> Result<Instant> {
+        self.stop(self.runtime.name(), Duration::from_secs(10))
+            .await;
+        let _ = std::fs::remove_file(self.nri_socket());
+        start::start_runtime(self)?;
+        start::wait_runtime(self).await
+    }
+
+    /// Stop the kubelet (SIGTERM, SIGKILL after 10 s) and start it again with the same root directory;
+    /// returns once its `/healthz` answers.
+    pub async fn restart_kubelet(&self) -> Result<()> {
+        self.stop("kubelet", Duration::from_secs(10)).await;
+        start::start_kubelet(self)?;
+        start::wait_kubelet(self).await
+    }
+
+    /// Whether `component` (`kubelet` or the runtime's name) is running.
+    pub fn running(&self, component: &str) -> bool {
+        let mut procs = self.procs.lock().unwrap_or_else(|e| e.into_inner());
+        procs
+            .get_mut(component)
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Stop `component` (SIGTERM, then SIGKILL after `grace`) and reap it.
+    async fn stop(&self, component: &str, grace: Duration) {
+        let child = self
+            .procs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(component);
+        let Some(mut child) = child else { return };
+        let _ = Command::new("kill").arg(child.id().to_string()).status();
+        let deadline = Instant::now() + grace;
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    async fn heal(&self) -> Result<()> {
+        if !self.running(self.runtime.name()) {
+            let _ = std::fs::remove_file(self.nri_socket());
+            start::start_runtime(self)?;
+            start::wait_runtime(self).await?;
+        }
+        if !self.running("kubelet") {
+            start::start_kubelet(self)?;
+            start::wait_kubelet(self).await?;
+        }
+        let client = self.cp.client().await.map_err(|e| NodeError::Api {
+            what: "connect to the control plane".into(),
+            reason: e.to_string(),
+        })?;
+        kube_node::wait_registered(self, &client).await?;
+        kube_node::delete_pods(self, &client).await
+    }
+}
+
+/// One test's use of a [`RealNode`] (others wait in [`RealNode::acquire`] until it is dropped).
+#[derive(Debug)]
+pub struct NodeTurn {
+    node: &'static RealNode,
+    _guard: tokio::sync::MutexGuard<'static, ()>,
+}
+
+impl std::ops::Deref for NodeTurn {
+    type Target = RealNode;
+    fn deref(&self) -> &RealNode {
+        self.node
+    }
+}
+
+impl NodeTurn {
+    /// The node, for tasks that outlive a borrow of the turn.
+    pub fn node(&self) -> &'static RealNode {
+        self.node
+    }
+
+    /// Wait until the kubelet has registered the Node again (after a deletion or a restart) and
+    /// lift the not-ready taint it is registered with (no node-lifecycle controller runs here).
+    pub async fn wait_registered(&self, client: &kube::Client) -> Result<()> {
+        kube_node::wait_registered(self.node, client).await
+    }
+}
+
+/// Run `cmd`; its standard output, or an error with its output.
+fn run(mut cmd: Command, what: &str) -> Result<String> {
+    let out = cmd.output().map_err(io(format!("run {what}")))?;
+    if !out.status.success() {
+        return Err(NodeError::Command {
+            command: what.to_string(),
+            status: out.status.to_string(),
+            output: format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

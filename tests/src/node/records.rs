@@ -1,0 +1,114 @@
+//! The OCI configs `runc-record` saved (`<state>/record/<container id>.json`): what the runtime told
+//! runc for each sandbox and container, before `linux.resources.unified` was dropped for this host.
+//! Which pod and container a config belongs to comes from the annotations the runtime writes into it
+//! (containerd: `io.kubernetes.cri.*`; CRI-O: `io.kubernetes.pod.*`, `io.kubernetes.container.name`,
+//! `io.kubernetes.cri-o.ContainerType`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::SystemTime;
+
+use serde_json::Value;
+
+/// A sandbox or a container.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ContainerKind {
+    /// The pod's sandbox (pause).
+    Sandbox,
+    /// A container of the pod (init containers included).
+    Container,
+}
+
+/// One recorded OCI config.
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    /// The container ID (the file's name).
+    pub id: String,
+    /// Sandbox or container.
+    pub kind: ContainerKind,
+    /// The container's name in the pod (empty for a sandbox).
+    pub container: String,
+    /// The pod's UID.
+    pub pod_uid: String,
+    /// `namespace/name` of the pod.
+    pub pod: String,
+    /// `linux.resources.unified` as the runtime wrote it.
+    pub unified: BTreeMap<String, String>,
+    /// The annotations of the OCI config.
+    pub annotations: BTreeMap<String, String>,
+    /// When it was recorded (the file's modification time).
+    pub at: SystemTime,
+}
+
+impl Recorded {
+    /// `unified["misc.max"]`, if set.
+    pub fn misc_max(&self) -> Option<&str> {
+        self.unified.get("misc.max").map(String::as_str)
+    }
+
+    /// Parse one config; `None` when it is not an OCI config of a Kubernetes pod.
+    pub fn parse(id: &str, config: &Value, at: SystemTime) -> Option<Recorded> {
+        let strings = |v: Option<&Value>| -> BTreeMap<String, String> {
+            v.and_then(Value::as_object)
+                .map(|m| {
+                    m.iter()
+                        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let annotations = strings(config.get("annotations"));
+        let unified = strings(config.pointer("/linux/resources/unified"));
+        let get = |keys: &[&str]| keys.iter().find_map(|k| annotations.get(*k).cloned());
+        let kind = match get(&[
+            "io.kubernetes.cri.container-type",
+            "io.kubernetes.cri-o.ContainerType",
+        ])?
+        .as_str()
+        {
+            "sandbox" => ContainerKind::Sandbox,
+            _ => ContainerKind::Container,
+        };
+        let container = match kind {
+            ContainerKind::Sandbox => String::new(),
+            ContainerKind::Container => get(&[
+                "io.kubernetes.cri.container-name",
+                "io.kubernetes.container.name",
+            ])?,
+        };
+        let pod_uid = get(&["io.kubernetes.cri.sandbox-uid", "io.kubernetes.pod.uid"])?;
+        let name = get(&["io.kubernetes.cri.sandbox-name", "io.kubernetes.pod.name"])?;
+        let namespace = get(&[
+            "io.kubernetes.cri.sandbox-namespace",
+            "io.kubernetes.pod.namespace",
+        ])?;
+        Some(Recorded {
+            id: id.to_string(),
+            kind,
+            container,
+            pod_uid,
+            pod: format!("{namespace}/{name}"),
+            unified,
+            annotations,
+            at,
+        })
+    }
+}
+
+/// Every config in `dir` that parses, oldest first.
+pub(super) fn read_all(dir: &Path) -> Vec<Recorded> {
+    let mut out: Vec<Recorded> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let path = e.path();
+            let id = path.file_stem()?.to_str()?.to_string();
+            let at = e.metadata().ok()?.modified().ok()?;
+            let config: Value = serde_json::from_slice(&std::fs::read(&path).ok()?).ok()?;
+            Recorded::parse(&id, &config, at)
+        })
+        .collect();
+    out.sort_by_key(|r| r.at);
+    out
+}

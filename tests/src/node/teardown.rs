@@ -1,0 +1,171 @@
+//! Stopping a [`super::RealNode`] when its test process exits: `<state>/teardown.sh`, run by a janitor
+//! that waits for the test process; the kernel tunables the kubelet sets, saved before the first test
+//! node's kubelet starts and put back when the last one stops; keeping the logs of a failed run.
+
+use std::os::unix::process::CommandExt as _;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use super::{Result, Runtime, io, run};
+
+/// The tunables a kubelet sets when it starts (`/proc/sys` paths).
+const SYSCTLS: [&str; 6] = [
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+];
+
+/// `<state>/sysctls.sh save|restore <id>`: saves or puts back the machine's tunables (`@KEYS@`),
+/// machine-wide under a lock: saved when no other test node is running, put back when the last one
+/// stops (a node runs while the test process `<id>` that started it is alive).
+const SYSCTL_SCRIPT: &str = r#"
+set -u
+cmd=$1; id=$2
+d=/tmp/teeguard-node-sysctls
+mkdir -p "$d/users"
+exec 9>"$d/lock"
+flock 9
+others=0
+for u in "$d"/users/*; do
+  [ -e "$u" ] || continue
+  p=$(basename "$u")
+  if [ "$p" != "$id" ] && kill -0 "$p" 2>/dev/null; then others=1; else [ "$p" = "$id" ] || rm -f "$u"; fi
+done
+case "$cmd" in
+  save)
+    if [ "$others" = 0 ]; then
+      : > "$d/original.new"
+      for k in @KEYS@; do echo "$k $(cat "/proc/sys/$k")" >> "$d/original.new"; done
+      mv "$d/original.new" "$d/original"
+    fi
+    touch "$d/users/$id" ;;
+  restore)
+    rm -f "$d/users/$id"
+    if [ "$others" = 0 ] && [ -f "$d/original" ]; then
+      while read -r k v; do echo "$v" > "/proc/sys/$k"; done < "$d/original"
+      rm -f "$d/original"
+    fi ;;
+esac
+"#;
+
+/// `<state>/teardown.sh`; `@DIR@`, `@BIN@`, `@RUNTIME@`, `@CGROUP@`, `@ID@` are filled in.
+const TEARDOWN: &str = r#"#!/usr/bin/env bash
+# Stops the real test node under this directory (its janitor runs this once the test process @ID@ has
+# exited; it may be run by hand): the kubelet, the pods (so their cgroups go away), the runtime, then
+# whatever of this node is left (shims, conmon, containers: their command lines name this directory, or
+# they sit in its cgroups); unmounts what is left under the directory, removes the node's cgroups
+# (/sys/fs/cgroup/*/@CGROUP@), puts the kernel tunables back when no other test node runs, and removes
+# the directory, keeping log/ and record/ when a test failed (the FAILED marker).
+set -u
+dir=@DIR@; bin=@BIN@; runtime=@RUNTIME@; cgroot=@CGROUP@
+alive() { [ -e "/proc/$1" ] && [ "$(sed -n 's/^.*) \(.\).*$/\1/p' "/proc/$1/stat" 2>/dev/null)" != Z ]; }
+stop() {
+  local p
+  p=$(cat "$dir/pids/$1" 2>/dev/null) || return 0
+  alive "$p" || return 0
+  kill "$p" 2>/dev/null
+  for _ in $(seq 100); do alive "$p" || return 0; sleep 0.1; done
+  kill -9 "$p" 2>/dev/null
+}
+stop kubelet
+sock="$dir/$runtime.sock"
+if [ -S "$sock" ] && alive "$(cat "$dir/pids/$runtime" 2>/dev/null)"; then
+  C=("$bin/crictl" -r "unix://$sock" -i "unix://$sock" -t 10s)
+  for p in $("${C[@]}" pods -q 2>/dev/null); do "${C[@]}" stopp "$p"; "${C[@]}" rmp -f "$p"; done >/dev/null 2>&1
+fi
+stop "$runtime"
+for p in $(grep -lsF "$dir" /proc/[0-9]*/cmdline | cut -d/ -f3); do
+  [ "$p" != $$ ] && kill -9 "$p" 2>/dev/null
+done
+cgroups() { for h in /sys/fs/cgroup/*/"$cgroot" /sys/fs/cgroup/"$cgroot"; do [ -d "$h" ] && echo "$h"; done; }
+for h in $(cgroups); do
+  for f in $(find "$h" -name cgroup.procs); do for p in $(cat "$f"); do kill -9 "$p" 2>/dev/null; done; done
+done
+for m in $(awk -v d="$dir" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r); do
+  umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null
+done
+for _ in $(seq 10); do
+  for h in $(cgroups); do find "$h" -depth -type d -exec rmdir {} + 2>/dev/null; done
+  [ -z "$(cgroups)" ] && break
+  sleep 0.5
+done
+[ -z "$(cgroups)" ] || echo "teardown: cgroups left: $(cgroups)" >&2
+bash "$dir/sysctls.sh" restore @ID@
+if [ -e "$dir/FAILED" ]; then
+  find "$dir" -mindepth 1 -maxdepth 1 ! -name log ! -name record ! -name FAILED -exec rm -rf {} +
+else
+  rm -rf "$dir"
+fi
+"#;
+
+/// Runs `teardown.sh` once the test process (`$1`) has exited; deaf to the signals of a Ctrl-C.
+const JANITOR: &str = r#"
+trap '' INT TERM HUP
+while kill -0 "$1" 2>/dev/null; do sleep 0.5; done
+exec bash "$2/teardown.sh" >"$2/teardown.log" 2>&1
+"#;
+
+/// Write `teardown.sh` and `sysctls.sh`, start the janitor, and mark the directory on the first panic
+/// so the logs stay.
+pub(super) fn install(dir: &Path, bin: &Path, runtime: Runtime, cgroup_root: &str) -> Result<()> {
+    let id = std::process::id().to_string();
+    let script = TEARDOWN
+        .replace("@DIR@", &dir.display().to_string())
+        .replace("@BIN@", &bin.display().to_string())
+        .replace("@RUNTIME@", runtime.name())
+        .replace("@CGROUP@", cgroup_root)
+        .replace("@ID@", &id);
+    let write = |name: &str, body: &str| {
+        std::fs::write(dir.join(name), body).map_err(io(format!("write {name}")))
+    };
+    write("teardown.sh", &script)?;
+    write(
+        "sysctls.sh",
+        &SYSCTL_SCRIPT.replace("@KEYS@", &SYSCTLS.join(" ")),
+    )?;
+    Command::new("bash")
+        .arg("-c")
+        .arg(JANITOR)
+        .arg("janitor")
+        .arg(&id)
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .map_err(io("start the node's janitor (needs bash)"))?;
+    install_panic_hook(dir);
+    Ok(())
+}
+
+/// Save the machine's kernel tunables before a kubelet changes them (see [`SYSCTL_SCRIPT`]).
+pub(super) fn save_sysctls(dir: &Path) -> Result<()> {
+    let mut cmd = Command::new("bash");
+    cmd.arg(dir.join("sysctls.sh"))
+        .arg("save")
+        .arg(std::process::id().to_string());
+    run(cmd, "sysctls.sh save (needs bash and flock)").map(|_| ())
+}
+
+/// On the first panic in this process, mark the node's directory so the janitor keeps the logs and
+/// the recorded configs, and say where they are.
+fn install_panic_hook(dir: &Path) {
+    let marker = dir.join("FAILED");
+    let dir = dir.to_path_buf();
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !marker.exists() {
+            let _ = std::fs::write(&marker, info.to_string());
+        }
+        eprintln!(
+            "real node: a test failed; the node's logs are kept in {}/log, the recorded OCI configs in {}/record",
+            dir.display(),
+            dir.display()
+        );
+        previous(info);
+    }));
+}

@@ -1,0 +1,388 @@
+//! One test's world on a real node (`teeguard_tests::node`): the node taken for the test, the real
+//! `teeguard-agent` on it (NRI plugin on the runtime's socket; the machine's own `/sys/fs/cgroup` or a
+//! simulated delegated cgroup tree), the real `teeguard-webhook` registered by URL with the chart's
+//! webhook configurations for the test's namespace, and helpers to create pods through the API server
+//! and wait for the kubelet to run them. Shared by the `node_*` test binaries and the `node_start` bench.
+
+#![allow(dead_code)]
+
+pub mod scenarios;
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use teeguard_shared::TeeCapacity;
+use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess, json_log_line};
+use teeguard_tests::fixtures::Tee;
+use teeguard_tests::host::{SEV_ES, SimHost, TDX};
+use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime, pods};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL};
+
+use crate::chart_support;
+
+/// Longest a pod may take from CREATE to Running on the node.
+pub const RUN_DEADLINE: Duration = Duration::from_secs(60);
+/// The agent's poll interval in these tests.
+pub const POLL: Duration = Duration::from_millis(250);
+
+/// The KubeVirt device-plugin resources a virt-launcher pod requests; virt-handler's device plugins
+/// make the kubelet advertise them, here the world does.
+const KUBEVIRT_DEVICES: [&str; 5] = [
+    "devices.kubevirt.io/kvm",
+    "devices.kubevirt.io/tun",
+    "devices.kubevirt.io/vhost-net",
+    "devices.kubevirt.io/tdx",
+    "devices.kubevirt.io/sev",
+];
+
+/// The cgroup tree the agent reads.
+#[derive(Clone, Copy, Debug)]
+pub enum AgentHost {
+    /// A simulated host with the misc controller delegated to pod cgroups: `tdx` TDX keys, `sev_es`
+    /// SEV-ES/SNP keys.
+    Simulated { tdx: u64, sev_es: u64 },
+    /// The machine's own `/sys/fs/cgroup`.
+    Machine,
+}
+
+/// How a world is set up.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// The agent's cgroup tree.
+    pub host: AgentHost,
+    /// `enforcement.strict`.
+    pub strict: bool,
+    /// `enforcement.crioAnnotation`.
+    pub crio_annotation: &'static str,
+}
+
+impl Options {
+    /// A simulated host with 4 TDX and 4 SEV-ES keys, strict mode off, no CRI-O annotation.
+    pub fn simulated() -> Options {
+        Options {
+            host: AgentHost::Simulated { tdx: 4, sev_es: 4 },
+            strict: false,
+            crio_annotation: "none",
+        }
+    }
+}
+
+/// One test's world. Fields drop in order: the agent and the webhook stop first, the node is handed
+/// to the next test last.
+pub struct NodeWorld {
+    pub agent: AgentProcess,
+    pub webhook: WebhookProcess,
+    pub env: ProcessEnv,
+    pub host: Option<SimHost>,
+    pub cluster: Cluster,
+    pub test: String,
+    pub ns: String,
+    pub turn: NodeTurn,
+}
+
+impl NodeWorld {
+    /// Take the node of `runtime`, start the agent and the webhook for test `test`; `None` when the
+    /// test should skip (no node on this machine, see `RealNode::shared`).
+    pub async fn start(runtime: Runtime, test: &str, options: Options) -> Option<NodeWorld> {
+        let node = RealNode::shared(runtime)?;
+        let turn = node.acquire().await;
+        let cluster = Cluster::connect().await?;
+        let config = format!(
+            "agent:\n  pollInterval: {}ms\n  heartbeatInterval: 5s\nenforcement:\n  mode: nri\n  \
+             nriSocket: {}\n  strict: {}\n  crioAnnotation: {}\n",
+            POLL.as_millis(),
+            turn.nri_socket().display(),
+            options.strict,
+            options.crio_annotation
+        );
+        let env = cluster.process_env(&config).expect("process env");
+        let ns = cluster.namespace(test, test, &[]).await.expect("namespace");
+        prepare_node(&cluster, &turn, test).await;
+        let host = match options.host {
+            AgentHost::Simulated { tdx, sev_es } => Some(
+                SimHost::builder()
+                    .capacity(TDX, tdx)
+                    .capacity(SEV_ES, sev_es)
+                    .build()
+                    .expect("simulated host"),
+            ),
+            AgentHost::Machine => None,
+        };
+        let root = host
+            .as_ref()
+            .map_or_else(|| "/sys/fs/cgroup".into(), |h| h.root().to_path_buf());
+        let mut agent = env
+            .start_agent_at(&turn.name, &root)
+            .await
+            .expect("agent starts");
+        wait_registered(&mut agent).await;
+        let webhook = env.start_webhook(&[]).await.expect("webhook starts");
+        let rendered = chart_support::render("default", &[]);
+        cluster
+            .register_webhooks(test, &rendered, webhook.https, &env.ca.ca_bundle_base64())
+            .await
+            .expect("webhooks registered");
+        cluster
+            .wait_webhooks_called(&ns)
+            .await
+            .expect("the API server calls the webhooks");
+        Some(NodeWorld {
+            agent,
+            webhook,
+            env,
+            host,
+            cluster,
+            test: test.to_string(),
+            ns,
+            turn,
+        })
+    }
+
+    /// The node selector of this test's pods (the Node carries the test's label while it is taken).
+    pub fn selector(&self) -> [(&str, &str); 1] {
+        [(TEST_LABEL, self.test.as_str())]
+    }
+
+    /// The pods of namespace `ns`.
+    pub fn pods_in(&self, ns: &str) -> Api<Pod> {
+        Api::namespaced(self.cluster.client.clone(), ns)
+    }
+
+    /// Create a VM of kind `tee` (its VMI, then its virt-launcher pod, runnable here) through the API
+    /// server and teeguard's webhooks; returns the API server's answer to the pod CREATE.
+    pub async fn create_vm(&self, name: &str, tee: Tee) -> kube::Result<Pod> {
+        let uid = self
+            .cluster
+            .create_vmi(&self.ns, name, tee)
+            .await
+            .expect("VMI");
+        let pod = Cluster::launcher_pod(&self.ns, name, &uid, tee, &self.selector()).expect("pod");
+        self.pods_in(&self.ns)
+            .create(&PostParams::default(), &pods::runnable(&pod))
+            .await
+    }
+
+    /// Create `pod` (in its own namespace) through the API server.
+    pub async fn create(&self, pod: &Pod) -> kube::Result<Pod> {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        self.pods_in(&ns).create(&PostParams::default(), pod).await
+    }
+
+    /// Wait until the pod is Running with every container started; panics with its events, the
+    /// kubelet's last log lines and the processes' logs when it is not within [`RUN_DEADLINE`].
+    pub async fn wait_running(&self, pod: &Pod) -> Pod {
+        let (ns, name) = ns_name(pod);
+        let api = self.pods_in(&ns);
+        let deadline = Instant::now() + RUN_DEADLINE;
+        loop {
+            let got = api.get(&name).await.ok();
+            if let Some(p) = got.as_ref().filter(|p| running(p)) {
+                return p.clone();
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "pod {ns}/{name} not Running within {RUN_DEADLINE:?}: {:?}\nits events: {:?}\n{}",
+                    got.and_then(|p| p.status),
+                    self.events(&ns, &name).await,
+                    self.diagnostics()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The recorded OCI configs of `pod` once there is one per container of its spec plus the sandbox.
+    pub async fn records(&self, pod: &Pod) -> Vec<Recorded> {
+        let uid = pod.metadata.uid.clone().expect("uid");
+        let spec = pod.spec.as_ref().expect("spec");
+        let want = 1 + spec.containers.len() + spec.init_containers.as_ref().map_or(0, Vec::len);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let got = self.turn.records_of(&uid);
+            if got.len() >= want {
+                return got;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pod {uid}: {} of {want} configs recorded: {got:?}",
+                got.len()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// `reason: message` of the events about `ns/name`.
+    pub async fn events(&self, ns: &str, name: &str) -> Vec<String> {
+        self.event_objects(ns, name)
+            .await
+            .into_iter()
+            .map(|e| {
+                format!(
+                    "{}: {}",
+                    e.reason.unwrap_or_default(),
+                    e.message.unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+
+    /// The events about `ns/name`.
+    pub async fn event_objects(&self, ns: &str, name: &str) -> Vec<Event> {
+        let events: Api<Event> = Api::namespaced(self.cluster.client.clone(), ns);
+        events
+            .list(&ListParams::default())
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
+            .collect()
+    }
+
+    /// The node's `TeeCapacity` condition `type_`, once the report has one.
+    pub async fn condition(&self, type_: &str) -> Condition {
+        let api: Api<TeeCapacity> = Api::all(self.cluster.client.clone());
+        let node = self.turn.name.clone();
+        self.cluster
+            .wait_for(
+                &format!("{node}'s report with condition {type_}"),
+                || async {
+                    let r = api.get(&node).await.ok()?;
+                    r.status?.conditions.into_iter().find(|c| c.type_ == type_)
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", self.diagnostics()))
+    }
+
+    /// The Node's allocatable `resource` (`None` when it has none).
+    pub async fn allocatable(&self, resource: &str) -> Option<String> {
+        let nodes: Api<Node> = Api::all(self.cluster.client.clone());
+        let n = nodes.get(&self.turn.name).await.ok()?;
+        n.status?.allocatable?.get(resource).map(|q| q.0.clone())
+    }
+
+    /// Wait until the Node's allocatable `resource` is `value`.
+    pub async fn wait_allocatable(&self, resource: &str, value: &str, timeout: Duration) {
+        let what = format!("{} allocatable {resource}: {value}", self.turn.name);
+        let got = self
+            .cluster
+            .wait_for_within(&what, timeout, || async {
+                (self.allocatable(resource).await.as_deref() == Some(value)).then_some(())
+            })
+            .await;
+        if let Err(e) = got {
+            let now = self.allocatable(resource).await;
+            panic!("{e} (now {now:?})\n{}", self.diagnostics());
+        }
+    }
+
+    /// The last lines of the kubelet's and the runtime's logs and every process log, for failures.
+    pub fn diagnostics(&self) -> String {
+        let tail = |c: &str| {
+            let log = self.turn.log(c);
+            let lines: Vec<&str> = log.lines().rev().take(30).collect();
+            lines.into_iter().rev().collect::<Vec<_>>().join("\n")
+        };
+        format!(
+            "----- kubelet (last lines) -----\n{}\n----- {} (last lines) -----\n{}\n{}",
+            tail("kubelet"),
+            self.turn.runtime.name(),
+            tail(self.turn.runtime.name()),
+            self.env.all_logs()
+        )
+    }
+}
+
+/// A namespace whose pods no webhook of any test is called for (it carries no test label): pods go
+/// in "past the webhook", as with a broken or bypassed admission.
+pub async fn unguarded_namespace(cluster: &Cluster, prefix: &str) -> String {
+    let name = teeguard_tests::controlplane::unique_name(prefix);
+    let ns: k8s_openapi::api::core::v1::Namespace = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}
+    }))
+    .expect("namespace");
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(cluster.client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .expect("create namespace");
+    let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(cluster.client.clone(), &name);
+    cluster
+        .wait_for(&format!("the default ServiceAccount of {name}"), || async {
+            sas.get("default").await.ok().map(|_| ())
+        })
+        .await
+        .expect("service account");
+    name
+}
+
+/// Whether the pod runs with every container started.
+pub fn running(p: &Pod) -> bool {
+    let Some(status) = &p.status else {
+        return false;
+    };
+    status.phase.as_deref() == Some("Running")
+        && status
+            .container_statuses
+            .iter()
+            .flatten()
+            .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+}
+
+/// `(namespace, name)` of a pod.
+pub fn ns_name(pod: &Pod) -> (String, String) {
+    (
+        pod.metadata.namespace.clone().unwrap_or_default(),
+        pod.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+/// Label the Node for the test (its pods select it) and as a KubeVirt TDX and SEV-SNP node, and
+/// advertise KubeVirt's device-plugin resources.
+async fn prepare_node(cluster: &Cluster, turn: &NodeTurn, test: &str) {
+    let nodes: Api<Node> = Api::all(cluster.client.clone());
+    let mut labels = serde_json::Map::new();
+    labels.insert(TEST_LABEL.into(), json!(test));
+    for tee in [Tee::Tdx, Tee::Snp] {
+        for l in tee.node_selectors() {
+            labels.insert((*l).into(), json!("true"));
+        }
+    }
+    labels.insert("kubevirt.io/schedulable".into(), json!("true"));
+    nodes
+        .patch(
+            &turn.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": labels}})),
+        )
+        .await
+        .expect("label the Node");
+    let devices: serde_json::Map<String, serde_json::Value> = KUBEVIRT_DEVICES
+        .iter()
+        .map(|d| ((*d).into(), json!("1k")))
+        .collect();
+    nodes
+        .patch_status(
+            &turn.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"capacity": devices, "allocatable": devices}})),
+        )
+        .await
+        .expect("advertise KubeVirt's devices");
+}
+
+/// Wait until the agent logs its registration with the runtime's NRI.
+pub async fn wait_registered(agent: &mut AgentProcess) {
+    agent
+        .proc
+        .wait_for_log("its NRI registration", Duration::from_secs(15), |line| {
+            json_log_line(line, "NRI plugin registered").map(|_| ())
+        })
+        .await
+        .expect("the agent registers with the runtime");
+}

@@ -1,0 +1,191 @@
+//! The real-node scenarios that run the same on every runtime (each `node_<runtime>` binary calls them):
+//! what the runtime hands runc for each container, as the agent's NRI answers made it.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::PostParams;
+use teeguard_tests::fixtures::{TDX_KEYS, Tee};
+use teeguard_tests::node::{ContainerKind, Recorded, Runtime, pods};
+
+use super::{AgentHost, NodeWorld, Options, unguarded_namespace};
+
+/// teeguard's annotation on the `compute` container.
+pub const ANNOTATION: &str = "misc-max.teeguard.dev/compute";
+/// The SEV-ES/SNP key resource.
+pub const ESIDS: &str = "sev-snp.amd.com/esids";
+/// The longest a scenario may take.
+pub const DEADLINE: Duration = Duration::from_secs(240);
+
+/// `container name -> misc.max` of a pod's recorded configs (`POD` for the sandbox; `-` for none).
+pub fn limits(records: &[Recorded]) -> BTreeMap<String, String> {
+    records
+        .iter()
+        .map(|r| {
+            let name = match r.kind {
+                ContainerKind::Sandbox => "POD".to_string(),
+                ContainerKind::Container => r.container.clone(),
+            };
+            (name, r.misc_max().unwrap_or("-").to_string())
+        })
+        .collect()
+}
+
+fn expected(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+        .collect()
+}
+
+/// Scenario 1: TDX and SEV-SNP VMs' virt-launcher pods, mutated by the webhook, run; the `compute`
+/// container's OCI config carries `tdx 1` / `sev_es 1`, the sidecar, the init container and the
+/// sandbox nothing; a pod whose annotation disagrees with its request (created past the webhook) gets
+/// the request, the mismatch metric and the Event.
+pub async fn launchers(runtime: Runtime) {
+    let Some(w) = NodeWorld::start(runtime, "launchers", Options::simulated()).await else {
+        return;
+    };
+    w.wait_allocatable(TDX_KEYS, "4", Duration::from_secs(20))
+        .await;
+    w.wait_allocatable(ESIDS, "4", Duration::from_secs(20))
+        .await;
+    for (vm, tee, resource, want) in [
+        ("tdx-vm", Tee::Tdx, TDX_KEYS, "tdx 1"),
+        ("snp-vm", Tee::Snp, ESIDS, "sev_es 1"),
+    ] {
+        let pod = w
+            .create_vm(vm, tee)
+            .await
+            .unwrap_or_else(|e| panic!("{vm} refused: {e}\n{}", w.diagnostics()));
+        let annotations = pod.metadata.annotations.clone().unwrap_or_default();
+        assert_eq!(annotations.get(ANNOTATION).map(String::as_str), Some(want));
+        let compute = &pod.spec.as_ref().expect("spec").containers[0];
+        let requests = compute.resources.as_ref().and_then(|r| r.requests.clone());
+        assert_eq!(
+            requests.and_then(|r| r.get(resource).map(|q| q.0.clone())),
+            Some("1".into()),
+            "the webhook added the key request to compute"
+        );
+        let pod = w.wait_running(&pod).await;
+        let records = w.records(&pod).await;
+        assert_eq!(
+            limits(&records),
+            expected(&[
+                ("POD", "-"),
+                ("compute", want),
+                ("container-disk-binary", "-"),
+                ("guest-console-log", "-"),
+            ]),
+            "{vm}: misc.max per container as the runtime handed it to runc"
+        );
+    }
+
+    // Past the webhook: the annotation claims 2 keys, the container requests 1.
+    let ns = unguarded_namespace(&w.cluster, "launchers-unguarded").await;
+    let mut pod = pods::plain(
+        &ns,
+        "mismatch",
+        &[("compute", &[(TDX_KEYS, "1")])],
+        &w.selector(),
+    );
+    pod.metadata
+        .annotations
+        .get_or_insert_default()
+        .insert(ANNOTATION.into(), "tdx 2".into());
+    let pod = w.create(&pod).await.expect("created");
+    let pod = w.wait_running(&pod).await;
+    assert_eq!(
+        limits(&w.records(&pod).await),
+        expected(&[("POD", "-"), ("compute", "tdx 1")]),
+        "the request, not the annotation"
+    );
+    let metrics = w.agent.metrics().await;
+    assert!(
+        metrics.contains("teeguard_agent_limit_mismatches_total{mechanism=\"nri\"} 1"),
+        "{metrics}"
+    );
+    let event = w
+        .cluster
+        .wait_for("the TEEKeyLimitMismatch Event", || async {
+            w.event_objects(&ns, "mismatch")
+                .await
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some("TEEKeyLimitMismatch"))
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    let message = event.message.unwrap_or_default();
+    assert!(
+        message.contains("container compute") && message.contains("misc.max tdx 1 applied"),
+        "{message}"
+    );
+}
+
+/// Scenario 3: the agent on the machine's own cgroup tree (cgroup v1, no misc controller) with strict
+/// mode on: the report says why nothing is enforced, the agent adjusts no container, and every pod
+/// starts, also one carrying teeguard's annotation without a key (strict mode's `0` candidate); a
+/// TDX VM is refused by the webhook with the report's figures.
+pub async fn machine_without_misc(runtime: Runtime) {
+    let options = Options {
+        host: AgentHost::Machine,
+        strict: true,
+        ..Options::simulated()
+    };
+    let Some(w) = NodeWorld::start(runtime, "machine", options).await else {
+        return;
+    };
+    let hardware = w.condition("TeeHardware").await;
+    assert_eq!(hardware.status, "False", "{hardware:?}");
+    let enforcing = w.condition("Enforcing").await;
+    assert_eq!(
+        (enforcing.status.as_str(), enforcing.reason.as_str()),
+        ("False", "NoTeeHardware"),
+        "{enforcing:?}"
+    );
+    // A previous test's agent may have advertised keys on this Node: this one takes them back.
+    w.cluster
+        .wait_for("the Node without TDX keys", || async {
+            w.allocatable(TDX_KEYS).await.is_none().then_some(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+
+    let refused = w.create_vm("tdx-vm", Tee::Tdx).await.expect_err("refused");
+    assert!(
+        refused.to_string().contains("no node can host this TDX VM"),
+        "{refused}"
+    );
+    let plain = pods::plain(&w.ns, "plain", &[("main", &[])], &w.selector());
+    let ns = unguarded_namespace(&w.cluster, "machine-unguarded").await;
+    let mut annotated = pods::plain(&ns, "annotated", &[("compute", &[])], &w.selector());
+    annotated
+        .metadata
+        .annotations
+        .get_or_insert_default()
+        .insert(ANNOTATION.into(), "tdx 1".into());
+    let mut started: Vec<Pod> = Vec::new();
+    for pod in [plain, annotated] {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let created = w
+            .pods_in(&ns)
+            .create(&PostParams::default(), &pod)
+            .await
+            .expect("created");
+        started.push(w.wait_running(&created).await);
+    }
+    for pod in &started {
+        let records = w.records(pod).await;
+        assert!(
+            records.iter().all(|r| r.unified.is_empty()),
+            "no adjustment on a host without the misc controller: {:?}",
+            limits(&records)
+        );
+    }
+    let metrics = w.agent.metrics().await;
+    assert!(
+        !metrics.contains("teeguard_agent_limits_applied_total{"),
+        "{metrics}"
+    );
+}
