@@ -427,11 +427,21 @@ async fn churn(c: Arc<Cluster>, t: &Timing) {
         .iter()
         .filter(|r| who(r) == "webhooks" && is_write(r))
         .count();
+    // The mutation's VMI lookups that missed the cache and its brief wait for the watch.
+    let vmi_gets = reqs
+        .iter()
+        .filter(|r| {
+            who(r) == "webhooks"
+                && r.verb == Verb::Get
+                && r.resource.as_deref() == Some("virtualmachineinstances")
+        })
+        .count();
     let failed = failures.lock().expect("failures");
     println!(
-        "  per VM start and stop: {:.2} agent writes, {:.2} webhook writes; {} of {} cycles failed{}",
+        "  per VM start and stop: {:.2} agent writes, {:.2} webhook writes, {:.2} webhook VMI GETs; {} of {} cycles failed{}",
         agent_writes as f64 / cycles as f64,
         webhook_writes as f64 / cycles as f64,
+        vmi_gets as f64 / cycles as f64,
         failed.len(),
         total,
         failed
