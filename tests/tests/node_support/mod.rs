@@ -195,21 +195,28 @@ impl NodeWorld {
         }
     }
 
-    /// The recorded OCI configs of `pod` once there is one per container of its spec plus the sandbox.
+    /// The recorded OCI configs of `pod` (its sandbox's, if the runtime ran one: CRI-O drops the
+    /// infra container of pods that need none, `drop_infra_ctr`) once every container of its spec has
+    /// one.
     pub async fn records(&self, pod: &Pod) -> Vec<Recorded> {
         let uid = pod.metadata.uid.clone().expect("uid");
         let spec = pod.spec.as_ref().expect("spec");
-        let want = 1 + spec.containers.len() + spec.init_containers.as_ref().map_or(0, Vec::len);
+        let want: Vec<&str> = spec
+            .containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+            .map(|c| c.name.as_str())
+            .collect();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let got = self.turn.records_of(&uid);
-            if got.len() >= want {
+            if want.iter().all(|w| got.iter().any(|r| r.container == *w)) {
                 return got;
             }
+            let recorded: Vec<&str> = got.iter().map(|r| r.container.as_str()).collect();
             assert!(
                 Instant::now() < deadline,
-                "pod {uid}: {} of {want} configs recorded: {got:?}",
-                got.len()
+                "pod {uid}: containers {want:?}, configs recorded for {recorded:?}"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
