@@ -34,6 +34,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub use records::{ContainerKind, Recorded};
+pub use start::CRIO_UNIFIED_HANDLER;
 
 use crate::controlplane::{ControlPlane, ci};
 

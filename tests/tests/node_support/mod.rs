@@ -54,6 +54,8 @@ pub enum AgentHost {
 pub struct Options {
     /// The agent's cgroup tree.
     pub host: AgentHost,
+    /// `enforcement.mode` (`nri`: the agent registers with the node's runtime; `off`: it does not).
+    pub mode: &'static str,
     /// `enforcement.strict`.
     pub strict: bool,
     /// `enforcement.crioAnnotation`.
@@ -61,10 +63,11 @@ pub struct Options {
 }
 
 impl Options {
-    /// A simulated host with 4 TDX and 4 SEV-ES keys, strict mode off, no CRI-O annotation.
+    /// A simulated host with 4 TDX and 4 SEV-ES keys, NRI, strict mode off, no CRI-O annotation.
     pub fn simulated() -> Options {
         Options {
             host: AgentHost::Simulated { tdx: 4, sev_es: 4 },
+            mode: "nri",
             strict: false,
             crio_annotation: "none",
         }
@@ -92,9 +95,10 @@ impl NodeWorld {
         let turn = node.acquire().await;
         let cluster = Cluster::connect().await?;
         let config = format!(
-            "agent:\n  pollInterval: {}ms\n  heartbeatInterval: 5s\nenforcement:\n  mode: nri\n  \
+            "agent:\n  pollInterval: {}ms\n  heartbeatInterval: 5s\nenforcement:\n  mode: {}\n  \
              nriSocket: {}\n  strict: {}\n  crioAnnotation: {}\n",
             POLL.as_millis(),
+            options.mode,
             turn.nri_socket().display(),
             options.strict,
             options.crio_annotation
@@ -119,7 +123,9 @@ impl NodeWorld {
             .start_agent_at(&turn.name, &root)
             .await
             .expect("agent starts");
-        wait_registered(&mut agent).await;
+        if options.mode == "nri" {
+            wait_registered(&mut agent).await;
+        }
         let webhook = env.start_webhook(&[]).await.expect("webhook starts");
         let rendered = chart_support::render("default", &[]);
         cluster
@@ -155,14 +161,26 @@ impl NodeWorld {
     /// Create a VM of kind `tee` (its VMI, then its virt-launcher pod, runnable here) through the API
     /// server and teeguard's webhooks; returns the API server's answer to the pod CREATE.
     pub async fn create_vm(&self, name: &str, tee: Tee) -> kube::Result<Pod> {
+        self.create_vm_with(name, tee, |_| {}).await
+    }
+
+    /// [`NodeWorld::create_vm`] with the virt-launcher pod changed by `edit` before its CREATE.
+    pub async fn create_vm_with(
+        &self,
+        name: &str,
+        tee: Tee,
+        edit: impl FnOnce(&mut Pod),
+    ) -> kube::Result<Pod> {
         let uid = self
             .cluster
             .create_vmi(&self.ns, name, tee)
             .await
             .expect("VMI");
         let pod = Cluster::launcher_pod(&self.ns, name, &uid, tee, &self.selector()).expect("pod");
+        let mut pod = pods::runnable(&pod);
+        edit(&mut pod);
         self.pods_in(&self.ns)
-            .create(&PostParams::default(), &pods::runnable(&pod))
+            .create(&PostParams::default(), &pod)
             .await
     }
 
