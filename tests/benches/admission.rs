@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Pod;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
-use support::{Stats, fmt_dur, full_run, section};
+use support::{Stats, fmt_dur, section};
 use teeguard_shared::{Config, TeeKind};
 use teeguard_tests::fakeapi::{FakeApiServer, Verb};
 use teeguard_tests::fixtures::{
@@ -170,15 +170,9 @@ fn profile(
 
 fn main() {
     let steal = support::StealWatch::start();
-    let full = full_run();
+    let full = support::run_mode("admission");
     let iterations = if full { 20_000 } else { 200 };
-    if !full {
-        println!("quick run (full figures: `cargo bench -p teeguard-tests --bench admission`)");
-    }
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::current_thread_runtime();
     let api = FakeApiServer::new();
     api.create(&json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}}))
         .expect("namespace");

@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{fmt_dur, full_run, proc_cpu, proc_status_kib, release_binary, section};
+use support::{fmt_dur, proc_cpu, proc_status_kib, release_binary, section};
 use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer};
 use teeguard_tests::fixtures::{self, KataTee, NodeBuilder, Tee, VirtLauncherPod};
 use teeguard_tests::host::{CgroupDriver, CgroupVersion, QosClass, SimHost, TDX};
@@ -83,11 +83,10 @@ async fn scan_histogram(admin: SocketAddr) -> Option<(f64, u64)> {
 
 fn main() {
     let steal = support::StealWatch::start();
-    let full = full_run();
+    let full = support::run_mode("agent_host");
     let (pods, vms, run_for) = if full {
         (500, 16, Duration::from_secs(20))
     } else {
-        println!("quick run (full figures: `cargo bench -p teeguard-tests --bench agent_host`)");
         (50, 4, Duration::from_secs(3))
     };
     // TEEGUARD_AGENT_BIN measures a given binary instead (to compare builds side by side).

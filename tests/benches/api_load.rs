@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use prometheus_client::registry::Registry;
-use support::{full_run, section};
+use support::section;
 use teeguard_agent::metrics::Metrics as AgentMetrics;
 use teeguard_agent::run::{AgentOptions, READY_PODS, READY_SCAN};
 use teeguard_shared::Config;
@@ -499,7 +499,7 @@ async fn restart(c: &Cluster, t: &Timing) {
 }
 
 fn main() {
-    let full = full_run();
+    let full = support::run_mode("api_load");
     let nodes: usize = std::env::var("TEEGUARD_LOAD_NODES")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -24,9 +24,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::{Value, json};
-use support::{
-    Stats, admission_histogram, fmt_dur, full_run, proc_status_kib, release_binary, section,
-};
+use support::{Stats, admission_histogram, fmt_dur, proc_status_kib, release_binary, section};
 use teeguard_shared::TeeKind;
 use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer};
 use teeguard_tests::fixtures::{
@@ -241,7 +239,7 @@ const ROUNDS: usize = 10;
 
 fn main() {
     let steal = support::StealWatch::start();
-    let full = full_run();
+    let full = support::run_mode("cache_scale");
     let scale = if full {
         Scale {
             vmis: 50_000,
@@ -250,7 +248,6 @@ fn main() {
             namespaces: 500,
         }
     } else {
-        println!("quick run (full figures: `cargo bench -p teeguard-tests --bench cache_scale`)");
         Scale {
             vmis: 500,
             other_pods: 500,

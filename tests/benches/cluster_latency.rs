@@ -27,7 +27,7 @@ use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::json;
 use support::floor::{Stack, start_floor, start_patching_floor};
-use support::{full_run, section};
+use support::section;
 use teeguard_shared::TeeKind;
 use teeguard_tests::controlplane::ControlPlane;
 use teeguard_tests::fixtures::{AdmissionReviewBuilder, NodeBuilder, ReportBuilder, Tee};
@@ -135,7 +135,11 @@ fn main() {
 }
 
 async fn run(cp: &'static ControlPlane) {
-    let (pods_per_side, rate) = if full_run() { (300, 20.0) } else { (20, 20.0) };
+    let (pods_per_side, rate) = if support::run_mode("cluster_latency") {
+        (300, 20.0)
+    } else {
+        (20, 20.0)
+    };
     let cluster = Cluster::connect().await.expect("control plane");
     let env = cluster.process_env("").expect("process env");
     let webhook = env.start_webhook(&[]).await.expect("webhook starts");

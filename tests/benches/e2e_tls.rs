@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use serde_json::json;
 use support::floor::{Stack, start_floor};
-use support::{Stats, admission_histogram, fmt_dur, full_run, section, threads_cpu};
+use support::{Stats, admission_histogram, fmt_dur, section, threads_cpu};
 use teeguard_shared::TeeKind;
 use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::{NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi, seed_vmi};
@@ -222,27 +222,16 @@ fn points_filter() -> Option<Vec<(String, usize)>> {
 
 fn main() {
     let steal = support::StealWatch::start();
-    let full = full_run();
+    let full = support::run_mode("e2e_tls");
     let (warmup, measure) = if full {
         (Duration::from_millis(250), Duration::from_secs(3))
     } else {
-        println!("quick run (full figures: `cargo bench -p teeguard-tests --bench e2e_tls`)");
         (Duration::from_millis(100), Duration::from_millis(300))
     };
     // The servers get their own 2-worker runtime, the load generator another: both compete for the
     // same cores, as they would on one 2-core box.
-    let server_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("server")
-        .enable_all()
-        .build()
-        .expect("server runtime");
-    let client_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("client")
-        .enable_all()
-        .build()
-        .expect("client runtime");
+    let server_rt = support::named_runtime(2, "server");
+    let client_rt = support::named_runtime(2, "client");
 
     let (webhook, floor, targets) = server_rt.block_on(async {
         let api = FakeApiServer::new();

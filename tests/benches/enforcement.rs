@@ -15,7 +15,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use support::{Stats, fmt_dur, full_run, section};
+use support::{Stats, fmt_dur, section};
 use teeguard_tests::e2e::E2eEnv;
 use teeguard_tests::fixtures::{NodeBuilder, TDX_KEYS, Tee, VirtLauncherPod};
 use teeguard_tests::host::{QosClass, SimHost, TDX};
@@ -160,7 +160,7 @@ async fn cgroup(pods: usize) {
 }
 
 fn main() {
-    let full = full_run();
+    let full = support::run_mode("enforcement");
     let rt = support::runtime(2);
     rt.block_on(async {
         nri(if full { 2000 } else { 50 }).await;

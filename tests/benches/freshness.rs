@@ -12,7 +12,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use support::{Stats, fmt_dur, full_run, section};
+use support::{Stats, fmt_dur, section};
 use teeguard_tests::e2e::{NODE, World};
 use teeguard_tests::fixtures::{AdmissionReviewBuilder, Tee};
 use teeguard_tests::host::TDX;
@@ -171,7 +171,11 @@ fn row(what: &str, s: &Stats, target: Option<Duration>) {
 }
 
 fn main() {
-    let events = if full_run() { 30 } else { 4 };
+    let events = if support::run_mode("freshness") {
+        30
+    } else {
+        4
+    };
     let rt = support::runtime(2);
     rt.block_on(async {
         section(

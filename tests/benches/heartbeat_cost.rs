@@ -28,7 +28,7 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
-use support::{full_run, section};
+use support::section;
 use teeguard_agent::run::{AgentOptions, READY_PODS, READY_SCAN};
 use teeguard_shared::Config;
 use teeguard_shared::crd::{TeeCapacity, TeeCapacityStatus};
@@ -164,7 +164,11 @@ where
 }
 
 fn main() {
-    let count = if full_run() { 5000 } else { 500 };
+    let count = if support::run_mode("heartbeat_cost") {
+        5000
+    } else {
+        500
+    };
     let rt = support::runtime(2);
     rt.block_on(async {
         section(&format!(

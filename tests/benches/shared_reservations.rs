@@ -12,7 +12,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
-use support::{Stats, fmt_dur, full_run, section};
+use support::{Stats, fmt_dur, section};
 use teeguard_tests::e2e::{E2eEnv, WebhookProcess};
 use teeguard_tests::fixtures;
 
@@ -92,7 +92,7 @@ fn row(what: &str, s: &Stats) {
 }
 
 fn main() {
-    let n = if full_run() { 1000 } else { 30 };
+    let n = if support::run_mode("shared_reservations") { 1000 } else { 30 };
     let rt = support::runtime(2);
     rt.block_on(async {
         section("admitted TEE binding, new HTTPS connection per review");

@@ -26,7 +26,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::Value;
 use teeguard_certs::{CertificateAuthority, ServingCert, ServingCertRequest};
 use teeguard_shared::Config;
-use teeguard_shared::crd::{TeeCapacity, TeeCapacityStatus};
+use teeguard_shared::crd::TeeCapacityStatus;
 
 use crate::fakeapi::{FakeApiError, FakeApiServer, ServedFakeApi};
 use crate::host::SimHost;
@@ -681,11 +681,7 @@ impl E2eEnv {
 
     /// The `TeeCapacity` status of `node`, if published.
     pub fn report(&self, node: &str) -> Option<TeeCapacityStatus> {
-        self.api
-            .get_typed::<TeeCapacity>(None, node)
-            .ok()
-            .flatten()
-            .and_then(|t| t.status)
+        self.api.tee_capacity_status(node)
     }
 }
 

@@ -16,6 +16,15 @@ pub fn full_run() -> bool {
     std::env::args().any(|a| a == "--bench") && !quick
 }
 
+/// [`full_run`], saying so when it is a quick run and how to get the full figures of bench `bench`.
+pub fn run_mode(bench: &str) -> bool {
+    let full = full_run();
+    if !full {
+        println!("quick run (full figures: `cargo bench -p teeguard-tests --bench {bench}`)");
+    }
+    full
+}
+
 /// Latency statistics of one measured series.
 #[derive(Clone, Copy, Debug)]
 pub struct Stats {
@@ -48,6 +57,24 @@ impl Stats {
 pub fn runtime(workers: usize) -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// A multi-threaded Tokio runtime with `workers` threads named `name` (to tell two runtimes' CPU apart).
+pub fn named_runtime(workers: usize, name: &str) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name(name)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// A single-threaded Tokio runtime (for measuring one review at a time without cross-thread wakeups).
+pub fn current_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime")

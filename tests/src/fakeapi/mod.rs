@@ -614,6 +614,14 @@ impl FakeApiServer {
             })
     }
 
+    /// The `TeeCapacity` status of `node`, if its agent published one.
+    pub fn tee_capacity_status(&self, node: &str) -> Option<teeguard_shared::TeeCapacityStatus> {
+        self.get_typed::<teeguard_shared::TeeCapacity>(None, node)
+            .ok()
+            .flatten()
+            .and_then(|t| t.status)
+    }
+
     /// All objects of a resource (one namespace or all), sorted by namespace/name.
     pub fn list(&self, resource: &str, namespace: Option<&str>) -> Vec<Value> {
         self.list_selected(resource, namespace, "", "")

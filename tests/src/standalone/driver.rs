@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
-use teeguard_shared::crd::{KindStatus, TeeCapacity, TeeCapacityStatus};
+use teeguard_shared::crd::{KindStatus, TeeCapacityStatus};
 use teeguard_shared::pod::{key_requests, parse_whole_quantity};
 
 use super::client::{ReviewReply, WebhookClient};
@@ -508,11 +508,7 @@ impl ApiServerDriver {
 
     /// The `TeeCapacity` status of `node`, if published.
     pub fn report(&self, node: &str) -> Option<TeeCapacityStatus> {
-        self.api
-            .get_typed::<TeeCapacity>(None, node)
-            .ok()
-            .flatten()
-            .and_then(|t| t.status)
+        self.api.tee_capacity_status(node)
     }
 
     /// When `node`'s report was last confirmed current: the newer of its `heartbeatTime` and its
