@@ -4,7 +4,7 @@
 # the real control plane of ../shared/control-plane, unpacked into ./.tools, for the cluster tests;
 # the real node of ../shared/node-runtime (containerd, CRI-O, kubelet) and the Debian packages it needs,
 # for the real-node tests;
-# promtool from Debian's prometheus package, for the alert tests).
+# promtool from Debian's prometheus package, for the alert tests; buildah from Debian, for the images).
 # Usage: scripts/test.sh            # everything
 #        SKIP_LINT=1 scripts/test.sh  # tests only
 set -euo pipefail
@@ -52,6 +52,17 @@ if [ -z "${SKIP_LINT:-}" ]; then
   cargo fmt --all -- --check
   step "lint (cargo clippy -D warnings)"
   cargo clippy --workspace --all-targets --locked -- -D warnings
+fi
+
+step "images (scripts/images.sh: release binaries, buildah from Debian, OCI archives in .tools/images)"
+if [ "$(id -u)" = 0 ] || command -v buildah >/dev/null 2>&1; then
+  bash scripts/images.sh
+  export TEEGUARD_IMAGES="$PWD/.tools/images"
+elif [ "${CI:-}" = true ]; then
+  echo "images: buildah needs root (or an installed buildah) and CI=true requires the image tests" >&2
+  exit 1
+else
+  echo "images: not root and no buildah; the image tests will skip" >&2
 fi
 
 step "tests (cargo test --workspace)"
