@@ -269,6 +269,64 @@ async fn nri_plugin_registers_again_within_two_seconds_of_a_runtime_restart() {
     .await;
 }
 
+// The fast layer of the real-node scenario 5 (`node_*`: ..._gets_its_limit_through_synchronize, which
+// also shows what containerd and CRI-O do with the update): containers that run when the plugin
+// registers are listed in Synchronize, and the agent answers with an update for the TEE compute
+// container only, marked ignore_failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_plugin_gives_running_tee_containers_their_limit_at_synchronize() {
+    bounded(async {
+        let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
+        let sock_dir = tempfile::tempdir().expect("socket dir");
+        let socket = sock_dir.path().join("nri.sock");
+        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
+        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
+        seed_node(&env, NODE);
+        let vm = store_pod(&env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
+        let (sandbox, compute) = nri_request(&vm, "compute");
+        let (_, console) = nri_request(&vm, "guest-console-log");
+        let (_, mut init) = nri_request(&vm, "container-disk-binary");
+        init["state"] = json!(4); // CONTAINER_STOPPED
+        let running = |mut c: Value| {
+            c["state"] = json!(3); // CONTAINER_RUNNING
+            c
+        };
+        runtime.set_existing(
+            vec![sandbox],
+            vec![running(compute.clone()), running(console), init],
+        );
+        let agent = env.start_agent(NODE, &host).await.expect("agent starts");
+        let reg = runtime
+            .wait_registered(Duration::from_secs(10))
+            .await
+            .expect("the agent registers");
+        let updates = reg.synchronize["update"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(updates.len(), 1, "{}", reg.synchronize);
+        assert_eq!(
+            updates[0]["container_id"], compute["id"],
+            "{}",
+            reg.synchronize
+        );
+        assert_eq!(
+            updates[0].pointer("/linux/resources/unified/misc.max"),
+            Some(&json!("tdx 1")),
+            "{}",
+            reg.synchronize
+        );
+        assert_eq!(
+            updates[0]["ignore_failure"],
+            json!(true),
+            "{}",
+            reg.synchronize
+        );
+        drop(agent);
+    })
+    .await;
+}
+
 const CGROUP_CONFIG: &str =
     "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nenforcement:\n  mode: cgroup\n";
 

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
@@ -105,7 +106,26 @@ impl NriContainers {
     }
 }
 
+/// Longest the plugin waits for the first scan and pod list before it registers anyway.
+pub const READY_WAIT: Duration = Duration::from_secs(10);
+
 impl Containers for NriContainers {
+    fn ready(&self) -> BoxFuture<'static, ()> {
+        let (mut host, pods) = (self.host.clone(), self.pods.clone());
+        async move {
+            let both = async {
+                let _ = host.changed().await;
+                let _ = pods.wait_until_ready().await;
+            };
+            if tokio::time::timeout(READY_WAIT, both).await.is_err() {
+                tracing::warn!(
+                    "registering with the runtime before the first scan and pod list: containers that already run get no limit now"
+                );
+            }
+        }
+        .boxed()
+    }
+
     fn decide(&self, req: &CreateContainer) -> Answer {
         if !self.host.borrow().limits_possible() {
             return Answer::Now(None);

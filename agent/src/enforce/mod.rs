@@ -363,9 +363,11 @@ impl Enforcement {
     /// After every scan: what the host allows (a failed scan keeps the previous facts).
     pub fn observe_scan(&mut self, state: &HostState) {
         if let Some(facts) = HostFacts::from_scan(state) {
+            // The first scan is news even when it finds the defaults: the NRI plugin waits for it.
+            let first = !self.host_seen;
             self.host_seen = true;
             self.host_tx.send_if_modified(|f| {
-                let changed = *f != facts;
+                let changed = first || *f != facts;
                 *f = facts;
                 changed
             });

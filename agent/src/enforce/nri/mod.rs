@@ -3,8 +3,10 @@
 //!
 //! - [`wire`]: the NRI messages used, in protobuf wire format, with upstream's field numbers;
 //! - [`transport`]: the multiplexed ttrpc framing;
-//! - [`plugin`]: the connection (register, serve, reconnect).
+//! - [`plugin`]: the connection (register, serve, reconnect);
+//! - [`sync`]: `Synchronize`, which gives containers that already run their limits.
 
 pub mod plugin;
+pub mod sync;
 pub mod transport;
 pub mod wire;

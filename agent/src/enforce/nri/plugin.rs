@@ -17,6 +17,7 @@ use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::{Mutex, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::sync::{ExistingContainer, SynchronizeRequest, live_containers, synchronize_response};
 use super::transport::{self as t, Demux, FrameError};
 use super::wire::{self, CreateContainer, EVENT_CREATE_CONTAINER};
 
@@ -42,6 +43,10 @@ pub enum Answer {
 
 /// Where the plugin's decisions come from.
 pub trait Containers: Send + Sync + 'static {
+    /// Resolves once decisions can be made (the host and the node's pods are known, or it is time to
+    /// register without them): the plugin registers only then, so that `Synchronize` can give the
+    /// containers that already run their limits.
+    fn ready(&self) -> BoxFuture<'static, ()>;
     /// Decide from memory (no I/O).
     fn decide(&self, req: &CreateContainer) -> Answer;
     /// Decide after looking the pod up (called only after [`Answer::Lookup`]).
@@ -82,6 +87,10 @@ pub async fn run(
     state: watch::Sender<NriState>,
     shutdown: CancellationToken,
 ) {
+    tokio::select! {
+        () = shutdown.cancelled() => return,
+        () = containers.ready() => {}
+    }
     let mut delay = RECONNECT_INITIAL;
     loop {
         let outcome = tokio::select! {
@@ -148,6 +157,8 @@ async fn session(
         lookup_timeout: MAX_LOOKUP,
         registered: false,
         synchronized: false,
+        sync_pods: Vec::new(),
+        sync_containers: Vec::new(),
     };
     let mut demux = Demux::default();
     let mut header = [0u8; t::MUX_HEADER_LEN];
@@ -183,6 +194,38 @@ async fn session(
     }
 }
 
+/// `(container ID, misc.max)` for the containers that already run and need a limit; an unknown
+/// annotated pod is looked up as at `CreateContainer`, within `timeout`.
+async fn existing_limits(
+    containers: Arc<dyn Containers>,
+    existing: Vec<CreateContainer>,
+    timeout: Duration,
+) -> Vec<(String, String)> {
+    let decided = existing.into_iter().map(|c| {
+        let containers = containers.clone();
+        async move {
+            let value = match containers.decide(&c) {
+                Answer::Now(value) => value,
+                Answer::Lookup => {
+                    let id = c.container_id.clone();
+                    let looked_up = containers.decide_after_lookup(c);
+                    return tokio::time::timeout(timeout, looked_up)
+                        .await
+                        .ok()
+                        .flatten()
+                        .map(|v| (id, v));
+                }
+            };
+            value.map(|v| (c.container_id, v))
+        }
+    });
+    futures::future::join_all(decided)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
 async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d.into()).await,
@@ -197,6 +240,9 @@ struct Session {
     lookup_timeout: Duration,
     registered: bool,
     synchronized: bool,
+    /// The parts of `Synchronize` received so far.
+    sync_pods: Vec<CreateContainer>,
+    sync_containers: Vec<ExistingContainer>,
 }
 
 impl Session {
@@ -263,16 +309,43 @@ impl Session {
                 ])))
             }
             "Synchronize" => {
-                let req = wire::SynchronizeRequest::decode(payload)
-                    .map_err(|e| format!("bad Synchronize request: {e}"))?;
-                if !req.more {
-                    self.synchronized = true;
-                    tracing::info!(runtime = %self.runtime, registered = self.registered, "NRI plugin registered");
-                    state.send_replace(NriState::Registered {
-                        runtime: self.runtime.clone(),
-                    });
+                let req = SynchronizeRequest::decode(
+                    payload,
+                    teeguard_shared::names::MISC_MAX_ANNOTATION_PREFIX,
+                )
+                .map_err(|e| format!("bad Synchronize request: {e}"))?;
+                self.sync_pods.extend(req.pods);
+                self.sync_containers.extend(req.containers);
+                if req.more {
+                    return ok(synchronize_response(true, &[]));
                 }
-                ok(wire::synchronize_response(req.more))
+                self.synchronized = true;
+                tracing::info!(runtime = %self.runtime, registered = self.registered, "NRI plugin registered");
+                state.send_replace(NriState::Registered {
+                    runtime: self.runtime.clone(),
+                });
+                let existing = live_containers(
+                    &std::mem::take(&mut self.sync_pods),
+                    &std::mem::take(&mut self.sync_containers),
+                );
+                let (containers, writer) = (self.containers.clone(), self.writer.clone());
+                let timeout = self.lookup_timeout;
+                tokio::spawn(async move {
+                    let updates = existing_limits(containers, existing, timeout).await;
+                    if !updates.is_empty() {
+                        tracing::info!(
+                            containers = updates.len(),
+                            "misc.max asked for containers that already run (NRI Synchronize)"
+                        );
+                    }
+                    let body = synchronize_response(false, &updates);
+                    let resp = t::encode_response(0, "", &body);
+                    let frame = t::encode_message(t::PLUGIN_CONN, stream, t::TYPE_RESPONSE, &resp);
+                    if let Err(e) = send(&writer, &frame).await {
+                        tracing::warn!(error = %e, "cannot answer Synchronize");
+                    }
+                });
+                Ok((0, String::new(), None, false))
             }
             "CreateContainer" => {
                 let req = match CreateContainer::decode(

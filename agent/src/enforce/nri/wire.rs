@@ -81,8 +81,21 @@ pub mod synchronize {
     };
     /// `SynchronizeRequest`: `bool more = 3`.
     pub const REQ_MORE: Field = field("more", 3, "bool");
+    /// `SynchronizeResponse`: `repeated ContainerUpdate update = 1`.
+    pub const RESP_UPDATE: Field = Field {
+        repeated: true,
+        ..field("update", 1, "ContainerUpdate")
+    };
     /// `SynchronizeResponse`: `bool more = 2`.
     pub const RESP_MORE: Field = field("more", 2, "bool");
+    /// `ContainerUpdate`: `string container_id = 1`.
+    pub const UPDATE_CONTAINER_ID: Field = field("container_id", 1, "string");
+    /// `ContainerUpdate`: `LinuxContainerUpdate linux = 2`.
+    pub const UPDATE_LINUX: Field = field("linux", 2, "LinuxContainerUpdate");
+    /// `ContainerUpdate`: `bool ignore_failure = 3`.
+    pub const UPDATE_IGNORE_FAILURE: Field = field("ignore_failure", 3, "bool");
+    /// `LinuxContainerUpdate`: `LinuxResources resources = 1`.
+    pub const LINUX_UPDATE_RESOURCES: Field = field("resources", 1, "LinuxResources");
 }
 
 /// `CreateContainerRequest` / `CreateContainerResponse` and the messages they carry.
@@ -106,8 +119,12 @@ pub mod create_container {
     pub const POD_ANNOTATIONS: Field = field("annotations", 6, "map<string,string>");
     /// `Container`: `string id = 1`.
     pub const CONTAINER_ID: Field = field("id", 1, "string");
+    /// `Container`: `string pod_sandbox_id = 2`.
+    pub const CONTAINER_POD_SANDBOX_ID: Field = field("pod_sandbox_id", 2, "string");
     /// `Container`: `string name = 3`.
     pub const CONTAINER_NAME: Field = field("name", 3, "string");
+    /// `Container`: `ContainerState state = 4`.
+    pub const CONTAINER_STATE: Field = field("state", 4, "ContainerState");
     /// `ContainerAdjustment`: `LinuxContainerAdjustment linux = 6`.
     pub const ADJUST_LINUX: Field = field("linux", 6, "LinuxContainerAdjustment");
     /// `LinuxContainerAdjustment`: `LinuxResources resources = 2`.
@@ -149,7 +166,19 @@ pub const MESSAGES: &[MessageSpec] = &[
     },
     MessageSpec {
         name: "SynchronizeResponse",
-        fields: &[synchronize::RESP_MORE],
+        fields: &[synchronize::RESP_UPDATE, synchronize::RESP_MORE],
+    },
+    MessageSpec {
+        name: "ContainerUpdate",
+        fields: &[
+            synchronize::UPDATE_CONTAINER_ID,
+            synchronize::UPDATE_LINUX,
+            synchronize::UPDATE_IGNORE_FAILURE,
+        ],
+    },
+    MessageSpec {
+        name: "LinuxContainerUpdate",
+        fields: &[synchronize::LINUX_UPDATE_RESOURCES],
     },
     MessageSpec {
         name: "CreateContainerRequest",
@@ -171,7 +200,12 @@ pub const MESSAGES: &[MessageSpec] = &[
     },
     MessageSpec {
         name: "Container",
-        fields: &[cc::CONTAINER_ID, cc::CONTAINER_NAME],
+        fields: &[
+            cc::CONTAINER_ID,
+            cc::CONTAINER_POD_SANDBOX_ID,
+            cc::CONTAINER_NAME,
+            cc::CONTAINER_STATE,
+        ],
     },
     MessageSpec {
         name: "ContainerAdjustment",
@@ -459,35 +493,6 @@ impl ConfigureRequest {
     }
 }
 
-/// What the plugin reads from `SynchronizeRequest`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SynchronizeRequest {
-    /// Pods listed in this part.
-    pub pods: usize,
-    /// Containers listed in this part.
-    pub containers: usize,
-    /// More parts follow.
-    pub more: bool,
-}
-
-impl SynchronizeRequest {
-    /// Decode (pods and containers are counted, not decoded: the agent's pod watch knows them).
-    pub fn decode(bytes: &[u8]) -> Result<SynchronizeRequest, DecodeError> {
-        use synchronize as f;
-        let mut out = SynchronizeRequest::default();
-        let mut r = Reader::new(bytes);
-        while let Some((n, v)) = r.next_field()? {
-            match n {
-                _ if n == f::REQ_PODS.number => out.pods += 1,
-                _ if n == f::REQ_CONTAINERS.number => out.containers += 1,
-                _ if n == f::REQ_MORE.number => out.more = v.int()? != 0,
-                _ => {}
-            }
-        }
-        Ok(out)
-    }
-}
-
 /// What the plugin reads from `CreateContainerRequest`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CreateContainer {
@@ -522,7 +527,11 @@ impl CreateContainer {
         Ok(out)
     }
 
-    fn decode_pod(&mut self, bytes: &[u8], keep_prefix: &str) -> Result<(), DecodeError> {
+    pub(super) fn decode_pod(
+        &mut self,
+        bytes: &[u8],
+        keep_prefix: &str,
+    ) -> Result<(), DecodeError> {
         let mut r = Reader::new(bytes);
         while let Some((n, v)) = r.next_field()? {
             match n {
@@ -570,26 +579,22 @@ pub fn configure_response(events: i32) -> Vec<u8> {
     w.finish()
 }
 
-/// `SynchronizeResponse` (no updates).
-pub fn synchronize_response(more: bool) -> Vec<u8> {
-    let mut w = Writer::new();
-    w.bool(synchronize::RESP_MORE, more);
-    w.finish()
-}
-
 /// `CreateContainerResponse`: no adjustment (`None`), or `linux.resources.unified["misc.max"]`.
 pub fn create_container_response(misc_max: Option<&str>) -> Vec<u8> {
     let mut w = Writer::new();
     if let Some(value) = misc_max {
         w.message(cc::RESP_ADJUST, |adjust| {
             adjust.message(cc::ADJUST_LINUX, |linux| {
-                linux.message(cc::LINUX_RESOURCES, |res| {
-                    res.string_map(cc::RESOURCES_UNIFIED, [("misc.max", value)]);
-                });
+                linux.message(cc::LINUX_RESOURCES, |res| unified_misc_max(res, value));
             });
         });
     }
     w.finish()
+}
+
+/// `LinuxResources.unified["misc.max"] = value`.
+pub(super) fn unified_misc_max(resources: &mut Writer, value: &str) {
+    resources.string_map(cc::RESOURCES_UNIFIED, [("misc.max", value)]);
 }
 
 #[cfg(test)]
