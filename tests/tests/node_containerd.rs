@@ -21,3 +21,8 @@ async fn tdx_and_snp_launchers_run_with_misc_max_on_compute_only_and_a_mismatch_
 async fn on_the_machines_own_cgroups_without_misc_nothing_is_adjusted_and_every_pod_starts() {
     within(DEADLINE, scenarios::machine_without_misc(RUNTIME)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tee_vm_running_before_the_agent_registers_gets_its_limit_through_synchronize() {
+    within(DEADLINE, scenarios::synchronize(RUNTIME)).await;
+}

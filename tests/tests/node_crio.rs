@@ -110,3 +110,8 @@ async fn crio_1_37_ignores_the_legacy_dotted_annotation_even_where_the_handler_a
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tee_vm_running_before_the_agent_registers_gets_its_limit_through_synchronize() {
+    within(DEADLINE, scenarios::synchronize(RUNTIME)).await;
+}

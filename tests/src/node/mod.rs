@@ -33,7 +33,7 @@ use std::process::{Child, Command};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-pub use records::{ContainerKind, Recorded};
+pub use records::{ContainerKind, Recorded, RecordedUpdate};
 pub use start::CRIO_UNIFIED_HANDLER;
 
 use crate::controlplane::{ControlPlane, ci};
@@ -234,6 +234,12 @@ impl RealNode {
             .into_iter()
             .filter(|r| r.pod_uid == pod_uid)
             .collect()
+    }
+
+    /// The resources updates runc was asked to apply to running containers, with its answers, oldest
+    /// first.
+    pub fn updates(&self) -> Vec<RecordedUpdate> {
+        records::read_updates(&self.dir.join("record"))
     }
 
     /// Run `crictl` against the runtime; its standard output.

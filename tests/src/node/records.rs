@@ -95,6 +95,54 @@ impl Recorded {
     }
 }
 
+/// A resources update runc was asked to apply to a running container, and its answer.
+#[derive(Clone, Debug)]
+pub struct RecordedUpdate {
+    /// The container ID.
+    pub container_id: String,
+    /// The resources asked for (`LinuxResources` as JSON).
+    pub resources: Value,
+    /// runc's exit code (`None` while it runs).
+    pub exit_code: Option<i32>,
+    /// What runc wrote to its standard error.
+    pub stderr: String,
+    /// When it was asked.
+    pub at: SystemTime,
+}
+
+impl RecordedUpdate {
+    /// `unified["misc.max"]` asked for, if any.
+    pub fn misc_max(&self) -> Option<&str> {
+        self.resources.pointer("/unified/misc.max")?.as_str()
+    }
+}
+
+/// Every update in `dir`, oldest first.
+pub(super) fn read_updates(dir: &Path) -> Vec<RecordedUpdate> {
+    let mut out: Vec<RecordedUpdate> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let path = e.path();
+            let stem = path.file_name()?.to_str()?.strip_suffix(".json")?;
+            let (container_id, _) = stem.strip_prefix("update-")?.rsplit_once('-')?;
+            let at = e.metadata().ok()?.modified().ok()?;
+            let resources = serde_json::from_slice(&std::fs::read(&path).ok()?).ok()?;
+            let read = |ext: &str| std::fs::read_to_string(dir.join(format!("{stem}.{ext}"))).ok();
+            Some(RecordedUpdate {
+                container_id: container_id.to_string(),
+                resources,
+                exit_code: read("rc").and_then(|s| s.trim().parse().ok()),
+                stderr: read("err").unwrap_or_default(),
+                at,
+            })
+        })
+        .collect();
+    out.sort_by_key(|u| u.at);
+    out
+}
+
 /// Every config in `dir` that parses, oldest first.
 pub(super) fn read_all(dir: &Path) -> Vec<Recorded> {
     let mut out: Vec<Recorded> = std::fs::read_dir(dir)
@@ -104,6 +152,9 @@ pub(super) fn read_all(dir: &Path) -> Vec<Recorded> {
         .filter_map(|e| {
             let path = e.path();
             let id = path.file_stem()?.to_str()?.to_string();
+            if id.starts_with("update-") {
+                return None;
+            }
             let at = e.metadata().ok()?.modified().ok()?;
             let config: Value = serde_json::from_slice(&std::fs::read(&path).ok()?).ok()?;
             Recorded::parse(&id, &config, at)

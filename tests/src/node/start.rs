@@ -200,18 +200,38 @@ fn write(path: &Path, body: &str) -> Result<()> {
     std::fs::write(path, body).map_err(io(format!("write {}", path.display())))
 }
 
-/// `<state>/runc`: runc through `runc-record` (configs saved to `record/`, `unified` dropped).
+/// `<state>/runc`: runc through `runc-record` (configs saved to `record/`, `unified` dropped); an
+/// `update` (the resources runc is asked to change in a running container) is saved too, with runc's
+/// answer: `record/update-<container id>-<ns>.{json,rc,err}`.
 fn write_runc_wrapper(node: &RealNode) -> Result<()> {
     let runc = which("runc").ok_or_else(|| NodeError::Missing("runc".into()))?;
     let wrapper = node.dir.join("runc");
+    let script = r#"#!/bin/sh
+export RUNC_RECORD_DIR=@RECORD@ RUNC_REAL=@RUNC@
+upd=""; res=""; prev=""; id=""
+for a in "$@"; do
+  [ "$a" = update ] && upd=1
+  case "$prev" in -r|--resources) res="$a";; esac
+  prev="$a"; id="$a"
+done
+[ -n "$upd" ] || exec @RECORDER@ "$@"
+base="$RUNC_RECORD_DIR/update-$id-$(date +%s%N)"
+if [ "$res" = - ] || [ -z "$res" ]; then cat > "$base.json"; else cp "$res" "$base.json"; fi
+@RECORDER@ "$@" < "$base.json" 2> "$base.err"
+rc=$?
+echo "$rc" > "$base.rc"
+cat "$base.err" >&2
+exit "$rc"
+"#;
     write(
         &wrapper,
-        &format!(
-            "#!/bin/sh\nRUNC_RECORD_DIR={} RUNC_REAL={} exec {} \"$@\"\n",
-            node.dir.join("record").display(),
-            runc.display(),
-            node.bin.join("runc-record").display()
-        ),
+        &script
+            .replace("@RECORD@", &node.dir.join("record").display().to_string())
+            .replace("@RUNC@", &runc.display().to_string())
+            .replace(
+                "@RECORDER@",
+                &node.bin.join("runc-record").display().to_string(),
+            ),
     )?;
     chmod_x(&wrapper)
 }

@@ -8,6 +8,7 @@
 
 pub mod scenarios;
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
@@ -78,6 +79,8 @@ impl Options {
 /// to the next test last.
 pub struct NodeWorld {
     pub agent: AgentProcess,
+    /// The cgroup tree the agent reads.
+    pub agent_root: PathBuf,
     pub webhook: WebhookProcess,
     pub env: ProcessEnv,
     pub host: Option<SimHost>,
@@ -116,7 +119,7 @@ impl NodeWorld {
             ),
             AgentHost::Machine => None,
         };
-        let root = host
+        let root: PathBuf = host
             .as_ref()
             .map_or_else(|| "/sys/fs/cgroup".into(), |h| h.root().to_path_buf());
         let mut agent = env
@@ -126,6 +129,7 @@ impl NodeWorld {
         if options.mode == "nri" {
             wait_registered(&mut agent).await;
         }
+        let agent_root = root;
         let webhook = env.start_webhook(&[]).await.expect("webhook starts");
         let rendered = chart_support::render("default", &[]);
         cluster
@@ -138,6 +142,7 @@ impl NodeWorld {
             .expect("the API server calls the webhooks");
         Some(NodeWorld {
             agent,
+            agent_root,
             webhook,
             env,
             host,
@@ -146,6 +151,18 @@ impl NodeWorld {
             ns,
             turn,
         })
+    }
+
+    /// Start a new agent process in place of the current one (killed first, if it still runs) and
+    /// wait until it has registered with the runtime.
+    pub async fn restart_agent(&mut self) {
+        self.agent.proc.kill();
+        self.agent = self
+            .env
+            .start_agent_at(&self.turn.name, &self.agent_root)
+            .await
+            .expect("agent starts again");
+        wait_registered(&mut self.agent).await;
     }
 
     /// The node selector of this test's pods (the Node carries the test's label while it is taken).

@@ -193,3 +193,89 @@ pub async fn machine_without_misc(runtime: Runtime) {
         "{metrics}"
     );
 }
+
+/// Scenario 5: a TEE VM whose containers were created while no plugin was registered (the agent was
+/// down) gets its limit when the agent registers: NRI's `Synchronize` lists the running containers,
+/// the agent answers with an update of the `compute` container only, and the runtime asks runc to
+/// apply it. On a cgroup v1 host runc cannot (no `unified`): the update is refused, the runtime
+/// ignores the failure as the agent asks, the pod keeps running and the plugin stays registered.
+pub async fn synchronize(runtime: Runtime) {
+    let Some(mut w) = NodeWorld::start(runtime, "synchronize", Options::simulated()).await else {
+        return;
+    };
+    w.wait_allocatable(TDX_KEYS, "4", Duration::from_secs(20))
+        .await;
+    w.agent.proc.kill();
+    let pod = w
+        .create_vm("early-vm", Tee::Tdx)
+        .await
+        .unwrap_or_else(|e| panic!("refused: {e}\n{}", w.diagnostics()));
+    let pod = w.wait_running(&pod).await;
+    let records = w.records(&pod).await;
+    assert_eq!(
+        limits(&records).get("compute").map(String::as_str),
+        Some("-"),
+        "created while no plugin was registered: no limit at creation"
+    );
+    let compute = records
+        .iter()
+        .find(|r| r.container == "compute")
+        .expect("compute recorded")
+        .id
+        .clone();
+
+    w.restart_agent().await;
+    let update = w
+        .cluster
+        .wait_for("runc asked to update compute's misc.max", || async {
+            w.turn
+                .updates()
+                .into_iter()
+                .find(|u| u.container_id == compute && u.exit_code.is_some())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    assert_eq!(update.misc_max(), Some("tdx 1"), "{update:?}");
+    let others: Vec<_> = w
+        .turn
+        .updates()
+        .into_iter()
+        .filter(|u| u.container_id != compute && u.misc_max().is_some())
+        .collect();
+    assert!(others.is_empty(), "only compute gets a limit: {others:?}");
+    let log = w.turn.log(runtime.name());
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            l.to_lowercase().contains("update")
+                && (l.contains(&compute) || l.contains("level=error"))
+        })
+        .collect();
+    eprintln!(
+        "{}: Synchronize update of compute asked runc for {}; runc answered {:?}: {}; the runtime logged: {said:#?}",
+        runtime.name(),
+        update.resources,
+        update.exit_code,
+        update.stderr.trim()
+    );
+    if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        assert_eq!(update.exit_code, Some(0), "{update:?}");
+    } else {
+        assert_ne!(
+            update.exit_code,
+            Some(0),
+            "cgroup v1 has no unified: {update:?}"
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let again = w
+        .pods_in(&w.ns)
+        .get(pod.metadata.name.as_deref().unwrap_or_default())
+        .await;
+    assert!(again.as_ref().is_ok_and(super::running), "{again:?}");
+    let metrics = w.agent.metrics().await;
+    assert!(
+        metrics.contains("teeguard_agent_nri_connected 1"),
+        "{metrics}"
+    );
+}
