@@ -706,3 +706,65 @@ fn own_node_policy_restricts_the_agent_to_its_node() {
     assert!(all(&docs, "ValidatingAdmissionPolicy").is_empty());
     assert!(all(&docs, "ValidatingAdmissionPolicyBinding").is_empty());
 }
+
+#[test]
+fn host_network_and_the_api_server_override_reach_both_workloads() {
+    let env_of = |workload: &Value, name: &str| -> Option<String> {
+        workload["spec"]["template"]["spec"]["containers"][0]["env"]
+            .as_array()?
+            .iter()
+            .find(|e| e["name"] == name)
+            .and_then(|e| e["value"].as_str().map(str::to_string))
+    };
+    let docs = render("default", &[]);
+    for (kind, name) in [
+        ("Deployment", "teeguard-webhook"),
+        ("DaemonSet", "teeguard-agent"),
+    ] {
+        let w = find(&docs, kind, name);
+        assert!(
+            w["spec"]["template"]["spec"]["hostNetwork"].is_null(),
+            "{name}: default pod network"
+        );
+        assert_eq!(
+            env_of(w, "KUBERNETES_SERVICE_HOST"),
+            None,
+            "{name}: default API address"
+        );
+    }
+    let docs = render(
+        "default",
+        &[
+            "--set",
+            "agent.hostNetwork=true",
+            "--set",
+            "webhook.hostNetwork=true",
+            "--set",
+            "apiServer.host=10.1.2.3",
+            "--set",
+            "apiServer.port=6443",
+        ],
+    );
+    for (kind, name) in [
+        ("Deployment", "teeguard-webhook"),
+        ("DaemonSet", "teeguard-agent"),
+    ] {
+        let w = find(&docs, kind, name);
+        let spec = &w["spec"]["template"]["spec"];
+        assert_eq!(spec["hostNetwork"], true, "{name}");
+        assert_eq!(spec["dnsPolicy"], "ClusterFirstWithHostNet", "{name}");
+        assert_eq!(
+            env_of(w, "KUBERNETES_SERVICE_HOST").as_deref(),
+            Some("10.1.2.3"),
+            "{name}"
+        );
+        assert_eq!(
+            env_of(w, "KUBERNETES_SERVICE_PORT").as_deref(),
+            Some("6443"),
+            "{name}"
+        );
+    }
+    // The schema refuses a port that is not a number.
+    let out = chart_support::helm_template(&["default"], &["--set", "apiServer.port=https"]);
+    assert!(!out.success, "apiServer.port=https was accepted");
+}

@@ -161,3 +161,29 @@ service:
 caBundle: {{ .caBundle }}
 {{- end }}
 {{- end }}
+
+{{/*
+The API server address override (values apiServer.host/port): env for both containers. Empty: the
+in-cluster default the kubelet sets (the `kubernetes` Service).
+*/}}
+{{- define "teeguard.apiServerEnv" -}}
+{{- with .Values.apiServer.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.apiServer.port }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod network settings: `hostNetwork` (the pod uses the node's network namespace) with the DNS policy
+that keeps cluster DNS for such a pod.
+*/}}
+{{- define "teeguard.hostNetwork" -}}
+{{- if . }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
+{{- end }}
