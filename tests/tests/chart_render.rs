@@ -768,3 +768,39 @@ fn host_network_and_the_api_server_override_reach_both_workloads() {
     let out = chart_support::helm_template(&["default"], &["--set", "apiServer.port=https"]);
     assert!(!out.success, "apiServer.port=https was accepted");
 }
+
+#[test]
+fn webhook_url_replaces_the_service_in_every_webhook_configuration() {
+    let hooks = |docs: &[Value]| -> Vec<Value> {
+        [
+            "MutatingWebhookConfiguration",
+            "ValidatingWebhookConfiguration",
+        ]
+        .iter()
+        .flat_map(|k| chart_support::all(docs, k))
+        .flat_map(|c| c["webhooks"].as_array().cloned().unwrap_or_default())
+        .map(|h| h["clientConfig"].clone())
+        .collect()
+    };
+    for c in hooks(&render("default", &[])) {
+        assert!(
+            c["url"].is_null() && c["service"]["path"].is_string(),
+            "{c}"
+        );
+    }
+    let with_url = hooks(&render(
+        "default",
+        &["--set", "webhook.url=https://10.0.0.7:9443/"],
+    ));
+    assert!(!with_url.is_empty());
+    for c in with_url {
+        let url = c["url"].as_str().unwrap_or_default();
+        assert!(
+            url == "https://10.0.0.7:9443/mutate" || url == "https://10.0.0.7:9443/validate",
+            "{c}"
+        );
+        assert!(c["service"].is_null() && c["caBundle"].is_string(), "{c}");
+    }
+    let out = chart_support::helm_template(&["default"], &["--set", "webhook.url=http://x"]);
+    assert!(!out.success, "a plain-HTTP webhook URL was accepted");
+}

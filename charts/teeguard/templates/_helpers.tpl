@@ -152,11 +152,15 @@ capabilities:
 {{/* A webhook's clientConfig: (dict "ctx" $ "path" "/mutate" "caBundle" "<base64 PEM>").
 With cert-manager the caBundle is left to its CA injector. */}}
 {{- define "teeguard.webhook.clientConfig" -}}
+{{- with .ctx.Values.webhook.url }}
+url: {{ printf "%s%s" (trimSuffix "/" .) $.path | quote }}
+{{- else }}
 service:
   name: {{ include "teeguard.webhook.name" .ctx }}
   namespace: {{ .ctx.Release.Namespace }}
   path: {{ .path }}
   port: {{ .ctx.Values.webhook.service.port }}
+{{- end }}
 {{- if not .ctx.Values.certManager.enabled }}
 caBundle: {{ .caBundle }}
 {{- end }}

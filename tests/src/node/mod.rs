@@ -21,6 +21,7 @@
 //! - Without binaries, Debian packages or root, the tests skip with one line saying what is missing;
 //!   with `CI=true` they fail instead.
 
+mod images;
 mod kube_node;
 pub mod pods;
 mod records;

@@ -386,7 +386,7 @@ pub fn ns_name(pod: &Pod) -> (String, String) {
 
 /// Label the Node for the test (its pods select it) and as a KubeVirt TDX and SEV-SNP node, and
 /// advertise KubeVirt's device-plugin resources.
-async fn prepare_node(cluster: &Cluster, turn: &NodeTurn, test: &str) {
+pub async fn prepare_node(cluster: &Cluster, turn: &NodeTurn, test: &str) {
     let nodes: Api<Node> = Api::all(cluster.client.clone());
     let mut labels = serde_json::Map::new();
     labels.insert(TEST_LABEL.into(), json!(test));

@@ -1,0 +1,88 @@
+//! Images on a [`super::RealNode`] that no registry serves: OCI archives (as `scripts/images.sh` writes
+//! them) imported into the runtime's own image store, and extra names for an imported image (an
+//! "upgrade" to another tag without another build).
+
+use std::path::Path;
+use std::process::Command;
+
+use super::{NodeError, RealNode, Result, Runtime, run};
+
+impl RealNode {
+    /// Import the OCI archive `archive` under the name `image` (containerd: `ctr images import` into
+    /// the CRI's `k8s.io` namespace, which names it after the archive's `ref.name`; CRI-O: `skopeo copy`
+    /// into its containers-storage).
+    pub fn import_image(&self, archive: &Path, image: &str) -> Result<()> {
+        if !archive.is_file() {
+            return Err(NodeError::Missing(format!(
+                "no image archive {} (scripts/images.sh writes it)",
+                archive.display()
+            )));
+        }
+        match self.runtime {
+            Runtime::Containerd => {
+                let mut cmd = self.ctr();
+                cmd.args(["images", "import"]).arg(archive);
+                run(cmd, &format!("ctr images import {}", archive.display()))?;
+                // The archive's own name must be the one asked for.
+                self.ctr_images_has(image)
+            }
+            Runtime::Crio => {
+                let mut cmd = Command::new("skopeo");
+                cmd.args(["copy", "--insecure-policy", "--quiet"])
+                    .arg(format!("oci-archive:{}", archive.display()))
+                    .arg(format!("{}{image}", self.crio_store()));
+                run(cmd, &format!("skopeo copy {image}"))?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Give the imported image `from` the name `to` too.
+    pub fn tag_image(&self, from: &str, to: &str) -> Result<()> {
+        match self.runtime {
+            Runtime::Containerd => {
+                let mut cmd = self.ctr();
+                cmd.args(["images", "tag", "--force", from, to]);
+                run(cmd, &format!("ctr images tag {from} {to}"))?;
+                Ok(())
+            }
+            Runtime::Crio => {
+                let store = self.crio_store();
+                let mut cmd = Command::new("skopeo");
+                cmd.args(["copy", "--insecure-policy", "--quiet"])
+                    .arg(format!("{store}{from}"))
+                    .arg(format!("{store}{to}"));
+                run(cmd, &format!("skopeo copy {from} {to}"))?;
+                Ok(())
+            }
+        }
+    }
+
+    fn ctr(&self) -> Command {
+        let mut cmd = Command::new(self.bin.join("ctr"));
+        cmd.arg("-a").arg(self.cri_socket()).args(["-n", "k8s.io"]);
+        cmd
+    }
+
+    fn ctr_images_has(&self, image: &str) -> Result<()> {
+        let mut cmd = self.ctr();
+        cmd.args(["images", "ls", "-q"]);
+        let names = run(cmd, "ctr images ls")?;
+        if names.lines().any(|l| l.trim() == image) {
+            Ok(())
+        } else {
+            Err(NodeError::Api {
+                what: format!("import {image}"),
+                reason: format!("containerd has no image of that name; it has: {names}"),
+            })
+        }
+    }
+
+    fn crio_store(&self) -> String {
+        format!(
+            "containers-storage:[vfs@{}+{}]",
+            self.dir.join("root").display(),
+            self.dir.join("state").display()
+        )
+    }
+}

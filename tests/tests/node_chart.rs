@@ -1,0 +1,540 @@
+//! The chart's own pods on a real node (issue #30): the images `scripts/images.sh` built
+//! (`TEEGUARD_IMAGES`) imported into the node's containerd, `helm install` of the chart on the real
+//! control plane (images and API server address overridden, host network, the webhook configurations
+//! called by URL: `webhook.url`, as the API server here reaches no Service), and then, all through the chart's objects: the
+//! agent DaemonSet's pod runs on the kubelet's node with the chart's securityContext and mounts,
+//! authenticates with its projected ServiceAccount token, publishes the node's report, renews its
+//! Lease and registers with containerd's NRI; the webhook becomes Ready and mutates a TDX VM's pod,
+//! which gets `misc.max tdx 1` from the chart's agent; no API call of either is refused (a 403 would
+//! mean the chart's RBAC is wrong); `helm upgrade` to another image rolls the agent without the Node's
+//! key resource ever dropping; `helm uninstall` and `teeguard-agent cleanup` leave the Node as before.
+//! Skipped (one line) without the node, the control plane or the images, unless `CI=true`.
+
+mod chart_support;
+mod node_support;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Api;
+use kube::api::{ListParams, PostParams};
+use teeguard_certs::{CertificateAuthority, ServingCertRequest};
+use teeguard_shared::TeeCapacity;
+use teeguard_tests::controlplane::{ControlPlane, ci, unique_name};
+use teeguard_tests::fixtures::{TDX_KEYS, Tee};
+use teeguard_tests::host::{SimHost, TDX};
+use teeguard_tests::node::{ContainerKind, RealNode, Runtime, pods};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
+
+const DEADLINE: Duration = Duration::from_secs(420);
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+const WEBHOOK_IMAGE: &str = "ghcr.io/teeguard/teeguard-webhook";
+const AGENT_IMAGE: &str = "ghcr.io/teeguard/teeguard-agent";
+
+fn images_dir() -> Option<PathBuf> {
+    match std::env::var_os("TEEGUARD_IMAGES") {
+        Some(d) => Some(PathBuf::from(d)),
+        None if ci() => {
+            panic!("TEEGUARD_IMAGES is not set and CI=true: scripts/test.sh builds them")
+        }
+        None => {
+            eprintln!("skipped: set TEEGUARD_IMAGES to the output of scripts/images.sh");
+            None
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn helm(cp: &ControlPlane, args: &[String]) -> chart_support::Run {
+    let mut all = args.to_vec();
+    all.extend(["--kubeconfig".into(), cp.kubeconfig.display().to_string()]);
+    chart_support::run(&chart_support::helm(), &all)
+}
+
+fn set(pairs: &[(&str, String)]) -> Vec<String> {
+    pairs
+        .iter()
+        .flat_map(|(k, v)| ["--set".to_string(), format!("{k}={v}")])
+        .collect()
+}
+
+/// The Node's key resource (capacity, allocatable) and teeguard's annotation, to compare before/after.
+fn teeguard_marks(n: &Node) -> (Option<String>, Option<String>, Option<String>) {
+    let status = n.status.as_ref();
+    let q = |m: Option<
+        &BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>,
+    >| { m.and_then(|m| m.get(TDX_KEYS)).map(|q| q.0.clone()) };
+    (
+        q(status.and_then(|s| s.capacity.as_ref())),
+        q(status.and_then(|s| s.allocatable.as_ref())),
+        n.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(teeguard_shared::names::AGENT_EXTENDED_RESOURCES_ANNOTATION))
+            .cloned(),
+    )
+}
+
+/// The release's pods of one component on the node, once one is Ready (all containers ready).
+async fn ready_pod(cluster: &Cluster, ns: &str, component: &str, image: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), ns);
+    let selector = format!("app.kubernetes.io/component={component}");
+    cluster
+        .wait_for_within(
+            &format!("a Ready {component} pod running {image}"),
+            Duration::from_secs(120),
+            || async {
+                let list = pods
+                    .list(&ListParams::default().labels(&selector))
+                    .await
+                    .ok()?;
+                list.items.into_iter().find(|p| {
+                    let spec_image = p.spec.as_ref().map(|s| s.containers[0].image.clone());
+                    let ready = p
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|c| {
+                            c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        });
+                    ready
+                        && p.metadata.deletion_timestamp.is_none()
+                        && spec_image.flatten().as_deref() == Some(image)
+                })
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Everything the pod's containers logged so far (the kubelet's pod log files).
+fn pod_logs(node: &RealNode, pod: &Pod) -> String {
+    let (ns, name, uid) = (
+        pod.metadata.namespace.clone().unwrap_or_default(),
+        pod.metadata.name.clone().unwrap_or_default(),
+        pod.metadata.uid.clone().unwrap_or_default(),
+    );
+    let dir = node
+        .dir()
+        .join("kubelet")
+        .join("pod-logs")
+        .join(format!("{ns}_{name}_{uid}"));
+    let mut out = String::new();
+    for entry in walk(&dir) {
+        out.push_str(&std::fs::read_to_string(entry).unwrap_or_default());
+    }
+    out
+}
+
+fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            files.extend(walk(&p));
+        } else {
+            files.push(p);
+        }
+    }
+    files
+}
+
+/// No API call of the pod was refused: a 403 means the chart's RBAC (or the own-node policy) is wrong.
+fn assert_no_refused_api_calls(node: &RealNode, pod: &Pod, what: &str) {
+    let logs = pod_logs(node, pod);
+    assert!(
+        !logs.is_empty(),
+        "{what}: no pod logs found under the kubelet's pod-logs"
+    );
+    for line in logs.lines() {
+        // kube's errors read `... Forbidden ... code: 403` / `Unauthorized ... code: 401`.
+        let l = line.to_ascii_lowercase();
+        let refused = [
+            "forbidden",
+            "unauthorized",
+            "code: 403",
+            "code: 401",
+            "\"code\":403",
+        ]
+        .iter()
+        .any(|w| l.contains(w));
+        assert!(!refused, "{what}: an API call was refused:\n{line}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap_and_uninstall_cleanly()
+ {
+    let Some(images) = images_dir() else { return };
+    let Some(node) = RealNode::shared(Runtime::Containerd) else {
+        return;
+    };
+    within(DEADLINE, async move {
+        let turn = node.acquire().await;
+        let cluster = Cluster::connect().await.expect("control plane");
+        let cp = cluster.cp;
+        let test = "chart";
+        node_support::prepare_node(&cluster, &turn, test).await;
+        let nodes: Api<Node> = Api::all(cluster.client.clone());
+        let before = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
+
+        for (image, file) in [
+            (WEBHOOK_IMAGE, "teeguard-webhook"),
+            (AGENT_IMAGE, "teeguard-agent"),
+        ] {
+            turn.import_image(
+                &images.join(format!("{file}.tar")),
+                &format!("{image}:{VERSION}"),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+
+        // The agent reads a simulated host with the misc controller delegated (4 TDX keys): this
+        // machine's own tree has no misc controller.
+        let host = SimHost::builder()
+            .capacity(TDX, 4)
+            .build()
+            .expect("simulated host");
+        // The chart mounts the cgroup tree with HostToContainer propagation, which the runtime allows
+        // only from a shared (or slave) mount, as /sys/fs/cgroup is on a systemd host.
+        let _shared = SharedMount::new(host.root());
+        let release = unique_name("tg");
+        let ns = release.clone();
+        let (webhook_port, webhook_admin, agent_admin) = (free_port(), free_port(), free_port());
+        let ca = CertificateAuthority::generate("teeguard-node-chart-ca", 2).expect("CA");
+        let leaf = ca
+            .issue(&ServingCertRequest::localhost())
+            .expect("serving certificate");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (crt, key, ca_crt) = (
+            dir.path().join("tls.crt"),
+            dir.path().join("tls.key"),
+            dir.path().join("ca.crt"),
+        );
+        std::fs::write(&crt, leaf.cert_pem()).expect("write");
+        std::fs::write(&key, leaf.key_pem()).expect("write");
+        std::fs::write(&ca_crt, ca.cert_pem()).expect("write");
+        let api_port = cp.url.rsplit(':').next().expect("port").to_string();
+        let mut args: Vec<String> = vec![
+            "install".into(),
+            release.clone(),
+            chart_support::chart_dir().display().to_string(),
+            "--namespace".into(),
+            ns.clone(),
+            "--create-namespace".into(),
+        ];
+        args.extend(set(&[
+            ("apiServer.host", "127.0.0.1".into()),
+            ("apiServer.port", api_port),
+            ("webhook.replicas", "1".into()),
+            ("webhook.hostNetwork", "true".into()),
+            ("webhook.port", webhook_port.to_string()),
+            ("webhook.adminPort", webhook_admin.to_string()),
+            ("webhook.image.pullPolicy", "Never".into()),
+            ("webhook.podDisruptionBudget.enabled", "false".into()),
+            // The API server here reaches no Service: it calls the host-network pod by URL.
+            ("webhook.url", format!("https://127.0.0.1:{webhook_port}")),
+            ("agent.hostNetwork", "true".into()),
+            ("agent.adminPort", agent_admin.to_string()),
+            ("agent.image.pullPolicy", "Never".into()),
+            ("agent.hostCgroupRoot", host.root().display().to_string()),
+            ("config.enforcement.mode", "nri".into()),
+            (
+                "config.enforcement.nriSocket",
+                turn.nri_socket().display().to_string(),
+            ),
+            ("config.agent.pollInterval", "250ms".into()),
+            ("config.agent.heartbeatInterval", "5s".into()),
+        ]));
+        for (k, f) in [
+            ("webhook.tls.crt", &crt),
+            ("webhook.tls.key", &key),
+            ("webhook.tls.caCrt", &ca_crt),
+        ] {
+            args.extend(["--set-file".into(), format!("{k}={}", f.display())]);
+        }
+        let out = helm(cp, &args);
+        assert!(out.success, "helm install failed:\n{}", out.stderr);
+
+        // The agent's pod: on this node, the chart's securityContext and mounts, Ready.
+        let agent = ready_pod(&cluster, &ns, "agent", &format!("{AGENT_IMAGE}:{VERSION}")).await;
+        let spec = agent.spec.as_ref().expect("spec");
+        assert_eq!(spec.node_name.as_deref(), Some(turn.name.as_str()));
+        assert_eq!(spec.host_network, Some(true));
+        let sc = spec.containers[0]
+            .security_context
+            .as_ref()
+            .expect("securityContext");
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        let mounts: Vec<&str> = spec.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .map(|m| m.mount_path.as_str())
+            .collect();
+        assert!(mounts.contains(&"/host/sys/fs/cgroup"), "{mounts:?}");
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m.ends_with("kube-api-access") || m.contains("serviceaccount")),
+            "projected ServiceAccount token mounted: {mounts:?}"
+        );
+
+        // Its work, through its own ServiceAccount: the report, the Lease, the Node, NRI.
+        let reports: Api<TeeCapacity> = Api::all(cluster.client.clone());
+        cluster
+            .wait_for(
+                "the chart's agent to publish the node's report with 4 TDX keys",
+                || async {
+                    let r = reports.get(&turn.name).await.ok()?;
+                    (r.status?.tdx?.capacity == 4).then_some(())
+                },
+            )
+            .await
+            .expect("report");
+        let leases: Api<Lease> = Api::namespaced(cluster.client.clone(), &ns);
+        let first = cluster
+            .wait_for("the agent's heartbeat Lease", || async {
+                leases.get(&turn.name).await.ok()?.spec?.renew_time
+            })
+            .await
+            .expect("lease");
+        cluster
+            .wait_for_within("the Lease renewed", Duration::from_secs(30), || async {
+                let now = leases.get(&turn.name).await.ok()?.spec?.renew_time?;
+                (now.0 > first.0).then_some(())
+            })
+            .await
+            .expect("renewed");
+        cluster
+            .wait_for("tdx.intel.com/keys: 4 on the Node", || async {
+                let n = nodes.get(&turn.name).await.ok()?;
+                (teeguard_marks(&n).1.as_deref() == Some("4")).then_some(())
+            })
+            .await
+            .expect("advertised");
+        cluster
+            .wait_for(
+                "the agent's NRI plugin registered with containerd",
+                || async { turn.log("containerd").contains("teeguard").then_some(()) },
+            )
+            .await
+            .expect("registered");
+
+        // The webhook's pod is Ready and answers admission: a TDX VM's pod is mutated by it and gets
+        // its limit from the chart's agent.
+        let webhook = ready_pod(
+            &cluster,
+            &ns,
+            "webhook",
+            &format!("{WEBHOOK_IMAGE}:{VERSION}"),
+        )
+        .await;
+        let vm_ns = cluster
+            .namespace("chart-vms", test, &[])
+            .await
+            .expect("namespace");
+        let uid = cluster
+            .create_vmi(&vm_ns, "tdx-vm", Tee::Tdx)
+            .await
+            .expect("VMI");
+        let pod = Cluster::launcher_pod(&vm_ns, "tdx-vm", &uid, Tee::Tdx, &[(TEST_LABEL, test)])
+            .expect("pod");
+        let pods_api: Api<Pod> = Api::namespaced(cluster.client.clone(), &vm_ns);
+        let created = pods_api
+            .create(&PostParams::default(), &pods::runnable(&pod))
+            .await
+            .unwrap_or_else(|e| panic!("the TDX VM's pod was refused: {e}"));
+        let compute = &created.spec.as_ref().expect("spec").containers[0];
+        assert_eq!(
+            compute
+                .resources
+                .as_ref()
+                .and_then(|r| r.requests.as_ref())
+                .and_then(|r| r.get(TDX_KEYS))
+                .map(|q| q.0.as_str()),
+            Some("1"),
+            "mutated by the chart's webhook"
+        );
+        let pod_uid = created.metadata.uid.clone().expect("uid");
+        let name = created.metadata.name.clone().expect("name");
+        cluster
+            .wait_for_within(
+                "the TDX VM's pod Running",
+                Duration::from_secs(90),
+                || async {
+                    let p = pods_api.get(&name).await.ok()?;
+                    (p.status?.phase.as_deref() == Some("Running")).then_some(())
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}\nkubelet:\n{}", tail(&turn.log("kubelet"))));
+        let compute_limit = cluster
+            .wait_for("the compute container's recorded config", || async {
+                turn.records_of(&pod_uid)
+                    .into_iter()
+                    .find(|r| r.kind == ContainerKind::Container && r.container == "compute")
+                    .map(|r| r.misc_max().map(str::to_string))
+            })
+            .await
+            .expect("recorded");
+        assert_eq!(
+            compute_limit.as_deref(),
+            Some("tdx 1"),
+            "misc.max from the chart's agent"
+        );
+
+        assert_no_refused_api_calls(&turn, &agent, "agent");
+        assert_no_refused_api_calls(&turn, &webhook, "webhook");
+
+        // helm upgrade to another image: the agent rolls, the Node's key resource never drops.
+        turn.tag_image(
+            &format!("{AGENT_IMAGE}:{VERSION}"),
+            &format!("{AGENT_IMAGE}:{VERSION}-upgrade"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let watching = Arc::new(AtomicBool::new(true));
+        let gaps = {
+            let (nodes, name, watching) = (nodes.clone(), turn.name.clone(), watching.clone());
+            tokio::spawn(async move {
+                let mut gaps = Vec::new();
+                while watching.load(Ordering::Acquire) {
+                    if let Ok(n) = nodes.get(&name).await {
+                        let marks = teeguard_marks(&n);
+                        if marks.1.as_deref() != Some("4") {
+                            gaps.push(format!("{:?}", marks));
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                gaps
+            })
+        };
+        let upgrade_started = Instant::now();
+        let mut up: Vec<String> = vec![
+            "upgrade".into(),
+            release.clone(),
+            chart_support::chart_dir().display().to_string(),
+            "--namespace".into(),
+            ns.clone(),
+            "--reuse-values".into(),
+        ];
+        up.extend(set(&[("agent.image.tag", format!("{VERSION}-upgrade"))]));
+        let out = helm(cp, &up);
+        assert!(out.success, "helm upgrade failed:\n{}", out.stderr);
+        let upgraded = ready_pod(
+            &cluster,
+            &ns,
+            "agent",
+            &format!("{AGENT_IMAGE}:{VERSION}-upgrade"),
+        )
+        .await;
+        let renewed_by_new = cluster
+            .wait_for_within(
+                "the upgraded agent renewing the Lease",
+                Duration::from_secs(30),
+                || async {
+                    let t = leases.get(&turn.name).await.ok()?.spec?.renew_time?;
+                    let started = upgraded.status.as_ref()?.start_time.as_ref()?.0;
+                    (t.0 > started).then_some(())
+                },
+            )
+            .await;
+        watching.store(false, Ordering::Release);
+        let gaps = gaps.await.expect("watcher");
+        renewed_by_new.expect("the new agent works");
+        assert!(
+            gaps.is_empty(),
+            "the Node's key resource dropped during the upgrade: {gaps:?}"
+        );
+        eprintln!("agent upgraded in {:?}", upgrade_started.elapsed());
+        assert_no_refused_api_calls(&turn, &upgraded, "upgraded agent");
+
+        // helm uninstall, then `teeguard-agent cleanup`: the Node as it was before the install.
+        pods_api
+            .delete(&name, &Default::default())
+            .await
+            .expect("delete the VM's pod");
+        let out = helm(
+            cp,
+            &[
+                "uninstall".into(),
+                release.clone(),
+                "--namespace".into(),
+                ns.clone(),
+                "--wait".into(),
+            ],
+        );
+        assert!(out.success, "helm uninstall failed:\n{}", out.stderr);
+        let bins = teeguard_tests::e2e::binaries().expect("teeguard binaries");
+        let cleanup = std::process::Command::new(&bins.agent)
+            .args(["cleanup", "--node-name", &turn.name, "--namespace", &ns])
+            .env("KUBECONFIG", &cp.kubeconfig)
+            .output()
+            .expect("run teeguard-agent cleanup");
+        assert!(
+            cleanup.status.success(),
+            "teeguard-agent cleanup failed: {}{}",
+            String::from_utf8_lossy(&cleanup.stdout),
+            String::from_utf8_lossy(&cleanup.stderr)
+        );
+        let after = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
+        assert_eq!(after, before, "the Node after uninstall and cleanup");
+        assert!(
+            reports.get_opt(&turn.name).await.expect("get").is_none(),
+            "report left"
+        );
+        assert!(
+            leases.get_opt(&turn.name).await.expect("get").is_none(),
+            "Lease left"
+        );
+    })
+    .await;
+}
+
+/// `path` bind-mounted onto itself and made a shared mount, unmounted on drop.
+struct SharedMount(PathBuf);
+
+impl SharedMount {
+    fn new(path: &std::path::Path) -> SharedMount {
+        for args in [&["--bind"][..], &["--make-shared"][..]] {
+            let status = std::process::Command::new("mount")
+                .args(args)
+                .args(if args[0] == "--bind" {
+                    vec![path, path]
+                } else {
+                    vec![path]
+                })
+                .status()
+                .expect("run mount");
+            assert!(status.success(), "mount {args:?} {}", path.display());
+        }
+        SharedMount(path.to_path_buf())
+    }
+}
+
+impl Drop for SharedMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
