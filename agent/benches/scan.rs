@@ -15,7 +15,9 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use teeguard_agent::scan::{FULL_READ_EVERY, HostState, Interest, Scanner};
+use teeguard_agent::decide::host::{HostState, Interest};
+use teeguard_agent::decide::reuse::FULL_READ_EVERY;
+use teeguard_agent::kernel::Scanner;
 use teeguard_tests::host::{CgroupDriver, CgroupVersion, QosClass, SimHost, TDX};
 
 fn thread_cpu() -> Option<Duration> {

@@ -345,7 +345,10 @@ mod tests {
             "cluster/mod.rs",
             &format!("//! cluster\n{}", "// line\n".repeat(MAX_LINES)),
         );
-        write("kernel/mod.rs", "//! kernel\nuse crate::cluster::events::Sink;\n");
+        write(
+            "kernel/mod.rs",
+            "//! kernel\nuse crate::cluster::events::Sink;\n",
+        );
         write("stray.rs", "fn f() {}\n");
         let got = problems(dir.path(), &LAYERS);
         let has = |needle: &str| got.iter().any(|p| p.contains(needle));
