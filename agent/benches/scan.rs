@@ -29,6 +29,11 @@ fn thread_cpu() -> Option<Duration> {
     Some(Duration::from_nanos(ns))
 }
 
+/// One measured scan.
+fn scan_once(scanner: &mut Scanner, interest: Interest<'_>) {
+    std::hint::black_box(scanner.scan(interest).expect("scan"));
+}
+
 fn uid(i: usize) -> String {
     format!("{i:08x}-aaaa-4bbb-8ccc-dddddddddddd")
 }
@@ -170,10 +175,7 @@ fn main() {
             measure(
                 &format!("{label}: agent, {} TEE pods; {how}", tree.tee_pods.len()),
                 iterations,
-                || {
-                    let s = scanner.scan(Interest::Only(&tree.tee_pods)).expect("scan");
-                    std::hint::black_box(s);
-                },
+                || scan_once(&mut scanner, Interest::Only(&tree.tee_pods)),
             );
             let mut scanner = Scanner::new(tree.host.root()).full_read_every(every);
             measure(
@@ -182,10 +184,7 @@ fn main() {
                     tree.half.len()
                 ),
                 iterations,
-                || {
-                    let s = scanner.scan(Interest::Only(&tree.half)).expect("scan");
-                    std::hint::black_box(s);
-                },
+                || scan_once(&mut scanner, Interest::Only(&tree.half)),
             );
             measure_spaced(
                 &format!(
@@ -194,24 +193,17 @@ fn main() {
                 ),
                 spaced,
                 gap,
-                || {
-                    let s = scanner.scan(Interest::Only(&tree.half)).expect("scan");
-                    std::hint::black_box(s);
-                },
+                || scan_once(&mut scanner, Interest::Only(&tree.half)),
             );
         }
         measure(
             &format!("{label}: every pod (`scan` subcommand)"),
             iterations,
-            || {
-                let s = scanner.scan(Interest::All).expect("scan");
-                std::hint::black_box(s);
-            },
+            || scan_once(&mut scanner, Interest::All),
         );
         let none = HashSet::new();
         measure(&format!("{label}: no TEE pods bound"), iterations, || {
-            let s = scanner.scan(Interest::Only(&none)).expect("scan");
-            std::hint::black_box(s);
+            scan_once(&mut scanner, Interest::Only(&none))
         });
     }
     let idle = build(CgroupVersion::V2, CgroupDriver::Systemd, pods, 0);
@@ -219,9 +211,6 @@ fn main() {
     measure(
         &format!("V2/Systemd, {pods} pods, idle host (pruned at kubepods)"),
         iterations,
-        || {
-            let s = scanner.scan(Interest::All).expect("scan");
-            std::hint::black_box(s);
-        },
+        || scan_once(&mut scanner, Interest::All),
     );
 }

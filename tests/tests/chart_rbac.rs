@@ -52,7 +52,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "",
         resource: "namespaces",
         subresource: "",
-        why: "agent/src/cluster/watch.rs watch_exempt_namespaces: strict mode only (the standalone runs without it; \
+        why: "agent/src/cluster/watch.rs Watches::exempt_namespaces: strict mode only (the standalone runs without it; \
               tests/tests/e2e_enforcement.rs strict_mode_leaves_the_pods_of_an_exempt_namespace_alone does)",
     },
     NotExercised {
@@ -61,7 +61,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "",
         resource: "namespaces",
         subresource: "",
-        why: "agent/src/cluster/watch.rs watch_exempt_namespaces: strict mode only",
+        why: "agent/src/cluster/watch.rs Watches::exempt_namespaces: strict mode only",
     },
     NotExercised {
         component: WEBHOOK_USER_AGENT,

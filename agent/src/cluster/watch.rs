@@ -62,32 +62,6 @@ where
     }
 }
 
-/// Watch the pods bound to `node_name` (field selector `spec.nodeName=<node>`), caching only what
-/// attribution needs (see [`CachedPod`]).
-pub fn watch_pods(
-    client: Client,
-    node_name: &str,
-    resources: &ResourcesConfig,
-    backoff: Backoff,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> Watched<CachedPod> {
-    let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node_name}"));
-    let names: Vec<String> = TeeKind::ALL
-        .iter()
-        .map(|k| resources.resource_name(*k).to_string())
-        .collect();
-    spawn_reflector(
-        Api::all(client),
-        cfg,
-        move |p: &mut CachedPod| p.retain_resources(&names),
-        "watch pods",
-        backoff,
-        metrics,
-        shutdown,
-    )
-}
-
 /// The namespaces labelled `teeguard.dev/exempt: "true"` (strict mode leaves their pods alone, as the
 /// webhook does). Cheap to clone; empty when not watched.
 #[derive(Clone, Default)]
@@ -120,102 +94,116 @@ impl ExemptNamespaces {
     }
 }
 
-/// Watch the namespaces labelled `teeguard.dev/exempt=true` (metadata only; the label selector keeps
-/// the watch to those few). A namespace's label added or removed takes effect for containers created
-/// from then on and, with the cgroup writer, at the next poll.
-pub fn watch_exempt_namespaces(
-    client: Client,
-    backoff: Backoff,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> (ExemptNamespaces, Watched<PartialObjectMeta<Namespace>>) {
-    let cfg = watcher::Config::default().labels(&format!("{EXEMPT_LABEL}=true"));
-    let watched = spawn_reflector(
-        Api::all(client),
-        cfg,
-        |_: &mut PartialObjectMeta<Namespace>| {},
-        "watch exempt namespaces",
-        backoff,
-        metrics,
-        shutdown,
-    );
-    let exempt = ExemptNamespaces {
-        store: Some(watched.store.clone()),
-        synced: Some(watched.synced.clone()),
-    };
-    (exempt, watched)
+/// What the agent's watches share: the client, a fresh retry backoff for each, the metrics their
+/// failures count in, and shutdown.
+#[derive(Clone)]
+pub struct Watches {
+    /// The API client.
+    pub client: Client,
+    /// Each watch's retry backoff starts from this one.
+    pub backoff: Backoff,
+    /// Failed watch calls count here.
+    pub metrics: Metrics,
+    /// The watches stop when this is cancelled.
+    pub shutdown: CancellationToken,
 }
 
-/// Watch the agent's own Node (field selector `metadata.name=<node>`).
-pub fn watch_node(
-    client: Client,
-    node_name: &str,
-    backoff: Backoff,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> Watched<Node> {
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    spawn_reflector(
-        Api::all(client),
-        cfg,
-        slim_node,
-        "watch node",
-        backoff,
-        metrics,
-        shutdown,
-    )
+impl Debug for Watches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watches").finish_non_exhaustive()
+    }
 }
 
-fn spawn_reflector<K>(
-    api: Api<K>,
-    cfg: watcher::Config,
-    modify: impl FnMut(&mut K) + Send + 'static,
-    operation: &'static str,
-    backoff: Backoff,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> Watched<K>
-where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
-{
-    let (store, writer) = reflector::store::<K>();
-    let changed = Arc::new(Notify::new());
-    let synced = Arc::new(AtomicBool::new(false));
-    let stream = watcher(api, cfg)
-        .modify(modify)
-        .backoff(backoff)
-        .reflect(writer);
-    let task = {
-        let changed = changed.clone();
-        let synced = synced.clone();
-        tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    ev = stream.next() => match ev {
-                        Some(Ok(event)) => {
-                            if matches!(event, watcher::Event::InitDone) && !synced.swap(true, Ordering::AcqRel) {
-                                tracing::info!(operation, "cache synced");
+impl Watches {
+    /// Watch the pods bound to `node_name` (field selector `spec.nodeName=<node>`), caching only what
+    /// attribution needs (see [`CachedPod`]).
+    pub fn pods(&self, node_name: &str, resources: &ResourcesConfig) -> Watched<CachedPod> {
+        let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node_name}"));
+        let names: Vec<String> = TeeKind::ALL
+            .iter()
+            .map(|k| resources.resource_name(*k).to_string())
+            .collect();
+        self.spawn(
+            cfg,
+            move |p: &mut CachedPod| p.retain_resources(&names),
+            "watch pods",
+        )
+    }
+
+    /// Watch the agent's own Node (field selector `metadata.name=<node>`).
+    pub fn node(&self, node_name: &str) -> Watched<Node> {
+        let cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+        self.spawn(cfg, slim_node, "watch node")
+    }
+
+    /// Watch the namespaces labelled `teeguard.dev/exempt=true` (metadata only; the label selector
+    /// keeps the watch to those few). A namespace's label added or removed takes effect for
+    /// containers created from then on and, with the cgroup writer, at the next poll.
+    pub fn exempt_namespaces(&self) -> (ExemptNamespaces, Watched<PartialObjectMeta<Namespace>>) {
+        let cfg = watcher::Config::default().labels(&format!("{EXEMPT_LABEL}=true"));
+        let watched = self.spawn(
+            cfg,
+            |_: &mut PartialObjectMeta<Namespace>| {},
+            "watch exempt namespaces",
+        );
+        let exempt = ExemptNamespaces {
+            store: Some(watched.store.clone()),
+            synced: Some(watched.synced.clone()),
+        };
+        (exempt, watched)
+    }
+
+    /// A reflector of every object `cfg` selects, `modify` applied to each before it is stored.
+    fn spawn<K>(
+        &self,
+        cfg: watcher::Config,
+        modify: impl FnMut(&mut K) + Send + 'static,
+        operation: &'static str,
+    ) -> Watched<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+    {
+        let (store, writer) = reflector::store::<K>();
+        let changed = Arc::new(Notify::new());
+        let synced = Arc::new(AtomicBool::new(false));
+        let stream = watcher(Api::all(self.client.clone()), cfg)
+            .modify(modify)
+            .backoff(self.backoff.clone())
+            .reflect(writer);
+        let metrics = self.metrics.clone();
+        let shutdown = self.shutdown.clone();
+        let task = {
+            let changed = changed.clone();
+            let synced = synced.clone();
+            tokio::spawn(async move {
+                let mut stream = std::pin::pin!(stream);
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        ev = stream.next() => match ev {
+                            Some(Ok(event)) => {
+                                if matches!(event, watcher::Event::InitDone) && !synced.swap(true, Ordering::AcqRel) {
+                                    tracing::info!(operation, "cache synced");
+                                }
+                                changed.notify_one();
                             }
-                            changed.notify_one();
+                            Some(Err(e)) => {
+                                metrics.api_error(operation);
+                                tracing::warn!(operation, error = %e, "watch failed; retrying with backoff");
+                            }
+                            None => break,
                         }
-                        Some(Err(e)) => {
-                            metrics.api_error(operation);
-                            tracing::warn!(operation, error = %e, "watch failed; retrying with backoff");
-                        }
-                        None => break,
                     }
                 }
-            }
-        })
-    };
-    Watched {
-        store,
-        changed,
-        synced,
-        task,
+            })
+        };
+        Watched {
+            store,
+            changed,
+            synced,
+            task,
+        }
     }
 }
 

@@ -221,15 +221,7 @@ pub fn plan_with(
     resources: &ResourcesConfig,
     history: &History,
 ) -> Plan {
-    let annotations = node.metadata.annotations.as_ref();
-    let ours_before = parse_list(
-        annotations.and_then(|a| a.get(AGENT_EXTENDED_RESOURCES_ANNOTATION)),
-        None,
-    );
-    let nfd = parse_list(
-        annotations.and_then(|a| a.get(NFD_EXTENDED_RESOURCES_ANNOTATION)),
-        Some(NFD_DEFAULT_NS),
-    );
+    let (ours_before, nfd) = claims(node);
     let status = node.status.as_ref();
     let capacity = status.and_then(|s| s.capacity.as_ref());
     let allocatable = status.and_then(|s| s.allocatable.as_ref());
@@ -237,8 +229,10 @@ pub fn plan_with(
     let mut claimed = ours_before.clone();
     let mut ours_after = ours_before.clone();
     let mut ops: Vec<PatchOperation> = Vec::new();
-    let mut capacity_map_added = false;
-    let mut allocatable_map_added = false;
+    let mut maps = [
+        StatusMap::new("capacity", capacity),
+        StatusMap::new("allocatable", allocatable),
+    ];
     let mut outcome = AdvertiseOutcome {
         enabled: desired.enabled,
         per_kind: BTreeMap::new(),
@@ -291,36 +285,17 @@ pub fn plan_with(
                 claimed.insert(name.to_string());
                 ours_after.insert(name.to_string());
                 outcome.per_kind.insert(kind, KindAdvert::Advertised(value));
-                set_ops(
-                    &mut ops,
-                    "capacity",
-                    capacity.is_some() || capacity_map_added,
-                    capacity.and_then(|c| c.get(name)),
-                    name,
-                    value,
-                    &mut capacity_map_added,
-                );
-                set_ops(
-                    &mut ops,
-                    "allocatable",
-                    allocatable.is_some() || allocatable_map_added,
-                    allocatable.and_then(|c| c.get(name)),
-                    name,
-                    value,
-                    &mut allocatable_map_added,
-                );
+                for map in &mut maps {
+                    map.set(&mut ops, name, value);
+                }
             }
             _ => {
                 if want.is_some() {
                     outcome.per_kind.insert(kind, KindAdvert::Disabled);
                 }
                 if ours {
-                    for (map, field) in [(capacity, "capacity"), (allocatable, "allocatable")] {
-                        if map.is_some_and(|m| m.contains_key(name)) {
-                            ops.push(PatchOperation::Remove(RemoveOperation {
-                                path: PointerBuf::from_tokens(["status", field, name]),
-                            }));
-                        }
+                    for map in &maps {
+                        map.remove(&mut ops, name);
                     }
                     ours_after.remove(name);
                 }
@@ -404,15 +379,7 @@ impl Advertiser {
         resources: &ResourcesConfig,
         now: Instant,
     ) -> Plan {
-        let annotations = node.metadata.annotations.as_ref();
-        let ours = parse_list(
-            annotations.and_then(|a| a.get(AGENT_EXTENDED_RESOURCES_ANNOTATION)),
-            None,
-        );
-        let nfd = parse_list(
-            annotations.and_then(|a| a.get(NFD_EXTENDED_RESOURCES_ANNOTATION)),
-            Some(NFD_DEFAULT_NS),
-        );
+        let (ours, nfd) = claims(node);
         let capacity = node.status.as_ref().and_then(|s| s.capacity.as_ref());
         let names: BTreeSet<&str> = TeeKind::ALL
             .iter()
@@ -475,32 +442,66 @@ impl Advertiser {
     }
 }
 
-fn set_ops(
-    ops: &mut Vec<PatchOperation>,
-    field: &str,
-    map_exists: bool,
-    current: Option<&Quantity>,
-    name: &str,
-    value: u64,
-    map_added: &mut bool,
-) {
-    let current = current.and_then(|q| teeguard_shared::pod::parse_whole_quantity(&q.0));
-    if current == Some(value) {
-        return;
+/// One of the Node's status maps the agent writes (`capacity`, `allocatable`): what the Node shows,
+/// and whether the plan adds the map itself.
+struct StatusMap<'a> {
+    field: &'static str,
+    on_node: Option<&'a BTreeMap<String, Quantity>>,
+    added: bool,
+}
+
+impl<'a> StatusMap<'a> {
+    fn new(field: &'static str, on_node: Option<&'a BTreeMap<String, Quantity>>) -> Self {
+        StatusMap {
+            field,
+            on_node,
+            added: false,
+        }
     }
-    if map_exists {
-        // `add` on an existing member replaces it (RFC 6902 §4.1).
-        ops.push(PatchOperation::Add(AddOperation {
-            path: PointerBuf::from_tokens(["status", field, name]),
-            value: json!(value.to_string()),
-        }));
-    } else {
-        ops.push(PatchOperation::Add(AddOperation {
-            path: PointerBuf::from_tokens(["status", field]),
-            value: json!({ name: value.to_string() }),
-        }));
-        *map_added = true;
+
+    /// Set `name` to `value`, unless the Node shows that already.
+    fn set(&mut self, ops: &mut Vec<PatchOperation>, name: &str, value: u64) {
+        if whole(self.on_node.and_then(|m| m.get(name))) == Some(value) {
+            return;
+        }
+        if self.on_node.is_some() || self.added {
+            // `add` on an existing member replaces it (RFC 6902 §4.1).
+            ops.push(PatchOperation::Add(AddOperation {
+                path: PointerBuf::from_tokens(["status", self.field, name]),
+                value: json!(value.to_string()),
+            }));
+        } else {
+            ops.push(PatchOperation::Add(AddOperation {
+                path: PointerBuf::from_tokens(["status", self.field]),
+                value: json!({ name: value.to_string() }),
+            }));
+            self.added = true;
+        }
     }
+
+    /// Remove `name`, when the Node shows it.
+    fn remove(&self, ops: &mut Vec<PatchOperation>, name: &str) {
+        if self.on_node.is_some_and(|m| m.contains_key(name)) {
+            ops.push(PatchOperation::Remove(RemoveOperation {
+                path: PointerBuf::from_tokens(["status", self.field, name]),
+            }));
+        }
+    }
+}
+
+/// The resource names the Node's annotations give to teeguard (`teeguard.dev/extended-resources`) and
+/// to NFD (`nfd.node.kubernetes.io/extended-resources`, names without a namespace in NFD's default).
+fn claims(node: &Node) -> (BTreeSet<String>, BTreeSet<String>) {
+    let annotations = node.metadata.annotations.as_ref();
+    let ours = parse_list(
+        annotations.and_then(|a| a.get(AGENT_EXTENDED_RESOURCES_ANNOTATION)),
+        None,
+    );
+    let nfd = parse_list(
+        annotations.and_then(|a| a.get(NFD_EXTENDED_RESOURCES_ANNOTATION)),
+        Some(NFD_DEFAULT_NS),
+    );
+    (ours, nfd)
 }
 
 fn parse_list(value: Option<&String>, default_ns: Option<&str>) -> BTreeSet<String> {

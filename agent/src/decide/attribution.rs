@@ -162,15 +162,17 @@ pub fn attribute(input: &AttributionInput<'_>) -> BTreeMap<TeeKind, KindFigures>
             Accounting::RunningPods => running_pods(kind, input.pods),
         };
         let pods_used = claimed.min(kernel_used);
+        let external = kernel_used - pods_used;
+        let free = capacity.saturating_sub(kernel_used).saturating_sub(pending);
         out.insert(
             kind,
             KindFigures {
                 capacity,
                 kernel_used,
                 pods_used,
-                external: kernel_used - pods_used,
+                external,
                 pending,
-                free: capacity.saturating_sub(kernel_used).saturating_sub(pending),
+                free,
             },
         );
     }

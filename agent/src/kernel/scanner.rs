@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 
 use teeguard_shared::misc::MiscController;
 
-use self::interest::KnownPod;
+use self::interest::{KnownPod, Kubepods};
 use super::files::{list_dirs, read_text};
 use crate::decide::attribution::Accounting;
 use crate::decide::cgroup_names::{CgroupName, classify, normalize_uid, parse_counts};
@@ -221,7 +221,11 @@ impl Scanner {
             }
             match (interest, top.is_zero()) {
                 (Interest::Only(set), false) => {
-                    self.read_interest(&mut scan, &kubepods, driver, set, top);
+                    let at = Kubepods {
+                        dir: &kubepods,
+                        driver,
+                    };
+                    self.read_interest(&mut scan, at, set, top);
                 }
                 // Nothing is held below kubepods: no pod was read, so no reading to reuse later.
                 _ => self.reuse.forget(),

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cluster::cached::CachedPod;
 use crate::cluster::lease::HeartbeatLease;
 use crate::cluster::publish::Publisher;
-use crate::cluster::watch::{self, Backoff, ExemptNamespaces, Watched};
+use crate::cluster::watch::{Backoff, ExemptNamespaces, Watched, Watches};
 use crate::decide::advertise::Advertiser;
 use crate::decide::attribution::PodsView;
 use crate::decide::report::{CountedPods, KernelView};
@@ -95,32 +95,20 @@ pub async fn run(
     readiness: Readiness,
     shutdown: CancellationToken,
 ) -> Result<()> {
-    let pods = watch::watch_pods(
-        client.clone(),
-        &opts.node_name,
-        &opts.config.resources,
-        opts.backoff(),
-        metrics.clone(),
-        shutdown.clone(),
-    );
-    let node = watch::watch_node(
-        client.clone(),
-        &opts.node_name,
-        opts.backoff(),
-        metrics.clone(),
-        shutdown.clone(),
-    );
+    let watches = Watches {
+        client: client.clone(),
+        backoff: opts.backoff(),
+        metrics: metrics.clone(),
+        shutdown: shutdown.clone(),
+    };
+    let pods = watches.pods(&opts.node_name, &opts.config.resources);
+    let node = watches.node(&opts.node_name);
     let events = EventsWatch::new();
     // Strict mode leaves the pods of exempt namespaces alone: only then are those namespaces watched.
     let strict = opts.config.enforcement.strict
         && opts.config.enforcement.mode != teeguard_shared::config::EnforcementMode::Off;
     let (exempt_namespaces, _exempt_watch) = if strict {
-        let (exempt, watched) = watch::watch_exempt_namespaces(
-            client.clone(),
-            opts.backoff(),
-            metrics.clone(),
-            shutdown.clone(),
-        );
+        let (exempt, watched) = watches.exempt_namespaces();
         (exempt, Some(watched))
     } else {
         (ExemptNamespaces::default(), None)

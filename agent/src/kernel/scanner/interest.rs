@@ -42,6 +42,15 @@ use crate::kernel::files::{PodRead, read_pod_file, record_pod, reread};
 /// (the soft limit is often 1024); pods beyond it are opened by path at every scan.
 const MAX_KEPT_FILES: usize = 512;
 
+/// Where the pod cgroups are: the kubepods directory, and the cgroup driver that names them.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Kubepods<'a> {
+    /// `kubepods.slice` or `kubepods`.
+    pub(super) dir: &'a Path,
+    /// The kubelet's cgroup driver.
+    pub(super) driver: Driver,
+}
+
 /// Where a pod of interest's cgroup was found, and its `misc.current` kept open (agent mode).
 #[derive(Debug)]
 pub(super) struct KnownPod {
@@ -61,8 +70,7 @@ impl Scanner {
     pub(super) fn read_interest(
         &mut self,
         scan: &mut PodScan,
-        kubepods: &Path,
-        driver: Driver,
+        at: Kubepods<'_>,
         set: &HashSet<String>,
         top: LevelUsage,
     ) {
@@ -85,7 +93,7 @@ impl Scanner {
                     unchanged += 1;
                     continue;
                 }
-                if !self.read_and_remember(scan, kubepods, driver, uid) {
+                if !self.read_and_remember(scan, at, uid) {
                     return;
                 }
                 if let Some(c) = scan.usage.get(uid.as_str()) {
@@ -104,7 +112,7 @@ impl Scanner {
             *scan = before;
         }
         for uid in set {
-            if !self.read_and_remember(scan, kubepods, driver, uid) {
+            if !self.read_and_remember(scan, at, uid) {
                 return;
             }
         }
@@ -113,14 +121,8 @@ impl Scanner {
 
     /// [`Scanner::direct_pod`], then remember what the pod held for the next scan. False: stop (the
     /// controller is not delegated), and reuse nothing until a full read.
-    fn read_and_remember(
-        &mut self,
-        scan: &mut PodScan,
-        kubepods: &Path,
-        driver: Driver,
-        uid: &str,
-    ) -> bool {
-        if !self.direct_pod(scan, kubepods, driver, uid) {
+    fn read_and_remember(&mut self, scan: &mut PodScan, at: Kubepods<'_>, uid: &str) -> bool {
+        if !self.direct_pod(scan, at, uid) {
             self.reuse.forget();
             return false;
         }
@@ -134,13 +136,11 @@ impl Scanner {
     /// path (no directory listing). The QoS class is not known from the UID, so the three possible places
     /// are tried once and the hit remembered, with the file kept open. Returns false when the pod showed
     /// the controller is not delegated (stop).
-    fn direct_pod(
-        &mut self,
-        scan: &mut PodScan,
-        kubepods: &Path,
-        driver: Driver,
-        uid: &str,
-    ) -> bool {
+    fn direct_pod(&mut self, scan: &mut PodScan, at: Kubepods<'_>, uid: &str) -> bool {
+        let Kubepods {
+            dir: kubepods,
+            driver,
+        } = at;
         if !is_valid_uid(uid) {
             // UIDs come from the API server; never build paths from anything else.
             tracing::debug!(uid, "pod UID is not a UUID; its cgroup is not read");
