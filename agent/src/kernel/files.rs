@@ -102,10 +102,10 @@ pub(super) fn read_text<'b>(path: &Path, buf: &'b mut Vec<u8>) -> std::io::Resul
     read_from_start(&File::open(path)?, buf)
 }
 
-/// Re-read a file kept open (see "Open files" in `kernel::scanner::interest`). `Ok(None)`: the file has no link left
-/// (deleted, or replaced by a rename), so its content is stale and it must be opened again by path.
-/// The `fstat` is what catches that on regular files; on the kernel's cgroup files a removed cgroup
-/// shows as a read error (`ENODEV`) instead.
+/// Re-read a file kept open (see "Open files" in `kernel::scanner::interest`). `Ok(None)`: the file
+/// has no link left (deleted, or replaced by a rename), so its content is stale and it must be opened
+/// again by path. The `fstat` is what catches that on regular files; on the kernel's cgroup files a
+/// removed cgroup shows as a read error (`ENODEV`) instead.
 pub(super) fn reread<'b>(file: &File, buf: &'b mut Vec<u8>) -> std::io::Result<Option<&'b str>> {
     if file.metadata()?.nlink() == 0 {
         return Ok(None);

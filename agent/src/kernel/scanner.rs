@@ -278,10 +278,6 @@ impl Scanner {
         scan
     }
 
-    /// Agent mode: read the pods of interest (see "Unchanged pods" in the module doc): first only
-    /// those without a reading to reuse, taking the others' last readings, and all of them when the
-    /// kubepods total (`top`) does not add up or a full read is due.
-
     /// Walk mode: read one pod cgroup found by listing. Returns false when it showed the controller is
     /// not delegated (stop).
     fn pod(

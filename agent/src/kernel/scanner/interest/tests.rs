@@ -418,8 +418,8 @@ fn every_pod_is_read_again_every_full_read_period() {
     assert_eq!(read.last(), Some(&2), "{read:?}");
 }
 
-/// Changes the totals cannot show (see "Unchanged pods"): a pod releases a key while a cgroup that
-/// is not read charges one. The stale reading lasts until the next full read.
+/// Changes the totals cannot show (see `crate::decide::reuse`): a pod releases a key while a cgroup
+/// that is not read charges one. The stale reading lasts until the next full read.
 #[test]
 fn offsetting_changes_lag_until_the_next_full_read() {
     let d = tempfile::tempdir().expect("tempdir");
