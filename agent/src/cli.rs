@@ -103,7 +103,7 @@ pub struct CleanupArgs {
     pub namespace: Option<String>,
 }
 
-/// `teeguard-agent cleanup`: see [`crate::cleanup`]. Prints what it changed.
+/// `teeguard-agent cleanup`: see [`crate::cluster::cleanup`]. Prints what it changed.
 pub async fn cleanup_command(args: &CleanupArgs, out: &mut dyn Write) -> Result<()> {
     let config = load_config(args.config.as_deref())?;
     let build = "build the Kubernetes client (in-cluster or kubeconfig)";

@@ -218,7 +218,7 @@ pub enum Write {
     /// webhook holds that pod's keys until it sees that).
     Report,
     /// A heartbeat: the published report is still current (to its `countedPods`) and the heartbeat
-    /// is due (the agent renews its Lease, see [`crate::lease`]).
+    /// is due (the agent renews its Lease, `cluster::lease`).
     Heartbeat,
 }
 

@@ -2,7 +2,7 @@
 //!
 //! - [`scanner`]: one scan of capacity and usage (root, kubepods levels, pod cgroups), agent mode
 //!   reading only the pods of interest through kept-open files;
-//! - [`files`]: the small-file reads the scanner makes;
+//! - `files`: the small-file reads the scanner makes;
 //! - [`misc_max`]: writing a pod cgroup's `misc.max` (the cgroup writer's file I/O);
 //! - [`misc_events`]: inotify on the `misc.events` files (a failed charge wakes the agent).
 //!

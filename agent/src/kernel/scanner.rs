@@ -1,5 +1,5 @@
 //! Reading the host's misc cgroup files: the [`Scanner`] and its state, and the walk of every pod
-//! cgroup (the pods of interest are read in [`interest`]).
+//! cgroup (the pods of interest are read in `interest`).
 //!
 //! One [`Scanner::scan`] reads, in this order:
 //!
@@ -12,7 +12,7 @@
 //!    `misc.current` only, never containers:
 //!    - agent mode ([`Interest::Only`]): only the pods that request keys, opened by constructed path
 //!      (the place found first is remembered), without listing any directory, and then kept open: see
-//!      [`interest`];
+//!      `interest`;
 //!    - walk mode ([`Interest::All`], the `scan` subcommand): every pod directory, by listing the
 //!      kubepods and QoS directories (QoS levels holding nothing are skipped);
 //! 4. the root `misc.current` again: when it moved while the pods were read (a VM started or stopped),
@@ -25,7 +25,7 @@
 //! recorded as a problem and treated as holding nothing (its request then counts as pending and its real
 //! usage as external: conservative in both directions).
 //!
-//! The scan reuses its path and content buffers (see [`super::files`]), and in agent mode allocates
+//! The scan reuses its path and content buffers (see `kernel::files`), and in agent mode allocates
 //! only for pods that hold keys.
 
 mod interest;

@@ -4,8 +4,8 @@
 //! the in-flight publish finish.
 //!
 //! - this module: the options, the start (watches, enforcement, the state below);
-//! - [`poll`]: the loop: what wakes it, scanning, the pod view and the limits;
-//! - [`reconcile`]: after every wake-up: advertise on the Node, publish the report or renew the Lease.
+//! - `poll`: the loop: what wakes it, scanning, the pod view and the limits;
+//! - `reconcile`: after every wake-up: advertise on the Node, publish the report or renew the Lease.
 
 mod poll;
 mod reconcile;

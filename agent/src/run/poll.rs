@@ -1,6 +1,6 @@
 //! The agent's loop: one task woken by the poll tick, `misc.events` changes (a failed charge), pod and
 //! Node cache changes, heartbeat and retry deadlines, and shutdown; each wake-up scans when needed
-//! and reconciles ([`super::reconcile`]).
+//! and reconciles (`reconcile`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
