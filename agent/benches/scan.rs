@@ -15,7 +15,9 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use teeguard_agent::scan::{FULL_READ_EVERY, HostState, Interest, Scanner};
+use teeguard_agent::decide::host::{HostState, Interest};
+use teeguard_agent::decide::reuse::FULL_READ_EVERY;
+use teeguard_agent::kernel::Scanner;
 use teeguard_tests::host::{CgroupDriver, CgroupVersion, QosClass, SimHost, TDX};
 
 fn thread_cpu() -> Option<Duration> {
@@ -25,6 +27,11 @@ fn thread_cpu() -> Option<Duration> {
     let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
     let ns: u64 = text.split_whitespace().next()?.parse().ok()?;
     Some(Duration::from_nanos(ns))
+}
+
+/// One measured scan.
+fn scan_once(scanner: &mut Scanner, interest: Interest<'_>) {
+    std::hint::black_box(scanner.scan(interest).expect("scan"));
 }
 
 fn uid(i: usize) -> String {
@@ -168,10 +175,7 @@ fn main() {
             measure(
                 &format!("{label}: agent, {} TEE pods; {how}", tree.tee_pods.len()),
                 iterations,
-                || {
-                    let s = scanner.scan(Interest::Only(&tree.tee_pods)).expect("scan");
-                    std::hint::black_box(s);
-                },
+                || scan_once(&mut scanner, Interest::Only(&tree.tee_pods)),
             );
             let mut scanner = Scanner::new(tree.host.root()).full_read_every(every);
             measure(
@@ -180,10 +184,7 @@ fn main() {
                     tree.half.len()
                 ),
                 iterations,
-                || {
-                    let s = scanner.scan(Interest::Only(&tree.half)).expect("scan");
-                    std::hint::black_box(s);
-                },
+                || scan_once(&mut scanner, Interest::Only(&tree.half)),
             );
             measure_spaced(
                 &format!(
@@ -192,24 +193,17 @@ fn main() {
                 ),
                 spaced,
                 gap,
-                || {
-                    let s = scanner.scan(Interest::Only(&tree.half)).expect("scan");
-                    std::hint::black_box(s);
-                },
+                || scan_once(&mut scanner, Interest::Only(&tree.half)),
             );
         }
         measure(
             &format!("{label}: every pod (`scan` subcommand)"),
             iterations,
-            || {
-                let s = scanner.scan(Interest::All).expect("scan");
-                std::hint::black_box(s);
-            },
+            || scan_once(&mut scanner, Interest::All),
         );
         let none = HashSet::new();
         measure(&format!("{label}: no TEE pods bound"), iterations, || {
-            let s = scanner.scan(Interest::Only(&none)).expect("scan");
-            std::hint::black_box(s);
+            scan_once(&mut scanner, Interest::Only(&none))
         });
     }
     let idle = build(CgroupVersion::V2, CgroupDriver::Systemd, pods, 0);
@@ -217,9 +211,6 @@ fn main() {
     measure(
         &format!("V2/Systemd, {pods} pods, idle host (pruned at kubepods)"),
         iterations,
-        || {
-            let s = scanner.scan(Interest::All).expect("scan");
-            std::hint::black_box(s);
-        },
+        || scan_once(&mut scanner, Interest::All),
     );
 }

@@ -18,14 +18,14 @@ use teeguard_shared::names::conditions as ct;
 use teeguard_shared::ops::{self, LogFormat, Readiness};
 use tokio_util::sync::CancellationToken;
 
-use crate::advertise::{AdvertiseOutcome, Desired};
-use crate::attribution::PodPhase;
+use crate::decide::advertise::{AdvertiseOutcome, Desired};
+use crate::decide::attribution::{PodPhase, summarize};
+use crate::decide::host::{Driver, HostState, Interest};
+use crate::decide::report::{self, KernelView, StatusInput};
 use crate::error::{Error, Result};
+use crate::kernel::Scanner;
 use crate::metrics::Metrics;
-use crate::pods::summarize;
-use crate::report::{self, KernelView, StatusInput};
 use crate::run::{AgentOptions, READY_PODS, READY_SCAN, run};
-use crate::scan::{Driver, HostState, Interest, Scanner};
 
 /// teeguard node agent: reads TEE key capacity and usage from the kernel's misc cgroup, attributes it
 /// to pods, publishes the node's TeeCapacity and advertises the keys pods can really get.
@@ -103,7 +103,7 @@ pub struct CleanupArgs {
     pub namespace: Option<String>,
 }
 
-/// `teeguard-agent cleanup`: see [`crate::cleanup`]. Prints what it changed.
+/// `teeguard-agent cleanup`: see [`crate::cluster::cleanup`]. Prints what it changed.
 pub async fn cleanup_command(args: &CleanupArgs, out: &mut dyn Write) -> Result<()> {
     let config = load_config(args.config.as_deref())?;
     let build = "build the Kubernetes client (in-cluster or kubeconfig)";
@@ -114,7 +114,8 @@ pub async fn cleanup_command(args: &CleanupArgs, out: &mut dyn Write) -> Result<
         kube_config.default_namespace = namespace.clone();
     }
     let client = kube::Client::try_from(kube_config).map_err(|e| Error::kube(build, e))?;
-    let cleaned = crate::cleanup::cleanup(client, &args.node_name, &config.resources).await?;
+    let cleaned =
+        crate::cluster::cleanup::cleanup(client, &args.node_name, &config.resources).await?;
     writeln!(out, "node {}: {cleaned}", args.node_name).map_err(|e| Error::Render {
         what: "the cleanup summary",
         reason: e.to_string(),

@@ -2,29 +2,35 @@
 //!
 //! Reads TEE key capacity and usage from the kernel's misc cgroup controller (the only source of
 //! truth), attributes usage to the pods that request the keys, publishes the node's `TeeCapacity`
-//! report and advertises the keys Kubernetes pods can really get as extended resources on the Node.
+//! report and advertises the keys Kubernetes pods can really get as extended resources on the Node;
+//! optionally holds every pod to its keys in the kernel (`misc.max`).
 //!
-//! - [`scan`]: filesystem adapter reading `misc.capacity` / `misc.current` (cgroup v1 and v2, systemd
-//!   and cgroupfs kubepods layouts);
-//! - [`attribution`]: pure attribution of kernel usage to pods, external consumers and pending pods;
-//! - [`report`]: pure construction of the `TeeCapacity` status and the publish decision;
-//! - [`advertise`]: pure Node diff (JSON Patch) and its kube adapter;
-//! - [`publish`]: server-side apply of the `TeeCapacity`; [`lease`]: its heartbeat Lease;
-//! - [`pods`]: reflectors for the node's pods and its Node;
-//! - [`metrics`], [`run`] (the loops), [`cli`].
+//! In layers; each imports only the ones below it (checked by `tests/structure.rs`):
+//!
+//! - [`run`]: the agent's loop (scan, reconcile, publish), woken by the poll tick, `misc.events`,
+//!   the watches and deadlines; [`enforce`] below it wires the kernel enforcement (NRI plugin or
+//!   cgroup writer).
+//! - One module per thing the agent talks to, none importing another: [`kernel`] (the host's cgroup
+//!   files: the scanner, `misc.max`, `misc.events`), [`cluster`] (the API server: watches, the
+//!   `TeeCapacity`, its Lease, the Node, Events, cleanup) and [`runtime`] (the container runtime's
+//!   NRI: wire format, transport, plugin connection).
+//! - [`metrics`]: the Prometheus series.
+//! - [`decide`]: the pure core: scan results and cgroup names, attribution, the report and its
+//!   conditions, the advertise plan, the limits and the `Enforcing` condition. No runtime, client,
+//!   file or metric: tested without any.
+//! - [`error`]: the error enum.
+//!
+//! On top: [`cli`] parses the command line and runs `run`, `scan` (one scan, printed, with the same
+//! code) and `cleanup`.
 
-pub mod advertise;
-pub mod attribution;
-pub mod cleanup;
 pub mod cli;
+pub mod cluster;
+pub mod decide;
 pub mod enforce;
 pub mod error;
-pub mod lease;
+pub mod kernel;
 pub mod metrics;
-pub mod pods;
-pub mod publish;
-pub mod report;
 pub mod run;
-pub mod scan;
+pub mod runtime;
 
 pub use error::{Error, Result};

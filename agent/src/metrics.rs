@@ -34,7 +34,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use teeguard_shared::TeeKind;
 
-use crate::attribution::KindFigures;
+use crate::decide::attribution::KindFigures;
 
 /// Label set `kind="tdx"`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -248,7 +248,7 @@ impl Metrics {
     }
 
     /// Follow the `Enforcing` condition: 1 when True, 0 otherwise.
-    pub fn set_enforcing(&self, condition: &crate::report::ConditionSpec) {
+    pub fn set_enforcing(&self, condition: &crate::decide::report::ConditionSpec) {
         self.enforcing.set(i64::from(condition.status == "True"));
     }
 
@@ -380,7 +380,7 @@ mod tests {
             out
         };
         assert!(encoded(&reg).contains("teeguard_agent_enforcing 0\n"));
-        let spec = |status: &'static str| crate::report::ConditionSpec {
+        let spec = |status: &'static str| crate::decide::report::ConditionSpec {
             type_: "Enforcing",
             status,
             reason: "NriPlugin",

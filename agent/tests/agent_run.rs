@@ -399,7 +399,7 @@ async fn api_outage_keeps_scanning_and_publishes_when_back() {
     );
 
     // The polls after the VM stopped read every pod once, then take their readings unchanged while
-    // the kubepods total matches them (agent/src/scan.rs, "Unchanged pods").
+    // the kubepods total matches them (agent/src/decide/reuse.rs).
     assert!(
         agent.metric("teeguard_agent_pod_files_read_total") >= 4.0,
         "{}",

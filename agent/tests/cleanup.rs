@@ -5,7 +5,7 @@
 
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{Value, json};
-use teeguard_agent::cleanup::{Cleaned, cleanup};
+use teeguard_agent::cluster::cleanup::{Cleaned, cleanup};
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::{
     AGENT_EXTENDED_RESOURCES_ANNOTATION, AGENT_LEASE_LABEL, NFD_EXTENDED_RESOURCES_ANNOTATION,

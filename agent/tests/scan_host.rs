@@ -5,9 +5,11 @@ use std::collections::HashSet;
 
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
-use teeguard_agent::attribution::{Accounting, KindCounts};
 use teeguard_agent::cli::scan_report;
-use teeguard_agent::scan::{Driver, HostState, Interest, Scanner};
+use teeguard_agent::decide::attribution::Accounting;
+use teeguard_agent::decide::counts::KindCounts;
+use teeguard_agent::decide::host::{Driver, HostScan, HostState, Interest};
+use teeguard_agent::kernel::Scanner;
 use teeguard_shared::names::{conditions as ct, reasons};
 use teeguard_shared::{Config, KindStatus, TeeKind};
 use teeguard_tests::host::{
@@ -41,7 +43,7 @@ fn pod(n: u32, phase: &str, keys: u32, via_overhead: bool) -> Pod {
     .expect("pod")
 }
 
-fn scanned(state: HostState) -> teeguard_agent::scan::HostScan {
+fn scanned(state: HostState) -> HostScan {
     match state {
         HostState::Scanned(s) => s,
         other => panic!("expected a scan, got {other:?}"),

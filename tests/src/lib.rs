@@ -14,3 +14,4 @@ pub mod node;
 pub mod nri;
 pub mod realcluster;
 pub mod standalone;
+pub mod structure;

@@ -52,7 +52,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "",
         resource: "namespaces",
         subresource: "",
-        why: "agent/src/pods.rs watch_exempt_namespaces: strict mode only (the standalone runs without it; \
+        why: "agent/src/cluster/watch.rs Watches::exempt_namespaces: strict mode only (the standalone runs without it; \
               tests/tests/e2e_enforcement.rs strict_mode_leaves_the_pods_of_an_exempt_namespace_alone does)",
     },
     NotExercised {
@@ -61,7 +61,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "",
         resource: "namespaces",
         subresource: "",
-        why: "agent/src/pods.rs watch_exempt_namespaces: strict mode only",
+        why: "agent/src/cluster/watch.rs Watches::exempt_namespaces: strict mode only",
     },
     NotExercised {
         component: WEBHOOK_USER_AGENT,
@@ -88,7 +88,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "events.k8s.io",
         resource: "events",
         subresource: "",
-        why: "agent/src/enforce/events.rs: Warning Event on a pod whose limit disagreed with its annotation \
+        why: "agent/src/cluster/events.rs: Warning Event on a pod whose limit disagreed with its annotation \
               or could not be written; the standalone's limits all apply",
     },
     NotExercised {
@@ -97,7 +97,7 @@ const NOT_EXERCISED: &[NotExercised] = &[
         group: "events.k8s.io",
         resource: "events",
         subresource: "",
-        why: "agent/src/enforce/events.rs: kube's Recorder patches a repeated Event into a series",
+        why: "agent/src/cluster/events.rs: kube's Recorder patches a repeated Event into a series",
     },
     NotExercised {
         component: WEBHOOK_USER_AGENT,

@@ -468,7 +468,7 @@ async fn cleanup_removes_what_the_agent_added_to_a_real_node() {
             .await
             .expect("lease created");
 
-        let cleaned = teeguard_agent::cleanup::cleanup(
+        let cleaned = teeguard_agent::cluster::cleanup::cleanup(
             c.client.clone(),
             name,
             &teeguard_shared::config::ResourcesConfig::default(),
@@ -501,14 +501,14 @@ async fn cleanup_removes_what_the_agent_added_to_a_real_node() {
         assert!(annotations.contains_key("nfd.node.kubernetes.io/extended-resources"));
         let reports: Api<teeguard_shared::TeeCapacity> = Api::all(c.client.clone());
         assert!(reports.get_opt(name).await.expect("get").is_none());
-        let again = teeguard_agent::cleanup::cleanup(
+        let again = teeguard_agent::cluster::cleanup::cleanup(
             c.client.clone(),
             name,
             &teeguard_shared::config::ResourcesConfig::default(),
         )
         .await
         .expect("cleanup");
-        assert_eq!(again, teeguard_agent::cleanup::Cleaned::default());
+        assert_eq!(again, teeguard_agent::cluster::cleanup::Cleaned::default());
     })
     .await;
 }

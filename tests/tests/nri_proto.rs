@@ -1,7 +1,7 @@
 //! The NRI messages the agent writes by hand agree with upstream's `api.proto` (containerd/nri,
 //! kept in the shared reference folder): every message, field name, number, type and `repeated` flag.
 
-use teeguard_agent::enforce::nri::wire::{EVENT_CREATE_CONTAINER, MESSAGES};
+use teeguard_agent::runtime::wire::{EVENT_CREATE_CONTAINER, MESSAGES};
 use teeguard_tests::nri::proto::{diff, load_upstream};
 
 fn ours() -> Vec<(&'static str, &'static str, u32, &'static str, bool)> {

@@ -4,28 +4,26 @@
 //! - Appearing cgroups are seen through inotify on the kubepods directory and its QoS directories
 //!   (`notify`; the kubelet's `mkdir` of a pod cgroup is an `IN_CREATE` there), with a sweep at every
 //!   poll as the backstop for missed events and pods the agent learned of after their cgroup appeared.
-//! - One resource per write (the kernel parses one `name value` per write), opened without `O_CREAT`:
-//!   a pod cgroup without `misc.max` has no misc controller (not delegated), and nothing is created.
-//!   Each write is read back; a value that did not stick is retried at the next sweep.
+//! - One resource per write, opened without `O_CREAT`, read back ([`crate::kernel::misc_max`]); a
+//!   value that did not stick is retried at the next sweep.
 //! - Pod level covers both KubeVirt (QEMU in the `compute` container, below the pod cgroup) and Kata
 //!   (the VMM in the sandbox cgroup), and the pod's total equals what the scheduler counted.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use notify::Watcher as _;
-use teeguard_shared::misc::{MiscLimit, parse_max};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::HostFacts;
-use super::events::{EventSink, PodRef, REASON_FAILED};
-use super::limits::Limit;
+use crate::cluster::events::{EventSink, PodRef, REASON_FAILED};
+use crate::decide::cgroup_names::{pod_uid_of_dir, qos_dirs};
+use crate::decide::enforcing::{HostFacts, WriterStatus};
+use crate::decide::limits::Limit;
+use crate::kernel::misc_max::{WriteOutcome, apply};
 use crate::metrics::Metrics;
-use crate::scan::{Driver, pod_cgroup_candidates, pod_uid_of_dir, qos_dirs};
 
 const MECHANISM: &str = "cgroup";
 
@@ -46,94 +44,12 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 pub struct DesiredPod {
     /// The pod (for logs and Events).
     pub pod: PodRef,
-    /// Its limits (from [`super::limits::pod_limits`]).
+    /// Its limits (from [`crate::decide::limits::pod_limits`]).
     pub limits: Vec<Limit>,
 }
 
 /// Desired limits by pod UID.
 pub type Desired = Arc<BTreeMap<String, DesiredPod>>;
-
-/// What writing a pod's limits did.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WriteOutcome {
-    /// Every limit is in `misc.max` (read back).
-    Written(PathBuf),
-    /// The pod has no cgroup (yet).
-    NoCgroup,
-    /// The pod cgroup has no `misc.max`: the misc controller is not delegated to it.
-    NotDelegated(PathBuf),
-    /// A write or the read-back failed.
-    Failed(String),
-}
-
-/// Write `limits` into `<dir>/misc.max`, one line per write, and read them back.
-pub fn write_limits(dir: &Path, limits: &[Limit]) -> WriteOutcome {
-    let path = dir.join("misc.max");
-    for limit in limits {
-        let line = limit.to_string();
-        let opened = std::fs::OpenOptions::new()
-            .write(true)
-            .truncate(true)
-            .open(&path);
-        let mut file = match opened {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return if dir.is_dir() {
-                    WriteOutcome::NotDelegated(dir.to_path_buf())
-                } else {
-                    WriteOutcome::NoCgroup
-                };
-            }
-            Err(e) => return WriteOutcome::Failed(format!("cannot open {}: {e}", path.display())),
-        };
-        if let Err(e) = file.write_all(line.as_bytes()) {
-            return WriteOutcome::Failed(format!(
-                "writing {line:?} to {} failed: {e}",
-                path.display()
-            ));
-        }
-    }
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) => return WriteOutcome::Failed(format!("cannot read back {}: {e}", path.display())),
-    };
-    let now = match parse_max(&path, &text) {
-        Ok(m) => m,
-        Err(e) => return WriteOutcome::Failed(e.to_string()),
-    };
-    for limit in limits {
-        if now.get(limit.kind.kernel_name()) != Some(&MiscLimit::Value(limit.keys)) {
-            return WriteOutcome::Failed(format!(
-                "{} does not show {limit} after writing it",
-                path.display()
-            ));
-        }
-    }
-    WriteOutcome::Written(dir.to_path_buf())
-}
-
-/// Find the pod's cgroup and write its limits there.
-pub fn apply(kubepods: &Path, driver: Driver, uid: &str, limits: &[Limit]) -> WriteOutcome {
-    for dir in pod_cgroup_candidates(kubepods, driver, uid) {
-        if dir.is_dir() {
-            return write_limits(&dir, limits);
-        }
-    }
-    WriteOutcome::NoCgroup
-}
-
-/// What the writer reports for the `Enforcing` condition.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct WriterStatus {
-    /// Pods whose limits are in place.
-    pub applied: usize,
-    /// Pods waiting for their cgroup.
-    pub waiting: usize,
-    /// The last pod cgroup found without the misc controller.
-    pub not_delegated: Option<String>,
-    /// The last failure.
-    pub last_failure: Option<String>,
-}
 
 /// The writer's inputs.
 #[derive(Debug)]

@@ -14,13 +14,14 @@ use kube::{Api, Client};
 use teeguard_shared::config::ResourcesConfig;
 use tokio::sync::watch;
 
-use super::HostFacts;
-use super::events::{EventSink, PodRef, REASON_MISMATCH};
-use super::limits::{self, ContainerLimit, PodFacts, Policy};
-use super::nri::plugin::{Answer, Containers};
-use super::nri::wire::CreateContainer;
+use crate::cluster::cached::CachedPod;
+use crate::cluster::events::{EventSink, PodRef, REASON_MISMATCH};
+use crate::cluster::watch::ExemptNamespaces;
+use crate::decide::enforcing::HostFacts;
+use crate::decide::limits::{self, ContainerLimit, PodFacts, Policy};
 use crate::metrics::Metrics;
-use crate::pods::{CachedPod, ExemptNamespaces};
+use crate::runtime::plugin::{Answer, Containers};
+use crate::runtime::wire::CreateContainer;
 
 const MECHANISM: &str = "nri";
 

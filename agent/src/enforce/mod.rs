@@ -1,13 +1,12 @@
 //! Kernel enforcement: the agent makes the kernel hold every pod to the keys it was scheduled for, by
 //! setting `misc.max` on its cgroup — through the runtime's NRI (container level, at creation) or by
-//! writing the pod cgroup's file itself (the cgroup writer).
+//! writing the pod cgroup's file itself (the cgroup writer). This layer wires the pieces below it:
 //!
-//! - [`limits`]: pure decisions (which value for which pod and container; strict mode);
-//! - [`nri`]: the NRI plugin (wire format, transport, connection);
-//! - [`containers`]: the plugin's decisions from the pod cache;
-//! - [`cgroup`]: the cgroup writer;
-//! - [`events`]: Warning Events on pods;
-//! - this module: choosing the mechanism, starting it, and the `Enforcing` condition.
+//! - [`containers`]: the NRI plugin's answers ([`crate::runtime`]) from the pod cache
+//!   ([`crate::cluster::watch`]) and the limits ([`crate::decide::limits`]), with metrics and Events;
+//! - [`cgroup`]: the cgroup writer's loop (its file I/O: [`crate::kernel::misc_max`]);
+//! - this module: choosing the mechanism, starting it, and its state for the `Enforcing` condition
+//!   ([`crate::decide::enforcing`]).
 //!
 //! Never breaking a container start: runc fails a container whose `misc.max` cannot be written (the misc
 //! controller not enabled in its cgroup), so no limit is set until a scan has shown the controller
@@ -16,88 +15,20 @@
 
 pub mod cgroup;
 pub mod containers;
-pub mod events;
-pub mod limits;
-pub mod nri;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use teeguard_shared::TeeKind;
 use teeguard_shared::config::EnforcementMode;
-use teeguard_shared::names::conditions as ct;
 
-use crate::attribution::Accounting;
-use crate::report::ConditionSpec;
-use crate::scan::{Driver, HostState};
-
-use self::cgroup::WriterStatus;
-use self::nri::plugin::NriState;
-
-/// What the poll loop knows about the host, for the enforcers.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct HostFacts {
-    /// Kinds with capacity.
-    pub kinds: Vec<TeeKind>,
-    /// A scan showed the misc controller delegated to pod cgroups.
-    pub delegated: bool,
-    /// Why (or why not), from the scan.
-    pub delegation_reason: String,
-    /// The kubepods cgroup.
-    pub kubepods: Option<PathBuf>,
-    /// The kubelet's cgroup driver.
-    pub driver: Option<Driver>,
-}
-
-impl HostFacts {
-    /// From a scan; `None` when the scan failed (the previous facts stay).
-    pub fn from_scan(state: &HostState) -> Option<HostFacts> {
-        let HostState::Scanned(scan) = state else {
-            return Some(HostFacts::default());
-        };
-        let kinds = TeeKind::ALL
-            .into_iter()
-            .filter(|k| scan.capacity.get(*k) > 0)
-            .collect();
-        let mut facts = HostFacts {
-            kinds,
-            ..HostFacts::default()
-        };
-        if let Some(pods) = &scan.pods {
-            facts.delegated = pods.accounting == Accounting::PerPod && pods.kubepods.is_some();
-            facts.delegation_reason = pods.accounting_reason.clone();
-            facts.kubepods = pods.kubepods.clone();
-            facts.driver = pods.driver;
-        }
-        Some(facts)
-    }
-
-    /// Whether a limit can be set without breaking container creation.
-    pub fn limits_possible(&self) -> bool {
-        self.delegated && !self.kinds.is_empty()
-    }
-}
-
-/// The mechanism in use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mechanism {
-    /// The NRI plugin.
-    Nri,
-    /// The cgroup writer.
-    Cgroup,
-    /// None (`mode: off`).
-    Off,
-}
-
-impl Mechanism {
-    /// Lower-case name, as in metrics and the condition.
-    pub fn name(self) -> &'static str {
-        match self {
-            Mechanism::Nri => "nri",
-            Mechanism::Cgroup => "cgroup",
-            Mechanism::Off => "none",
-        }
-    }
-}
+use crate::cluster::events;
+use crate::cluster::watch::ExemptNamespaces;
+use crate::decide::enforcing::{
+    EnforcingInput, HostFacts, Mechanism, NriState, WriterStatus, condition,
+};
+use crate::decide::host::HostState;
+use crate::decide::limits;
+use crate::decide::report::ConditionSpec;
+use crate::runtime::plugin as nri_plugin;
 
 /// The mechanism for a mode: `auto` takes NRI when the runtime's socket exists at start-up.
 pub fn choose(mode: EnforcementMode, nri_socket: &Path) -> Mechanism {
@@ -115,115 +46,6 @@ pub fn choose(mode: EnforcementMode, nri_socket: &Path) -> Mechanism {
     }
 }
 
-/// Condition reasons of `Enforcing`.
-pub mod reasons {
-    /// The NRI plugin is registered.
-    pub const NRI: &str = "NriPlugin";
-    /// The cgroup writer runs.
-    pub const CGROUP: &str = "CgroupWriter";
-    /// `enforcement.mode: off`.
-    pub const OFF: &str = "EnforcementOff";
-    /// The NRI plugin is not connected.
-    pub const NRI_UNAVAILABLE: &str = "NriUnavailable";
-    /// Pod cgroups have no misc controller.
-    pub const NOT_DELEGATED: &str = "MiscControllerNotDelegated";
-    /// No TEE kind has capacity.
-    pub const NO_TEE_HARDWARE: &str = "NoTeeHardware";
-    /// No scan has completed yet.
-    pub const NOT_SCANNED: &str = "NotScannedYet";
-}
-
-/// Everything the `Enforcing` condition says.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EnforcingInput<'a> {
-    /// The mechanism chosen.
-    pub mechanism: Mechanism,
-    /// Strict mode.
-    pub strict: bool,
-    /// Host facts (`None` before the first scan).
-    pub host: Option<&'a HostFacts>,
-    /// The NRI connection (NRI only).
-    pub nri: Option<&'a NriState>,
-    /// The cgroup writer's status (cgroup only).
-    pub writer: Option<&'a WriterStatus>,
-}
-
-/// The `Enforcing` condition (pure).
-pub fn condition(input: &EnforcingInput<'_>) -> ConditionSpec {
-    let m = input.mechanism;
-    let strict = if input.strict { "on" } else { "off" };
-    let spec = |ok: bool, reason: &'static str, detail: String| ConditionSpec {
-        type_: ct::ENFORCING,
-        status: if ok { "True" } else { "False" },
-        reason,
-        message: format!("mechanism {}; strict {strict}; {detail}", m.name()),
-    };
-    if m == Mechanism::Off {
-        return spec(
-            false,
-            reasons::OFF,
-            "enforcement.mode is off: pods' key limits are not applied".into(),
-        );
-    }
-    let Some(host) = input.host else {
-        return spec(
-            false,
-            reasons::NOT_SCANNED,
-            "waiting for the first scan of the misc cgroup".into(),
-        );
-    };
-    if host.kinds.is_empty() {
-        return spec(
-            false,
-            reasons::NO_TEE_HARDWARE,
-            "no TEE kind has capacity on this host: nothing to limit".into(),
-        );
-    }
-    if !host.delegated {
-        return spec(
-            false,
-            reasons::NOT_DELEGATED,
-            format!(
-                "no limit is written, because the runtime would fail container creation: {}",
-                host.delegation_reason
-            ),
-        );
-    }
-    match m {
-        Mechanism::Nri => match input.nri {
-            Some(NriState::Registered { runtime }) => spec(
-                true,
-                reasons::NRI,
-                format!("registered with {runtime}; containers get misc.max at creation"),
-            ),
-            Some(NriState::Disconnected { reason }) => spec(
-                false,
-                reasons::NRI_UNAVAILABLE,
-                format!("the NRI plugin is not connected ({reason}); retrying"),
-            ),
-            _ => spec(
-                false,
-                reasons::NRI_UNAVAILABLE,
-                "connecting to the runtime's NRI socket".into(),
-            ),
-        },
-        _ => {
-            let w = input.writer.cloned().unwrap_or_default();
-            if let Some(why) = &w.not_delegated {
-                return spec(false, reasons::NOT_DELEGATED, why.clone());
-            }
-            let mut detail = format!(
-                "pod cgroups get misc.max when they appear; {} pods limited, {} waiting for their cgroup",
-                w.applied, w.waiting
-            );
-            if let Some(f) = &w.last_failure {
-                detail.push_str(&format!("; last failure: {f}"));
-            }
-            spec(true, reasons::CGROUP, detail)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests;
 
@@ -232,7 +54,7 @@ mod tests;
 pub struct Enforcement {
     mechanism: Mechanism,
     strict: bool,
-    exempt_namespaces: crate::pods::ExemptNamespaces,
+    exempt_namespaces: ExemptNamespaces,
     resources: std::sync::Arc<teeguard_shared::config::ResourcesConfig>,
     host_tx: tokio::sync::watch::Sender<HostFacts>,
     host_seen: bool,
@@ -248,9 +70,9 @@ pub struct StartOptions {
     /// Resource names.
     pub resources: teeguard_shared::config::ResourcesConfig,
     /// The node's pods (the agent's watch).
-    pub pods: kube::runtime::reflector::Store<crate::pods::CachedPod>,
+    pub pods: kube::runtime::reflector::Store<crate::cluster::cached::CachedPod>,
     /// Namespaces labelled exempt (the agent's watch, in strict mode).
-    pub exempt_namespaces: crate::pods::ExemptNamespaces,
+    pub exempt_namespaces: ExemptNamespaces,
     /// For looking up pods the cache does not know yet (NRI), and Events. `None`: no lookups, no Events.
     pub client: Option<kube::Client>,
     /// This node.
@@ -304,7 +126,7 @@ impl Enforcement {
                     metrics: opts.metrics.clone(),
                     events,
                 };
-                let config = nri::plugin::PluginConfig {
+                let config = nri_plugin::PluginConfig {
                     socket: opts.config.nri_socket.clone(),
                     index: opts.config.nri_plugin_index.clone(),
                 };
@@ -322,7 +144,7 @@ impl Enforcement {
                         }
                     }
                 });
-                tokio::spawn(nri::plugin::run(
+                tokio::spawn(nri_plugin::run(
                     config,
                     Arc::new(containers),
                     nri_tx,

@@ -2,10 +2,12 @@
 //! simulated host.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use teeguard_agent::metrics::Metrics;
@@ -165,20 +167,23 @@ impl Agent {
 
 /// The advertised capacity of a resource on the Node, if any.
 pub fn node_capacity(node: &Node, resource: &str) -> Option<String> {
-    node.status
-        .as_ref()
-        .and_then(|s| s.capacity.as_ref())
-        .and_then(|c| c.get(resource))
-        .map(|q| q.0.clone())
+    quantity(
+        node.status.as_ref().and_then(|s| s.capacity.as_ref()),
+        resource,
+    )
 }
 
 /// The allocatable value of a resource on the Node, if any.
 pub fn node_allocatable(node: &Node, resource: &str) -> Option<String> {
-    node.status
-        .as_ref()
-        .and_then(|s| s.allocatable.as_ref())
-        .and_then(|c| c.get(resource))
-        .map(|q| q.0.clone())
+    quantity(
+        node.status.as_ref().and_then(|s| s.allocatable.as_ref()),
+        resource,
+    )
+}
+
+/// A resource's quantity in a Node status map, as written.
+fn quantity(map: Option<&BTreeMap<String, Quantity>>, resource: &str) -> Option<String> {
+    map.and_then(|m| m.get(resource)).map(|q| q.0.clone())
 }
 
 /// Create a running virt-launcher pod for `vmi` on [`NODE`] requesting one TDX key, add its cgroup to

@@ -1,37 +1,18 @@
-//! Watching the agent's own Node and the pods bound to it (kube reflectors), and summarising those pods
-//! for attribution.
+//! What the agent's watches cache of the pods bound to its node and of its Node: only what
+//! attribution, the limits and advertising read, decoded straight from the API server's JSON.
 
-use std::borrow::Borrow;
-use std::collections::{BTreeMap, HashSet};
-use std::fmt::Debug;
-use std::hash::Hash;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::BTreeMap;
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{
-    Container, Namespace, Node, NodeStatus, Pod, PodSpec, PodStatus, ResourceRequirements,
+    Container, Node, NodeStatus, Pod, PodSpec, PodStatus, ResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::core::PartialObjectMeta;
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client, Resource};
 use serde::Deserialize;
-use serde::de::DeserializeOwned;
-use teeguard_shared::TeeKind;
-use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::{
     AGENT_EXTENDED_RESOURCES_ANNOTATION, EXEMPT_LABEL, MISC_MAX_ANNOTATION_PREFIX,
     NFD_EXTENDED_RESOURCES_ANNOTATION,
 };
-use tokio::sync::Notify;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
-
-use crate::attribution::PodSummary;
-use crate::metrics::Metrics;
 
 /// A pod bound to the node, as the agent caches it: only what attribution and the limits read.
 ///
@@ -220,290 +201,14 @@ pub fn slim_node(node: &mut Node) {
     });
 }
 
-pub use teeguard_shared::ops::Backoff;
-
-/// A running reflector: its store, a notification on every change, and whether the initial list
-/// completed.
-pub struct Watched<K: Resource + 'static>
-where
-    K::DynamicType: Eq + Hash + Clone,
-{
-    /// The cache.
-    pub store: Store<K>,
-    /// Notified (coalesced) whenever an event was applied to the store.
-    pub changed: Arc<Notify>,
-    /// True once the initial list has been applied.
-    pub synced: Arc<AtomicBool>,
-    /// The reflector task (ends on shutdown).
-    pub task: JoinHandle<()>,
-}
-
-impl<K: Resource + 'static> Debug for Watched<K>
-where
-    K::DynamicType: Eq + Hash + Clone,
-{
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Watched")
-            .field("synced", &self.is_synced())
-            .finish()
-    }
-}
-
-impl<K: Resource + 'static> Watched<K>
-where
-    K::DynamicType: Eq + Hash + Clone,
-{
-    /// True once the initial list has been applied.
-    pub fn is_synced(&self) -> bool {
-        self.synced.load(Ordering::Acquire)
-    }
-}
-
-/// Watch the pods bound to `node_name` (field selector `spec.nodeName=<node>`), caching only what
-/// attribution needs (see [`CachedPod`]).
-pub fn watch_pods(
-    client: Client,
-    node_name: &str,
-    resources: &ResourcesConfig,
-    backoff: Backoff,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> Watched<CachedPod> {
-    let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node_name}"));
-    let names: Vec<String> = TeeKind::ALL
-        .iter()
-        .map(|k| resources.resource_name(*k).to_string())
-        .collect();
-    spawn_reflector(
-        Api::all(client),
-        cfg,
-        move |p: &mut CachedPod| p.retain_resources(&names),
-        "watch pods",
-        backoff,
-        metrics,
-        shutdown,
-    )
-}
-
-/// The namespaces labelled `teeguard.dev/exempt: "true"` (strict mode leaves their pods alone, as the
-/// webhook does). Cheap to clone; empty when not watched.
-#[derive(Clone, Default)]
-pub struct ExemptNamespaces {
-    store: Option<Store<PartialObjectMeta<Namespace>>>,
-    synced: Option<Arc<AtomicBool>>,
-}
-
-impl Debug for ExemptNamespaces {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ExemptNamespaces")
-            .field("watched", &self.store.is_some())
-            .finish()
-    }
-}
-
-impl ExemptNamespaces {
-    /// Whether `namespace` is labelled exempt (as the watch last saw it). Before the watch's first
-    /// list every namespace counts as exempt: strict mode zeroes no pod it cannot yet tell is exempt
-    /// (a wrong zero would stop a container that should start; a late one only delays strictness).
-    pub fn contains(&self, namespace: &str) -> bool {
-        let Some(store) = &self.store else {
-            return false;
-        };
-        let synced = self
-            .synced
-            .as_ref()
-            .is_some_and(|s| s.load(Ordering::Acquire));
-        !synced || store.get(&reflector::ObjectRef::new(namespace)).is_some()
-    }
-}
-
-/// Watch the namespaces labelled `teeguard.dev/exempt=true` (metadata only; the label selector keeps
-/// the watch to those few). A namespace's label added or removed takes effect for containers created
-/// from then on and, with the cgroup writer, at the next poll.
-pub fn watch_exempt_namespaces(
-    client: Client,
-    backoff: Backoff,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> (ExemptNamespaces, Watched<PartialObjectMeta<Namespace>>) {
-    let cfg = watcher::Config::default().labels(&format!("{EXEMPT_LABEL}=true"));
-    let watched = spawn_reflector(
-        Api::all(client),
-        cfg,
-        |_: &mut PartialObjectMeta<Namespace>| {},
-        "watch exempt namespaces",
-        backoff,
-        metrics,
-        shutdown,
-    );
-    let exempt = ExemptNamespaces {
-        store: Some(watched.store.clone()),
-        synced: Some(watched.synced.clone()),
-    };
-    (exempt, watched)
-}
-
-/// Watch the agent's own Node (field selector `metadata.name=<node>`).
-pub fn watch_node(
-    client: Client,
-    node_name: &str,
-    backoff: Backoff,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> Watched<Node> {
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    spawn_reflector(
-        Api::all(client),
-        cfg,
-        slim_node,
-        "watch node",
-        backoff,
-        metrics,
-        shutdown,
-    )
-}
-
-fn spawn_reflector<K>(
-    api: Api<K>,
-    cfg: watcher::Config,
-    modify: impl FnMut(&mut K) + Send + 'static,
-    operation: &'static str,
-    backoff: Backoff,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> Watched<K>
-where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
-{
-    let (store, writer) = reflector::store::<K>();
-    let changed = Arc::new(Notify::new());
-    let synced = Arc::new(AtomicBool::new(false));
-    let stream = watcher(api, cfg)
-        .modify(modify)
-        .backoff(backoff)
-        .reflect(writer);
-    let task = {
-        let changed = changed.clone();
-        let synced = synced.clone();
-        tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    ev = stream.next() => match ev {
-                        Some(Ok(event)) => {
-                            if matches!(event, watcher::Event::InitDone) && !synced.swap(true, Ordering::AcqRel) {
-                                tracing::info!(operation, "cache synced");
-                            }
-                            changed.notify_one();
-                        }
-                        Some(Err(e)) => {
-                            metrics.api_error(operation);
-                            tracing::warn!(operation, error = %e, "watch failed; retrying with backoff");
-                        }
-                        None => break,
-                    }
-                }
-            }
-        })
-    };
-    Watched {
-        store,
-        changed,
-        synced,
-        task,
-    }
-}
-
-/// Pods summarised for attribution.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct PodsView {
-    /// Every pod with a UID.
-    pub pods: Vec<PodSummary>,
-    /// UIDs of non-terminated pods that request keys: the pod cgroups worth reading.
-    pub interest: HashSet<String>,
-    /// Pods whose TEE quantities could not be parsed (`namespace/name: error`); counted as requesting
-    /// nothing.
-    pub errors: Vec<(String, String)>,
-}
-
-/// Summarise pods.
-pub fn summarize(
-    pods: impl IntoIterator<Item = impl Borrow<Pod>>,
-    resources: &ResourcesConfig,
-) -> PodsView {
-    let mut view = PodsView::default();
-    for pod in pods {
-        let pod = pod.borrow();
-        match PodSummary::from_pod(pod, resources) {
-            Ok(Some(s)) => {
-                if s.requests_keys() && !s.phase.is_terminated() {
-                    view.interest.insert(s.uid.clone());
-                }
-                view.pods.push(s);
-            }
-            Ok(None) => {}
-            Err(e) => view
-                .errors
-                .push((pod.metadata.uid.clone().unwrap_or_default(), e.to_string())),
-        }
-    }
-    view.pods.sort_by(|a, b| a.name.cmp(&b.name));
-    view
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attribution::{KindCounts, PodPhase};
+    use crate::decide::attribution::summarize;
+    use kube::Resource;
     use serde_json::json;
-    use std::time::Duration;
     use teeguard_shared::TeeKind;
-
-    #[test]
-    fn backoff_grows_to_the_cap_with_jitter_and_resets() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(400));
-        let d: Vec<_> = (0..5).map(|_| b.next_delay()).collect();
-        for (got, base) in d.iter().zip([100u64, 200, 400, 400, 400]) {
-            let base = Duration::from_millis(base);
-            assert!(
-                *got >= base.mul_f64(0.8) && *got <= base.mul_f64(1.2),
-                "{got:?} vs {base:?}"
-            );
-        }
-        b.reset();
-        assert!(b.next_delay() <= Duration::from_millis(120));
-    }
-
-    #[test]
-    fn summarize_interest_and_errors() {
-        let res = ResourcesConfig::default();
-        let mk = |uid: &str, phase: &str, q: &str| -> Pod {
-            serde_json::from_value(json!({
-                "metadata": {"name": uid, "namespace": "ns", "uid": uid},
-                "spec": {"nodeName": "n1", "containers": [{"name": "compute", "resources": {"requests": {"tdx.intel.com/keys": q}}}]},
-                "status": {"phase": phase}
-            }))
-            .expect("pod")
-        };
-        let pods = [
-            mk("a", "Running", "1"),
-            mk("b", "Succeeded", "1"),
-            mk("c", "Pending", "0"),
-            mk("d", "Running", "1.5"),
-        ];
-        let v = summarize(pods.iter(), &res);
-        assert_eq!(v.interest, HashSet::from(["a".to_string()]));
-        assert_eq!(v.pods.len(), 3);
-        assert_eq!(
-            v.pods[0].requests,
-            KindCounts::from_pairs([(TeeKind::Tdx, 1)])
-        );
-        assert_eq!(v.pods[1].phase, PodPhase::Succeeded);
-        assert_eq!(v.errors.len(), 1);
-        assert!(v.errors[0].1.contains("ns/d"), "{:?}", v.errors);
-    }
+    use teeguard_shared::config::ResourcesConfig;
 
     /// Full pods (as the API server sends them) and the cached form give the same summaries.
     fn pods_json() -> Vec<serde_json::Value> {
@@ -635,7 +340,7 @@ mod tests {
 
     #[test]
     fn slim_node_plans_like_the_full_node() {
-        use crate::advertise::{Desired, plan};
+        use crate::decide::advertise::{Desired, plan};
         use teeguard_tests::fixtures::NodeBuilder;
         let res = ResourcesConfig::default();
         for builder in [

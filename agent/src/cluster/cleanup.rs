@@ -20,7 +20,8 @@ use teeguard_shared::TeeCapacity;
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::AGENT_LEASE_LABEL;
 
-use crate::advertise::{self, Desired, NodeWrite};
+use super::node;
+use crate::decide::advertise::{self, Desired, NodeWrite};
 use crate::error::{Error, Result};
 
 /// What [`cleanup`] changed.
@@ -92,7 +93,7 @@ pub async fn cleanup(client: Client, node: &str, resources: &ResourcesConfig) ->
         }
     }
     if !plan.writes.is_empty() {
-        advertise::apply(&nodes, node, &plan.writes).await?;
+        node::apply(&nodes, node, &plan.writes).await?;
     }
     let reports: Api<TeeCapacity> = Api::all(client.clone());
     match reports.delete(node, &DeleteParams::default()).await {

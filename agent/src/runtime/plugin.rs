@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::sync::{ExistingContainer, SynchronizeRequest, live_containers, synchronize_response};
 use super::transport::{self as t, Demux, FrameError};
 use super::wire::{self, CreateContainer, EVENT_CREATE_CONTAINER};
+use crate::decide::enforcing::NriState;
 
 /// The plugin's registered name.
 pub const PLUGIN_NAME: &str = "teeguard";
@@ -51,24 +52,6 @@ pub trait Containers: Send + Sync + 'static {
     fn decide(&self, req: &CreateContainer) -> Answer;
     /// Decide after looking the pod up (called only after [`Answer::Lookup`]).
     fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>>;
-}
-
-/// The connection's state, for the `Enforcing` condition and the metrics.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum NriState {
-    /// Not connected yet.
-    #[default]
-    Connecting,
-    /// Registered and synchronized with this runtime.
-    Registered {
-        /// `containerd 2.1.0`, as the runtime says in `Configure`.
-        runtime: String,
-    },
-    /// Not connected: why (the last error).
-    Disconnected {
-        /// What went wrong.
-        reason: String,
-    },
 }
 
 /// Plugin settings.

@@ -122,7 +122,7 @@ pub fn synchronize_response(more: bool, updates: &[(String, String)]) -> Vec<u8>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::enforce::nri::wire::map_entry;
+    use crate::runtime::wire::map_entry;
 
     fn pod(id: &str, uid: &str) -> Vec<u8> {
         let mut w = Writer::new();

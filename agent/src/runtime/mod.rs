@@ -1,5 +1,6 @@
-//! The NRI plugin (containerd ≥ 1.7 with NRI enabled, CRI-O ≥ 1.26): at `CreateContainer` it answers
-//! with `linux.resources.unified["misc.max"]`, which the runtime writes into the container's cgroup.
+//! The container runtime, through its NRI plugin interface (containerd ≥ 1.7 with NRI enabled, CRI-O
+//! ≥ 1.26): at `CreateContainer` the agent answers with `linux.resources.unified["misc.max"]`, which
+//! the runtime writes into the container's cgroup. What to answer is decided above (`enforce`).
 //!
 //! - [`wire`]: the NRI messages used, in protobuf wire format, with upstream's field numbers;
 //! - [`transport`]: the multiplexed ttrpc framing;

@@ -1,0 +1,82 @@
+//! Writing a pod cgroup's `misc.max`: one resource per write (the kernel parses one `name value` per
+//! write), opened without `O_CREAT` (a pod cgroup without `misc.max` has no misc controller: not
+//! delegated, and nothing is created), and read back. The cgroup writer (`enforce::cgroup`) decides
+//! when and for which pods.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use teeguard_shared::misc::{MiscLimit, parse_max};
+
+use crate::decide::cgroup_names::pod_cgroup_candidates;
+use crate::decide::host::Driver;
+use crate::decide::limits::Limit;
+
+/// What writing a pod's limits did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// Every limit is in `misc.max` (read back).
+    Written(PathBuf),
+    /// The pod has no cgroup (yet).
+    NoCgroup,
+    /// The pod cgroup has no `misc.max`: the misc controller is not delegated to it.
+    NotDelegated(PathBuf),
+    /// A write or the read-back failed.
+    Failed(String),
+}
+
+/// Write `limits` into `<dir>/misc.max`, one line per write, and read them back.
+pub fn write_limits(dir: &Path, limits: &[Limit]) -> WriteOutcome {
+    let path = dir.join("misc.max");
+    for limit in limits {
+        let line = limit.to_string();
+        let opened = std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&path);
+        let mut file = match opened {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return if dir.is_dir() {
+                    WriteOutcome::NotDelegated(dir.to_path_buf())
+                } else {
+                    WriteOutcome::NoCgroup
+                };
+            }
+            Err(e) => return WriteOutcome::Failed(format!("cannot open {}: {e}", path.display())),
+        };
+        if let Err(e) = file.write_all(line.as_bytes()) {
+            return WriteOutcome::Failed(format!(
+                "writing {line:?} to {} failed: {e}",
+                path.display()
+            ));
+        }
+    }
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) => return WriteOutcome::Failed(format!("cannot read back {}: {e}", path.display())),
+    };
+    let now = match parse_max(&path, &text) {
+        Ok(m) => m,
+        Err(e) => return WriteOutcome::Failed(e.to_string()),
+    };
+    for limit in limits {
+        if now.get(limit.kind.kernel_name()) != Some(&MiscLimit::Value(limit.keys)) {
+            return WriteOutcome::Failed(format!(
+                "{} does not show {limit} after writing it",
+                path.display()
+            ));
+        }
+    }
+    WriteOutcome::Written(dir.to_path_buf())
+}
+
+/// Find the pod's cgroup and write its limits there.
+pub fn apply(kubepods: &Path, driver: Driver, uid: &str, limits: &[Limit]) -> WriteOutcome {
+    for dir in pod_cgroup_candidates(kubepods, driver, uid) {
+        if dir.is_dir() {
+            return write_limits(&dir, limits);
+        }
+    }
+    WriteOutcome::NoCgroup
+}

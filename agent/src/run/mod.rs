@@ -1,0 +1,210 @@
+//! The agent's loops: one task that scans, attributes, advertises and publishes, woken by the poll
+//! tick, `misc.events` changes (a failed charge), pod and Node cache changes, heartbeat and retry
+//! deadlines, and shutdown. API calls happen inline, bounded by a timeout, so a shutdown request lets
+//! the in-flight publish finish.
+//!
+//! - this module: the options, the start (watches, enforcement, the state below);
+//! - `poll`: the loop: what wakes it, scanning, the pod view and the limits;
+//! - `reconcile`: after every wake-up: advertise on the Node, publish the report or renew the Lease.
+
+mod poll;
+mod reconcile;
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node;
+use kube::{Api, Client};
+use teeguard_shared::Config;
+use teeguard_shared::crd::TeeCapacityStatus;
+use teeguard_shared::ops::Readiness;
+use tokio_util::sync::CancellationToken;
+
+use crate::cluster::cached::CachedPod;
+use crate::cluster::lease::HeartbeatLease;
+use crate::cluster::publish::Publisher;
+use crate::cluster::watch::{Backoff, ExemptNamespaces, Watched, Watches};
+use crate::decide::advertise::Advertiser;
+use crate::decide::attribution::PodsView;
+use crate::decide::report::{CountedPods, KernelView};
+use crate::enforce::{Enforcement, StartOptions};
+use crate::error::Result;
+use crate::kernel::Scanner;
+use crate::kernel::misc_events::EventsWatch;
+use crate::metrics::Metrics;
+
+/// Readiness check: the first scan succeeded.
+pub const READY_SCAN: &str = "scan";
+/// Readiness check: the pod cache is synced.
+pub const READY_PODS: &str = "pods";
+
+/// Settings of [`run`].
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    /// The Kubernetes node this agent runs on.
+    pub node_name: String,
+    /// Where the host's cgroup tree is mounted.
+    pub cgroup_root: PathBuf,
+    /// The shared configuration (`agent` and `resources` sections are used).
+    pub config: Config,
+    /// First retry delay after a failed API call.
+    pub backoff_initial: Duration,
+    /// Longest retry delay (±20 % jitter). It bounds how long after an API server outage the agent
+    /// publishes again and its pod and Node watches resume, since each waits out its last delay.
+    pub backoff_max: Duration,
+    /// Time limit of one API call.
+    pub api_timeout: Duration,
+    /// How often the set of watched `misc.events` files is refreshed.
+    pub events_refresh: Duration,
+}
+
+impl AgentOptions {
+    /// Options with production defaults (retry 500 ms doubling to 5 s, 10 s API timeout). A longer cap
+    /// would leave the report (and the Node's extended resources) behind the host for up to that long
+    /// after an outage; 5 s per node is about a kubelet's own status traffic while the API server is
+    /// away.
+    pub fn new(
+        node_name: impl Into<String>,
+        cgroup_root: impl Into<PathBuf>,
+        config: Config,
+    ) -> Self {
+        AgentOptions {
+            node_name: node_name.into(),
+            cgroup_root: cgroup_root.into(),
+            config,
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(5),
+            api_timeout: Duration::from_secs(10),
+            events_refresh: Duration::from_secs(30),
+        }
+    }
+
+    fn backoff(&self) -> Backoff {
+        Backoff::new(self.backoff_initial, self.backoff_max)
+    }
+}
+
+/// Run the agent until `shutdown` is cancelled. Returns an error only for set-up failures; everything
+/// at run time (unreadable files, API outages) is logged, counted, reported and retried.
+pub async fn run(
+    client: Client,
+    opts: AgentOptions,
+    metrics: Metrics,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let watches = Watches {
+        client: client.clone(),
+        backoff: opts.backoff(),
+        metrics: metrics.clone(),
+        shutdown: shutdown.clone(),
+    };
+    let pods = watches.pods(&opts.node_name, &opts.config.resources);
+    let node = watches.node(&opts.node_name);
+    let events = EventsWatch::new();
+    // Strict mode leaves the pods of exempt namespaces alone: only then are those namespaces watched.
+    let strict = opts.config.enforcement.strict
+        && opts.config.enforcement.mode != teeguard_shared::config::EnforcementMode::Off;
+    let (exempt_namespaces, _exempt_watch) = if strict {
+        let (exempt, watched) = watches.exempt_namespaces();
+        (exempt, Some(watched))
+    } else {
+        (ExemptNamespaces::default(), None)
+    };
+    let enforcement = Enforcement::start(
+        StartOptions {
+            config: opts.config.enforcement.clone(),
+            resources: opts.config.resources.clone(),
+            pods: pods.store.clone(),
+            exempt_namespaces,
+            client: Some(client.clone()),
+            node_name: opts.node_name.clone(),
+            poll_interval: opts.config.agent.poll_interval,
+            metrics: metrics.clone(),
+        },
+        shutdown.clone(),
+    );
+    let mut agent = Agent {
+        enforcement,
+        publisher: Publisher::new(client.clone(), opts.node_name.clone()),
+        lease: Some(HeartbeatLease::new(
+            client.clone(),
+            opts.node_name.clone(),
+            opts.config.admission.stale_report_after,
+        )),
+        nodes: Api::all(client),
+        scanner: Some(Scanner::new(opts.cgroup_root.clone())),
+        kernel: KernelView::default(),
+        counted_pods: CountedPods::default(),
+        pods_view: PodsView::default(),
+        pods_view_synced: false,
+        patched_node: None,
+        advertiser: Advertiser::default(),
+        interest: Arc::new(HashSet::new()),
+        last_published: None,
+        seeded_previous: None,
+        publish_backoff: opts.backoff(),
+        publish_retry_at: None,
+        node_backoff: opts.backoff(),
+        node_retry_at: None,
+        advertise_error: None,
+        warned_pods: HashSet::new(),
+        warned_node_missing: false,
+        events_refresh_at: Instant::now(),
+        opts,
+        metrics,
+        readiness,
+        pods,
+        node,
+        events,
+    };
+    agent.readiness.set(READY_SCAN, false);
+    agent.readiness.set(READY_PODS, false);
+    agent.run(shutdown).await
+}
+
+struct Agent {
+    opts: AgentOptions,
+    enforcement: Enforcement,
+    metrics: Metrics,
+    readiness: Readiness,
+    publisher: Publisher,
+    /// The heartbeat Lease (`None` once writing it was forbidden: heartbeats re-publish the report).
+    lease: Option<HeartbeatLease>,
+    nodes: Api<Node>,
+    scanner: Option<Scanner>,
+    kernel: KernelView,
+    /// Since when each pod has been counted (for the report's `countedPods`).
+    counted_pods: CountedPods,
+    pods: Watched<CachedPod>,
+    node: Watched<Node>,
+    pods_view: PodsView,
+    /// The pods view was computed from a synced cache (before that, nothing is written).
+    pods_view_synced: bool,
+    patched_node: Option<Arc<Node>>,
+    advertiser: Advertiser,
+    interest: Arc<HashSet<String>>,
+    /// The last published status and when its heartbeat is due.
+    last_published: Option<(TeeCapacityStatus, Instant)>,
+    seeded_previous: Option<TeeCapacityStatus>,
+    publish_backoff: Backoff,
+    publish_retry_at: Option<Instant>,
+    node_backoff: Backoff,
+    node_retry_at: Option<Instant>,
+    advertise_error: Option<String>,
+    warned_pods: HashSet<String>,
+    warned_node_missing: bool,
+    events: EventsWatch,
+    events_refresh_at: Instant,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wake {
+    Tick,
+    Events,
+    Pods,
+    Node,
+    Deadline,
+}
