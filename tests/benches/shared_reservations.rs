@@ -92,7 +92,11 @@ fn row(what: &str, s: &Stats) {
 }
 
 fn main() {
-    let n = if support::run_mode("shared_reservations") { 1000 } else { 30 };
+    let n = if support::run_mode("shared_reservations") {
+        1000
+    } else {
+        30
+    };
     let rt = support::runtime(2);
     rt.block_on(async {
         section("admitted TEE binding, new HTTPS connection per review");
