@@ -11,6 +11,7 @@ use std::time::Duration;
 use k8s_openapi::api::node::v1::RuntimeClass;
 use kube::Api;
 use kube::api::PostParams;
+use node_support::faults;
 use node_support::scenarios::{self, DEADLINE};
 use node_support::{NodeWorld, Options};
 use serde_json::json;
@@ -114,4 +115,29 @@ async fn crio_1_37_ignores_the_legacy_dotted_annotation_even_where_the_handler_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tee_vm_running_before_the_agent_registers_gets_its_limit_through_synchronize() {
     within(DEADLINE, scenarios::synchronize(RUNTIME)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_stopped_while_containers_are_created_delays_none_past_the_request_timeout() {
+    within(DEADLINE, faults::agent_stopped(RUNTIME)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_and_restarted_while_containers_are_created_harms_none() {
+    within(DEADLINE, faults::agent_killed(RUNTIME)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_runtime_restart_the_agent_registers_again_within_two_seconds() {
+    within(DEADLINE, faults::runtime_restarted(RUNTIME)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn across_a_kubelet_restart_the_node_keeps_the_key_resource() {
+    within(DEADLINE, faults::kubelet_restarted(RUNTIME)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_deleted_and_registered_again_gets_the_key_resource_within_one_poll() {
+    within(DEADLINE, faults::node_deleted(RUNTIME)).await;
 }

@@ -6,6 +6,7 @@
 
 #![allow(dead_code)]
 
+pub mod faults;
 pub mod scenarios;
 
 use std::path::PathBuf;
