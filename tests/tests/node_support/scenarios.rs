@@ -279,3 +279,117 @@ pub async fn synchronize(runtime: Runtime) {
         "{metrics}"
     );
 }
+
+/// Scenario 2: strict mode on a host with one kind (TDX): a pod that requested no key gets `tdx 0` on
+/// each of its containers; a pod labelled exempt, and a pod in a namespace labelled exempt, get nothing;
+/// a TDX VM gets `tdx 1` on compute and nothing elsewhere.
+pub async fn strict(runtime: Runtime) {
+    let options = Options {
+        host: AgentHost::Simulated { tdx: 4, sev_es: 0 },
+        strict: true,
+        ..Options::simulated()
+    };
+    let Some(w) = NodeWorld::start(runtime, "strict", options).await else {
+        return;
+    };
+    w.wait_allocatable(TDX_KEYS, "4", Duration::from_secs(20))
+        .await;
+    let exempt_ns = w
+        .cluster
+        .namespace(&w.test, "strict-exempt", &[(EXEMPT, "true")])
+        .await
+        .expect("exempt namespace");
+    let two = [("main", &[][..]), ("sidecar", &[][..])];
+    let plain = pods::plain(&w.ns, "no-key", &two, &w.selector());
+    let mut labelled = pods::plain(&w.ns, "exempt-pod", &two, &w.selector());
+    labelled
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert(EXEMPT.into(), "true".into());
+    let in_exempt_ns = pods::plain(&exempt_ns, "in-exempt-ns", &two, &w.selector());
+    for (pod, want) in [(plain, "tdx 0"), (labelled, "-"), (in_exempt_ns, "-")] {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let created = w.create(&pod).await.expect("created");
+        let running = w.wait_running(&created).await;
+        assert_eq!(
+            limits(&w.records(&running).await),
+            expected(&[("main", want), ("sidecar", want)]),
+            "{name}"
+        );
+    }
+    let vm = w.create_vm("tdx-vm", Tee::Tdx).await.expect("admitted");
+    let vm = w.wait_running(&vm).await;
+    assert_eq!(
+        limits(&w.records(&vm).await),
+        expected(&[
+            ("compute", "tdx 1"),
+            ("container-disk-binary", "-"),
+            ("guest-console-log", "-"),
+        ])
+    );
+}
+
+/// teeguard's exemption label.
+const EXEMPT: &str = "teeguard.dev/exempt";
+
+/// Scenario 6: the node's key resource as the kubelet sees it. A pod asking more keys than the agent
+/// advertises stays Pending with the scheduler's `Insufficient` message; one bound directly
+/// (`spec.nodeName`, past the scheduler and the webhook) is rejected by the kubelet's admission with
+/// `OutOf<resource>`, the message the user sees in its status.
+pub async fn kubelet_admission(runtime: Runtime) {
+    let Some(w) = NodeWorld::start(runtime, "admission", Options::simulated()).await else {
+        return;
+    };
+    w.wait_allocatable(TDX_KEYS, "4", Duration::from_secs(20))
+        .await;
+    let greedy = pods::plain(
+        &w.ns,
+        "five-keys",
+        &[("main", &[(TDX_KEYS, "5")])],
+        &w.selector(),
+    );
+    w.create(&greedy).await.expect("created");
+    let event = w
+        .cluster
+        .wait_for("FailedScheduling for five-keys", || async {
+            w.event_objects(&w.ns, "five-keys")
+                .await
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some("FailedScheduling"))
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    let message = event.message.unwrap_or_default();
+    eprintln!("{}: the scheduler said: {message}", runtime.name());
+    assert!(
+        message.contains(&format!("Insufficient {TDX_KEYS}")),
+        "{message}"
+    );
+
+    let ns = unguarded_namespace(&w.cluster, "admission-unguarded").await;
+    let mut bound = pods::plain(&ns, "bound-five-keys", &[("main", &[(TDX_KEYS, "5")])], &[]);
+    bound.spec.as_mut().expect("spec").node_name = Some(w.turn.name.clone());
+    w.create(&bound).await.expect("created");
+    let api = w.pods_in(&ns);
+    let status = w
+        .cluster
+        .wait_for("the kubelet to reject bound-five-keys", || async {
+            let s = api.get("bound-five-keys").await.ok()?.status?;
+            (s.phase.as_deref() == Some("Failed")).then_some(s)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    let (reason, message) = (
+        status.reason.unwrap_or_default(),
+        status.message.unwrap_or_default(),
+    );
+    eprintln!("{}: the kubelet said: {reason}: {message}", runtime.name());
+    assert_eq!(reason, format!("OutOf{TDX_KEYS}"));
+    assert!(
+        message.contains(TDX_KEYS)
+            && message.contains("requested: 5")
+            && message.contains("capacity: 4"),
+        "{message}"
+    );
+}
