@@ -441,6 +441,39 @@ async fn a_plugin_that_never_answers_times_out_after_the_request_timeout() {
         .expect("no panic");
 }
 
+// As the real containerd and CRI-O do (real-node scenario 4, agent stopped): a plugin that does not
+// answer delays the container by the request timeout once, then the container is created without
+// adjustment, and so is the next one, until a plugin registers again.
+#[tokio::test]
+async fn as_the_runtime_a_hung_or_missing_plugin_leaves_containers_unadjusted() {
+    let (_dir, socket, rt) = runtime().await;
+    let mut b = Behaviour::new(event_bit(CREATE_CONTAINER));
+    b.hang_on_create = true;
+    let (_task, _) = spawn_plugin(&socket, b);
+    rt.wait_registered(WAIT).await.expect("registers");
+    let started = Instant::now();
+    let first = rt
+        .create_container_as_runtime(pod("p"), container("c"))
+        .await
+        .expect("created");
+    assert_eq!(first, json!({}));
+    assert!(
+        started.elapsed() >= Duration::from_millis(1900),
+        "{:?}",
+        started.elapsed()
+    );
+    let started = Instant::now();
+    let next = rt
+        .create_container_as_runtime(pod("p"), container("d"))
+        .await
+        .expect("created");
+    assert_eq!(next, json!({}));
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "no plugin left to wait for"
+    );
+}
+
 #[tokio::test]
 async fn failed_status_and_missing_plugin_are_reported() {
     let (_dir, socket, rt) = runtime().await;
