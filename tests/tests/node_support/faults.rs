@@ -8,8 +8,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams, WatchEvent, WatchParams};
 use kube::{Api, Client};
 use teeguard_tests::e2e::json_log_line;
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
@@ -354,41 +355,62 @@ pub async fn runtime_restarted(runtime: Runtime) {
     assert_vm_limited(&w, "runtime restarted", &vm).await;
 }
 
-/// Samples the Node's allocatable `resource` every 50 ms until stopped.
-fn sample_allocatable(
+/// The Node's allocatable `resource` in every version of the Node the API server stores from now
+/// until stopped (a watch from the current version; the first entry is the current one).
+async fn watch_allocatable(
     client: Client,
     node: String,
     resource: &'static str,
 ) -> (CancellationToken, JoinHandle<Vec<Option<String>>>) {
+    let nodes: Api<Node> = Api::all(client);
+    let value = |n: &Node| {
+        n.status
+            .as_ref()
+            .and_then(|s| s.allocatable.as_ref())
+            .and_then(|a| a.get(resource).map(|q| q.0.clone()))
+    };
+    let current = nodes.get(&node).await.expect("the Node");
+    let version = current
+        .metadata
+        .resource_version
+        .clone()
+        .unwrap_or_default();
+    let params = WatchParams::default().fields(&format!("metadata.name={node}"));
+    let mut events = nodes
+        .watch(&params, &version)
+        .await
+        .expect("watch the Node")
+        .boxed();
     let stop = CancellationToken::new();
     let task = tokio::spawn({
         let stop = stop.clone();
         async move {
-            let nodes: Api<Node> = Api::all(client);
-            let mut seen = Vec::new();
-            while !stop.is_cancelled() {
-                if let Ok(n) = nodes.get(&node).await {
-                    let v = n
-                        .status
-                        .and_then(|s| s.allocatable)
-                        .and_then(|a| a.get(resource).map(|q| q.0.clone()));
-                    seen.push(v);
+            let mut seen = vec![value(&current)];
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return seen,
+                    event = events.next() => match event {
+                        Some(Ok(WatchEvent::Added(n) | WatchEvent::Modified(n))) => seen.push(value(&n)),
+                        Some(Ok(WatchEvent::Deleted(_))) => seen.push(None),
+                        Some(Ok(_)) => {}
+                        Some(Err(e)) => panic!("watching the Node: {e}"),
+                        None => return seen,
+                    },
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            seen
         }
     });
     (stop, task)
 }
 
-/// The kubelet restarted while containers are created: the Node keeps the key resource throughout.
+/// The kubelet restarted while containers are created: the Node keeps the key resource in every
+/// version the API server stores meanwhile.
 pub async fn kubelet_restarted(runtime: Runtime) {
     let Some(w) = world(runtime, "kubelet-restarted").await else {
         return;
     };
-    let (stop, sampler) =
-        sample_allocatable(w.cluster.client.clone(), w.turn.name.clone(), TDX_KEYS);
+    let (stop, versions) =
+        watch_allocatable(w.cluster.client.clone(), w.turn.name.clone(), TDX_KEYS).await;
     let stream = PodStream::start(&w, "kubelet");
     tokio::time::sleep(EVERY * 2).await;
     w.turn.restart_kubelet().await.expect("kubelet restarts");
@@ -396,10 +418,10 @@ pub async fn kubelet_restarted(runtime: Runtime) {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let streamed = stream.finish(&w).await;
     stop.cancel();
-    let seen = sampler.await.expect("sampler");
+    let seen = versions.await.expect("watch");
     assert!(
         !seen.is_empty() && seen.iter().all(|v| v.as_deref() == Some("4")),
-        "the Node's {TDX_KEYS} across the kubelet's restart: {seen:?}"
+        "the Node's {TDX_KEYS} in each version stored across the kubelet's restart: {seen:?}"
     );
     // Pods wait for the kubelet while it is down (not teeguard's doing): only their running counts.
     assert_no_harm(&w, "kubelet restarted", RUN_DEADLINE, &streamed).await;
