@@ -23,8 +23,10 @@ use super::{NodeWorld, Options, POLL, RUN_DEADLINE, prepare_node, running};
 /// How often the stream creates a pod.
 const EVERY: Duration = Duration::from_millis(400);
 /// What a loaded 2-core machine may add to a pod's start on top of the calm pods' slowest, besides
-/// one NRI request timeout.
-const SLACK: Duration = Duration::from_secs(3);
+/// one NRI request timeout. 3 s was not enough: in a clean-clone CI rehearsal with other builds beside
+/// it, every pod of the stopped-agent phase (also those created after containerd had dropped the
+/// plugin) took 4.6-6.3 s to start against calm pods' 0.5 s measured before the load.
+const SLACK: Duration = Duration::from_secs(6);
 
 /// A pod of the stream and how long it took from its CREATE to Running.
 #[derive(Debug)]
