@@ -1,6 +1,7 @@
 //! Scenario 4: faults on the real node while pods are created throughout. Whatever happens to the
 //! agent, the runtime or the kubelet, no pod may fail or wait past the runtime's NRI request timeout
-//! because of teeguard, and teeguard comes back by itself: it registers again, the Node keeps (or gets
+//! because of teeguard (the runtime gives up on a silent plugin at most once, and never on one that is
+//! gone), and teeguard comes back by itself: it registers again, the Node keeps (or gets
 //! back) its key resource, and a TEE container created meanwhile gets its limit (at creation, or
 //! through `Synchronize` when the plugin registers again).
 
@@ -154,6 +155,21 @@ async fn calm(w: &NodeWorld) -> Duration {
     calm.iter().map(|s| s.took).max().unwrap_or_default()
 }
 
+/// The runtime's log so far, from byte `since` on.
+fn runtime_log_since(w: &NodeWorld, since: usize) -> String {
+    let log = w.turn.log(w.turn.runtime.name());
+    log.get(since..).unwrap_or_default().to_string()
+}
+
+/// How often the runtime gave up waiting for the plugin (its request timeout) in `log`: containerd and
+/// CRI-O both log `closing plugin 50-teeguard, failed to handle <Request>: context deadline exceeded`.
+/// After giving up it closes the plugin, so each time is one container's single wait.
+fn timeouts(log: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains("closing plugin") && l.contains("deadline exceeded"))
+        .count()
+}
+
 /// Every pod ran, none later than the calm pods' slowest plus one NRI request timeout (and slack for
 /// a loaded machine), and no Warning Event in the namespace names NRI or a plugin.
 async fn assert_no_harm(w: &NodeWorld, fault: &str, calm: Duration, streamed: &[Streamed]) {
@@ -276,6 +292,7 @@ pub async fn agent_stopped(runtime: Runtime) {
     };
     let calm = calm(&w).await;
     let before = registrations(&w);
+    let since = w.turn.log(runtime.name()).len();
     let pid = w.agent.proc.pid().expect("agent runs");
     let stream = PodStream::start(&w, "stopped");
     signal(pid, "-STOP");
@@ -297,6 +314,15 @@ pub async fn agent_stopped(runtime: Runtime) {
     tokio::time::sleep(EVERY * 3).await;
     let streamed = stream.finish(&w).await;
     assert_no_harm(&w, "agent stopped", calm, &streamed).await;
+    let log = runtime_log_since(&w, since);
+    assert_eq!(
+        timeouts(&log),
+        1,
+        "the runtime waits for the stopped plugin once, then drops it: {:#?}",
+        log.lines()
+            .filter(|l| l.contains("plugin"))
+            .collect::<Vec<_>>()
+    );
     assert_vm_limited(&w, "agent stopped", &vm).await;
 }
 
@@ -307,6 +333,7 @@ pub async fn agent_killed(runtime: Runtime) {
         return;
     };
     let calm = calm(&w).await;
+    let since = w.turn.log(runtime.name()).len();
     let stream = PodStream::start(&w, "killed");
     tokio::time::sleep(EVERY * 2).await;
     w.agent.proc.kill();
@@ -316,6 +343,11 @@ pub async fn agent_killed(runtime: Runtime) {
     tokio::time::sleep(EVERY * 3).await;
     let streamed = stream.finish(&w).await;
     assert_no_harm(&w, "agent killed", calm, &streamed).await;
+    assert_eq!(
+        timeouts(&runtime_log_since(&w, since)),
+        0,
+        "a killed plugin is never waited for"
+    );
     assert_vm_limited(&w, "agent killed", &vm).await;
 }
 
@@ -326,6 +358,7 @@ pub async fn runtime_restarted(runtime: Runtime) {
         return;
     };
     let before = registrations(&w);
+    let since = w.turn.log(runtime.name()).len();
     let stream = PodStream::start(&w, "restart");
     tokio::time::sleep(EVERY * 2).await;
     let back = w.turn.restart_runtime().await.expect("runtime restarts");
@@ -354,6 +387,11 @@ pub async fn runtime_restarted(runtime: Runtime) {
     let streamed = stream.finish(&w).await;
     // Pods wait for the runtime while it is down (not teeguard's doing): only their running counts.
     assert_no_harm(&w, "runtime restarted", RUN_DEADLINE, &streamed).await;
+    assert_eq!(
+        timeouts(&runtime_log_since(&w, since)),
+        0,
+        "no wait for the plugin"
+    );
     assert_vm_limited(&w, "runtime restarted", &vm).await;
 }
 
@@ -413,6 +451,7 @@ pub async fn kubelet_restarted(runtime: Runtime) {
     };
     let (stop, versions) =
         watch_allocatable(w.cluster.client.clone(), w.turn.name.clone(), TDX_KEYS).await;
+    let since = w.turn.log(runtime.name()).len();
     let stream = PodStream::start(&w, "kubelet");
     tokio::time::sleep(EVERY * 2).await;
     w.turn.restart_kubelet().await.expect("kubelet restarts");
@@ -427,6 +466,11 @@ pub async fn kubelet_restarted(runtime: Runtime) {
     );
     // Pods wait for the kubelet while it is down (not teeguard's doing): only their running counts.
     assert_no_harm(&w, "kubelet restarted", RUN_DEADLINE, &streamed).await;
+    assert_eq!(
+        timeouts(&runtime_log_since(&w, since)),
+        0,
+        "no wait for the plugin"
+    );
     assert_vm_limited(&w, "kubelet restarted", &vm).await;
 }
 
