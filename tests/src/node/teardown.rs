@@ -20,7 +20,9 @@ const SYSCTLS: [&str; 6] = [
 
 /// `<state>/sysctls.sh save|restore <id>`: saves or puts back the machine's tunables (`@KEYS@`),
 /// machine-wide under a lock: saved when no other test node is running, put back when the last one
-/// stops (a node runs while the test process `<id>` that started it is alive).
+/// stops. A node runs while its janitor `<id>` lives: the janitor ends only after its teardown, so a
+/// node that the next test binary starts while the previous one is still being torn down (its kubelet's
+/// values still set) does not take those values for the machine's.
 const SYSCTL_SCRIPT: &str = r#"
 set -u
 cmd=$1; id=$2
@@ -93,7 +95,7 @@ for _ in $(seq 10); do
   sleep 0.5
 done
 [ -z "$(cgroups)" ] || echo "teardown: cgroups left: $(cgroups)" >&2
-bash "$dir/sysctls.sh" restore @ID@
+bash "$dir/sysctls.sh" restore $$
 if [ -e "$dir/FAILED" ]; then
   find "$dir" -mindepth 1 -maxdepth 1 ! -name log ! -name record ! -name FAILED -exec rm -rf {} +
 else
@@ -126,7 +128,7 @@ pub(super) fn install(dir: &Path, bin: &Path, runtime: Runtime, cgroup_root: &st
         "sysctls.sh",
         &SYSCTL_SCRIPT.replace("@KEYS@", &SYSCTLS.join(" ")),
     )?;
-    Command::new("bash")
+    let janitor = Command::new("bash")
         .arg("-c")
         .arg(JANITOR)
         .arg("janitor")
@@ -138,16 +140,19 @@ pub(super) fn install(dir: &Path, bin: &Path, runtime: Runtime, cgroup_root: &st
         .process_group(0)
         .spawn()
         .map_err(io("start the node's janitor (needs bash)"))?;
+    write("pids/janitor", &janitor.id().to_string())?;
     install_panic_hook(dir);
     Ok(())
 }
 
 /// Save the machine's kernel tunables before a kubelet changes them (see [`SYSCTL_SCRIPT`]).
 pub(super) fn save_sysctls(dir: &Path) -> Result<()> {
+    let janitor =
+        std::fs::read_to_string(dir.join("pids/janitor")).map_err(io("read the janitor's pid"))?;
     let mut cmd = Command::new("bash");
     cmd.arg(dir.join("sysctls.sh"))
         .arg("save")
-        .arg(std::process::id().to_string());
+        .arg(janitor.trim());
     run(cmd, "sysctls.sh save (needs bash and flock)").map(|_| ())
 }
 
