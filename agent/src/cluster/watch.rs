@@ -66,14 +66,14 @@ where
 /// webhook does). Cheap to clone; empty when not watched.
 #[derive(Clone, Default)]
 pub struct ExemptNamespaces {
-    store: Option<Store<PartialObjectMeta<Namespace>>>,
-    synced: Option<Arc<AtomicBool>>,
+    /// The watch's cache and whether its first list is in; `None` when not watched.
+    watched: Option<(Store<PartialObjectMeta<Namespace>>, Arc<AtomicBool>)>,
 }
 
 impl Debug for ExemptNamespaces {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExemptNamespaces")
-            .field("watched", &self.store.is_some())
+            .field("watched", &self.watched.is_some())
             .finish()
     }
 }
@@ -83,14 +83,11 @@ impl ExemptNamespaces {
     /// list every namespace counts as exempt: strict mode zeroes no pod it cannot yet tell is exempt
     /// (a wrong zero would stop a container that should start; a late one only delays strictness).
     pub fn contains(&self, namespace: &str) -> bool {
-        let Some(store) = &self.store else {
+        let Some((store, synced)) = &self.watched else {
             return false;
         };
-        let synced = self
-            .synced
-            .as_ref()
-            .is_some_and(|s| s.load(Ordering::Acquire));
-        !synced || store.get(&reflector::ObjectRef::new(namespace)).is_some()
+        !synced.load(Ordering::Acquire)
+            || store.get(&reflector::ObjectRef::new(namespace)).is_some()
     }
 }
 
@@ -147,8 +144,7 @@ impl Watches {
             "watch exempt namespaces",
         );
         let exempt = ExemptNamespaces {
-            store: Some(watched.store.clone()),
-            synced: Some(watched.synced.clone()),
+            watched: Some((watched.store.clone(), watched.synced.clone())),
         };
         (exempt, watched)
     }
