@@ -8,27 +8,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
+use teeguard_tests::node::built_images;
 
 /// The images and their binaries.
 const IMAGES: [&str; 2] = ["teeguard-webhook", "teeguard-agent"];
 
 /// An image archive larger than this is a regression (today about 9 MiB each).
 const MAX_ARCHIVE_BYTES: u64 = 24 * 1024 * 1024;
-
-fn images_dir() -> Option<PathBuf> {
-    match std::env::var_os("TEEGUARD_IMAGES") {
-        Some(dir) => Some(PathBuf::from(dir)),
-        None if std::env::var("CI").is_ok_and(|v| v == "true") => {
-            panic!(
-                "TEEGUARD_IMAGES is not set and CI=true: scripts/test.sh builds the images first"
-            )
-        }
-        None => {
-            eprintln!("skipped: set TEEGUARD_IMAGES to the output of scripts/images.sh");
-            None
-        }
-    }
-}
 
 fn run(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
@@ -102,7 +88,7 @@ fn unpack(archive: &Path) -> Unpacked {
 
 #[test]
 fn each_image_runs_its_binary_from_its_own_root_as_the_charts_non_root_user_and_stays_small() {
-    let Some(dir) = images_dir() else {
+    let Some(dir) = built_images() else {
         return;
     };
     let version = env!("CARGO_PKG_VERSION");

@@ -25,29 +25,16 @@ use kube::Api;
 use kube::api::{ListParams, PostParams};
 use teeguard_certs::{CertificateAuthority, ServingCertRequest};
 use teeguard_shared::TeeCapacity;
-use teeguard_tests::controlplane::{ControlPlane, ci, unique_name};
+use teeguard_tests::controlplane::{ControlPlane, unique_name};
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
 use teeguard_tests::host::{SimHost, TDX};
-use teeguard_tests::node::{ContainerKind, RealNode, Runtime, pods};
+use teeguard_tests::node::{ContainerKind, RealNode, Runtime, built_images, pods};
 use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
 
 const DEADLINE: Duration = Duration::from_secs(420);
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const WEBHOOK_IMAGE: &str = "ghcr.io/teeguard/teeguard-webhook";
 const AGENT_IMAGE: &str = "ghcr.io/teeguard/teeguard-agent";
-
-fn images_dir() -> Option<PathBuf> {
-    match std::env::var_os("TEEGUARD_IMAGES") {
-        Some(d) => Some(PathBuf::from(d)),
-        None if ci() => {
-            panic!("TEEGUARD_IMAGES is not set and CI=true: scripts/test.sh builds them")
-        }
-        None => {
-            eprintln!("skipped: set TEEGUARD_IMAGES to the output of scripts/images.sh");
-            None
-        }
-    }
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -176,7 +163,7 @@ fn assert_no_refused_api_calls(node: &RealNode, pod: &Pod, what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap_and_uninstall_cleanly()
  {
-    let Some(images) = images_dir() else { return };
+    let Some(images) = built_images() else { return };
     let Some(node) = RealNode::shared(Runtime::Containerd) else {
         return;
     };

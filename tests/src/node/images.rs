@@ -2,10 +2,29 @@
 //! them) imported into the runtime's own image store, and extra names for an imported image (an
 //! "upgrade" to another tag without another build).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use super::{NodeError, RealNode, Result, Runtime, run};
+use crate::controlplane::ci;
+
+/// The environment variable naming the directory of the image archives (`scripts/test.sh` sets it).
+pub const IMAGES_ENV: &str = "TEEGUARD_IMAGES";
+
+/// The directory of the image archives `scripts/images.sh` wrote (`TEEGUARD_IMAGES`). `None` (after
+/// printing one line) when it is not set and `CI` is not `true`; panics when `CI=true`.
+pub fn built_images() -> Option<PathBuf> {
+    match std::env::var_os(IMAGES_ENV) {
+        Some(dir) => Some(PathBuf::from(dir)),
+        None if ci() => {
+            panic!("{IMAGES_ENV} is not set and CI=true: scripts/test.sh builds the images first")
+        }
+        None => {
+            eprintln!("skipped: set {IMAGES_ENV} to the output of scripts/images.sh");
+            None
+        }
+    }
+}
 
 impl RealNode {
     /// Import the OCI archive `archive` under the name `image` (containerd: `ctr images import` into

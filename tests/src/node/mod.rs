@@ -34,6 +34,7 @@ use std::process::{Child, Command};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+pub use images::built_images;
 pub use records::{ContainerKind, Recorded, RecordedUpdate};
 pub use start::CRIO_UNIFIED_HANDLER;
 
