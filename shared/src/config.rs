@@ -20,7 +20,9 @@
 //!   staleReportPolicy: { podCreate: deny, binding: allow }
 //!   ledgerTtl: 30s
 //!   sharedReservations: true # reservations shared by webhook replicas (TeeReservation per node)
+//!   teeRuntimeClasses: {}    # RuntimeClass → kind: the webhook gives those pods a container key request
 //! agent:
+//!   accounting: extendedResource # extendedResource | dra (the scheduler allocates keys from ResourceSlices)
 //!   advertise: true
 //!   pollInterval: 1s
 //!   heartbeatInterval: 30s
@@ -155,6 +157,19 @@ pub enum StalePolicy {
     Allow,
 }
 
+/// How the scheduler learns a node's free keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Accounting {
+    /// The agent advertises `capacity − external` as the Node's extended resources (NFD's way).
+    #[default]
+    ExtendedResource,
+    /// The agent is the DRA driver `tee.teeguard.dev`: it publishes one device per usable key in a
+    /// ResourceSlice, the scheduler allocates them (a DeviceClass with `extendedResourceName` serves the
+    /// pods' extended-resource requests) and the kubelet asks the agent to prepare them.
+    Dra,
+}
+
 /// Validating webhook policy.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdmissionConfig {
@@ -171,11 +186,18 @@ pub struct AdmissionConfig {
     /// Share reservations between webhook replicas through a `TeeReservation` per node (exact with
     /// any replica count; one API write per admitted TEE binding).
     pub shared_reservations: bool,
+    /// RuntimeClasses whose pods are TEE guests (Kata's `kata-qemu-tdx`, ...) and their kind: the
+    /// mutating webhook adds the kind's key request to the first container of such a pod that asks for
+    /// no key itself, so the key is a container request, which DRA can serve (a RuntimeClass
+    /// `overhead.podFixed` key is not).
+    pub tee_runtime_classes: std::collections::BTreeMap<String, TeeKind>,
 }
 
 /// Node agent settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AgentConfig {
+    /// Extended resources on the Node, or DRA devices in ResourceSlices.
+    pub accounting: Accounting,
     /// Advertise the extended resources on the Node (`capacity − external`).
     pub advertise: bool,
     /// How often usage is read from the kernel (it sends no event for usage).
@@ -263,6 +285,7 @@ impl Default for AdmissionConfig {
             stale_on_binding: StalePolicy::Allow,
             ledger_ttl: Duration::from_secs(30),
             shared_reservations: true,
+            tee_runtime_classes: Default::default(),
         }
     }
 }
@@ -270,6 +293,7 @@ impl Default for AdmissionConfig {
 impl Default for AgentConfig {
     fn default() -> Self {
         AgentConfig {
+            accounting: Accounting::ExtendedResource,
             advertise: true,
             poll_interval: Duration::from_secs(1),
             heartbeat_interval: Duration::from_secs(30),
@@ -322,6 +346,26 @@ struct RawAdmission {
     stale_report_policy: Option<RawStalePolicy>,
     ledger_ttl: Option<String>,
     shared_reservations: Option<bool>,
+    tee_runtime_classes: Option<std::collections::BTreeMap<String, RawKindName>>,
+}
+
+/// A TEE kind as the configuration file spells it.
+#[derive(Deserialize, Clone, Copy)]
+#[serde(rename_all = "camelCase")]
+enum RawKindName {
+    Tdx,
+    Sev,
+    SevEs,
+}
+
+impl From<RawKindName> for TeeKind {
+    fn from(k: RawKindName) -> TeeKind {
+        match k {
+            RawKindName::Tdx => TeeKind::Tdx,
+            RawKindName::Sev => TeeKind::Sev,
+            RawKindName::SevEs => TeeKind::SevEs,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -334,6 +378,7 @@ struct RawStalePolicy {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct RawAgent {
+    accounting: Option<Accounting>,
     advertise: Option<bool>,
     poll_interval: Option<String>,
     heartbeat_interval: Option<String>,
@@ -470,8 +515,22 @@ impl Config {
             if let Some(v) = a.shared_reservations {
                 cfg.admission.shared_reservations = v;
             }
+            if let Some(classes) = a.tee_runtime_classes {
+                for (name, kind) in classes {
+                    if name.is_empty() || name.len() > 253 {
+                        return Err(err(
+                            format!("admission.teeRuntimeClasses.{name}"),
+                            "a RuntimeClass name is 1 to 253 characters".into(),
+                        ));
+                    }
+                    cfg.admission.tee_runtime_classes.insert(name, kind.into());
+                }
+            }
         }
         if let Some(a) = raw.agent {
+            if let Some(v) = a.accounting {
+                cfg.agent.accounting = v;
+            }
             if let Some(v) = a.advertise {
                 cfg.agent.advertise = v;
             }
@@ -669,6 +728,25 @@ mod tests {
             let err = Config::from_yaml(yaml).expect_err(yaml).to_string();
             assert!(err.contains(&format!("`{field}")), "{yaml:?} -> {err}");
         }
+    }
+
+    #[test]
+    fn dra_accounting_and_tee_runtime_classes_are_read() {
+        let cfg = Config::from_yaml(
+            "agent:\n  accounting: dra\nadmission:\n  teeRuntimeClasses:\n    kata-qemu-tdx: tdx\n    kata-qemu-snp: sevEs\n",
+        )
+        .expect("valid");
+        assert_eq!(cfg.agent.accounting, Accounting::Dra);
+        assert_eq!(
+            cfg.admission.tee_runtime_classes.get("kata-qemu-snp"),
+            Some(&TeeKind::SevEs)
+        );
+        assert_eq!(Config::default().agent.accounting, Accounting::ExtendedResource);
+        let e = Config::from_yaml("agent:\n  accounting: plugin\n").expect_err("bad value");
+        assert!(e.to_string().contains("agent.accounting"), "{e}");
+        let e = Config::from_yaml("admission:\n  teeRuntimeClasses:\n    kata: sgx\n")
+            .expect_err("bad kind");
+        assert!(e.to_string().contains("admission.teeRuntimeClasses"), "{e}");
     }
 
     #[test]

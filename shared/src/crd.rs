@@ -28,6 +28,9 @@ use crate::tee::TeeKind;
     printcolumn = r#"{"name": "TDX-Cap", "type": "integer", "jsonPath": ".status.tdx.capacity", "description": "TDX keys on the host", "priority": 1}"#,
     printcolumn = r#"{"name": "SEV-Free", "type": "integer", "jsonPath": ".status.sev.free", "description": "SEV ASIDs free for new VMs"}"#,
     printcolumn = r#"{"name": "SEV-ES-Free", "type": "integer", "jsonPath": ".status.sevEs.free", "description": "SEV-ES/SNP ASIDs free for new VMs"}"#,
+    printcolumn = r#"{"name": "Accounting", "type": "string", "jsonPath": ".status.accounting", "description": "How the scheduler learns the free keys: extendedResource (advertised on the Node) or dra (devices in ResourceSlices)"}"#,
+    printcolumn = r#"{"name": "TDX-Devices", "type": "integer", "jsonPath": ".status.tdx.devices.published", "description": "DRA mode: TDX key devices published in the node's ResourceSlices"}"#,
+    printcolumn = r#"{"name": "TDX-Allocated", "type": "integer", "jsonPath": ".status.tdx.devices.allocated", "description": "DRA mode: TDX key devices the kubelet had the agent prepare for pods", "priority": 1}"#,
     printcolumn = r#"{"name": "External", "type": "integer", "jsonPath": ".status.tdx.external", "description": "TDX keys held outside Kubernetes pods that request them", "priority": 1}"#,
     printcolumn = r#"{"name": "Published", "type": "date", "jsonPath": ".status.heartbeatTime", "description": "When the agent last wrote this status (between changes it renews its heartbeat Lease instead)"}"#,
     printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
@@ -57,6 +60,10 @@ pub struct TeeCapacityStatus {
     /// unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heartbeat_time: Option<Time>,
+    /// How the scheduler learns this node's free keys: `extendedResource` (the agent advertises them on
+    /// the Node) or `dra` (the agent publishes one device per usable key in a ResourceSlice).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounting: Option<String>,
     /// Version of the agent that wrote the report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_version: Option<String>,
@@ -111,6 +118,25 @@ pub struct KindStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "int64"))]
     pub advertised: Option<u64>,
+    /// DRA mode only: the node's devices of this kind (one per key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<DeviceCounts>,
+}
+
+/// The DRA view of one kind on one node (DRA mode).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceCounts {
+    /// Devices in the node's ResourceSlices: the keys Kubernetes pods can be allocated.
+    #[schemars(extend("format" = "int64"))]
+    pub published: u64,
+    /// Devices the kubelet had the agent prepare for pods on this node (their claims' allocations).
+    #[schemars(extend("format" = "int64"))]
+    pub allocated: u64,
+    /// Keys held by something no DRA claim accounts for (VMs outside Kubernetes, other runtimes, pods
+    /// started before the switch to DRA): not published, so the scheduler never hands them out.
+    #[schemars(extend("format" = "int64"))]
+    pub withheld: u64,
 }
 
 impl TeeCapacityStatus {

@@ -111,3 +111,12 @@ pub mod reasons {
     /// Event reason on a VMI whose pod was refused for lack of keys.
     pub const INSUFFICIENT_TEE_KEYS: &str = "InsufficientTEEKeys";
 }
+
+/// The DRA driver name the agent publishes its devices under (DRA mode, `agent.accounting: dra`).
+pub const DRA_DRIVER: &str = "tee.teeguard.dev";
+/// The device attribute (qualified by the driver name) saying which kind of key a device is.
+pub const DRA_KIND_ATTRIBUTE: &str = "kind";
+/// The DeviceClass the chart creates for a kind: `<kind>.tee.teeguard.dev` (`sev-es.tee.teeguard.dev`).
+pub fn dra_device_class(kind_attribute: &str) -> String {
+    format!("{kind_attribute}.{DRA_DRIVER}")
+}

@@ -166,6 +166,7 @@ pub fn build_status(input: &StatusInput<'_>) -> TeeCapacityStatus {
             pending: f.pending,
             free: f.free,
             advertised: input.advertising.advertised(*kind),
+            devices: None,
         });
     }
     status.counted_pods = input.counted_pods.to_vec();

@@ -273,6 +273,7 @@ fn status_figures_and_transition_times() {
             pending: 0,
             free: 13,
             advertised: Some(14),
+            devices: None,
         }
     );
     assert_eq!(s1.heartbeat_time, Some(Time(ts(100))));

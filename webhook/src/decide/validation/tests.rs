@@ -21,6 +21,7 @@ fn kind(capacity: u64, free: u64, external: u64) -> KindStatus {
         pending: 0,
         free,
         advertised: None,
+        devices: None,
     }
 }
 
