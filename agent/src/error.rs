@@ -84,6 +84,29 @@ pub enum Error {
         reason: String,
     },
 
+    /// A kubelet plugin socket (DRA mode) could not be set up.
+    #[error(
+        "cannot {action} the kubelet plugin socket {path}: {source}; check that the kubelet's plugin \
+         directories are mounted writable into the agent (the chart's agent.kubeletDir)"
+    )]
+    PluginSocket {
+        /// The socket.
+        path: PathBuf,
+        /// What was being done.
+        action: &'static str,
+        /// The OS error.
+        source: std::io::Error,
+    },
+
+    /// The DRA checkpoint (which claims the agent prepared) could not be read or written.
+    #[error("DRA checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong and what to do.
+        reason: String,
+    },
+
     /// A blocking task (the cgroup scan) panicked or was cancelled.
     #[error("background task failed: {0}")]
     Task(String),

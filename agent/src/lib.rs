@@ -29,6 +29,7 @@ pub mod decide;
 pub mod enforce;
 pub mod error;
 pub mod kernel;
+pub mod kubelet;
 pub mod metrics;
 pub mod run;
 pub mod runtime;

@@ -42,6 +42,9 @@ struct CachedSpec {
     init_containers: Option<Vec<CachedContainer>>,
     #[serde(default)]
     overhead: Option<BTreeMap<String, Quantity>>,
+    /// `spec.resourceClaims` is not empty (DRA mode: the pod's keys come from a claim).
+    #[serde(default, rename = "resourceClaims", deserialize_with = "non_empty_list")]
+    has_resource_claims: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -65,9 +68,24 @@ struct CachedResources {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct CachedStatus {
     #[serde(default)]
     phase: Option<String>,
+    /// `status.extendedResourceClaimStatus` is set: the scheduler allocated the pod's extended
+    /// resources through a DRA claim (DRA mode).
+    #[serde(default, rename = "extendedResourceClaimStatus", deserialize_with = "present")]
+    has_extended_resource_claim: bool,
+}
+
+/// Whether a field is present (its value is skipped, never allocated).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Option::<serde::de::IgnoredAny>::deserialize(d).map(|v| v.is_some())
+}
+
+/// Whether a list field is present and not empty (its items are skipped).
+fn non_empty_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Option::<Vec<serde::de::IgnoredAny>>::deserialize(d).map(|v| v.is_some_and(|v| !v.is_empty()))
 }
 
 #[derive(Default, Deserialize)]
@@ -165,10 +183,19 @@ impl CachedPod {
                 containers: s.containers.as_ref().map(containers).unwrap_or_default(),
                 init_containers: s.init_containers.as_ref().map(containers),
                 overhead: s.overhead.clone(),
+                resource_claims: s.has_resource_claims.then(|| {
+                    vec![k8s_openapi::api::core::v1::PodResourceClaim {
+                        name: "claim".into(),
+                        ..Default::default()
+                    }]
+                }),
                 ..PodSpec::default()
             }),
             status: self.status.as_ref().map(|s| PodStatus {
                 phase: s.phase.clone(),
+                extended_resource_claim_status: s.has_extended_resource_claim.then(
+                    k8s_openapi::api::core::v1::PodExtendedResourceClaimStatus::default,
+                ),
                 ..PodStatus::default()
             }),
         }
@@ -254,6 +281,14 @@ mod tests {
         pods.push(
             json!({"metadata": {"name": "no-uid", "namespace": "ns"}, "spec": {"containers": []}}),
         );
+        // DRA mode: a pod whose extended resource the scheduler allocated through a claim, and one
+        // with a claim of its own.
+        pods.push(json!({"metadata": {"name": "dra", "namespace": "ns", "uid": "dra-uid"},
+            "spec": {"containers": [{"name": "compute", "resources": {"requests": {"tdx.intel.com/keys": "1"}}}]},
+            "status": {"phase": "Running", "extendedResourceClaimStatus": {"resourceClaimName": "dra-extended-resources-x",
+                "requestMappings": [{"containerName": "compute", "resourceName": "tdx.intel.com/keys", "requestName": "container-0-request-0"}]}}}));
+        pods.push(json!({"metadata": {"name": "claims", "namespace": "ns", "uid": "claims-uid"},
+            "spec": {"containers": [{"name": "c"}], "resourceClaims": [{"name": "key", "resourceClaimTemplateName": "t"}]}}));
         pods
     }
 
@@ -285,6 +320,7 @@ mod tests {
         assert!(want.pods.iter().any(|p| !p.requests_keys()), "{want:?}");
         assert_eq!(want.errors.len(), 1, "{want:?}");
         assert_eq!(want.pods.len(), json.len() - 2);
+        assert_eq!(want.pods.iter().filter(|p| p.dra_claim).count(), 2, "{want:?}");
     }
 
     #[test]

@@ -68,6 +68,9 @@ pub struct PodSummary {
     pub phase: PodPhase,
     /// Keys requested per kind (containers, init containers and `spec.overhead`).
     pub requests: KindCounts,
+    /// The scheduler allocated the pod's keys through a DRA claim (`status.extendedResourceClaimStatus`
+    /// or `spec.resourceClaims`): in DRA mode its keys are the claim's devices, not withheld.
+    pub dra_claim: bool,
 }
 
 impl PodSummary {
@@ -86,6 +89,7 @@ impl PodSummary {
             name: teeguard_shared::pod::pod_display_name(pod),
             phase: PodPhase::parse(pod.status.as_ref().and_then(|s| s.phase.as_deref())),
             requests: KindCounts::from_pairs(requests),
+            dra_claim: has_dra_claim(pod),
         }))
     }
 
@@ -93,6 +97,33 @@ impl PodSummary {
     pub fn requests_keys(&self) -> bool {
         !self.requests.is_zero()
     }
+}
+
+/// Whether the scheduler allocated devices to the pod through a claim.
+pub fn has_dra_claim(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .is_some_and(|s| s.extended_resource_claim_status.is_some())
+        || pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.resource_claims.as_ref())
+            .is_some_and(|c| !c.is_empty())
+}
+
+/// Keys of each kind held or awaited by pods that have no DRA claim (not terminated): in DRA mode the
+/// scheduler does not know them, so the node withholds as many devices.
+pub fn claimless_keys(pods: &[PodSummary]) -> BTreeMap<TeeKind, u64> {
+    let mut out = BTreeMap::new();
+    for p in pods
+        .iter()
+        .filter(|p| !p.dra_claim && !p.phase.is_terminated())
+    {
+        for (kind, n) in p.requests.nonzero() {
+            *out.entry(kind).or_insert(0) += n;
+        }
+    }
+    out
 }
 
 /// How usage can be attributed on this host.

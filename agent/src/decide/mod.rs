@@ -10,6 +10,7 @@
 //! - [`report`]: the `TeeCapacity` status, its conditions, and when to write it;
 //! - [`advertise`]: the Node's extended resources: the writes, and what the agent remembers of other
 //!   managers;
+//! - [`dra`]: DRA mode: the devices published, the slices, the check before preparing a claim;
 //! - [`limits`]: which `misc.max` each pod and container gets; [`enforcing`]: the `Enforcing`
 //!   condition.
 
@@ -17,6 +18,7 @@ pub mod advertise;
 pub mod attribution;
 pub mod cgroup_names;
 pub mod counts;
+pub mod dra;
 pub mod enforcing;
 pub mod host;
 pub mod limits;

@@ -19,6 +19,7 @@ fn pod(uid: &str, phase: PodPhase, req: &[(TeeKind, u64)]) -> PodSummary {
         name: format!("ns/{uid}"),
         phase,
         requests: counts(req),
+        dra_claim: false,
     }
 }
 

@@ -316,6 +316,7 @@ mod tests {
             name: "ns/vm1".into(),
             phase: PodPhase::Running,
             requests: KindCounts::from_pairs([(TeeKind::Tdx, 1)]),
+            dra_claim: false,
         }];
         let figures = kernel.figures(&pods);
         let adv = outcome(&[(

@@ -65,6 +65,7 @@ fn conditions_table() {
         name: "ns/vm1".into(),
         phase: PodPhase::Running,
         requests: KindCounts::from_pairs([(TeeKind::Tdx, 1)]),
+        dra_claim: false,
     }];
     struct Case {
         name: &'static str,
@@ -240,6 +241,7 @@ fn status_figures_and_transition_times() {
         name: "ns/vm1".into(),
         phase: PodPhase::Running,
         requests: KindCounts::from_pairs([(TeeKind::Tdx, 1)]),
+        dra_claim: false,
     }];
     let mut kernel = KernelView {
         last_good: Some(scan(
