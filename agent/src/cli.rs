@@ -75,6 +75,10 @@ pub struct RunArgs {
     /// Address of the plain-HTTP admin port (/livez, /readyz, /metrics).
     #[arg(long, env = "TEEGUARD_ADMIN_ADDR", default_value = "0.0.0.0:8081")]
     pub admin_addr: SocketAddr,
+    /// The kubelet's root directory, as the kubelet sees it (DRA mode: the driver's sockets go in its
+    /// `plugins_registry/` and `plugins/tee.teeguard.dev/`, with the checkpoint of prepared claims).
+    #[arg(long, env = "TEEGUARD_KUBELET_DIR", default_value = crate::run::DEFAULT_KUBELET_DIR)]
+    pub kubelet_dir: PathBuf,
 }
 
 /// Output format of `scan`.
@@ -167,7 +171,8 @@ pub async fn run_command(args: RunArgs) -> Result<()> {
         shutdown.clone(),
     ));
     tokio::spawn(ops::cancel_on_signal(shutdown.clone()));
-    let opts = AgentOptions::new(args.node_name, args.common.cgroup_root, config);
+    let mut opts = AgentOptions::new(args.node_name, args.common.cgroup_root, config);
+    opts.kubelet_dir = args.kubelet_dir;
     let result = run(client, opts, metrics, readiness, shutdown.clone()).await;
     shutdown.cancel();
     match admin.await {
@@ -311,6 +316,7 @@ pub fn scan_report(
         // `scan` applies no limit.
         enforcing: None,
         previous: None,
+        dra: None,
         now: jiff::Timestamp::now(),
     });
 

@@ -26,6 +26,7 @@
 pub mod cli;
 pub mod cluster;
 pub mod decide;
+pub mod dra;
 pub mod enforce;
 pub mod error;
 pub mod kernel;

@@ -22,6 +22,11 @@
 //! | `teeguard_agent_limit_failures_total` | counter | `mechanism` |
 //! | `teeguard_agent_nri_connected` | gauge (0/1) | |
 //! | `teeguard_agent_enforcing` | gauge (0/1): the `Enforcing` condition is True | |
+//! | `teeguard_agent_dra_devices` | gauge (DRA mode) | `kind`, `state` (`published`, `allocated`, `withheld`) |
+//! | `teeguard_agent_dra_bypassed` | gauge (0/1, DRA mode): the Node's allocatable names the kind's resource, so the scheduler bypasses DRA | `kind` |
+//! | `teeguard_agent_dra_prepare_total` | counter: claims the kubelet asked to prepare | `result` (`prepared`, `already`, `refused`) |
+//! | `teeguard_agent_dra_prepare_seconds` | histogram: one NodePrepareResources call | |
+//! | `teeguard_agent_dra_slice_writes_total` | counter: ResourceSlice applies and deletes | |
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -66,6 +71,22 @@ pub struct LimitLabel {
     pub kind: &'static str,
 }
 
+/// Label set `kind="tdx",state="published"`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeviceLabel {
+    /// Kernel name of the TEE kind.
+    pub kind: &'static str,
+    /// `published`, `allocated` or `withheld`.
+    pub state: &'static str,
+}
+
+/// Label set `result="prepared"`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    /// The outcome.
+    pub result: &'static str,
+}
+
 /// The agent's metrics. Cheap to clone (all handles are shared).
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -103,6 +124,13 @@ pub struct Metrics {
     pub nri_connected: Gauge,
     /// 1 while the `Enforcing` condition is True (pods' key limits are applied), else 0.
     pub enforcing: Gauge,
+    dra_devices: Family<DeviceLabel, Gauge>,
+    dra_bypassed: Family<KindLabel, Gauge>,
+    dra_prepare: Family<ResultLabel, Counter>,
+    /// NodePrepareResources call durations.
+    pub dra_prepare_seconds: Histogram,
+    /// ResourceSlice writes.
+    pub dra_slice_writes: Counter,
 }
 
 impl Metrics {
@@ -132,6 +160,12 @@ impl Metrics {
             limit_failures: Family::default(),
             nri_connected: Gauge::default(),
             enforcing: Gauge::default(),
+            dra_devices: Family::default(),
+            dra_bypassed: Family::default(),
+            dra_prepare: Family::default(),
+            // 100 µs .. ~1.6 s
+            dra_prepare_seconds: Histogram::new(exponential_buckets(1e-4, 4.0, 8)),
+            dra_slice_writes: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_agent");
         r.register(
@@ -244,7 +278,62 @@ impl Metrics {
             "1 while the Enforcing condition is True (pods' key limits are applied), 0 otherwise",
             m.enforcing.clone(),
         );
+        r.register(
+            "dra_devices",
+            "DRA mode: key devices of the node's pool, published in its ResourceSlices, prepared for pods (allocated), or withheld (held by something no claim accounts for)",
+            m.dra_devices.clone(),
+        );
+        r.register(
+            "dra_bypassed",
+            "DRA mode: 1 while the Node's allocatable names the kind's extended resource (another writer advertises it), so the scheduler bypasses DRA on this node",
+            m.dra_bypassed.clone(),
+        );
+        r.register(
+            "dra_prepare",
+            "DRA mode: claims the kubelet asked the agent to prepare, by result",
+            m.dra_prepare.clone(),
+        );
+        r.register(
+            "dra_prepare_seconds",
+            "DRA mode: duration of one NodePrepareResources call",
+            m.dra_prepare_seconds.clone(),
+        );
+        r.register(
+            "dra_slice_writes",
+            "DRA mode: ResourceSlice applies and deletes",
+            m.dra_slice_writes.clone(),
+        );
         m
+    }
+
+    /// DRA mode: the devices of one kind published, allocated and withheld.
+    pub fn set_dra_devices(&self, kind: TeeKind, published: u64, allocated: u64, withheld: u64) {
+        for (state, v) in [
+            ("published", published),
+            ("allocated", allocated),
+            ("withheld", withheld),
+        ] {
+            self.dra_devices
+                .get_or_create(&DeviceLabel {
+                    kind: kind.kernel_name(),
+                    state,
+                })
+                .set(i64::try_from(v).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Record whether the scheduler bypasses DRA for `kind` on this node.
+    pub fn set_dra_bypassed(&self, kind: TeeKind, bypassed: bool) {
+        self.dra_bypassed
+            .get_or_create(&KindLabel {
+                kind: kind.kernel_name().to_string(),
+            })
+            .set(i64::from(bypassed));
+    }
+
+    /// Count a claim the kubelet asked to prepare.
+    pub fn dra_prepared(&self, result: &'static str) {
+        self.dra_prepare.get_or_create(&ResultLabel { result }).inc();
     }
 
     /// Follow the `Enforcing` condition: 1 when True, 0 otherwise.

@@ -9,8 +9,8 @@
 //! | 0 | `error` | the crate's error enum |
 //! | 1 | `decide` | the pure core: scan results, cgroup names, reuse of readings, attribution, the report and its conditions, the advertise plan, the limits, the `Enforcing` condition |
 //! | 2 | `metrics` | Prometheus series |
-//! | 3 | `kernel`, `cluster`, `runtime` | what the agent talks to: the host's cgroup files, the API server, the container runtime (NRI); apart: none imports another |
-//! | 4 | `enforce` | kernel enforcement wired from the three below |
+//! | 3 | `kernel`, `cluster`, `runtime`, `kubelet` | what the agent talks to: the host's cgroup files, the API server, the container runtime (NRI), the kubelet's plugin sockets (DRA); apart: none imports another |
+//! | 4 | `enforce`, `dra` | kernel enforcement, and the DRA driver, wired from the layer below |
 //! | 5 | `run` | the agent's loop: scan, reconcile, publish |
 //! | 6 | `cli`, `lib`, `main` | the command line (`run`, `scan`, `cleanup`) |
 //!
@@ -33,10 +33,13 @@ const AGENT: Layers = Layers {
         layer(&["decide"]),
         layer(&["metrics"]),
         Layer {
-            modules: &["kernel", "cluster", "runtime"],
+            modules: &["kernel", "cluster", "runtime", "kubelet"],
             siblings_share: false,
         },
-        layer(&["enforce"]),
+        Layer {
+            modules: &["enforce", "dra"],
+            siblings_share: false,
+        },
         layer(&["run"]),
         layer(&["cli", "lib", "main"]),
     ],

@@ -86,6 +86,12 @@ pub mod conditions {
     pub const ADVERTISING: &str = "Advertising";
     /// True when the agent applies each pod's key limit (`misc.max`) through NRI or the cgroup writer.
     pub const ENFORCING: &str = "Enforcing";
+    /// DRA mode: True when the Node's allocatable still names a kind's extended resource (another writer
+    /// advertises it), so the scheduler bypasses DRA for that resource on this node.
+    pub const DRA_BYPASSED: &str = "DraBypassed";
+    /// DRA mode: True when the kubelet registered the agent's DRA driver and the node's ResourceSlices
+    /// are published.
+    pub const DRA_DRIVER_READY: &str = "DraDriverReady";
 }
 
 /// Reasons used in conditions, events and audit annotations.
@@ -108,6 +114,20 @@ pub mod reasons {
     pub const ADVERTISING_DISABLED: &str = "AdvertisingDisabled";
     /// Condition reason: another manager (NFD) owns the extended resource on this node.
     pub const OWNED_BY_OTHER: &str = "OwnedByAnotherManager";
+    /// Condition reason: DRA mode, the agent advertises no extended resource.
+    pub const DRA_MODE: &str = "DraMode";
+    /// Condition reason: the Node's allocatable names a kind's extended resource.
+    pub const EXTENDED_RESOURCE_ADVERTISED: &str = "ExtendedResourceAdvertised";
+    /// Condition reason: the Node's allocatable names none of the kinds' extended resources.
+    pub const NOT_ADVERTISED: &str = "NotAdvertised";
+    /// Condition reason: the kubelet registered the driver and the slices are published.
+    pub const PUBLISHED: &str = "Published";
+    /// Condition reason: the kubelet has not called the registration socket yet.
+    pub const WAITING_FOR_KUBELET: &str = "WaitingForKubelet";
+    /// Condition reason: the kubelet refused to register the driver.
+    pub const REGISTRATION_REFUSED: &str = "RegistrationRefused";
+    /// Condition reason: the node's ResourceSlices could not be written.
+    pub const PUBLISH_FAILED: &str = "PublishFailed";
     /// Event reason on a VMI whose pod was refused for lack of keys.
     pub const INSUFFICIENT_TEE_KEYS: &str = "InsufficientTEEKeys";
 }

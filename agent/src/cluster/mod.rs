@@ -4,6 +4,7 @@
 //!   [`cached`]: the slim objects they keep;
 //! - [`publish`]: server-side apply of the node's `TeeCapacity`; [`lease`]: its heartbeat Lease;
 //! - [`node`]: writing the Node's extended resources;
+//! - [`slices`]: DRA mode: the node's ResourceSlices and the claims the kubelet prepares;
 //! - [`events`]: Warning Events on pods whose key limit could not be applied as admitted;
 //! - [`cleanup`]: removing what the agent added, after an uninstall.
 //!
@@ -15,4 +16,5 @@ pub mod events;
 pub mod lease;
 pub mod node;
 pub mod publish;
+pub mod slices;
 pub mod watch;

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -15,7 +16,7 @@ use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
-use teeguard_shared::names::EXEMPT_LABEL;
+use teeguard_shared::names::{DRA_DRIVER, EXEMPT_LABEL};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -131,6 +132,15 @@ impl Watches {
     pub fn node(&self, node_name: &str) -> Watched<Node> {
         let cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
         self.spawn(cfg, slim_node, "watch node")
+    }
+
+    /// Watch the node's ResourceSlices of teeguard's DRA driver (DRA mode; field selectors
+    /// `spec.nodeName` and `spec.driver`): the kubelet deletes them when it starts.
+    pub fn slices(&self, node_name: &str) -> Watched<ResourceSlice> {
+        let cfg = watcher::Config::default().fields(&format!(
+            "spec.nodeName={node_name},spec.driver={DRA_DRIVER}"
+        ));
+        self.spawn(cfg, |_: &mut ResourceSlice| {}, "watch resourceslices")
     }
 
     /// Watch the namespaces labelled `teeguard.dev/exempt=true` (metadata only; the label selector

@@ -191,6 +191,81 @@ pub fn same_content(published: &[ResourceSliceSpec], wanted: &[ResourceSliceSpec
             .all(|(a, b)| strip(a) == strip(b))
 }
 
+/// A kind whose extended resource the Node's allocatable still shows in DRA mode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bypass {
+    /// The kind.
+    pub kind: TeeKind,
+    /// Its resource name.
+    pub resource: String,
+    /// The allocatable value.
+    pub value: String,
+    /// Who writes it, as far as the Node tells.
+    pub writer: &'static str,
+}
+
+/// The kinds (of `kinds`) whose extended resource the Node's `status.allocatable` shows above zero:
+/// for a pod requesting that name the scheduler then uses the Node's value and bypasses DRA on this
+/// node.
+pub fn bypasses(
+    node: &k8s_openapi::api::core::v1::Node,
+    kinds: impl IntoIterator<Item = TeeKind>,
+    resources: &teeguard_shared::config::ResourcesConfig,
+) -> Vec<Bypass> {
+    use teeguard_shared::names::{
+        AGENT_EXTENDED_RESOURCES_ANNOTATION, NFD_EXTENDED_RESOURCES_ANNOTATION,
+    };
+    let allocatable = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
+    let annotation = |key: &str| {
+        node.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(key))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let lists = |key: &str, name: &str| annotation(key).split(',').any(|n| n.trim() == name);
+    let mut out = Vec::new();
+    for kind in kinds {
+        let resource = resources.resource_name(kind);
+        let Some(q) = allocatable.and_then(|a| a.get(resource)) else {
+            continue;
+        };
+        if matches!(q.0.trim(), "0" | "") {
+            continue;
+        }
+        let writer = if lists(NFD_EXTENDED_RESOURCES_ANNOTATION, resource) {
+            "node-feature-discovery (its annotation lists it)"
+        } else if lists(AGENT_EXTENDED_RESOURCES_ANNOTATION, resource) {
+            "teeguard's extended-resource mode (being removed)"
+        } else {
+            "another writer (a device plugin or a script)"
+        };
+        out.push(Bypass {
+            kind,
+            resource: resource.to_string(),
+            value: q.0.clone(),
+            writer,
+        });
+    }
+    out
+}
+
+/// What DRA mode adds to the report.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DraView {
+    /// The devices per kind.
+    pub plan: BTreeMap<TeeKind, KindDevices>,
+    /// Kinds the scheduler bypasses DRA for on this node.
+    pub bypassed: Vec<Bypass>,
+    /// The kubelet's registration verdict: `None` before it called, `Some(Err)` when refused.
+    pub registered: Option<Result<(), String>>,
+    /// Why the slices could not be written (last attempt), if so.
+    pub publish_error: Option<String>,
+    /// Slices published.
+    pub slices: usize,
+}
+
 /// One device of a claim's allocation that belongs to this driver.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct AllocatedDevice {

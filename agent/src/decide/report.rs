@@ -20,7 +20,7 @@ use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
-use teeguard_shared::crd::{KindStatus, MAX_COUNTED_PODS, TeeCapacityStatus};
+use teeguard_shared::crd::{DeviceCounts, KindStatus, MAX_COUNTED_PODS, TeeCapacityStatus};
 
 pub mod conditions;
 
@@ -147,6 +147,8 @@ pub struct StatusInput<'a> {
     pub enforcing: Option<&'a ConditionSpec>,
     /// The status last published (for condition transition times).
     pub previous: Option<&'a TeeCapacityStatus>,
+    /// DRA mode's view (`None` in extended-resource mode).
+    pub dra: Option<&'a crate::decide::dra::DraView>,
     /// The current time.
     pub now: Timestamp,
 }
@@ -166,9 +168,21 @@ pub fn build_status(input: &StatusInput<'_>) -> TeeCapacityStatus {
             pending: f.pending,
             free: f.free,
             advertised: input.advertising.advertised(*kind),
-            devices: None,
+            devices: input.dra.and_then(|d| d.plan.get(kind)).map(|d| DeviceCounts {
+                published: d.published.len() as u64,
+                allocated: d.allocated,
+                withheld: d.withheld,
+            }),
         });
     }
+    status.accounting = Some(
+        if input.dra.is_some() {
+            "dra"
+        } else {
+            "extendedResource"
+        }
+        .to_string(),
+    );
     status.counted_pods = input.counted_pods.to_vec();
     status.heartbeat_time = Some(Time(now));
     status.agent_version = Some(AGENT_VERSION.to_string());
@@ -179,6 +193,22 @@ pub fn build_status(input: &StatusInput<'_>) -> TeeCapacityStatus {
         input.resources,
     );
     specs.extend(input.enforcing.cloned());
+    if let Some(dra) = input.dra {
+        for c in specs
+            .iter_mut()
+            .filter(|c| c.type_ == teeguard_shared::names::conditions::ADVERTISING)
+        {
+            *c = ConditionSpec {
+                type_: c.type_,
+                status: "False",
+                reason: teeguard_shared::names::reasons::DRA_MODE,
+                message: "agent.accounting is dra: the scheduler allocates the keys from the node's \
+                          ResourceSlices, so the agent advertises no extended resource"
+                    .into(),
+            };
+        }
+        specs.extend(conditions::dra_conditions(dra));
+    }
     let previous = input
         .previous
         .map(|p| p.conditions.as_slice())

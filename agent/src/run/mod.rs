@@ -7,6 +7,7 @@
 //! - `poll`: the loop: what wakes it, scanning, the pod view and the limits;
 //! - `reconcile`: after every wake-up: advertise on the Node, publish the report or renew the Lease.
 
+mod dra;
 mod poll;
 mod reconcile;
 
@@ -18,6 +19,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Node;
 use kube::{Api, Client};
 use teeguard_shared::Config;
+use teeguard_shared::config::Accounting;
 use teeguard_shared::crd::TeeCapacityStatus;
 use teeguard_shared::ops::Readiness;
 use tokio_util::sync::CancellationToken;
@@ -29,6 +31,7 @@ use crate::cluster::watch::{Backoff, ExemptNamespaces, Watched, Watches};
 use crate::decide::advertise::Advertiser;
 use crate::decide::attribution::PodsView;
 use crate::decide::report::{CountedPods, KernelView};
+use crate::dra::{Dra, DraOptions};
 use crate::enforce::{Enforcement, StartOptions};
 use crate::error::Result;
 use crate::kernel::Scanner;
@@ -39,6 +42,9 @@ use crate::metrics::Metrics;
 pub const READY_SCAN: &str = "scan";
 /// Readiness check: the pod cache is synced.
 pub const READY_PODS: &str = "pods";
+
+/// The kubelet's default root directory.
+pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet";
 
 /// Settings of [`run`].
 #[derive(Clone, Debug)]
@@ -58,6 +64,8 @@ pub struct AgentOptions {
     pub api_timeout: Duration,
     /// How often the set of watched `misc.events` files is refreshed.
     pub events_refresh: Duration,
+    /// The kubelet's root directory (DRA mode: the plugin sockets and the checkpoint live under it).
+    pub kubelet_dir: PathBuf,
 }
 
 impl AgentOptions {
@@ -78,6 +86,7 @@ impl AgentOptions {
             backoff_max: Duration::from_secs(5),
             api_timeout: Duration::from_secs(10),
             events_refresh: Duration::from_secs(30),
+            kubelet_dir: PathBuf::from(DEFAULT_KUBELET_DIR),
         }
     }
 
@@ -126,7 +135,31 @@ pub async fn run(
         },
         shutdown.clone(),
     );
+    let dra = if opts.config.agent.accounting == Accounting::Dra {
+        let driver = Dra::start(
+            client.clone(),
+            DraOptions {
+                node_name: opts.node_name.clone(),
+                kubelet_dir: opts.kubelet_dir.clone(),
+                api_timeout: opts.api_timeout,
+            },
+            metrics.clone(),
+            shutdown.clone(),
+        )?;
+        Some(dra::DraMode {
+            driver,
+            slices: watches.slices(&opts.node_name),
+            backoff: opts.backoff(),
+            retry_at: None,
+            publish_error: None,
+            view: Default::default(),
+        })
+    } else {
+        None
+    };
     let mut agent = Agent {
+        client: client.clone(),
+        dra,
         enforcement,
         publisher: Publisher::new(client.clone(), opts.node_name.clone()),
         lease: Some(HeartbeatLease::new(
@@ -167,6 +200,9 @@ pub async fn run(
 
 struct Agent {
     opts: AgentOptions,
+    client: Client,
+    /// DRA mode (`agent.accounting: dra`).
+    dra: Option<dra::DraMode>,
     enforcement: Enforcement,
     metrics: Metrics,
     readiness: Readiness,
@@ -207,4 +243,5 @@ enum Wake {
     Pods,
     Node,
     Deadline,
+    Dra,
 }

@@ -33,6 +33,19 @@ impl Agent {
         let pods_changed = self.pods.changed.clone();
         let node_changed = self.node.changed.clone();
         let events_changed = self.events.changed();
+        // DRA mode: a claim prepared or unprepared, or the node's slices changed (the kubelet deletes
+        // them when it starts).
+        let dra_changed = self.dra.as_ref().map(|d| d.driver.changed());
+        let slices_changed = self.dra.as_ref().map(|d| d.slices.changed.clone());
+        let dra_wait = || async {
+            match (&dra_changed, &slices_changed) {
+                (Some(a), Some(b)) => tokio::select! {
+                    _ = a.notified() => {}
+                    _ = b.notified() => {}
+                },
+                _ => std::future::pending().await,
+            }
+        };
         loop {
             let deadline = self.next_deadline();
             let wake = tokio::select! {
@@ -42,6 +55,7 @@ impl Agent {
                 _ = ticker.tick() => Wake::Tick,
                 _ = pods_changed.notified() => Wake::Pods,
                 _ = node_changed.notified() => Wake::Node,
+                _ = dra_wait() => Wake::Dra,
                 _ = tokio::time::sleep_until(deadline.into()) => Wake::Deadline,
             };
             self.step(wake).await;

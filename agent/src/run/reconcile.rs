@@ -44,7 +44,12 @@ impl Agent {
             self.opts.config.admission.ledger_ttl,
         );
         let node = self.current_node();
-        let desired = Desired::from_figures(self.opts.config.agent.advertise, &figures);
+        // DRA mode advertises nothing (and removes what the agent advertised): a Node showing the
+        // resource makes the scheduler bypass DRA on it.
+        let desired = Desired::from_figures(
+            self.opts.config.agent.advertise && self.dra.is_none(),
+            &figures,
+        );
         let ready_to_write = self.pods_view_synced && self.kernel.last_good.is_some();
 
         let mut outcome = AdvertiseOutcome::without_node(&desired);
@@ -83,6 +88,10 @@ impl Agent {
             }
         }
         outcome.error = self.advertise_error.clone();
+        if self.dra.is_some() {
+            self.reconcile_dra(node.as_ref(), &figures, ready_to_write)
+                .await;
+        }
 
         let node_missing = node.is_none();
         let Some(node) = node.filter(|_| self.pods_view_synced) else {
@@ -223,11 +232,12 @@ impl Agent {
             counted_pods,
             enforcing: Some(&enforcing),
             previous,
+            dra: self.dra.as_ref().map(|d| &d.view),
             now: jiff::Timestamp::now(),
         })
     }
 
-    fn api_failed(&self, e: &Error) {
+    pub(super) fn api_failed(&self, e: &Error) {
         let op = match e {
             Error::Kube { operation, .. } | Error::KubeTimeout { operation, .. } => operation,
             _ => "other",

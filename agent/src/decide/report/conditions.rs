@@ -154,6 +154,73 @@ pub fn conditions(
     out
 }
 
+/// DRA mode's conditions: `DraBypassed` (the Node still shows a kind's extended resource) and
+/// `DraDriverReady` (registered with the kubelet, slices published).
+pub fn dra_conditions(view: &crate::decide::dra::DraView) -> Vec<ConditionSpec> {
+    let bypassed = if view.bypassed.is_empty() {
+        cond(
+            ct::DRA_BYPASSED,
+            false,
+            reasons::NOT_ADVERTISED,
+            "the Node's allocatable names no TEE key resource: the scheduler allocates the keys from \
+             this node's ResourceSlices"
+                .into(),
+        )
+    } else {
+        let what: Vec<String> = view
+            .bypassed
+            .iter()
+            .map(|b| format!("{}={} (written by {})", b.resource, b.value, b.writer))
+            .collect();
+        cond(
+            ct::DRA_BYPASSED,
+            true,
+            reasons::EXTENDED_RESOURCE_ADVERTISED,
+            format!(
+                "the Node's allocatable has {}: the scheduler places pods requesting it by that value \
+                 and bypasses DRA on this node; stop that writer here (for NFD, kata-deploy's \
+                 NodeFeatureRule)",
+                what.join(", ")
+            ),
+        )
+    };
+    let devices: u64 = view.plan.values().map(|d| d.published.len() as u64).sum();
+    let ready = match (&view.registered, &view.publish_error) {
+        (_, Some(e)) => cond(
+            ct::DRA_DRIVER_READY,
+            false,
+            reasons::PUBLISH_FAILED,
+            format!("cannot write the node's ResourceSlices: {e}"),
+        ),
+        (Some(Err(e)), None) => cond(
+            ct::DRA_DRIVER_READY,
+            false,
+            reasons::REGISTRATION_REFUSED,
+            format!("the kubelet refused to register the DRA driver: {e}"),
+        ),
+        (None, None) => ConditionSpec {
+            type_: ct::DRA_DRIVER_READY,
+            status: "Unknown",
+            reason: reasons::WAITING_FOR_KUBELET,
+            message: format!(
+                "{devices} devices published in {} ResourceSlices; the kubelet has not registered \
+                 the driver yet (is agent.kubeletDir the kubelet's root directory?)",
+                view.slices
+            ),
+        },
+        (Some(Ok(())), None) => cond(
+            ct::DRA_DRIVER_READY,
+            true,
+            reasons::PUBLISHED,
+            format!(
+                "registered with the kubelet; {devices} devices published in {} ResourceSlices",
+                view.slices
+            ),
+        ),
+    };
+    vec![bypassed, ready]
+}
+
 fn advertising_condition(
     figures: &BTreeMap<TeeKind, KindFigures>,
     advertising: &AdvertiseOutcome,

@@ -261,6 +261,7 @@ fn status_figures_and_transition_times() {
         counted_pods: &["vm1".to_string()],
         enforcing: None,
         previous: None,
+        dra: None,
         now: Timestamp::from_millisecond(100_500).expect("ts"),
     });
     let tdx = s1.tdx.clone().expect("tdx");
@@ -296,6 +297,7 @@ fn status_figures_and_transition_times() {
         counted_pods: &[],
         enforcing: None,
         previous: Some(&s1),
+        dra: None,
         now: ts(130),
     });
     assert_eq!(s2.heartbeat_time, Some(Time(ts(130))));
@@ -320,6 +322,7 @@ fn status_figures_and_transition_times() {
         counted_pods: &[],
         enforcing: None,
         previous: Some(&s2),
+        dra: None,
         now: ts(140),
     });
     assert!(content_differs(&s2, &s3));

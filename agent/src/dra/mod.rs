@@ -1,0 +1,348 @@
+//! DRA mode wired together: the kubelet plugin (registration + `DRAPlugin`) on the kubelet's sockets,
+//! the checkpoint of prepared claims, and the state the agent's loop and the plugin share (the
+//! kernel's latest figures, the claims prepared). The loop publishes the slices (`run::reconcile`).
+//!
+//! Preparing a claim (the kubelet calls before it starts the pod): read the claim, take this driver's
+//! devices from its allocation, check them against the kernel's figures and the other prepared claims
+//! (`decide::dra::prepare_check`), record the claim in the checkpoint, answer with the devices. Asked
+//! again for a claim it already prepared (kubelet retries, agent restarts), it answers the same without
+//! reading anything. Unpreparing forgets the claim; an unknown or deleted claim is already unprepared.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kube::Client;
+use teeguard_shared::TeeKind;
+use teeguard_shared::names::DRA_DRIVER;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::cluster::slices;
+use crate::decide::attribution::KindFigures;
+use crate::decide::dra::{
+    AllocatedDevice, PrepareInput, PreparedClaim, allocated_devices, prepare_check,
+};
+use crate::error::Result;
+use crate::kubelet::checkpoint::Checkpoint;
+use crate::kubelet::grpc::{self, DraHandler, DraService, Listening, RegistrationService};
+use crate::kubelet::proto::{
+    Claim, Device, NodePrepareResourceResponse, NodePrepareResourcesRequest,
+    NodePrepareResourcesResponse, NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest,
+    NodeUnprepareResourcesResponse, RegistrationStatus,
+};
+use crate::kubelet::PluginPaths;
+use crate::metrics::Metrics;
+
+/// The running DRA driver.
+pub struct Dra {
+    shared: Arc<Shared>,
+    registration: tokio::sync::watch::Receiver<Option<RegistrationStatus>>,
+    _servers: [Listening; 2],
+}
+
+impl std::fmt::Debug for Dra {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dra")
+            .field("node", &self.shared.node)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`Dra::start`] needs.
+#[derive(Clone, Debug)]
+pub struct DraOptions {
+    /// This node.
+    pub node_name: String,
+    /// The kubelet's root directory (`/var/lib/kubelet`).
+    pub kubelet_dir: std::path::PathBuf,
+    /// Time limit of one API call.
+    pub api_timeout: Duration,
+}
+
+struct Shared {
+    node: String,
+    client: Client,
+    checkpoint: Checkpoint,
+    api_timeout: Duration,
+    metrics: Metrics,
+    state: Mutex<State>,
+    /// Notified when a claim is prepared or unprepared (the loop re-publishes).
+    changed: Arc<Notify>,
+}
+
+#[derive(Default)]
+struct State {
+    claims: BTreeMap<String, PreparedClaim>,
+    figures: Option<BTreeMap<TeeKind, KindFigures>>,
+    claimless: BTreeMap<TeeKind, u64>,
+}
+
+impl Dra {
+    /// Load the checkpoint and serve the kubelet plugin until `shutdown`. A checkpoint that cannot be
+    /// read is moved aside (`.unreadable`) and logged: the kubelet prepares again the claims of pods
+    /// that did not start yet, and the running ones keep running.
+    pub fn start(
+        client: Client,
+        opts: DraOptions,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) -> Result<Dra> {
+        let paths = PluginPaths::under(&opts.kubelet_dir);
+        let checkpoint = Checkpoint::new(&paths.checkpoint);
+        let claims = match checkpoint.load() {
+            Ok(c) => c,
+            Err(e) => {
+                let aside = paths.checkpoint.with_extension("json.unreadable");
+                let moved = std::fs::rename(&paths.checkpoint, &aside);
+                tracing::error!(error = %e, moved_to = %aside.display(), moved = moved.is_ok(), "starting with no prepared claims");
+                BTreeMap::new()
+            }
+        };
+        if !claims.is_empty() {
+            tracing::info!(claims = claims.len(), "prepared claims read from the checkpoint");
+        }
+        let shared = Arc::new(Shared {
+            node: opts.node_name.clone(),
+            client,
+            checkpoint,
+            api_timeout: opts.api_timeout,
+            metrics,
+            state: Mutex::new(State {
+                claims,
+                ..State::default()
+            }),
+            changed: Arc::new(Notify::new()),
+        });
+        // The DRA socket first: the kubelet connects to it as soon as it sees the registration.
+        let dra = grpc::serve(
+            &paths.dra,
+            DraService::new(shared.clone()),
+            shutdown.clone(),
+        )?;
+        let registration_service = RegistrationService::new(DRA_DRIVER, &paths.dra);
+        let registration = registration_service.status();
+        let reg = grpc::serve(&paths.registration, registration_service, shutdown)?;
+        tracing::info!(
+            registration = %paths.registration.display(),
+            endpoint = %paths.dra.display(),
+            driver = DRA_DRIVER,
+            "serving the kubelet plugin"
+        );
+        Ok(Dra {
+            shared,
+            registration,
+            _servers: [dra, reg],
+        })
+    }
+
+    /// Notified when a claim was prepared or unprepared.
+    pub fn changed(&self) -> Arc<Notify> {
+        self.shared.changed.clone()
+    }
+
+    /// The kubelet's registration verdict (`None` until it called).
+    pub fn registration(&self) -> Option<RegistrationStatus> {
+        self.registration.borrow().clone()
+    }
+
+    /// Tell the plugin the kernel's latest figures and the keys of pods without a claim.
+    pub fn observe(
+        &self,
+        figures: &BTreeMap<TeeKind, KindFigures>,
+        claimless: &BTreeMap<TeeKind, u64>,
+    ) {
+        let mut s = self.shared.lock();
+        s.figures = Some(figures.clone());
+        s.claimless = claimless.clone();
+    }
+
+    /// Devices held by prepared claims, per kind.
+    pub fn allocated(&self) -> BTreeMap<TeeKind, BTreeSet<u32>> {
+        allocated_devices(self.shared.lock().claims.values())
+    }
+
+    /// Keys of each kind prepared for each pod (pod UID → kind → devices), from the claims' allocations.
+    pub fn pod_allocations(&self) -> BTreeMap<String, BTreeMap<TeeKind, u64>> {
+        let s = self.shared.lock();
+        let mut out: BTreeMap<String, BTreeMap<TeeKind, u64>> = BTreeMap::new();
+        for c in s.claims.values() {
+            for pod in &c.pods {
+                for d in c.device_names() {
+                    *out.entry(pod.clone()).or_default().entry(d.kind).or_insert(0) += 1;
+                }
+            }
+        }
+        out
+    }
+
+    /// Where the checkpoint is.
+    pub fn checkpoint_path(&self) -> &Path {
+        self.shared.checkpoint.path()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves plain data behind: keep using it.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn devices_of(claim: &PreparedClaim) -> Vec<Device> {
+        claim
+            .devices
+            .iter()
+            .map(|d| Device {
+                request_names: vec![d.request.clone()],
+                pool_name: d.pool.clone(),
+                device_name: d.device.clone(),
+                cdi_device_ids: Vec::new(),
+                share_id: None,
+            })
+            .collect()
+    }
+
+    async fn prepare_one(&self, claim: &Claim) -> std::result::Result<Vec<Device>, String> {
+        if let Some(p) = self.lock().claims.get(&claim.uid) {
+            self.metrics.dra_prepared("already");
+            return Ok(Self::devices_of(p));
+        }
+        let what = format!("ResourceClaim {}/{}", claim.namespace, claim.name);
+        let read = tokio::time::timeout(
+            self.api_timeout,
+            slices::get_claim(&self.client, &claim.namespace, &claim.name),
+        )
+        .await
+        .map_err(|_| format!("reading {what} timed out after {:?}", self.api_timeout))?
+        .map_err(|e| format!("cannot read {what}: {e}"))?;
+        let Some(rc) = read else {
+            return Err(format!("{what} no longer exists"));
+        };
+        if rc.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+            return Err(format!(
+                "{what} was replaced (UID {:?}, the kubelet asked for {})",
+                rc.metadata.uid, claim.uid
+            ));
+        }
+        let status = rc.status.unwrap_or_default();
+        let Some(allocation) = status.allocation else {
+            return Err(format!("{what} is not allocated"));
+        };
+        let devices: Vec<AllocatedDevice> = allocation
+            .devices
+            .and_then(|d| d.results)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|r| r.driver == DRA_DRIVER)
+            .map(|r| AllocatedDevice {
+                request: r.request,
+                pool: r.pool,
+                device: r.device,
+            })
+            .collect();
+        let pods: Vec<String> = status
+            .reserved_for
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|c| c.resource == "pods")
+            .map(|c| c.uid)
+            .collect();
+        let mut s = self.lock();
+        let others = allocated_devices(s.claims.values());
+        prepare_check(
+            &devices,
+            PrepareInput {
+                node: &self.node,
+                figures: s.figures.as_ref(),
+                claimless_keys: &s.claimless,
+                others: &others,
+            },
+        )?;
+        let prepared = PreparedClaim {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            pods,
+            devices,
+        };
+        s.claims.insert(claim.uid.clone(), prepared.clone());
+        if let Err(e) = self.checkpoint.save(&s.claims) {
+            s.claims.remove(&claim.uid);
+            return Err(e.to_string());
+        }
+        drop(s);
+        self.changed.notify_one();
+        tracing::info!(claim = %what, devices = ?prepared.devices.iter().map(|d| &d.device).collect::<Vec<_>>(), pods = ?prepared.pods, "prepared");
+        Ok(Self::devices_of(&prepared))
+    }
+}
+
+impl DraHandler for Shared {
+    async fn prepare(&self, request: NodePrepareResourcesRequest) -> NodePrepareResourcesResponse {
+        let started = Instant::now();
+        let mut out = NodePrepareResourcesResponse::default();
+        for claim in &request.claims {
+            let answer = match self.prepare_one(claim).await {
+                Ok(devices) => {
+                    self.metrics.dra_prepared("prepared");
+                    NodePrepareResourceResponse {
+                        devices,
+                        error: String::new(),
+                    }
+                }
+                Err(error) => {
+                    self.metrics.dra_prepared("refused");
+                    tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), %error, "cannot prepare the claim; the kubelet retries");
+                    NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    }
+                }
+            };
+            out.claims.insert(claim.uid.clone(), answer);
+        }
+        self.metrics
+            .dra_prepare_seconds
+            .observe(started.elapsed().as_secs_f64());
+        out
+    }
+
+    async fn unprepare(
+        &self,
+        request: NodeUnprepareResourcesRequest,
+    ) -> NodeUnprepareResourcesResponse {
+        let mut out = NodeUnprepareResourcesResponse::default();
+        let mut s = self.lock();
+        let removed: Vec<(String, PreparedClaim)> = request
+            .claims
+            .iter()
+            .filter_map(|c| s.claims.remove(&c.uid).map(|p| (c.uid.clone(), p)))
+            .collect();
+        let saved = if removed.is_empty() {
+            Ok(())
+        } else {
+            self.checkpoint.save(&s.claims)
+        };
+        if let Err(e) = &saved {
+            // Keep them recorded: the kubelet retries and the checkpoint stays the truth.
+            for (uid, p) in removed.iter().cloned() {
+                s.claims.insert(uid, p);
+            }
+            tracing::warn!(error = %e, "cannot record unprepared claims; the kubelet retries");
+        }
+        drop(s);
+        for claim in &request.claims {
+            let error = match &saved {
+                Err(e) if removed.iter().any(|(u, _)| *u == claim.uid) => e.to_string(),
+                _ => String::new(),
+            };
+            out.claims
+                .insert(claim.uid.clone(), NodeUnprepareResourceResponse { error });
+        }
+        if saved.is_ok() && !removed.is_empty() {
+            tracing::info!(claims = ?removed.iter().map(|(_, p)| format!("{}/{}", p.namespace, p.name)).collect::<Vec<_>>(), "unprepared");
+            self.changed.notify_one();
+        }
+        out
+    }
+}
