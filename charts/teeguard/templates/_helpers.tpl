@@ -141,6 +141,22 @@ seccompProfile:
 {{- $enforcement.nriSocket | default "/var/run/nri/nri.sock" -}}
 {{- end }}
 
+{{/* How the agent accounts for keys (config.agent.accounting; null means the default, extendedResource). */}}
+{{- define "teeguard.agent.accounting" -}}
+{{- $agent := .Values.config.agent | default dict -}}
+{{- $agent.accounting | default "extendedResource" -}}
+{{- end }}
+
+{{/* The DRA driver the agent is in accounting mode dra (shared/src/names.rs DRA_DRIVER). */}}
+{{- define "teeguard.dra.driver" -}}
+tee.teeguard.dev
+{{- end }}
+
+{{/* The kubelet's root directory on the nodes (agent.kubeletDir), without a trailing slash. */}}
+{{- define "teeguard.agent.kubeletDir" -}}
+{{- .Values.agent.kubeletDir | default "/var/lib/kubelet" | trimSuffix "/" -}}
+{{- end }}
+
 {{- define "teeguard.containerSecurityContext" -}}
 allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true

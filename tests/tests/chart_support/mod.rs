@@ -16,6 +16,10 @@ pub const RELEASE: &str = "teeguard";
 pub const NAMESPACE: &str = "teeguard";
 /// Kubernetes version the manifests are rendered for and validated against.
 pub const KUBE_VERSION: &str = "1.33.0";
+/// Kubernetes version DRA mode (`config.agent.accounting: dra`) is rendered for and validated against:
+/// its DeviceClasses are `resource.k8s.io/v1` (1.34 on) with `extendedResourceName` (on by default from
+/// 1.36, the version of the real control plane and kubelet the DRA tests run).
+pub const DRA_KUBE_VERSION: &str = "1.36.0";
 /// The value sets under `tests/chart/`, by file stem.
 pub const VALUES_FILES: [&str; 6] = [
     "default",
@@ -107,6 +111,16 @@ pub fn helm_template(values: &[&str], extra: &[&str]) -> Run {
 
 /// `helm template` into another namespace.
 pub fn helm_template_in(namespace: &str, values: &[&str], extra: &[&str]) -> Run {
+    helm_template_for(KUBE_VERSION, namespace, values, extra)
+}
+
+/// `helm template` for another Kubernetes version.
+pub fn helm_template_for(
+    kube_version: &str,
+    namespace: &str,
+    values: &[&str],
+    extra: &[&str],
+) -> Run {
     let mut args: Vec<String> = vec![
         "template".into(),
         RELEASE.into(),
@@ -114,7 +128,7 @@ pub fn helm_template_in(namespace: &str, values: &[&str], extra: &[&str]) -> Run
         "--namespace".into(),
         namespace.into(),
         "--kube-version".into(),
-        KUBE_VERSION.into(),
+        kube_version.into(),
     ];
     for v in values {
         args.push("--values".into());
@@ -126,10 +140,15 @@ pub fn helm_template_in(namespace: &str, values: &[&str], extra: &[&str]) -> Run
 
 /// Render the chart with one values file (and extra arguments) and parse every object.
 pub fn render(values: &str, extra: &[&str]) -> Vec<Value> {
-    let out = helm_template(&[values], extra);
+    render_for(KUBE_VERSION, values, extra)
+}
+
+/// [`render`] for another Kubernetes version.
+pub fn render_for(kube_version: &str, values: &str, extra: &[&str]) -> Vec<Value> {
+    let out = helm_template_for(kube_version, NAMESPACE, &[values], extra);
     assert!(
         out.success,
-        "helm template with tests/chart/{values}.yaml {extra:?} failed:\n{}",
+        "helm template (Kubernetes {kube_version}) with tests/chart/{values}.yaml {extra:?} failed:\n{}",
         out.stderr
     );
     parse_documents(&out.stdout)
@@ -212,6 +231,11 @@ pub fn is_cert_manager(doc: &Value) -> bool {
 /// [`KUBE_VERSION`]; every object must have a schema and pass. `what` names the rendering in messages
 /// (a values file stem, or the `--set` used).
 pub fn validate(what: &str, docs: &[Value]) {
+    validate_for(KUBE_VERSION, what, docs);
+}
+
+/// [`validate`] against the schemas of another Kubernetes version.
+pub fn validate_for(kube_version: &str, what: &str, docs: &[Value]) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("manifests.yaml");
     let text: Vec<String> = docs
@@ -224,14 +248,14 @@ pub fn validate(what: &str, docs: &[Value]) {
         &[
             "--strict".into(),
             "--kubernetes-version".into(),
-            KUBE_VERSION.into(),
+            kube_version.into(),
             path.display().to_string(),
         ],
     );
     let log = format!("{}{}", out.stdout, out.stderr);
     assert!(
         out.success,
-        "kubernetes-validate --strict ({KUBE_VERSION}) rejected the chart rendered with {what}:\n{log}"
+        "kubernetes-validate --strict ({kube_version}) rejected the chart rendered with {what}:\n{log}"
     );
     // An unknown kind only gives a warning: make sure every object really was checked.
     assert!(
