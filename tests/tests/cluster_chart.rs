@@ -203,17 +203,24 @@ async fn kubectl_get_teecapacities_prints_the_report_columns() {
                 "TDX-FREE",
                 "SEV-FREE",
                 "SEV-ES-FREE",
+                "ACCOUNTING",
+                "TDX-DEVICES",
                 "PUBLISHED",
                 "AGE"
             ],
             "{}",
             out.stdout
         );
-        let cells: Vec<&str> = ["NAME", "TDX-FREE", "SEV-FREE", "SEV-ES-FREE"]
+        let cells: Vec<&str> = ["NAME", "TDX-FREE", "SEV-FREE", "SEV-ES-FREE", "TDX-DEVICES"]
             .iter()
             .map(|col| table.cell(0, col))
             .collect();
-        assert_eq!(cells, ["columns-node", "27", "", "40"], "{}", out.stdout);
+        assert_eq!(
+            cells,
+            ["columns-node", "27", "", "40", ""],
+            "{}",
+            out.stdout
+        );
         let wide = kubectl(c.cp, &["get", "teecap", "columns-node", "-o", "wide"], &[]);
         assert!(wide.success, "{}", wide.stderr);
         let table = Table::parse(&wide.stdout);
@@ -223,6 +230,34 @@ async fn kubectl_get_teecapacities_prints_the_report_columns() {
             "{}",
             wide.stdout
         );
+        // A DRA node's report: its accounting and the devices of its slices.
+        let patch = json!({"status": {
+            "accounting": "dra",
+            "tdx": {"devices": {"published": 24, "allocated": 4, "withheld": 3}},
+        }})
+        .to_string();
+        let patched = kubectl(
+            c.cp,
+            &[
+                "patch",
+                "teecapacity",
+                "columns-node",
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                &patch,
+            ],
+            &[],
+        );
+        assert!(patched.success, "{}", patched.stderr);
+        let wide = kubectl(c.cp, &["get", "teecap", "columns-node", "-o", "wide"], &[]);
+        assert!(wide.success, "{}", wide.stderr);
+        let table = Table::parse(&wide.stdout);
+        let cells: Vec<&str> = ["ACCOUNTING", "TDX-DEVICES", "TDX-ALLOCATED"]
+            .iter()
+            .map(|col| table.cell(0, col))
+            .collect();
+        assert_eq!(cells, ["dra", "24", "4"], "{}", wide.stdout);
     })
     .await;
 }
@@ -509,6 +544,265 @@ async fn cleanup_removes_what_the_agent_added_to_a_real_node() {
         .await
         .expect("cleanup");
         assert_eq!(again, teeguard_agent::cluster::cleanup::Cleaned::default());
+    })
+    .await;
+}
+
+/// DRA mode (`tests/chart/dra.yaml`, docs/dra.md) on the real v1.36 API server: installed without a
+/// warning; the DeviceClasses kept with their `extendedResourceName` (a server without the feature
+/// would drop the field) and their CEL compiled; the agent's RBAC grants the driver's calls and no
+/// more; its own-node-slices policy type-checks clean and lets an agent write only its own node's
+/// slices of its own driver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_mode_installs_and_holds_the_agent_to_its_own_nodes_slices() {
+    within(DEADLINE, async {
+        let Some(c) = connect().await else { return };
+        installed(c.cp); // the CRDs, from the first release
+        let (release, ns) = ("tg-dra", "tg-dra");
+        let chart = chart_support::chart_dir().display().to_string();
+        let values = chart_support::values_file("dra").display().to_string();
+        let out = helm(
+            c.cp,
+            &[
+                "install",
+                release,
+                &chart,
+                "--namespace",
+                ns,
+                "--create-namespace",
+                "--values",
+                &values,
+                "--set",
+                "fullnameOverride=tg-dra",
+                "--set",
+                "config.resources.sevEs.resourceName=example.com/snp-asids",
+            ],
+        );
+        assert!(
+            out.success,
+            "helm install (DRA mode) failed:\n{}",
+            out.stderr
+        );
+        assert!(
+            !out.stderr.to_lowercase().contains("warning"),
+            "helm install printed warnings:\n{}",
+            out.stderr
+        );
+
+        // The DeviceClasses as the API server stored them.
+        for (class, name) in [
+            ("tdx.tee.teeguard.dev", "tdx.intel.com/keys"),
+            ("sev.tee.teeguard.dev", "sev.amd.com/asids"),
+            ("sev-es.tee.teeguard.dev", "example.com/snp-asids"),
+        ] {
+            let got = kubectl(c.cp, &["get", "deviceclass", class, "-o", "json"], &[]);
+            assert!(got.success, "{class}: {}", got.stderr);
+            let stored: Value = serde_json::from_str(&got.stdout).expect("json");
+            assert_eq!(
+                stored["spec"]["extendedResourceName"], name,
+                "{class}: {}",
+                got.stdout
+            );
+            let kind = class.trim_end_matches(".tee.teeguard.dev");
+            assert_eq!(
+                stored["spec"]["selectors"][0]["cel"]["expression"],
+                format!(
+                    "device.driver == \"tee.teeguard.dev\" && \
+                     device.attributes[\"tee.teeguard.dev\"].kind == \"{kind}\""
+                ),
+                "{class}"
+            );
+        }
+
+        // The policy's CEL against the real ResourceSlice schema.
+        let policy = "tg-dra-agent-own-node-slices";
+        let api = policy_api(&c);
+        let checked = c
+            .wait_for("the own-node-slices policy to be type-checked", || async {
+                let p = api.get(policy).await.ok()?;
+                let status = p.data.get("status")?;
+                (status.get("observedGeneration").and_then(Value::as_i64) == p.metadata.generation)
+                    .then(|| status.clone())
+            })
+            .await
+            .expect("type-checked");
+        assert_eq!(
+            checked.get("typeChecking"),
+            Some(&json!({})),
+            "type checking found problems: {checked}"
+        );
+
+        // RBAC: the driver's calls, and no more.
+        let agent = format!("system:serviceaccount:{ns}:tg-dra-agent");
+        let can = |verb: &str, resource: &str, all_namespaces: bool| {
+            let mut args = vec!["auth", "can-i", verb, resource];
+            if all_namespaces {
+                args.push("--all-namespaces");
+            }
+            let who = format!("--as={agent}");
+            args.push(&who);
+            // `yes` or `no` (exit code 1); anything else is a failed check, not an answer.
+            let out = kubectl(c.cp, &args, &[]);
+            match out.stdout.trim() {
+                "yes" => true,
+                "no" => false,
+                other => panic!(
+                    "kubectl auth can-i {verb} {resource}: {other:?} {}",
+                    out.stderr
+                ),
+            }
+        };
+        for verb in ["list", "watch", "create", "patch", "delete"] {
+            assert!(
+                can(verb, "resourceslices.resource.k8s.io", false),
+                "{verb} resourceslices"
+            );
+        }
+        for verb in ["get", "update", "deletecollection"] {
+            assert!(
+                !can(verb, "resourceslices.resource.k8s.io", false),
+                "{verb} resourceslices"
+            );
+        }
+        assert!(
+            can("get", "resourceclaims.resource.k8s.io", true),
+            "get resourceclaims"
+        );
+        for verb in ["list", "watch", "update", "patch"] {
+            assert!(
+                !can(verb, "resourceclaims.resource.k8s.io", true),
+                "{verb} resourceclaims"
+            );
+        }
+        assert!(
+            !can("create", "deviceclasses.resource.k8s.io", false),
+            "create deviceclasses"
+        );
+
+        // The policy, impersonating the agent of node-own (server-side dry runs).
+        let dir = tempfile::tempdir().expect("tmp");
+        let slice = |file: &str, driver: &str, node: &str| {
+            let path = dir.path().join(file);
+            std::fs::write(
+                &path,
+                format!(
+                    "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\n\
+                     metadata: {{generateName: {node}-slice-}}\n\
+                     spec:\n  driver: {driver}\n  nodeName: {node}\n\
+                     \x20 pool: {{name: {node}, generation: 1, resourceSliceCount: 1}}\n\
+                     \x20 devices:\n  - name: tdx-0\n    attributes:\n      kind: {{string: tdx}}\n"
+                ),
+            )
+            .expect("manifest");
+            path.display().to_string()
+        };
+        let as_agent = |args: &[&str]| {
+            let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+            all.push(format!("--as={agent}"));
+            all.push("--as-user-extra=authentication.kubernetes.io/node-name=node-own".into());
+            let all: Vec<&str> = all.iter().map(String::as_str).collect();
+            kubectl(c.cp, &all, &[])
+        };
+        let own = slice("own.yaml", "tee.teeguard.dev", "node-own");
+        let created = c
+            .wait_for(
+                "the own-node-slices policy to admit the agent's own slice",
+                || async {
+                    let out = as_agent(&["create", "-f", &own, "--dry-run=server"]);
+                    out.success.then_some(out)
+                },
+            )
+            .await;
+        assert!(created.is_ok(), "its own node's slice is allowed");
+        let other_node = as_agent(&[
+            "create",
+            "-f",
+            &slice("other-node.yaml", "tee.teeguard.dev", "node-other"),
+            "--dry-run=server",
+        ]);
+        assert!(
+            !other_node.success
+                && other_node.stderr.contains(
+                    "the teeguard agent on node node-own may write only ResourceSlices of its own \
+                     node, not one with spec.nodeName node-other"
+                ),
+            "{}",
+            other_node.stderr
+        );
+        let other_driver = as_agent(&[
+            "create",
+            "-f",
+            &slice("other-driver.yaml", "gpu.example.com", "node-own"),
+            "--dry-run=server",
+        ]);
+        assert!(
+            !other_driver.success
+                && other_driver.stderr.contains(
+                    "may write only ResourceSlices of its driver tee.teeguard.dev, not \
+                     gpu.example.com"
+                ),
+            "{}",
+            other_driver.stderr
+        );
+        // Server-side apply, as the agent writes its slices: its own node's allowed (RBAC `patch`, and
+        // `create` for a new slice), another node's refused by the policy.
+        let apply = |file: &str, node: &str| {
+            let path = dir.path().join(file);
+            std::fs::write(
+                &path,
+                format!(
+                    "apiVersion: resource.k8s.io/v1\nkind: ResourceSlice\n\
+                     metadata: {{name: {node}-teeguard-0}}\n\
+                     spec:\n  driver: tee.teeguard.dev\n  nodeName: {node}\n\
+                     \x20 pool: {{name: {node}, generation: 1, resourceSliceCount: 1}}\n\
+                     \x20 devices:\n  - name: tdx-0\n    attributes:\n      kind: {{string: tdx}}\n"
+                ),
+            )
+            .expect("manifest");
+            let file = path.display().to_string();
+            as_agent(&[
+                "apply",
+                "--server-side",
+                "--field-manager=teeguard-agent",
+                "-f",
+                &file,
+                "--dry-run=server",
+            ])
+        };
+        let own_apply = apply("apply-own.yaml", "node-own");
+        assert!(own_apply.success, "{}", own_apply.stderr);
+        let other_apply = apply("apply-other.yaml", "node-other");
+        assert!(
+            !other_apply.success
+                && other_apply
+                    .stderr
+                    .contains("may write only ResourceSlices of its own node"),
+            "{}",
+            other_apply.stderr
+        );
+        // Deleting: another node's slice is refused, its own allowed.
+        for (node, allowed) in [("node-other", false), ("node-own", true)] {
+            let file = slice(&format!("delete-{node}.yaml"), "tee.teeguard.dev", node);
+            let made = kubectl(c.cp, &["create", "-f", &file, "-o", "name"], &[]);
+            assert!(made.success, "{}", made.stderr);
+            let name = made.stdout.trim().to_string();
+            let out = as_agent(&["delete", &name, "--dry-run=server"]);
+            assert_eq!(
+                out.success, allowed,
+                "delete {node}'s slice as node-own's agent: {}",
+                out.stderr
+            );
+            if !allowed {
+                assert!(
+                    out.stderr
+                        .contains("may write only ResourceSlices of its own node"),
+                    "{}",
+                    out.stderr
+                );
+            }
+            let gone = kubectl(c.cp, &["delete", &name], &[]);
+            assert!(gone.success, "{}", gone.stderr);
+        }
     })
     .await;
 }
