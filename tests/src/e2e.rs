@@ -799,8 +799,18 @@ impl ProcessEnv {
     /// [`ProcessEnv::start_agent`] reading the cgroup tree at `cgroup_root` (a simulated host's, or
     /// the machine's own `/sys/fs/cgroup`).
     pub async fn start_agent_at(&self, node: &str, cgroup_root: &Path) -> Result<AgentProcess> {
+        self.start_agent_with(node, cgroup_root, &[]).await
+    }
+
+    /// [`ProcessEnv::start_agent_at`] with more command-line arguments (`--kubelet-dir ...`).
+    pub async fn start_agent_with(
+        &self,
+        node: &str,
+        cgroup_root: &Path,
+        extra_args: &[String],
+    ) -> Result<AgentProcess> {
         let bins = binaries()?;
-        let args: Vec<String> = vec![
+        let mut args: Vec<String> = vec![
             "run".into(),
             "--node-name".into(),
             node.into(),
@@ -813,6 +823,7 @@ impl ProcessEnv {
             "--log-format".into(),
             "json".into(),
         ];
+        args.extend(extra_args.iter().cloned());
         let log = self.log_path(&format!("agent-{node}"));
         let proc = ChildProcess::spawn(
             &format!("teeguard-agent ({node})"),

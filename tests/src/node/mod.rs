@@ -209,6 +209,11 @@ impl RealNode {
         &self.dir
     }
 
+    /// The kubelet's root directory (`--root-dir`: `plugins_registry/`, `plugins/`, `pods/`).
+    pub fn kubelet_root(&self) -> PathBuf {
+        self.dir.join("kubelet").join("root")
+    }
+
     /// The runtime's CRI socket.
     pub fn cri_socket(&self) -> PathBuf {
         self.dir.join(format!("{}.sock", self.runtime.name()))

@@ -6,6 +6,7 @@
 
 #![allow(dead_code)]
 
+pub mod dra;
 pub mod faults;
 pub mod scenarios;
 
@@ -62,6 +63,10 @@ pub struct Options {
     pub strict: bool,
     /// `enforcement.crioAnnotation`.
     pub crio_annotation: &'static str,
+    /// `agent.accounting: dra` (the agent is the node's DRA driver; `--kubelet-dir` is the node's).
+    pub dra: bool,
+    /// Extra configuration YAML appended to the file (e.g. `admission:` settings).
+    pub extra_config: &'static str,
 }
 
 impl Options {
@@ -72,6 +77,17 @@ impl Options {
             mode: "nri",
             strict: false,
             crio_annotation: "none",
+            dra: false,
+            extra_config: "",
+        }
+    }
+
+    /// [`Options::simulated`] in DRA mode with `tdx` TDX keys and no SEV-ES.
+    pub fn dra(tdx: u64) -> Options {
+        Options {
+            host: AgentHost::Simulated { tdx, sev_es: 0 },
+            dra: true,
+            ..Options::simulated()
         }
     }
 }
@@ -80,6 +96,8 @@ impl Options {
 /// to the next test last.
 pub struct NodeWorld {
     pub agent: AgentProcess,
+    /// The agent's extra command-line arguments (DRA mode: `--kubelet-dir`).
+    pub agent_args: Vec<String>,
     /// The cgroup tree the agent reads.
     pub agent_root: PathBuf,
     pub webhook: WebhookProcess,
@@ -91,6 +109,18 @@ pub struct NodeWorld {
     pub turn: NodeTurn,
 }
 
+/// The agent's extra arguments: in DRA mode the node's kubelet root directory.
+fn agent_args(turn: &NodeTurn, dra: bool) -> Vec<String> {
+    if dra {
+        vec![
+            "--kubelet-dir".into(),
+            turn.kubelet_root().display().to_string(),
+        ]
+    } else {
+        Vec::new()
+    }
+}
+
 impl NodeWorld {
     /// Take the node of `runtime`, start the agent and the webhook for test `test`; `None` when the
     /// test should skip (no node on this machine, see `RealNode::shared`).
@@ -99,32 +129,41 @@ impl NodeWorld {
         let turn = node.acquire().await;
         let cluster = Cluster::connect().await?;
         let config = format!(
-            "agent:\n  pollInterval: {}ms\n  heartbeatInterval: 5s\nenforcement:\n  mode: {}\n  \
-             nriSocket: {}\n  strict: {}\n  crioAnnotation: {}\n",
+            "agent:\n  pollInterval: {}ms\n  heartbeatInterval: 5s\n  accounting: {}\nenforcement:\n  \
+             mode: {}\n  nriSocket: {}\n  strict: {}\n  crioAnnotation: {}\n{}",
             POLL.as_millis(),
+            if options.dra {
+                "dra"
+            } else {
+                "extendedResource"
+            },
             options.mode,
             turn.nri_socket().display(),
             options.strict,
-            options.crio_annotation
+            options.crio_annotation,
+            options.extra_config,
         );
         let env = cluster.process_env(&config).expect("process env");
         let ns = cluster.namespace(test, test, &[]).await.expect("namespace");
         prepare_node(&cluster, &turn, test).await;
         let host = match options.host {
-            AgentHost::Simulated { tdx, sev_es } => Some(
-                SimHost::builder()
-                    .capacity(TDX, tdx)
-                    .capacity(SEV_ES, sev_es)
-                    .build()
-                    .expect("simulated host"),
-            ),
+            AgentHost::Simulated { tdx, sev_es } => {
+                let mut b = SimHost::builder();
+                for (resource, n) in [(TDX, tdx), (SEV_ES, sev_es)] {
+                    if n > 0 {
+                        b = b.capacity(resource, n);
+                    }
+                }
+                Some(b.build().expect("simulated host"))
+            }
             AgentHost::Machine => None,
         };
         let root: PathBuf = host
             .as_ref()
             .map_or_else(|| "/sys/fs/cgroup".into(), |h| h.root().to_path_buf());
+        let agent_args = agent_args(&turn, options.dra);
         let mut agent = env
-            .start_agent_at(&turn.name, &root)
+            .start_agent_with(&turn.name, &root, &agent_args)
             .await
             .expect("agent starts");
         if options.mode == "nri" {
@@ -143,6 +182,7 @@ impl NodeWorld {
             .expect("the API server calls the webhooks");
         Some(NodeWorld {
             agent,
+            agent_args,
             agent_root,
             webhook,
             env,
@@ -160,7 +200,7 @@ impl NodeWorld {
         self.agent.proc.kill();
         self.agent = self
             .env
-            .start_agent_at(&self.turn.name, &self.agent_root)
+            .start_agent_with(&self.turn.name, &self.agent_root, &self.agent_args)
             .await
             .expect("agent starts again");
         wait_registered(&mut self.agent).await;

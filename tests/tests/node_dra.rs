@@ -1,0 +1,73 @@
+//! DRA mode under the real scheduler and kubelet v1.36.2 on containerd v2.4 (`teeguard_tests::node`):
+//! the agent is the node's DRA driver; the scheduler allocates its devices to pods requesting
+//! `tdx.intel.com/keys` (DeviceClass `extendedResourceName`); the kubelet registers the driver and has
+//! it prepare each claim; the agent's NRI plugin gives the compute container its `misc.max`. Skipped
+//! (one line) without the node's binaries or root, unless `CI=true`.
+
+mod chart_support;
+mod node_support;
+
+use node_support::scenarios::DEADLINE;
+use node_support::{NodeWorld, Options, dra};
+use teeguard_tests::node::Runtime;
+use teeguard_tests::realcluster::within;
+
+const RUNTIME: Runtime = Runtime::Containerd;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tdx_launcher_is_allocated_a_device_by_the_scheduler_prepared_by_the_agent_and_gets_misc_max()
+ {
+    within(DEADLINE, async {
+        let Some(w) = NodeWorld::start(RUNTIME, "dra-launcher", Options::dra(2)).await else {
+            return;
+        };
+        dra::launcher_allocated_prepared_limited(&w).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_key_pods_for_one_free_key_one_is_allocated_and_runs_49_wait_with_the_schedulers_message()
+ {
+    within(DEADLINE, async {
+        let Some(w) = NodeWorld::start(RUNTIME, "dra-fifty", Options::dra(1)).await else {
+            return;
+        };
+        dra::fifty_pods_one_key(&w).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_outside_kubernetes_is_withheld_from_the_slice_and_comes_back_when_freed() {
+    within(DEADLINE, async {
+        let Some(w) = NodeWorld::start(RUNTIME, "dra-outside", Options::dra(2)).await else {
+            return;
+        };
+        dra::outside_key_withheld(&w).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_kubelet_restart_the_slices_come_back_and_after_an_agent_restart_prepared_claims_are_kept()
+ {
+    within(DEADLINE, async {
+        let Some(mut w) = NodeWorld::start(RUNTIME, "dra-restarts", Options::dra(2)).await else {
+            return;
+        };
+        dra::restarts(&mut w).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_allocatable_still_names_the_key_says_dra_is_bypassed() {
+    within(DEADLINE, async {
+        let Some(w) = NodeWorld::start(RUNTIME, "dra-bypassed", Options::dra(2)).await else {
+            return;
+        };
+        dra::bypassed(&w).await;
+    })
+    .await;
+}

@@ -1,0 +1,443 @@
+//! DRA mode on the real node: the agent is the DRA driver `tee.teeguard.dev`, the real scheduler
+//! allocates its devices through the DeviceClass's `extendedResourceName` (KEP-5004), the real kubelet
+//! registers the driver and calls NodePrepareResources before it starts a pod.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use teeguard_shared::TeeCapacity;
+use teeguard_tests::fixtures::Tee;
+use teeguard_tests::node::pods;
+
+use super::scenarios::limits;
+use super::{NodeWorld, unguarded_namespace};
+
+/// The TDX key resource.
+pub const TDX_KEYS: &str = "tdx.intel.com/keys";
+/// The DeviceClass the chart creates for TDX (its `extendedResourceName` is [`TDX_KEYS`]).
+pub const TDX_CLASS: &str = "tdx.tee.teeguard.dev";
+
+/// Create (or keep) the TDX DeviceClass as the chart renders it.
+pub async fn ensure_device_class(w: &NodeWorld) {
+    let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> =
+        Api::all(w.cluster.client.clone());
+    let class = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+        "metadata": {"name": TDX_CLASS},
+        "spec": {
+            "selectors": [{"cel": {"expression":
+                "device.driver == \"tee.teeguard.dev\" && device.attributes[\"tee.teeguard.dev\"].kind == \"tdx\""}}],
+            "extendedResourceName": TDX_KEYS
+        }
+    }))
+    .expect("DeviceClass");
+    match classes.create(&PostParams::default(), &class).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => panic!("create DeviceClass: {e}"),
+    }
+}
+
+/// The devices of teeguard's slices for this node, sorted.
+pub async fn published(w: &NodeWorld) -> Vec<String> {
+    let api: Api<ResourceSlice> = Api::all(w.cluster.client.clone());
+    let lp = ListParams::default().fields(&format!(
+        "spec.nodeName={},spec.driver=tee.teeguard.dev",
+        w.turn.name
+    ));
+    let mut names: Vec<String> = api
+        .list(&lp)
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|s| s.spec.devices.unwrap_or_default())
+        .map(|d| d.name)
+        .collect();
+    names.sort();
+    names
+}
+
+/// Wait until the node's slices publish exactly `want` devices.
+pub async fn wait_published(w: &NodeWorld, want: usize, timeout: Duration) -> Duration {
+    let started = Instant::now();
+    let what = format!("{} publishing {want} devices", w.turn.name);
+    let got = w
+        .cluster
+        .wait_for_within(&what, timeout, || async {
+            (published(w).await.len() == want).then_some(())
+        })
+        .await;
+    if let Err(e) = got {
+        panic!("{e} (now {:?})\n{}", published(w).await, w.diagnostics());
+    }
+    started.elapsed()
+}
+
+/// Wait until the report says the kubelet registered the driver.
+pub async fn wait_driver_ready(w: &NodeWorld) {
+    let api: Api<TeeCapacity> = Api::all(w.cluster.client.clone());
+    let node = w.turn.name.clone();
+    let got = w
+        .cluster
+        .wait_for_within("DraDriverReady True", Duration::from_secs(30), || async {
+            let r = api.get(&node).await.ok()?;
+            r.status?
+                .conditions
+                .into_iter()
+                .find(|c| c.type_ == "DraDriverReady" && c.status == "True")
+        })
+        .await;
+    if let Err(e) = got {
+        panic!("{e}\n{}", w.diagnostics());
+    }
+}
+
+/// The report's DRA figures for TDX: (published, allocated, withheld).
+pub async fn tdx_devices(w: &NodeWorld) -> Option<(u64, u64, u64)> {
+    let api: Api<TeeCapacity> = Api::all(w.cluster.client.clone());
+    let r = api.get(&w.turn.name).await.ok()?;
+    let d = r.status?.tdx?.devices?;
+    Some((d.published, d.allocated, d.withheld))
+}
+
+/// Wait until the report's TDX device figures are `want`.
+pub async fn wait_tdx_devices(w: &NodeWorld, want: (u64, u64, u64)) {
+    let got = w
+        .cluster
+        .wait_for_within(
+            &format!("report tdx devices {want:?}"),
+            Duration::from_secs(20),
+            || async { (tdx_devices(w).await == Some(want)).then_some(()) },
+        )
+        .await;
+    if let Err(e) = got {
+        panic!("{e} (now {:?})\n{}", tdx_devices(w).await, w.diagnostics());
+    }
+}
+
+/// A plain pod in `ns` whose `compute` container requests `n` TDX keys.
+pub fn key_pod(w: &NodeWorld, ns: &str, name: &str, n: &str) -> Pod {
+    pods::plain(ns, name, &[("compute", &[(TDX_KEYS, n)])], &w.selector())
+}
+
+/// The claim the scheduler created for `pod` (from its `status.extendedResourceClaimStatus`).
+pub async fn claim_of(w: &NodeWorld, pod: &Pod) -> ResourceClaim {
+    let ns = pod.metadata.namespace.clone().expect("namespace");
+    let name = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.extended_resource_claim_status.as_ref())
+        .map(|s| s.resource_claim_name.clone())
+        .unwrap_or_else(|| panic!("pod {:?} has no extended resource claim", pod.metadata.name));
+    let claims: Api<ResourceClaim> = Api::namespaced(w.cluster.client.clone(), &ns);
+    claims.get(&name).await.expect("the pod's claim")
+}
+
+/// The devices a claim's allocation names.
+pub fn claim_devices(claim: &ResourceClaim) -> Vec<String> {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|r| r.device)
+        .collect()
+}
+
+/// Pods of `ns` by phase, and the PodScheduled message of the pending ones.
+pub async fn phases(w: &NodeWorld, ns: &str) -> (BTreeMap<String, usize>, Vec<String>) {
+    let list = w
+        .pods_in(ns)
+        .list(&ListParams::default())
+        .await
+        .expect("list pods");
+    let mut by_phase = BTreeMap::new();
+    let mut messages = Vec::new();
+    for p in list.items {
+        let status = p.status.unwrap_or_default();
+        let phase = status.phase.unwrap_or_default();
+        *by_phase.entry(phase.clone()).or_insert(0) += 1;
+        if phase == "Pending" {
+            messages.extend(
+                status
+                    .conditions
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|c| c.type_ == "PodScheduled" && c.status == "False")
+                    .filter_map(|c| c.message),
+            );
+        }
+    }
+    (by_phase, messages)
+}
+
+/// Scenario: a TDX launcher pod (through the webhook) is allocated a device by the real scheduler,
+/// the kubelet has the agent prepare it, the pod runs, its compute container gets `tdx 1`; the report
+/// shows the device allocated.
+pub async fn launcher_allocated_prepared_limited(w: &NodeWorld) {
+    ensure_device_class(w).await;
+    wait_published(w, 2, Duration::from_secs(20)).await;
+    wait_driver_ready(w).await;
+    assert_eq!(
+        w.allocatable(TDX_KEYS).await,
+        None,
+        "DRA mode advertises no extended resource"
+    );
+    let pod = w
+        .create_vm("dra-vm", Tee::Tdx)
+        .await
+        .unwrap_or_else(|e| panic!("VM refused: {e}\n{}", w.diagnostics()));
+    let pod = w.wait_running(&pod).await;
+    let claim = claim_of(w, &pod).await;
+    let devices = claim_devices(&claim);
+    assert_eq!(devices.len(), 1, "one device for one key: {devices:?}");
+    assert!(devices[0].starts_with("tdx-"), "{devices:?}");
+    assert_eq!(
+        limits(&w.records(&pod).await)
+            .get("compute")
+            .map(String::as_str),
+        Some("tdx 1"),
+        "the compute container's misc.max as containerd handed it to runc"
+    );
+    let log = w.agent.proc.log();
+    assert!(
+        log.contains("\"prepared\"") || log.contains("prepared"),
+        "the kubelet called NodePrepareResources: {log}"
+    );
+    wait_tdx_devices(w, (2, 1, 0)).await;
+}
+
+/// Scenario: 50 pods requesting one TDX key each, created at once (past any webhook) for a node with
+/// one free key: the scheduler allocates exactly one, which runs; 49 stay Pending with the scheduler's
+/// message.
+pub async fn fifty_pods_one_key(w: &NodeWorld) {
+    ensure_device_class(w).await;
+    wait_published(w, 1, Duration::from_secs(20)).await;
+    wait_driver_ready(w).await;
+    let ns = unguarded_namespace(&w.cluster, "dra-fifty").await;
+    let creates = (0..50).map(|i| {
+        let pod = key_pod(w, &ns, &format!("p{i:02}"), "1");
+        async move { w.create(&pod).await }
+    });
+    for r in futures::future::join_all(creates).await {
+        r.expect("created");
+    }
+    let got = w
+        .cluster
+        .wait_for_within("1 Running, 49 Pending", Duration::from_secs(60), || async {
+            let (by_phase, messages) = phases(w, &ns).await;
+            (by_phase.get("Running") == Some(&1)
+                && by_phase.get("Pending") == Some(&49)
+                && messages.len() == 49)
+                .then_some(messages)
+        })
+        .await;
+    let messages = got.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    for m in &messages {
+        assert!(m.contains("cannot allocate all claims"), "{m}");
+    }
+    // Still so a few polls later: nothing else was allocated or started.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (by_phase, _) = phases(w, &ns).await;
+    assert_eq!(by_phase.get("Running"), Some(&1), "{by_phase:?}");
+    let claims: Api<ResourceClaim> = Api::namespaced(w.cluster.client.clone(), &ns);
+    let allocated: Vec<ResourceClaim> = claims
+        .list(&ListParams::default())
+        .await
+        .expect("claims")
+        .items
+        .into_iter()
+        .filter(|c| !claim_devices(c).is_empty())
+        .collect();
+    assert_eq!(allocated.len(), 1, "exactly one claim allocated");
+}
+
+/// Scenario: a key held outside Kubernetes shrinks the slice and no new pod gets it; when it goes
+/// away the key comes back and a waiting pod runs.
+pub async fn outside_key_withheld(w: &NodeWorld) {
+    ensure_device_class(w).await;
+    wait_published(w, 2, Duration::from_secs(20)).await;
+    wait_driver_ready(w).await;
+    let host = w.host.as_ref().expect("simulated host");
+    host.add_external("outside-vm", "tdx", 1)
+        .expect("external VM");
+    wait_published(w, 1, Duration::from_secs(10)).await;
+    wait_tdx_devices(w, (1, 0, 1)).await;
+    let ns = unguarded_namespace(&w.cluster, "dra-outside").await;
+    let first = w
+        .create(&key_pod(w, &ns, "first", "1"))
+        .await
+        .expect("first");
+    w.wait_running(&first).await;
+    let second = w
+        .create(&key_pod(w, &ns, "second", "1"))
+        .await
+        .expect("second");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (by_phase, messages) = phases(w, &ns).await;
+    assert_eq!(by_phase.get("Pending"), Some(&1), "{by_phase:?}");
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.contains("cannot allocate all claims")),
+        "{messages:?}"
+    );
+    host.remove_external("outside-vm")
+        .expect("external VM gone");
+    wait_published(w, 2, Duration::from_secs(10)).await;
+    w.wait_running(&second).await;
+}
+
+/// Scenario: a Kata-style pod (a TEE RuntimeClass, whose key the webhook turns into a container
+/// request) and a KubeVirt launcher draw from the same pool of 2; a third TEE pod waits.
+pub async fn kata_and_launcher_share_the_pool(w: &NodeWorld) {
+    ensure_device_class(w).await;
+    wait_published(w, 2, Duration::from_secs(20)).await;
+    wait_driver_ready(w).await;
+    let rcs: Api<k8s_openapi::api::node::v1::RuntimeClass> = Api::all(w.cluster.client.clone());
+    let rc = serde_json::from_value(json!({
+        "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+        "metadata": {"name": "kata-qemu-tdx"}, "handler": "runc"
+    }))
+    .expect("RuntimeClass");
+    match rcs.create(&PostParams::default(), &rc).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => panic!("create RuntimeClass: {e}"),
+    }
+    let mut kata = pods::plain(&w.ns, "kata", &[("app", &[])], &w.selector());
+    kata.spec.as_mut().expect("spec").runtime_class_name = Some("kata-qemu-tdx".into());
+    let kata = w
+        .create(&kata)
+        .await
+        .unwrap_or_else(|e| panic!("kata pod refused: {e}\n{}", w.diagnostics()));
+    let requests = kata.spec.as_ref().expect("spec").containers[0]
+        .resources
+        .as_ref()
+        .and_then(|r| r.requests.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        requests.get(TDX_KEYS).map(|q| q.0.as_str()),
+        Some("1"),
+        "the webhook gave the Kata pod a container key request"
+    );
+    let kata = w.wait_running(&kata).await;
+    assert_eq!(claim_devices(&claim_of(w, &kata).await).len(), 1);
+    let vm = w.create_vm("dra-vm", Tee::Tdx).await.expect("VM");
+    let vm = w.wait_running(&vm).await;
+    assert_eq!(claim_devices(&claim_of(w, &vm).await).len(), 1);
+    wait_tdx_devices(w, (2, 2, 0)).await;
+    let ns = unguarded_namespace(&w.cluster, "dra-third").await;
+    w.create(&key_pod(w, &ns, "third", "1"))
+        .await
+        .expect("third");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (by_phase, _) = phases(w, &ns).await;
+    assert_eq!(by_phase.get("Pending"), Some(&1), "{by_phase:?}");
+}
+
+/// Scenario: the kubelet restarted (it deletes the node's slices when it starts): the slices are back
+/// within one poll of the deletion, the running pod keeps running. The agent restarted: its prepared
+/// claims are still known (the report's allocated count, the checkpoint), and the next pod gets the
+/// other key, never the one already held.
+pub async fn restarts(w: &mut NodeWorld) {
+    ensure_device_class(w).await;
+    wait_published(w, 2, Duration::from_secs(20)).await;
+    wait_driver_ready(w).await;
+    let ns = unguarded_namespace(&w.cluster, "dra-restarts").await;
+    let first = w
+        .create(&key_pod(w, &ns, "first", "1"))
+        .await
+        .expect("first");
+    let first = w.wait_running(&first).await;
+    let first_device = claim_devices(&claim_of(w, &first).await);
+    wait_tdx_devices(w, (2, 1, 0)).await;
+
+    w.turn.restart_kubelet().await.expect("kubelet restarted");
+    // The kubelet deletes the slices as it starts; the agent applies them again.
+    let back = wait_published(w, 2, Duration::from_secs(20)).await;
+    eprintln!("slices back {back:?} after the kubelet restart");
+    let api: Api<ResourceSlice> = Api::all(w.cluster.client.clone());
+    let slices = api
+        .list(&ListParams::default().fields(&format!("spec.nodeName={}", w.turn.name)))
+        .await
+        .expect("slices");
+    assert!(!slices.items.is_empty());
+    let still = w.pods_in(&ns).get("first").await.expect("first");
+    assert_eq!(
+        still.status.and_then(|s| s.phase).as_deref(),
+        Some("Running"),
+        "the running pod is unaffected"
+    );
+
+    w.restart_agent().await;
+    wait_tdx_devices(w, (2, 1, 0)).await;
+    let second = w
+        .create(&key_pod(w, &ns, "second", "1"))
+        .await
+        .expect("second");
+    let second = w.wait_running(&second).await;
+    let second_device = claim_devices(&claim_of(w, &second).await);
+    assert_ne!(first_device, second_device, "no double allocation");
+    wait_tdx_devices(w, (2, 2, 0)).await;
+}
+
+/// Scenario: another writer puts the key resource in the Node's allocatable: the report's `DraBypassed`
+/// condition says DRA is bypassed on this node, and the metric too.
+pub async fn bypassed(w: &NodeWorld) {
+    wait_published(w, 2, Duration::from_secs(20)).await;
+    let nodes: Api<Node> = Api::all(w.cluster.client.clone());
+    nodes
+        .patch_status(
+            &w.turn.name,
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"status": {"capacity": {TDX_KEYS: "2"}, "allocatable": {TDX_KEYS: "2"}}}),
+            ),
+        )
+        .await
+        .expect("another writer advertises the key");
+    let api: Api<TeeCapacity> = Api::all(w.cluster.client.clone());
+    let node = w.turn.name.clone();
+    let got = w
+        .cluster
+        .wait_for_within("DraBypassed True", Duration::from_secs(15), || async {
+            let r = api.get(&node).await.ok()?;
+            r.status?
+                .conditions
+                .into_iter()
+                .find(|c| c.type_ == "DraBypassed" && c.status == "True")
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    assert!(got.message.contains(TDX_KEYS), "{}", got.message);
+    assert!(got.message.contains("another writer"), "{}", got.message);
+    let metrics = w.agent.metrics().await;
+    assert!(
+        metrics.contains("teeguard_agent_dra_bypassed{kind=\"tdx\"} 1"),
+        "{metrics}"
+    );
+    nodes
+        .patch_status(
+            &w.turn.name,
+            &PatchParams::default(),
+            &Patch::Json::<()>(
+                serde_json::from_value(json!([
+                    {"op": "remove", "path": "/status/capacity/tdx.intel.com~1keys"},
+                    {"op": "remove", "path": "/status/allocatable/tdx.intel.com~1keys"}
+                ]))
+                .expect("patch"),
+            ),
+        )
+        .await
+        .expect("the writer stops");
+}
