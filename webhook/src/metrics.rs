@@ -103,6 +103,22 @@ pub enum EventResult {
     Suppressed,
 }
 
+/// What `/mutate` did with a pod of a TEE RuntimeClass (`admission.teeRuntimeClasses`).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum RuntimeClassResult {
+    /// The key request was added to the first container.
+    Patched,
+    /// The pod's overhead carries a key (its RuntimeClass's `overhead.podFixed`): allowed untouched,
+    /// with a warning.
+    OverheadKey,
+    /// A container already requests a key: allowed untouched.
+    AlreadyRequested,
+    /// Left untouched for another reason (an exempt namespace).
+    Skipped,
+    /// Refused (the namespace could not be looked up).
+    Denied,
+}
+
 /// Label values are the lower-case names used in dashboards (`patched`, `cache_hit`, ...).
 macro_rules! label_values {
     ($ty:ty { $($variant:ident => $value:literal),+ $(,)? }) => {
@@ -149,6 +165,13 @@ label_values!(EventResult {
     Dropped => "dropped",
     Suppressed => "suppressed",
 });
+label_values!(RuntimeClassResult {
+    Patched => "patched",
+    OverheadKey => "overhead_key",
+    AlreadyRequested => "already_requested",
+    Skipped => "skipped",
+    Denied => "denied",
+});
 label_values!(ReloadResult { Ok => "ok", Failed => "failed" });
 label_values!(LookupResult {
     CacheHit => "cache_hit",
@@ -187,6 +210,12 @@ struct SharedLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RuntimeClassLabels {
+    kind: &'static str,
+    result: RuntimeClassResult,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReloadLabels {
     result: ReloadResult,
 }
@@ -222,6 +251,7 @@ pub struct Metrics {
     shared: Family<SharedLabels, Counter>,
     shared_latency: Histogram,
     vmi_events: Family<EventLabels, Counter>,
+    runtime_class_mutations: Family<RuntimeClassLabels, Counter>,
 }
 
 impl Metrics {
@@ -239,6 +269,7 @@ impl Metrics {
             shared: Family::default(),
             shared_latency: latency_histogram(),
             vmi_events: Family::default(),
+            runtime_class_mutations: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_webhook");
         r.register(
@@ -296,7 +327,19 @@ impl Metrics {
             "InsufficientTEEKeys Events on VMIs, by result",
             m.vmi_events.clone(),
         );
+        r.register(
+            "runtime_class_mutations",
+            "Mutating decisions on pods of a TEE RuntimeClass (admission.teeRuntimeClasses), by TEE kind and result (patched, overhead_key, already_requested, skipped, denied)",
+            m.runtime_class_mutations.clone(),
+        );
         m
+    }
+
+    /// Count one mutating decision on a pod of a TEE RuntimeClass; `kind` a kernel name (`tdx`).
+    pub fn runtime_class_mutation(&self, kind: &'static str, result: RuntimeClassResult) {
+        self.runtime_class_mutations
+            .get_or_create(&RuntimeClassLabels { kind, result })
+            .inc();
     }
 
     /// Count one validating decision. `request` is `pod_create`, `pod_update`, `binding` or `other`;
@@ -389,6 +432,7 @@ mod tests {
         m.validation("binding", "tdx", ValidationOutcome::Denied);
         m.set_ledger_reservations(2);
         m.vmi_event(EventResult::Suppressed);
+        m.runtime_class_mutation("tdx", RuntimeClassResult::OverheadKey);
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &registry).expect("encode");
         for want in [
@@ -401,6 +445,7 @@ mod tests {
             r#"teeguard_webhook_validations_total{request="binding",kind="tdx",outcome="denied"} 1"#,
             "teeguard_webhook_ledger_reservations 2",
             r#"teeguard_webhook_vmi_events_total{result="suppressed"} 1"#,
+            r#"teeguard_webhook_runtime_class_mutations_total{kind="tdx",result="overhead_key"} 1"#,
         ] {
             assert!(out.contains(want), "{want} missing from\n{out}");
         }

@@ -17,6 +17,7 @@ use teeguard_shared::pod::{key_requests, pod_display_name};
 use teeguard_shared::vmi::VirtualMachineInstance;
 use teeguard_tests::fixtures::{self, KataTee, Tee, VirtLauncherPod};
 use teeguard_webhook::decide::affinity::node_matches;
+use teeguard_webhook::decide::mutation::runtime_class::{decide_runtime_class, tee_runtime_class};
 use teeguard_webhook::decide::mutation::{VmiLookup, classify_pod, decide_mutation};
 use teeguard_webhook::decide::validation::{
     check_created_limits, check_updated_limits, expected_limits, limit_annotations,
@@ -89,6 +90,7 @@ fn project(pod: &Pod) -> Pod {
                 .as_ref()
                 .map(|v| v.iter().map(container).collect()),
             overhead: resource_list(&s.overhead),
+            runtime_class_name: s.runtime_class_name.clone(),
             ..PodSpec::default()
         }),
         status: None,
@@ -178,6 +180,23 @@ fn assert_same_decisions(what: &str, value: &Value) {
             );
         }
     }
+    // Pods of a TEE RuntimeClass (Kata's classes listed, as an operator would).
+    let kata = Config::from_yaml(
+        "admission:\n  teeRuntimeClasses:\n    kata-qemu-tdx: tdx\n    kata-qemu-snp: sevEs\n",
+    )
+    .expect("config");
+    assert_eq!(
+        tee_runtime_class(&f, &kata),
+        tee_runtime_class(&s, &kata),
+        "{what}: tee_runtime_class"
+    );
+    for labels in &ns_labels {
+        assert_eq!(
+            decide_runtime_class(&f, labels.as_ref(), &kata),
+            decide_runtime_class(&s, labels.as_ref(), &kata),
+            "{what}: decide_runtime_class"
+        );
+    }
     let empty = PodSpec::default();
     let (sf, ss) = (
         f.spec.as_ref().unwrap_or(&empty),
@@ -262,6 +281,23 @@ fn generated_pods_decide_the_same() {
             format!("kata {tee:?}"),
             fixtures::to_value(&fixtures::kata_pod("kata", tee)),
         ));
+        // The RuntimeClass without the key in its overhead: the webhook adds a container request.
+        let mut updated = fixtures::to_value(&fixtures::kata_pod("kata", tee));
+        updated["spec"]["overhead"] = json!({"cpu": "1", "memory": "2Gi"});
+        pods.push((
+            format!("kata {tee:?}, no key in the overhead"),
+            updated.clone(),
+        ));
+        // Its first container without resources, another with a key in an init container.
+        let mut bare = updated.clone();
+        bare["spec"]["containers"][0]
+            .as_object_mut()
+            .expect("container")
+            .remove("resources");
+        pods.push((format!("kata {tee:?}, no resources"), bare));
+        let mut init = updated;
+        init["spec"]["initContainers"] = json!([{"name": "init", "image": "i", "resources": {"limits": {tee.key_resource(): "1"}}}]);
+        pods.push((format!("kata {tee:?}, key in an init container"), init));
     }
     // Selector, required node affinity (expressions and fields), init and sidecar containers,
     // overhead, explicit nulls: the scheduling and key-request fields the fixtures leave out.

@@ -63,8 +63,8 @@ pub struct AdmittedMeta {
     pub owner_references: Option<Vec<OwnerReference>>,
 }
 
-/// `spec`, reduced: the key requests (containers, init containers, overhead) and the node
-/// (`nodeName`, `nodeSelector`, required node affinity).
+/// `spec`, reduced: the key requests (containers, init containers, overhead), the node (`nodeName`,
+/// `nodeSelector`, required node affinity) and the RuntimeClass.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AdmittedSpec {
@@ -86,6 +86,9 @@ pub struct AdmittedSpec {
     /// `overhead`, extended resources only ([`read_resource`]).
     #[serde(default, deserialize_with = "decode_resource_list")]
     pub overhead: Option<BTreeMap<String, Quantity>>,
+    /// `runtimeClassName` (a TEE RuntimeClass's pods get a container key request).
+    #[serde(default)]
+    pub runtime_class_name: Option<String>,
 }
 
 /// `affinity`, reduced to node affinity (pod affinity does not decide where keys are free).
@@ -136,6 +139,7 @@ impl AdmittedPod {
                         .collect()
                 }),
                 overhead: s.overhead,
+                runtime_class_name: s.runtime_class_name,
                 ..PodSpec::default()
             }),
             status: None,

@@ -4,6 +4,10 @@
 //! The handler calls [`classify_pod`] first to learn whether (and which) VMI to look up, then
 //! [`decide_mutation`] with the lookup result. `decide_mutation` re-applies the pod rules itself,
 //! so it is correct on its own for any input. [`patch`] builds the JSON Patch and the annotation values.
+//!
+//! Pods of a TEE RuntimeClass (`admission.teeRuntimeClasses`, Kata's) are not KubeVirt pods:
+//! [`runtime_class::decide_runtime_class`] decides them (a container key request, or a warning when the
+//! RuntimeClass overhead already carries the key).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -15,6 +19,7 @@ use teeguard_shared::names;
 use teeguard_shared::{Config, TeeKind, VirtualMachineInstance};
 
 pub mod patch;
+pub mod runtime_class;
 #[cfg(test)]
 mod tests;
 

@@ -100,7 +100,7 @@ pub(super) fn ptr(tokens: &[&str]) -> PointerBuf {
     PointerBuf::parse(s).unwrap_or_else(|_| PointerBuf::from_tokens(tokens.iter().copied()))
 }
 
-fn add(tokens: &[&str], value: Value) -> PatchOperation {
+pub(super) fn add(tokens: &[&str], value: Value) -> PatchOperation {
     PatchOperation::Add(AddOperation {
         path: ptr(tokens),
         value,

@@ -18,10 +18,8 @@ fn kind(capacity: u64, free: u64, external: u64) -> KindStatus {
         kernel_used: capacity - free,
         pods_used: capacity - free - external,
         external,
-        pending: 0,
         free,
-        advertised: None,
-        devices: None,
+        ..KindStatus::default()
     }
 }
 

@@ -1,24 +1,31 @@
 //! `POST /mutate`: the mutating webhook for pod CREATE.
 //!
 //! Envelope only: parse the review once, look up the namespace and VMI (through [`Lookups`]), call
-//! the pure [`decide_mutation`], build the response. Non-pod kinds and operations other than CREATE
-//! are allowed untouched. Dry-run requests are decided and patched like any other: the patch has no
-//! side effects, so `kubectl --dry-run=server` shows exactly what a real CREATE would get.
+//! the pure [`decide_mutation`], build the response. A pod that is no KubeVirt pod but runs in a TEE
+//! RuntimeClass (`admission.teeRuntimeClasses`) is decided by the pure [`decide_runtime_class`]
+//! instead (only its namespace is looked up). Non-pod kinds and operations other than CREATE are
+//! allowed untouched. Dry-run requests are decided and patched like any other: the patch has no side
+//! effects, so `kubectl --dry-run=server` shows exactly what a real CREATE would get.
 
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
-use teeguard_shared::Config;
+use k8s_openapi::api::core::v1::Pod;
 use teeguard_shared::pod::PodName;
+use teeguard_shared::{Config, TeeKind};
 
 use super::{Reviewed, serve_review};
 use crate::cluster::caches::Lookups;
+use crate::decide::mutation::runtime_class::{
+    RuntimeClassDecision, RuntimeClassSkip, decide_runtime_class, tee_runtime_class,
+};
 use crate::decide::mutation::{
-    Denial, DenyReason, MutationDecision, classify_pod, decide_mutation, namespace_exempt,
+    Denial, DenyReason, MutationDecision, SkipReason, classify_pod, decide_mutation,
+    namespace_exempt,
 };
 use crate::error::Result;
-use crate::metrics::Outcome;
+use crate::metrics::{Metrics, Outcome, RuntimeClassResult};
 use crate::web::admission::{Operation, ReviewResponse};
 use crate::web::admitted::AdmittedReview;
 use crate::web::state::AppState;
@@ -36,13 +43,15 @@ pub mod audit {
     pub const TEE_KIND: &str = "tee-kind";
     /// The extended resource requested.
     pub const RESOURCE: &str = "resource";
+    /// The TEE RuntimeClass of a pod decided by its RuntimeClass.
+    pub const RUNTIME_CLASS: &str = "runtime-class";
 }
 
 /// The axum handler.
 pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let s = &state;
     serve_review(s, ENDPOINT, req, |body| async move {
-        review_mutation(&body, &s.caches, &s.config).await
+        review_mutation_with(&body, &s.caches, &s.config, Some(&s.metrics)).await
     })
     .await
 }
@@ -53,6 +62,16 @@ pub async fn review_mutation<L: Lookups>(
     body: &[u8],
     lookups: &L,
     config: &Config,
+) -> Result<Reviewed> {
+    review_mutation_with(body, lookups, config, None).await
+}
+
+/// [`review_mutation`], counting decisions on TEE RuntimeClass pods in `metrics` (`None` offline).
+pub async fn review_mutation_with<L: Lookups>(
+    body: &[u8],
+    lookups: &L,
+    config: &Config,
+    metrics: Option<&Metrics>,
 ) -> Result<Reviewed> {
     let mut review = AdmittedReview::parse(body)?;
     if review.request.operation != Operation::Create || !review.request.is_resource("", "pods") {
@@ -66,6 +85,20 @@ pub async fn review_mutation<L: Lookups>(
     let pod = review.pod()?;
     let req = review.request;
     let decision = match classify_pod(&pod) {
+        Err(SkipReason::NotKubeVirt) => match tee_runtime_class(&pod, config) {
+            Some(tee) => {
+                let decided = runtime_class_decision(&pod, lookups, config).await;
+                let rc = RuntimeClassReview {
+                    uid: req.uid,
+                    dry_run: req.dry_run,
+                    class: tee.0,
+                    kind: tee.1,
+                    metrics,
+                };
+                return Ok(respond_runtime_class(rc, PodName(&pod), decided));
+            }
+            None => MutationDecision::Skip(SkipReason::NotKubeVirt),
+        },
         Err(skip) => MutationDecision::Skip(skip),
         Ok(vmi_ref) => match lookups.namespace_labels(&vmi_ref.namespace).await {
             Err(e) => MutationDecision::Deny(Denial {
@@ -88,6 +121,144 @@ pub async fn review_mutation<L: Lookups>(
     };
     let pod_name = PodName(&pod);
     Ok(respond(req.uid, pod_name, req.dry_run, decision))
+}
+
+/// Decide a pod of a TEE RuntimeClass: look up its namespace (the exemption label), then the pure
+/// decision; a failed lookup is the refusal's message.
+async fn runtime_class_decision<L: Lookups>(
+    pod: &Pod,
+    lookups: &L,
+    config: &Config,
+) -> std::result::Result<RuntimeClassDecision, String> {
+    let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+    match lookups.namespace_labels(ns).await {
+        Ok(labels) => Ok(decide_runtime_class(pod, labels.as_ref(), config)),
+        Err(e) => Err(format!(
+            "cannot look up namespace {ns} to check its {} label ({e}), so teeguard cannot decide whether \
+             this pod of a TEE RuntimeClass gets its TEE key request; create the pod again",
+            teeguard_shared::names::EXEMPT_LABEL
+        )),
+    }
+}
+
+/// What the response to a TEE RuntimeClass pod carries besides its decision.
+struct RuntimeClassReview<'a> {
+    uid: String,
+    dry_run: bool,
+    /// The pod's (listed) RuntimeClass and its kind.
+    class: &'a str,
+    kind: TeeKind,
+    metrics: Option<&'a Metrics>,
+}
+
+impl RuntimeClassReview<'_> {
+    fn count(&self, result: RuntimeClassResult) {
+        if let Some(m) = self.metrics {
+            m.runtime_class_mutation(self.kind.kernel_name(), result);
+        }
+    }
+
+    fn allow(&self) -> ReviewResponse {
+        ReviewResponse::allow(self.uid.clone())
+            .audit(audit::RUNTIME_CLASS, self.class.to_string())
+            .audit(audit::TEE_KIND, self.kind.kernel_name())
+    }
+}
+
+fn respond_runtime_class(
+    rc: RuntimeClassReview<'_>,
+    pod_name: PodName<'_>,
+    decided: std::result::Result<RuntimeClassDecision, String>,
+) -> Reviewed {
+    let decision = match decided {
+        Ok(d) => d,
+        Err(message) => {
+            tracing::info!(pod = %pod_name, runtime_class = rc.class, message, "pod denied");
+            rc.count(RuntimeClassResult::Denied);
+            return Reviewed {
+                response: ReviewResponse::deny(rc.uid, 403, message)
+                    .audit(audit::DECISION, "denied")
+                    .audit(audit::REASON, DenyReason::NamespaceLookupFailed.code()),
+                outcome: Outcome::Denied,
+            };
+        }
+    };
+    match decision {
+        RuntimeClassDecision::Inject(inj) => {
+            let response = match rc
+                .allow()
+                .audit(audit::RESOURCE, inj.resource.clone())
+                .with_patch(&inj.patch)
+            {
+                Ok(r) => r.audit(audit::DECISION, "patched"),
+                // Serialising a patch of strings and maps cannot fail; refuse rather than admit a
+                // TEE pod without its key request if it ever does.
+                Err(e) => {
+                    tracing::error!(pod = %pod_name, error = %e, "cannot serialise the patch");
+                    rc.count(RuntimeClassResult::Denied);
+                    return Reviewed {
+                        response: ReviewResponse::deny(
+                            rc.uid,
+                            500,
+                            format!("teeguard cannot serialise the patch for pod {pod_name}: {e}"),
+                        ),
+                        outcome: Outcome::Denied,
+                    };
+                }
+            };
+            tracing::debug!(
+                pod = %pod_name,
+                runtime_class = inj.runtime_class,
+                kind = %inj.kind,
+                resource = inj.resource,
+                keys = inj.keys,
+                container = inj.container,
+                dry_run = rc.dry_run,
+                "TEE key request added to the first container of a TEE RuntimeClass pod"
+            );
+            rc.count(RuntimeClassResult::Patched);
+            Reviewed {
+                response,
+                outcome: Outcome::Patched,
+            }
+        }
+        RuntimeClassDecision::OverheadKey(o) => {
+            tracing::debug!(
+                pod = %pod_name,
+                runtime_class = o.runtime_class,
+                resources = ?o.resources,
+                "TEE RuntimeClass pod with a key in its overhead left untouched, with a warning"
+            );
+            rc.count(RuntimeClassResult::OverheadKey);
+            Reviewed {
+                response: rc
+                    .allow()
+                    .audit(audit::DECISION, "skipped")
+                    .audit(audit::REASON, "key-in-overhead")
+                    .warn(o.warning),
+                outcome: Outcome::Allowed,
+            }
+        }
+        RuntimeClassDecision::Skip(skip) => {
+            tracing::debug!(
+                pod = %pod_name,
+                runtime_class = rc.class,
+                reason = skip.code(),
+                "TEE RuntimeClass pod left untouched"
+            );
+            rc.count(match skip {
+                RuntimeClassSkip::KeyAlreadyRequested => RuntimeClassResult::AlreadyRequested,
+                _ => RuntimeClassResult::Skipped,
+            });
+            Reviewed {
+                response: rc
+                    .allow()
+                    .audit(audit::DECISION, "skipped")
+                    .audit(audit::REASON, skip.code()),
+                outcome: Outcome::Allowed,
+            }
+        }
+    }
 }
 
 fn respond(

@@ -10,10 +10,10 @@
 //!   target node's report, minus this replica's ledger, must have the keys; check and reservation are
 //!   atomic.
 //! - **pod CREATE**: first the cgroup-limit annotations (only exactly what the mutating webhook writes
-//!   is accepted; denied in every mode). Then, for a virt-launcher pod requesting keys: with
-//!   `spec.nodeName` the same check and reservation as a binding; otherwise some node matching its node
-//!   selector and required affinity must have the keys (nothing is reserved: no node is chosen yet;
-//!   the node that fitted the last pod of the same kind is looked at first, see [`Ledger::fit_hint`]).
+//!   is accepted; denied in every mode). Then, for a virt-launcher pod or a TEE RuntimeClass pod (no
+//!   Event) requesting keys as mutated: with `spec.nodeName` the same check and reservation as a
+//!   binding; otherwise a node matching its node selector and required affinity must have the keys
+//!   (no reservation: no node is chosen yet; the last fit is looked at first, [`Ledger::fit_hint`]).
 //! - **pod UPDATE**: cgroup-limit annotations must not change. Everything else, DELETE, other kinds and
 //!   subresources are allowed untouched.
 //!
@@ -46,7 +46,7 @@ use crate::decide::affinity::node_matches;
 use crate::decide::ledger::{Ledger, ReportMark, Reservation};
 use crate::decide::mutation::{
     MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation,
-    namespace_exempt,
+    namespace_exempt, runtime_class::tee_runtime_class,
 };
 use crate::decide::reservations;
 use crate::decide::validation::{
@@ -290,7 +290,8 @@ async fn pod_create<L: Lookups>(
     }
 
     let vmi_ref = match class {
-        Ok(r) => r,
+        Ok(r) => Some(r),
+        Err(SkipReason::NotKubeVirt) if tee_runtime_class(&pod, config).is_some() => None, // no VMI
         Err(skip) => return Ok(Answer::skip(REQ, skip.code())),
     };
     if matches!(mutation, MutationDecision::Skip(SkipReason::ExemptVmi)) {
@@ -375,7 +376,7 @@ async fn pod_create<L: Lookups>(
             Answer::from_decision(REQ, kind, d, None, mode)
         }
     };
-    record_event(&answer, &vmi_ref, req.dry_run, ctx);
+    record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
     log_decision(&answer, pod_name);
     Ok(answer.with_warnings(warnings))
 }
@@ -475,12 +476,13 @@ async fn check_node<L: Lookups>(
 }
 
 /// In enforce mode, a refusal for lack of keys (not a dry run) puts an Event on the VMI.
-fn record_event(answer: &Answer, vmi: &VmiRef, dry_run: bool, ctx: &ValidationContext<'_>) {
+fn record_event(answer: &Answer, vmi: Option<&VmiRef>, dry_run: bool, ctx: &ValidationContext<'_>) {
     let capacity_reason = matches!(
         answer.reason,
         reason::INSUFFICIENT_KEYS | reason::REPORT_UNKNOWN | reason::NO_CANDIDATE_NODES
     );
-    let (Some(events), Some(message)) = (ctx.events, answer.message.as_ref()) else {
+    let (Some(vmi), Some(events), Some(message)) = (vmi, ctx.events, answer.message.as_ref())
+    else {
         return;
     };
     if dry_run || !capacity_reason {
@@ -617,7 +619,7 @@ async fn binding<L: Lookups>(
         Some(node.to_string()),
         mode,
     );
-    record_event(&answer, &vmi_ref, req.dry_run, ctx);
+    record_event(&answer, Some(&vmi_ref), req.dry_run, ctx);
     log_decision(&answer, &pod_name);
     Ok(answer.with_warnings(warnings))
 }
