@@ -22,6 +22,7 @@ async fn a_tdx_launcher_is_allocated_a_device_by_the_scheduler_prepared_by_the_a
             return;
         };
         dra::launcher_allocated_prepared_limited(&w).await;
+        dra::end(&w).await;
     })
     .await;
 }
@@ -34,6 +35,7 @@ async fn fifty_key_pods_for_one_free_key_one_is_allocated_and_runs_49_wait_with_
             return;
         };
         dra::fifty_pods_one_key(&w).await;
+        dra::end(&w).await;
     })
     .await;
 }
@@ -45,6 +47,7 @@ async fn a_key_held_outside_kubernetes_is_withheld_from_the_slice_and_comes_back
             return;
         };
         dra::outside_key_withheld(&w).await;
+        dra::end(&w).await;
     })
     .await;
 }
@@ -57,6 +60,7 @@ async fn after_a_kubelet_restart_the_slices_come_back_and_after_an_agent_restart
             return;
         };
         dra::restarts(&mut w).await;
+        dra::end(&w).await;
     })
     .await;
 }
@@ -68,6 +72,7 @@ async fn a_node_whose_allocatable_still_names_the_key_says_dra_is_bypassed() {
             return;
         };
         dra::bypassed(&w).await;
+        dra::end(&w).await;
     })
     .await;
 }

@@ -25,6 +25,7 @@ use crate::decide::dra::{
     AllocatedDevice, PrepareInput, PreparedClaim, allocated_devices, prepare_check,
 };
 use crate::error::Result;
+use crate::kubelet::PluginPaths;
 use crate::kubelet::checkpoint::Checkpoint;
 use crate::kubelet::grpc::{self, DraHandler, DraService, Listening, RegistrationService};
 use crate::kubelet::proto::{
@@ -32,7 +33,6 @@ use crate::kubelet::proto::{
     NodePrepareResourcesResponse, NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest,
     NodeUnprepareResourcesResponse, RegistrationStatus,
 };
-use crate::kubelet::PluginPaths;
 use crate::metrics::Metrics;
 
 /// The running DRA driver.
@@ -75,6 +75,8 @@ struct Shared {
 #[derive(Default)]
 struct State {
     claims: BTreeMap<String, PreparedClaim>,
+    /// Prepared claims none of whose pods is bound to the node, since when.
+    orphan_since: BTreeMap<String, Instant>,
     figures: Option<BTreeMap<TeeKind, KindFigures>>,
     claimless: BTreeMap<TeeKind, u64>,
 }
@@ -101,7 +103,10 @@ impl Dra {
             }
         };
         if !claims.is_empty() {
-            tracing::info!(claims = claims.len(), "prepared claims read from the checkpoint");
+            tracing::info!(
+                claims = claims.len(),
+                "prepared claims read from the checkpoint"
+            );
         }
         let shared = Arc::new(Shared {
             node: opts.node_name.clone(),
@@ -170,11 +175,59 @@ impl Dra {
         for c in s.claims.values() {
             for pod in &c.pods {
                 for d in c.device_names() {
-                    *out.entry(pod.clone()).or_default().entry(d.kind).or_insert(0) += 1;
+                    *out.entry(pod.clone())
+                        .or_default()
+                        .entry(d.kind)
+                        .or_insert(0) += 1;
                 }
             }
         }
         out
+    }
+
+    /// Forget the prepared claims none of whose pods has been bound to the node for `grace` (the
+    /// kubelet unprepares a claim when its pod ends; a pod force-deleted while the driver was away
+    /// leaves its claim behind, which would hold its devices forever). Returns the claims forgotten.
+    pub fn forget_orphans(
+        &self,
+        pods_on_node: &std::collections::HashSet<&str>,
+        now: Instant,
+        grace: Duration,
+    ) -> Vec<String> {
+        let mut s = self.shared.lock();
+        let orphans: Vec<String> = s
+            .claims
+            .iter()
+            .filter(|(_, c)| !c.pods.iter().any(|p| pods_on_node.contains(p.as_str())))
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        s.orphan_since.retain(|uid, _| orphans.contains(uid));
+        let mut forget = Vec::new();
+        for uid in orphans {
+            let since = *s.orphan_since.entry(uid.clone()).or_insert(now);
+            if now.duration_since(since) >= grace {
+                forget.push(uid);
+            }
+        }
+        if forget.is_empty() {
+            return forget;
+        }
+        let removed: Vec<(String, PreparedClaim)> = forget
+            .iter()
+            .filter_map(|u| s.claims.remove(u).map(|c| (u.clone(), c)))
+            .collect();
+        if let Err(e) = self.shared.checkpoint.save(&s.claims) {
+            for (u, c) in removed {
+                s.claims.insert(u, c);
+            }
+            tracing::warn!(error = %e, "cannot forget prepared claims whose pods are gone");
+            return Vec::new();
+        }
+        for (u, c) in &removed {
+            s.orphan_since.remove(u);
+            tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), pods = ?c.pods, "forgot a prepared claim: none of its pods is on the node any more");
+        }
+        removed.into_iter().map(|(u, _)| u).collect()
     }
 
     /// Where the checkpoint is.

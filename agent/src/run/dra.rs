@@ -19,6 +19,9 @@ use crate::decide::dra::{self, DraView};
 use crate::dra::Dra;
 use crate::error::Error;
 
+/// How long a prepared claim may have no pod on the node before the agent forgets it.
+const ORPHAN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The loop's DRA state.
 pub(super) struct DraMode {
     pub(super) driver: Dra,
@@ -57,9 +60,16 @@ impl Agent {
         let resources = self.opts.config.resources.clone();
         let api_timeout = self.opts.api_timeout;
         let claimless = claimless_keys(&self.pods_view.pods);
+        let pods_synced = self.pods_view_synced;
+        let pods_on_node: std::collections::HashSet<&str> =
+            self.pods_view.pods.iter().map(|p| p.uid.as_str()).collect();
         let Some(mode) = self.dra.as_mut() else {
             return;
         };
+        if pods_synced {
+            mode.driver
+                .forget_orphans(&pods_on_node, Instant::now(), ORPHAN_GRACE);
+        }
         mode.driver.observe(figures, &claimless);
         let plan = dra::plan(figures, &claimless, &mode.driver.allocated());
         for (kind, d) in &plan {
@@ -84,12 +94,7 @@ impl Agent {
         let mut failed = None;
         if let (Some(node), false, true) = (node, in_sync, can_write) {
             if mode.retry_at.is_none_or(|t| Instant::now() >= t) {
-                let generation = current
-                    .iter()
-                    .map(|s| s.pool.generation)
-                    .max()
-                    .unwrap_or(0)
-                    + 1;
+                let generation = current.iter().map(|s| s.pool.generation).max().unwrap_or(0) + 1;
                 let specs = dra::slice_specs(&node_name, &plan, generation);
                 let names: Vec<String> = (0..specs.len())
                     .map(|i| dra::slice_name(&node_name, i))
@@ -134,10 +139,13 @@ impl Agent {
         mode.view = DraView {
             plan,
             bypassed,
-            registered: mode
-                .driver
-                .registration()
-                .map(|s| if s.plugin_registered { Ok(()) } else { Err(s.error) }),
+            registered: mode.driver.registration().map(|s| {
+                if s.plugin_registered {
+                    Ok(())
+                } else {
+                    Err(s.error)
+                }
+            }),
             publish_error: mode.publish_error.clone(),
             slices: wanted.len(),
         };

@@ -80,12 +80,16 @@ pub(super) async fn wait_registered(node: &RealNode, client: &Client) -> Result<
     Ok(())
 }
 
+/// How long a pod may stay Terminating with no container left before it is force-deleted.
+const FORCE_AFTER: Duration = Duration::from_secs(10);
+
 /// Delete every pod bound to the node (grace 1 s) and wait until the API and the runtime have none
 /// running.
 pub(super) async fn delete_pods(node: &RealNode, client: &Client) -> Result<()> {
     let pods: Api<Pod> = Api::all(client.clone());
     let on_node = ListParams::default().fields(&format!("spec.nodeName={}", node.name));
-    let deadline = Instant::now() + READY_DEADLINE;
+    let started = Instant::now();
+    let deadline = started + READY_DEADLINE;
     loop {
         let list = pods
             .list(&on_node)
@@ -110,6 +114,18 @@ pub(super) async fn delete_pods(node: &RealNode, client: &Client) -> Result<()> 
         let running = node.crictl(&["ps", "-q"]).unwrap_or_default();
         if list.items.is_empty() && running.trim().is_empty() {
             return Ok(());
+        }
+        // A pod whose containers are gone but whose DRA claim the kubelet cannot unprepare (the test
+        // that ran the driver ended) stays Terminating: after a while, remove it from the API.
+        if running.trim().is_empty() && started.elapsed() >= FORCE_AFTER {
+            for p in &list.items {
+                let ns = p.metadata.namespace.clone().unwrap_or_default();
+                let name = p.metadata.name.clone().unwrap_or_default();
+                let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+                let _ = api
+                    .delete(&name, &DeleteParams::default().grace_period(0))
+                    .await;
+            }
         }
         if Instant::now() >= deadline {
             return Err(not_ready(

@@ -22,6 +22,49 @@ pub const TDX_KEYS: &str = "tdx.intel.com/keys";
 /// The DeviceClass the chart creates for TDX (its `extendedResourceName` is [`TDX_KEYS`]).
 pub const TDX_CLASS: &str = "tdx.tee.teeguard.dev";
 
+/// End a DRA scenario: delete the node's pods while the agent (the driver) still runs, so the
+/// kubelet can unprepare their claims, and wait until they are gone.
+pub async fn end(w: &NodeWorld) {
+    let pods: Api<Pod> = Api::all(w.cluster.client.clone());
+    let on_node = ListParams::default().fields(&format!("spec.nodeName={}", w.turn.name));
+    // The test's pods still Pending first: each freed key would let the scheduler bind one.
+    let [(label, test)] = w.selector();
+    let ours = |p: &Pod| {
+        p.spec.as_ref().is_some_and(|s| {
+            s.node_name.as_deref() == Some(w.turn.name.as_str())
+                || s.node_selector
+                    .as_ref()
+                    .is_some_and(|n| n.get(label).map(String::as_str) == Some(test))
+        })
+    };
+    let all = pods.list(&ListParams::default()).await.expect("pods").items;
+    let (pending, bound): (Vec<Pod>, Vec<Pod>) = all
+        .into_iter()
+        .filter(ours)
+        .partition(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()));
+    for p in pending.into_iter().chain(bound) {
+        let ns = p.metadata.namespace.clone().unwrap_or_default();
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let _ = w
+            .pods_in(&ns)
+            .delete(&name, &kube::api::DeleteParams::default().grace_period(1))
+            .await;
+    }
+    let gone = w
+        .cluster
+        .wait_for_within("the node's pods gone", Duration::from_secs(60), || async {
+            pods.list(&on_node)
+                .await
+                .ok()
+                .filter(|l| l.items.is_empty())
+                .map(|_| ())
+        })
+        .await;
+    if let Err(e) = gone {
+        panic!("{e}\n{}", w.diagnostics());
+    }
+}
+
 /// Create (or keep) the TDX DeviceClass as the chart renders it.
 pub async fn ensure_device_class(w: &NodeWorld) {
     let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> =
