@@ -13,9 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, ResourcePool, ResourceSliceSpec,
-};
+use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, ResourcePool, ResourceSliceSpec};
 use teeguard_shared::TeeKind;
 use teeguard_shared::names::{DRA_DRIVER, DRA_KIND_ATTRIBUTE};
 
@@ -293,7 +291,9 @@ pub struct PreparedClaim {
 impl PreparedClaim {
     /// Its devices by kind (names that do not parse are left out; `prepare_check` refuses them).
     pub fn device_names(&self) -> impl Iterator<Item = DeviceName> + '_ {
-        self.devices.iter().filter_map(|d| DeviceName::parse(&d.device))
+        self.devices
+            .iter()
+            .filter_map(|d| DeviceName::parse(&d.device))
     }
 }
 
@@ -348,9 +348,7 @@ pub fn prepare_check(devices: &[AllocatedDevice], input: PrepareInput<'_>) -> Re
         let Some(f) = figures.get(&name.kind) else {
             return Err(format!(
                 "device {} is a {} key, and this host has no {} capacity",
-                d.device,
-                name.kind,
-                name.kind
+                d.device, name.kind, name.kind
             ));
         };
         if u64::from(name.index) >= f.capacity {

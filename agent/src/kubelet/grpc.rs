@@ -106,9 +106,12 @@ impl<H: DraHandler> tower::Service<http::Request<Body>> for DraService<H> {
                     .await
                 }
                 Some("NodeUnprepareResources") => {
-                    unary(request, move |r: NodeUnprepareResourcesRequest| async move {
-                        Ok(handler.unprepare(r).await)
-                    })
+                    unary(
+                        request,
+                        move |r: NodeUnprepareResourcesRequest| async move {
+                            Ok(handler.unprepare(r).await)
+                        },
+                    )
                     .await
                 }
                 _ => unknown_method(DRA_SERVICE, &path),

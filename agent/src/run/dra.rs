@@ -92,47 +92,47 @@ impl Agent {
                 .all(|s| s.pool.generation == current[0].pool.generation);
         let can_write = ready_to_write && mode.slices.is_synced() && !figures.is_empty();
         let mut failed = None;
-        if let (Some(node), false, true) = (node, in_sync, can_write) {
-            if mode.retry_at.is_none_or(|t| Instant::now() >= t) {
-                let generation = current.iter().map(|s| s.pool.generation).max().unwrap_or(0) + 1;
-                let specs = dra::slice_specs(&node_name, &plan, generation);
-                let names: Vec<String> = (0..specs.len())
-                    .map(|i| dra::slice_name(&node_name, i))
-                    .collect();
-                let client = self.client.clone();
-                let result = match tokio::time::timeout(
-                    api_timeout,
-                    slices::apply(&client, node, &names, &specs, &published),
-                )
-                .await
-                {
-                    Ok(r) => r,
-                    Err(_) => Err(Error::KubeTimeout {
-                        operation: "apply ResourceSlice",
-                        after: api_timeout,
-                    }),
-                };
-                match result {
-                    Ok(writes) => {
-                        self.metrics.dra_slice_writes.inc_by(writes as u64);
-                        tracing::info!(
-                            node = %node_name,
-                            generation,
-                            slices = specs.len(),
-                            devices = %describe(&plan),
-                            "published the node's ResourceSlices"
-                        );
-                        mode.publish_error = None;
-                        mode.retry_at = None;
-                        mode.backoff.reset();
-                    }
-                    Err(e) => {
-                        let delay = mode.backoff.next_delay();
-                        tracing::warn!(error = %e, retry_in = ?delay, "cannot publish the node's ResourceSlices");
-                        mode.publish_error = Some(e.to_string());
-                        mode.retry_at = Some(Instant::now() + delay);
-                        failed = Some(e);
-                    }
+        if let (Some(node), false, true) = (node, in_sync, can_write)
+            && mode.retry_at.is_none_or(|t| Instant::now() >= t)
+        {
+            let generation = current.iter().map(|s| s.pool.generation).max().unwrap_or(0) + 1;
+            let specs = dra::slice_specs(&node_name, &plan, generation);
+            let names: Vec<String> = (0..specs.len())
+                .map(|i| dra::slice_name(&node_name, i))
+                .collect();
+            let client = self.client.clone();
+            let result = match tokio::time::timeout(
+                api_timeout,
+                slices::apply(&client, node, &names, &specs, &published),
+            )
+            .await
+            {
+                Ok(r) => r,
+                Err(_) => Err(Error::KubeTimeout {
+                    operation: "apply ResourceSlice",
+                    after: api_timeout,
+                }),
+            };
+            match result {
+                Ok(writes) => {
+                    self.metrics.dra_slice_writes.inc_by(writes as u64);
+                    tracing::info!(
+                        node = %node_name,
+                        generation,
+                        slices = specs.len(),
+                        devices = %describe(&plan),
+                        "published the node's ResourceSlices"
+                    );
+                    mode.publish_error = None;
+                    mode.retry_at = None;
+                    mode.backoff.reset();
+                }
+                Err(e) => {
+                    let delay = mode.backoff.next_delay();
+                    tracing::warn!(error = %e, retry_in = ?delay, "cannot publish the node's ResourceSlices");
+                    mode.publish_error = Some(e.to_string());
+                    mode.retry_at = Some(Instant::now() + delay);
+                    failed = Some(e);
                 }
             }
         }

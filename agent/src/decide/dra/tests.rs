@@ -44,7 +44,9 @@ fn device_names_round_trip_and_reject_what_is_not_a_key_device() {
         assert_eq!((d.kind, d.index), (kind, index));
         assert_eq!(d.to_string(), name);
     }
-    for bad in ["tdx", "tdx-", "tdx-01", "tdx--1", "gpu-0", "sev_es-1", "tdx-x", ""] {
+    for bad in [
+        "tdx", "tdx-", "tdx-01", "tdx--1", "gpu-0", "sev_es-1", "tdx-x", "",
+    ] {
         assert_eq!(DeviceName::parse(bad), None, "{bad}");
     }
 }
