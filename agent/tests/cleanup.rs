@@ -58,6 +58,7 @@ async fn cleanup_removes_only_what_the_agent_added_and_is_idempotent() {
             annotation: true,
             report: true,
             lease: true,
+            slices: 0,
         }
     );
     assert!(

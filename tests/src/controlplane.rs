@@ -254,7 +254,16 @@ impl ControlPlane {
                 "--bind-address=127.0.0.1".into(),
                 "--secure-port=0".into(),
                 "--leader-elect=false".into(),
-            ],
+            ]
+            .into_iter()
+            // Benches compare scheduler settings (`--kube-api-qps=500 --kube-api-burst=1000`).
+            .chain(
+                std::env::var("TEEGUARD_SCHEDULER_ARGS")
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .map(String::from),
+            )
+            .collect::<Vec<String>>(),
         )?;
         // As the admin: with its own identity and no per-controller credentials, controllers such
         // as the ValidatingAdmissionPolicy type checker lack the rights to write their status.

@@ -68,10 +68,10 @@ async fn after_a_kubelet_restart_the_slices_come_back_and_after_an_agent_restart
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_allocatable_still_names_the_key_says_dra_is_bypassed() {
     within(DEADLINE, async {
-        let Some(w) = NodeWorld::start(RUNTIME, "dra-bypassed", Options::dra(2)).await else {
+        let Some(mut w) = NodeWorld::start(RUNTIME, "dra-bypassed", Options::dra(2)).await else {
             return;
         };
-        dra::bypassed(&w).await;
+        dra::bypassed(&mut w).await;
         dra::end(&w).await;
     })
     .await;

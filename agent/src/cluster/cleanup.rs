@@ -2,7 +2,8 @@
 //! agent added and nothing else: the extended resources listed in its `teeguard.dev/extended-resources`
 //! annotation (from `status.capacity` and `status.allocatable`), that annotation, the node's
 //! `TeeCapacity` report (if the CRD is still installed) and its heartbeat Lease (in the client's
-//! namespace, only if it carries teeguard's label). Resources another manager owns (NFD's, or
+//! namespace, only if it carries teeguard's label) and, from DRA mode, the node's ResourceSlices of
+//! teeguard's driver (`spec.driver=tee.teeguard.dev`). Resources another manager owns (NFD's, or
 //! ones the Node had before teeguard) are left alone, exactly as the running agent leaves them: the
 //! writes are [`advertise::plan`]'s with advertising switched off. Running it twice changes nothing the
 //! second time.
@@ -14,11 +15,12 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::DeleteParams;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{DeleteParams, ListParams};
 use kube::{Api, Client, ResourceExt};
 use teeguard_shared::TeeCapacity;
 use teeguard_shared::config::ResourcesConfig;
-use teeguard_shared::names::AGENT_LEASE_LABEL;
+use teeguard_shared::names::{AGENT_LEASE_LABEL, DRA_DRIVER};
 
 use super::node;
 use crate::decide::advertise::{self, Desired, NodeWrite};
@@ -35,11 +37,18 @@ pub struct Cleaned {
     pub report: bool,
     /// Whether the node's heartbeat Lease was deleted.
     pub lease: bool,
+    /// ResourceSlices of teeguard's DRA driver deleted (DRA mode).
+    pub slices: usize,
 }
 
 impl std::fmt::Display for Cleaned {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.resources.is_empty() && !self.annotation && !self.report && !self.lease {
+        if self.resources.is_empty()
+            && !self.annotation
+            && !self.report
+            && !self.lease
+            && self.slices == 0
+        {
             return f.write_str("nothing of teeguard's was left on the node");
         }
         let mut parts = Vec::new();
@@ -57,6 +66,9 @@ impl std::fmt::Display for Cleaned {
         }
         if self.lease {
             parts.push("deleted its heartbeat Lease".into());
+        }
+        if self.slices > 0 {
+            parts.push(format!("deleted its {} ResourceSlices", self.slices));
         }
         f.write_str(&parts.join("; "))
     }
@@ -101,6 +113,20 @@ pub async fn cleanup(client: Client, node: &str, resources: &ResourcesConfig) ->
         // Gone already, or the CRD was removed with everything else.
         Err(kube::Error::Api(s)) if s.code == 404 => {}
         Err(e) => return Err(Error::kube("delete the node's TeeCapacity", e)),
+    }
+    // DRA mode's slices (an API server without resource.k8s.io/v1 has none).
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let ours = ListParams::default().fields(&format!(
+        "spec.nodeName={node},spec.driver={DRA_DRIVER}"
+    ));
+    match slices.list(&ours).await {
+        Ok(list) => {
+            let existing: Vec<std::sync::Arc<ResourceSlice>> =
+                list.items.into_iter().map(std::sync::Arc::new).collect();
+            cleaned.slices = super::slices::delete_all(&client, &existing).await?;
+        }
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => return Err(Error::kube("list the node's ResourceSlices", e)),
     }
     // The Lease of that name is teeguard's only if it carries teeguard's label.
     let leases: Api<Lease> = Api::default_namespaced(client);

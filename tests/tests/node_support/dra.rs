@@ -436,7 +436,7 @@ pub async fn restarts(w: &mut NodeWorld) {
 
 /// Scenario: another writer puts the key resource in the Node's allocatable: the report's `DraBypassed`
 /// condition says DRA is bypassed on this node, and the metric too.
-pub async fn bypassed(w: &NodeWorld) {
+pub async fn bypassed(w: &mut NodeWorld) {
     wait_published(w, 2, Duration::from_secs(20)).await;
     let nodes: Api<Node> = Api::all(w.cluster.client.clone());
     nodes
@@ -483,4 +483,16 @@ pub async fn bypassed(w: &NodeWorld) {
         )
         .await
         .expect("the writer stops");
+
+    // `teeguard-agent cleanup` after an uninstall removes the node's slices and its report.
+    w.agent.proc.kill();
+    let cleaned = teeguard_agent::cluster::cleanup::cleanup(
+        w.cluster.client.clone(),
+        &w.turn.name,
+        &teeguard_shared::config::ResourcesConfig::default(),
+    )
+    .await
+    .expect("cleanup");
+    assert_eq!(cleaned.slices, 1, "{cleaned}");
+    assert!(published(w).await.is_empty(), "no slice left");
 }
