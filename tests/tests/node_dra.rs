@@ -53,6 +53,26 @@ async fn a_key_held_outside_kubernetes_is_withheld_from_the_slice_and_comes_back
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kata_style_pod_of_a_tee_runtime_class_and_a_kubevirt_launcher_draw_from_the_same_pool() {
+    within(DEADLINE, async {
+        let options = Options {
+            extra_config: "admission:\n  teeRuntimeClasses:\n    kata-qemu-tdx: tdx\n",
+            chart_args: &[
+                "--set-json",
+                r#"config.admission.teeRuntimeClasses={"kata-qemu-tdx":"tdx"}"#,
+            ],
+            ..Options::dra(2)
+        };
+        let Some(w) = NodeWorld::start(RUNTIME, "dra-kata", options).await else {
+            return;
+        };
+        dra::kata_and_launcher_share_the_pool(&w).await;
+        dra::end(&w).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_kubelet_restart_the_slices_come_back_and_after_an_agent_restart_prepared_claims_are_kept()
  {
     within(DEADLINE, async {

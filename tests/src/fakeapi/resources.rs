@@ -357,6 +357,29 @@ pub(crate) fn builtin() -> Vec<(ResourceDef, Option<&'static str>, View)> {
     );
     teeres.short_names = vec!["teeres".into()];
 
+    // DRA (the agent's DRA mode): the claims the kubelet asks it to prepare, its slices.
+    let claims = ResourceDef::new(
+        "resource.k8s.io",
+        "v1",
+        "resourceclaims",
+        "ResourceClaim",
+        true,
+    )
+    .with_field_selectors(&["metadata.name", "metadata.namespace"]);
+    let slices = ResourceDef::new(
+        "resource.k8s.io",
+        "v1",
+        "resourceslices",
+        "ResourceSlice",
+        false,
+    )
+    .with_field_selectors(&[
+        "metadata.name",
+        "spec.nodeName",
+        "spec.driver",
+        "spec.pool.name",
+    ]);
+
     vec![
         (pods, None, View::Identity),
         (nodes, None, View::Identity),
@@ -367,6 +390,8 @@ pub(crate) fn builtin() -> Vec<(ResourceDef, Option<&'static str>, View)> {
         (vmis, None, View::Identity),
         (teecaps, None, View::Identity),
         (teeres, None, View::Identity),
+        (claims, None, View::Identity),
+        (slices, None, View::Identity),
     ]
 }
 

@@ -67,6 +67,9 @@ pub struct Options {
     pub dra: bool,
     /// Extra configuration YAML appended to the file (e.g. `admission:` settings).
     pub extra_config: &'static str,
+    /// Extra `helm template` arguments for the webhook configurations registered (the chart renders
+    /// some entries only for some values, e.g. `config.admission.teeRuntimeClasses`).
+    pub chart_args: &'static [&'static str],
 }
 
 impl Options {
@@ -79,6 +82,7 @@ impl Options {
             crio_annotation: "none",
             dra: false,
             extra_config: "",
+            chart_args: &[],
         }
     }
 
@@ -171,7 +175,7 @@ impl NodeWorld {
         }
         let agent_root = root;
         let webhook = env.start_webhook(&[]).await.expect("webhook starts");
-        let rendered = chart_support::render("default", &[]);
+        let rendered = chart_support::render("default", options.chart_args);
         cluster
             .register_webhooks(test, &rendered, webhook.https, &env.ca.ca_bundle_base64())
             .await

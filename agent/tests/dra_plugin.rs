@@ -1,0 +1,237 @@
+//! The agent's DRA driver through the kubelet's real protocol (gRPC over its unix sockets, called with a
+//! tonic client as the kubelet calls it), with claims from the test kit's API server: registration
+//! info, preparing (the re-check, idempotence, a device another claim holds, a deleted claim),
+//! unpreparing (idempotent, unknown claims), and the checkpoint across a restart.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use prost::Message;
+use serde_json::json;
+use teeguard_agent::decide::attribution::KindFigures;
+use teeguard_agent::dra::{Dra, DraOptions};
+use teeguard_agent::kubelet::PluginPaths;
+use teeguard_agent::kubelet::proto::*;
+use teeguard_agent::metrics::Metrics;
+use teeguard_shared::TeeKind;
+use teeguard_tests::fakeapi::FakeApiServer;
+use tokio_util::sync::CancellationToken;
+
+const NODE: &str = "node-a";
+
+async fn call<Req, Resp>(socket: &Path, path: &'static str, req: Req) -> Resp
+where
+    Req: Message + Send + Sync + 'static,
+    Resp: Message + Default + Send + Sync + 'static,
+{
+    let socket = socket.to_path_buf();
+    let channel = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let s = socket.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(s).await?,
+                ))
+            }
+        }))
+        .await
+        .expect("connect to the plugin socket");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    grpc.unary(
+        tonic::Request::new(req),
+        http::uri::PathAndQuery::from_static(path),
+        tonic_prost::ProstCodec::<Req, Resp>::default(),
+    )
+    .await
+    .expect("call")
+    .into_inner()
+}
+
+const PREPARE: &str = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources";
+const UNPREPARE: &str = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources";
+
+fn claim_object(uid: &str, name: &str, device: &str, pod: &str) -> serde_json::Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "vms", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "container-0-request-0",
+            "exactly": {"deviceClassName": "tdx.tee.teeguard.dev"}}]}},
+        "status": {
+            "allocation": {"devices": {"results": [{"request": "container-0-request-0",
+                "driver": "tee.teeguard.dev", "pool": NODE, "device": device}]}},
+            "reservedFor": [{"resource": "pods", "name": pod, "uid": pod}]
+        }
+    })
+}
+
+fn claim(uid: &str, name: &str) -> Claim {
+    Claim {
+        namespace: "vms".into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
+}
+
+async fn prepare(socket: &Path, claims: Vec<Claim>) -> NodePrepareResourcesResponse {
+    call(socket, PREPARE, NodePrepareResourcesRequest { claims }).await
+}
+
+fn start(api: &FakeApiServer, dir: &Path, shutdown: &CancellationToken) -> Dra {
+    Dra::start(
+        api.client(),
+        DraOptions {
+            node_name: NODE.into(),
+            kubelet_dir: dir.to_path_buf(),
+            api_timeout: Duration::from_secs(5),
+        },
+        Metrics::new(&mut prometheus_client::registry::Registry::default()),
+        shutdown.clone(),
+    )
+    .expect("the driver starts")
+}
+
+fn tdx(capacity: u64, external: u64) -> BTreeMap<TeeKind, KindFigures> {
+    BTreeMap::from([(
+        TeeKind::Tdx,
+        KindFigures {
+            capacity,
+            kernel_used: external,
+            external,
+            free: capacity - external,
+            ..Default::default()
+        },
+    )])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_and_keeps_its_checkpoint()
+ {
+    let api = FakeApiServer::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = PluginPaths::under(dir.path());
+    let shutdown = CancellationToken::new();
+    let dra = start(&api, dir.path(), &shutdown);
+
+    let info: PluginInfo = call(
+        &paths.registration,
+        "/pluginregistration.Registration/GetInfo",
+        InfoRequest {},
+    )
+    .await;
+    assert_eq!(info.r#type, "DRAPlugin");
+    assert_eq!(info.name, "tee.teeguard.dev");
+    assert_eq!(PathBuf::from(&info.endpoint), paths.dra);
+    assert_eq!(info.supported_versions, ["v1.DRAPlugin"]);
+
+    // Before the first scan nothing is prepared: the kubelet retries.
+    api.create(&claim_object("u1", "c1", "tdx-0", "pod-1"))
+        .expect("claim");
+    let r = prepare(&paths.dra, vec![claim("u1", "c1")]).await;
+    assert!(
+        r.claims["u1"].error.contains("not read the kernel"),
+        "{r:?}"
+    );
+
+    dra.observe(&tdx(2, 0), &BTreeMap::new());
+    let r = prepare(&paths.dra, vec![claim("u1", "c1")]).await;
+    assert_eq!(r.claims["u1"].error, "");
+    let devices: Vec<(&str, &str, &[String])> = r.claims["u1"]
+        .devices
+        .iter()
+        .map(|d| {
+            (
+                d.pool_name.as_str(),
+                d.device_name.as_str(),
+                d.request_names.as_slice(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        devices,
+        [(NODE, "tdx-0", &["container-0-request-0".to_string()][..])]
+    );
+    assert_eq!(
+        dra.pod_allocations()["pod-1"],
+        BTreeMap::from([(TeeKind::Tdx, 1)])
+    );
+
+    // Asked again (a kubelet retry): the same answer.
+    let again = prepare(&paths.dra, vec![claim("u1", "c1")]).await;
+    assert_eq!(again.claims["u1"], r.claims["u1"]);
+
+    // Another claim allocated the same device, a claim that no longer exists, and a key the kernel
+    // no longer has: each refused with its reason, the first one unaffected.
+    api.create(&claim_object("u2", "c2", "tdx-0", "pod-2"))
+        .expect("claim");
+    api.create(&claim_object("u3", "c3", "tdx-1", "pod-3"))
+        .expect("claim");
+    let r = prepare(
+        &paths.dra,
+        vec![claim("u2", "c2"), claim("u9", "gone"), claim("u3", "c3")],
+    )
+    .await;
+    assert!(r.claims["u2"].error.contains("already prepared"), "{r:?}");
+    assert!(r.claims["u9"].error.contains("no longer exists"), "{r:?}");
+    assert_eq!(r.claims["u3"].error, "", "tdx-1 is free: {r:?}");
+    let r = prepare(&paths.dra, vec![claim("u3", "c3")]).await;
+    assert_eq!(r.claims["u3"].error, "");
+    dra.observe(&tdx(2, 1), &BTreeMap::new());
+    api.create(&claim_object("u4", "c4", "tdx-1", "pod-4"))
+        .expect("claim");
+    let unprepared: NodeUnprepareResourcesResponse = call(
+        &paths.dra,
+        UNPREPARE,
+        NodeUnprepareResourcesRequest {
+            claims: vec![claim("u3", "c3")],
+        },
+    )
+    .await;
+    assert_eq!(unprepared.claims["u3"].error, "");
+    let r = prepare(&paths.dra, vec![claim("u4", "c4")]).await;
+    assert!(
+        r.claims["u4"].error.contains("no free tdx key"),
+        "a VM outside Kubernetes took the other key: {r:?}"
+    );
+
+    // Unprepare: unknown claims and repeats are fine.
+    let r: NodeUnprepareResourcesResponse = call(
+        &paths.dra,
+        UNPREPARE,
+        NodeUnprepareResourcesRequest {
+            claims: vec![claim("u9", "gone"), claim("u3", "c3")],
+        },
+    )
+    .await;
+    assert_eq!(r.claims["u9"].error, "");
+    assert_eq!(r.claims["u3"].error, "");
+
+    // Restart: the checkpoint still holds c1; asked again it answers without reading the claim.
+    shutdown.cancel();
+    drop(dra);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let shutdown = CancellationToken::new();
+    let dra = start(&api, dir.path(), &shutdown);
+    assert_eq!(
+        dra.allocated(),
+        BTreeMap::from([(TeeKind::Tdx, [0u32].into())]),
+        "the checkpoint's claims after a restart"
+    );
+    api.delete("resourceclaims", Some("vms"), "c1")
+        .expect("delete claim");
+    let r = prepare(&paths.dra, vec![claim("u1", "c1")]).await;
+    assert_eq!(r.claims["u1"].error, "", "{r:?}");
+    assert_eq!(r.claims["u1"].devices.len(), 1);
+    let r: NodeUnprepareResourcesResponse = call(
+        &paths.dra,
+        UNPREPARE,
+        NodeUnprepareResourcesRequest {
+            claims: vec![claim("u1", "c1")],
+        },
+    )
+    .await;
+    assert_eq!(r.claims["u1"].error, "", "a deleted claim unprepares");
+    assert!(dra.allocated().is_empty());
+    shutdown.cancel();
+}
