@@ -163,8 +163,8 @@ impl Metrics {
             dra_devices: Family::default(),
             dra_bypassed: Family::default(),
             dra_prepare: Family::default(),
-            // 100 µs .. ~1.6 s
-            dra_prepare_seconds: Histogram::new(exponential_buckets(1e-4, 4.0, 8)),
+            // 100 µs .. ~1.6 s, doubling
+            dra_prepare_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 15)),
             dra_slice_writes: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_agent");
