@@ -304,6 +304,38 @@ pub async fn fifty_pods_one_key(w: &NodeWorld) {
     assert_eq!(allocated.len(), 1, "exactly one claim allocated");
 }
 
+/// Scenario: 50 TDX VMs (VMI + launcher pod, through the webhook) at once for a node with one free key:
+/// the scheduler allocates one and the others wait with its message; the webhook refuses nothing (the
+/// scheduler's allocation decides, not the webhook's reservations).
+pub async fn fifty_vms_one_key(w: &NodeWorld) {
+    ensure_device_class(w).await;
+    wait_published(w, 1, Duration::from_secs(20)).await;
+    wait_driver_ready(w).await;
+    let creates = (0..50).map(|i| async move { w.create_vm(&format!("vm{i:02}"), Tee::Tdx).await });
+    for r in futures::future::join_all(creates).await {
+        r.unwrap_or_else(|e| panic!("a VM refused: {e}\n{}", w.diagnostics()));
+    }
+    let got = w
+        .cluster
+        .wait_for_within("1 Running, 49 Pending", Duration::from_secs(90), || async {
+            let (by_phase, messages) = phases(w, &w.ns).await;
+            (by_phase.get("Running") == Some(&1)
+                && by_phase.get("Pending") == Some(&49)
+                && messages.len() == 49)
+                .then_some(messages)
+        })
+        .await;
+    let messages = got.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    for m in &messages {
+        assert!(m.contains("cannot allocate all claims"), "{m}");
+    }
+    let metrics = w.webhook.metrics().await;
+    assert!(
+        !metrics.contains("outcome=\"denied\""),
+        "the webhook refused nothing: {metrics}"
+    );
+}
+
 /// Scenario: a key held outside Kubernetes shrinks the slice and no new pod gets it; when it goes
 /// away the key comes back and a waiting pod runs.
 pub async fn outside_key_withheld(w: &NodeWorld) {

@@ -20,6 +20,8 @@ use super::*;
 #[derive(Clone, Debug)]
 pub struct CandidateScan<'r> {
     requests: &'r KeyRequests,
+    /// A node that fits is a DRA node (the scheduler decides there).
+    dra: bool,
     total: usize,
     unknown: usize,
     fits: bool,
@@ -34,6 +36,7 @@ impl<'r> CandidateScan<'r> {
     pub fn new(requests: &'r KeyRequests) -> Self {
         CandidateScan {
             requests,
+            dra: false,
             total: 0,
             unknown: 0,
             fits: false,
@@ -55,6 +58,13 @@ impl<'r> CandidateScan<'r> {
         let given = report.into();
         let report = current_report(given, now, stale_after);
         let requests = self.requests;
+        if scheduler_allocates(requests, &report) {
+            // DRA mode: the scheduler allocates this node's keys; the pod may wait there (Pending).
+            self.dra = true;
+            return self.add(Fit::Fits, u64::MAX, node, || {
+                NodeAssessment::new(node, requests, given, reserved, now, stale_after)
+            });
+        }
         let (fit, rank) = fit_and_rank(
             requests
                 .iter()
@@ -67,6 +77,11 @@ impl<'r> CandidateScan<'r> {
 
     /// Offer an already assessed candidate (for `requests` of this scan).
     pub fn offer_assessed(&mut self, a: NodeAssessment) -> ControlFlow<()> {
+        if a.scheduler_allocates {
+            self.dra = true;
+            let node = a.node.clone();
+            return self.add(Fit::Fits, u64::MAX, &node, || a);
+        }
         let (fit, rank) = fit_and_rank(a.kinds.iter().map(|(_, want, f)| (*want, f.clone())));
         let node = a.node.clone();
         self.add(fit, rank, &node, || a)
@@ -121,7 +136,11 @@ impl<'r> CandidateScan<'r> {
         let requests = self.requests;
         if self.fits {
             return Verdict::Admit {
-                reason: reason::ENOUGH_KEYS,
+                reason: if self.dra {
+                    reason::SCHEDULER_ALLOCATED
+                } else {
+                    reason::ENOUGH_KEYS
+                },
                 warnings: Vec::new(),
             };
         }

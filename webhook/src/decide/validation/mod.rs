@@ -25,6 +25,8 @@ use teeguard_shared::pod::KeyRequests;
 use teeguard_shared::{TeeKind, names};
 
 pub mod candidates;
+#[cfg(test)]
+mod dra_tests;
 pub mod limits;
 #[cfg(test)]
 mod tests;
@@ -208,6 +210,22 @@ pub enum Fit {
 }
 
 /// One kind's figures on a node from its report (or why the report is unknown).
+/// Whether the scheduler allocates the requested kinds on a node: its current report says DRA mode and
+/// has every requested kind.
+fn scheduler_allocates(
+    requests: &KeyRequests,
+    report: &Result<&TeeCapacityStatus, Unknown>,
+) -> bool {
+    match report {
+        Ok(s) => {
+            s.accounting.as_deref() == Some("dra")
+                && !requests.is_empty()
+                && requests.keys().all(|k| s.kind(*k).is_some())
+        }
+        Err(_) => false,
+    }
+}
+
 fn kind_figures(
     kind: TeeKind,
     report: &Result<&TeeCapacityStatus, Unknown>,
@@ -261,6 +279,10 @@ pub struct NodeAssessment {
     pub node: String,
     /// Per requested kind: keys requested and the node's figures.
     pub kinds: Vec<(TeeKind, u64, KindFigures)>,
+    /// The node's current report says DRA mode (`accounting: dra`) and it has every requested kind:
+    /// the scheduler allocates its keys from the node's ResourceSlices, so a pod not bound yet may wait
+    /// for one there (Pending), and a binding the scheduler made is its allocation.
+    pub scheduler_allocates: bool,
 }
 
 impl NodeAssessment {
@@ -282,6 +304,7 @@ impl NodeAssessment {
         NodeAssessment {
             node: node.to_string(),
             kinds,
+            scheduler_allocates: scheduler_allocates(requests, &report),
         }
     }
 
@@ -393,6 +416,9 @@ pub mod reason {
     pub const REPORT_UNKNOWN: &str = "report-unknown";
     /// No node matches the pod's node selector and required affinity.
     pub const NO_CANDIDATE_NODES: &str = "no-candidate-nodes";
+    /// DRA mode: the scheduler allocates the node's keys (a binding it made, or a node a pod not
+    /// bound yet may wait on).
+    pub const SCHEDULER_ALLOCATED: &str = "scheduler-allocated";
     /// A cgroup-limit annotation teeguard did not write.
     pub const FORGED_LIMIT_ANNOTATION: &str = "forged-limit-annotation";
 }
@@ -405,6 +431,14 @@ pub fn decide_on_node(
     policy: StalePolicy,
 ) -> Verdict {
     let vm = || vm_label(requests);
+    if trigger == Trigger::Binding && node.scheduler_allocates {
+        // The scheduler bound the pod after allocating its keys from the node's published devices;
+        // the agent re-checks the kernel when the kubelet has it prepare them.
+        return Verdict::Admit {
+            reason: reason::SCHEDULER_ALLOCATED,
+            warnings: Vec::new(),
+        };
+    }
     match node.fit() {
         Fit::Fits => Verdict::Admit {
             reason: reason::ENOUGH_KEYS,
