@@ -333,7 +333,9 @@ impl Metrics {
 
     /// Count a claim the kubelet asked to prepare.
     pub fn dra_prepared(&self, result: &'static str) {
-        self.dra_prepare.get_or_create(&ResultLabel { result }).inc();
+        self.dra_prepare
+            .get_or_create(&ResultLabel { result })
+            .inc();
     }
 
     /// Follow the `Enforcing` condition: 1 when True, 0 otherwise.

@@ -132,10 +132,7 @@ fn check(proto: &Proto, name: &str, encoded: Vec<u8>) {
         .messages
         .get(name)
         .unwrap_or_else(|| panic!("upstream has no message {name}"));
-    let want: BTreeMap<u32, u8> = upstream
-        .iter()
-        .map(|(n, ty)| (*n, wire_type(ty)))
-        .collect();
+    let want: BTreeMap<u32, u8> = upstream.iter().map(|(n, ty)| (*n, wire_type(ty))).collect();
     assert_eq!(
         fields(&encoded),
         want,

@@ -741,7 +741,10 @@ mod tests {
             cfg.admission.tee_runtime_classes.get("kata-qemu-snp"),
             Some(&TeeKind::SevEs)
         );
-        assert_eq!(Config::default().agent.accounting, Accounting::ExtendedResource);
+        assert_eq!(
+            Config::default().agent.accounting,
+            Accounting::ExtendedResource
+        );
         let e = Config::from_yaml("agent:\n  accounting: plugin\n").expect_err("bad value");
         assert!(e.to_string().contains("agent.accounting"), "{e}");
         let e = Config::from_yaml("admission:\n  teeRuntimeClasses:\n    kata: sgx\n")

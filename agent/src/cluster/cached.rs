@@ -43,7 +43,11 @@ struct CachedSpec {
     #[serde(default)]
     overhead: Option<BTreeMap<String, Quantity>>,
     /// `spec.resourceClaims` is not empty (DRA mode: the pod's keys come from a claim).
-    #[serde(default, rename = "resourceClaims", deserialize_with = "non_empty_list")]
+    #[serde(
+        default,
+        rename = "resourceClaims",
+        deserialize_with = "non_empty_list"
+    )]
     has_resource_claims: bool,
 }
 
@@ -74,7 +78,11 @@ struct CachedStatus {
     phase: Option<String>,
     /// `status.extendedResourceClaimStatus` is set: the scheduler allocated the pod's extended
     /// resources through a DRA claim (DRA mode).
-    #[serde(default, rename = "extendedResourceClaimStatus", deserialize_with = "present")]
+    #[serde(
+        default,
+        rename = "extendedResourceClaimStatus",
+        deserialize_with = "present"
+    )]
     has_extended_resource_claim: bool,
 }
 
@@ -193,9 +201,9 @@ impl CachedPod {
             }),
             status: self.status.as_ref().map(|s| PodStatus {
                 phase: s.phase.clone(),
-                extended_resource_claim_status: s.has_extended_resource_claim.then(
-                    k8s_openapi::api::core::v1::PodExtendedResourceClaimStatus::default,
-                ),
+                extended_resource_claim_status: s
+                    .has_extended_resource_claim
+                    .then(k8s_openapi::api::core::v1::PodExtendedResourceClaimStatus::default),
                 ..PodStatus::default()
             }),
         }
@@ -320,7 +328,11 @@ mod tests {
         assert!(want.pods.iter().any(|p| !p.requests_keys()), "{want:?}");
         assert_eq!(want.errors.len(), 1, "{want:?}");
         assert_eq!(want.pods.len(), json.len() - 2);
-        assert_eq!(want.pods.iter().filter(|p| p.dra_claim).count(), 2, "{want:?}");
+        assert_eq!(
+            want.pods.iter().filter(|p| p.dra_claim).count(),
+            2,
+            "{want:?}"
+        );
     }
 
     #[test]

@@ -116,9 +116,8 @@ pub async fn cleanup(client: Client, node: &str, resources: &ResourcesConfig) ->
     }
     // DRA mode's slices (an API server without resource.k8s.io/v1 has none).
     let slices: Api<ResourceSlice> = Api::all(client.clone());
-    let ours = ListParams::default().fields(&format!(
-        "spec.nodeName={node},spec.driver={DRA_DRIVER}"
-    ));
+    let ours =
+        ListParams::default().fields(&format!("spec.nodeName={node},spec.driver={DRA_DRIVER}"));
     match slices.list(&ours).await {
         Ok(list) => {
             let existing: Vec<std::sync::Arc<ResourceSlice>> =

@@ -168,11 +168,14 @@ pub fn build_status(input: &StatusInput<'_>) -> TeeCapacityStatus {
             pending: f.pending,
             free: f.free,
             advertised: input.advertising.advertised(*kind),
-            devices: input.dra.and_then(|d| d.plan.get(kind)).map(|d| DeviceCounts {
-                published: d.published.len() as u64,
-                allocated: d.allocated,
-                withheld: d.withheld,
-            }),
+            devices: input
+                .dra
+                .and_then(|d| d.plan.get(kind))
+                .map(|d| DeviceCounts {
+                    published: d.published.len() as u64,
+                    allocated: d.allocated,
+                    withheld: d.withheld,
+                }),
         });
     }
     status.accounting = Some(
@@ -202,9 +205,10 @@ pub fn build_status(input: &StatusInput<'_>) -> TeeCapacityStatus {
                 type_: c.type_,
                 status: "False",
                 reason: teeguard_shared::names::reasons::DRA_MODE,
-                message: "agent.accounting is dra: the scheduler allocates the keys from the node's \
+                message:
+                    "agent.accounting is dra: the scheduler allocates the keys from the node's \
                           ResourceSlices, so the agent advertises no extended resource"
-                    .into(),
+                        .into(),
             };
         }
         specs.extend(conditions::dra_conditions(dra));
