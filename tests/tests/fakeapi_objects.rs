@@ -1315,6 +1315,7 @@ async fn programmatic_api_and_registered_resources() {
             .flat_map(|g| g.recommended_resources())
             .any(|(ar, _)| ar.kind == "ConfigMap")
     );
-    // Core kinds, Events (both APIs), Leases, VMIs, TeeCapacities, TeeReservations.
-    assert_eq!(server.resources().len(), 10);
+    // Core kinds, Events (both APIs), Leases, VMIs, TeeCapacities, TeeReservations, ResourceClaims,
+    // ResourceSlices.
+    assert_eq!(server.resources().len(), 12);
 }
