@@ -54,6 +54,23 @@ async fn fifty_tdx_vms_through_the_webhook_for_one_free_key_one_runs_49_wait_and
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_tdx_vms_through_three_webhook_replicas_for_one_free_key_one_runs_49_wait_and_none_is_refused()
+ {
+    within(DEADLINE, async {
+        let options = Options {
+            webhook_replicas: 3,
+            ..Options::dra(1)
+        };
+        let Some(w) = NodeWorld::start(RUNTIME, "dra-fifty-3", options).await else {
+            return;
+        };
+        dra::fifty_vms_one_key(&w).await;
+        dra::end(&w).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_held_outside_kubernetes_is_withheld_from_the_slice_and_comes_back_when_freed() {
     within(DEADLINE, async {
         let Some(w) = NodeWorld::start(RUNTIME, "dra-outside", Options::dra(2)).await else {

@@ -67,6 +67,9 @@ pub struct Options {
     pub dra: bool,
     /// Extra configuration YAML appended to the file (e.g. `admission:` settings).
     pub extra_config: &'static str,
+    /// Webhook processes (replicas), behind a TCP round-robin proxy (as a Service spreads
+    /// connections) when more than one; they share reservations through `TeeReservation`s.
+    pub webhook_replicas: usize,
     /// Extra `helm template` arguments for the webhook configurations registered (the chart renders
     /// some entries only for some values, e.g. `config.admission.teeRuntimeClasses`).
     pub chart_args: &'static [&'static str],
@@ -83,6 +86,7 @@ impl Options {
             dra: false,
             extra_config: "",
             chart_args: &[],
+            webhook_replicas: 1,
         }
     }
 
@@ -100,6 +104,8 @@ impl Options {
 /// to the next test last.
 pub struct NodeWorld {
     pub agent: AgentProcess,
+    /// Webhook replicas beyond [`NodeWorld::webhook`] (`Options::webhook_replicas`).
+    pub replicas: Vec<WebhookProcess>,
     /// The agent's extra command-line arguments (DRA mode: `--kubelet-dir`).
     pub agent_args: Vec<String>,
     /// The cgroup tree the agent reads.
@@ -111,6 +117,29 @@ pub struct NodeWorld {
     pub test: String,
     pub ns: String,
     pub turn: NodeTurn,
+}
+
+/// A TCP proxy on 127.0.0.1 handing each connection to the next of `backends` in turn (TLS passes
+/// through to the webhook process), as a Service spreads connections over replicas. Runs until the
+/// test process ends.
+async fn round_robin_proxy(backends: Vec<std::net::SocketAddr>) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("proxy listens");
+    let addr = listener.local_addr().expect("proxy address");
+    tokio::spawn(async move {
+        let mut next = 0usize;
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let backend = backends[next % backends.len()];
+            next += 1;
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(backend).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    addr
 }
 
 /// The agent's extra arguments: in DRA mode the node's kubelet root directory.
@@ -175,9 +204,25 @@ impl NodeWorld {
         }
         let agent_root = root;
         let webhook = env.start_webhook(&[]).await.expect("webhook starts");
+        let mut replicas = Vec::new();
+        for _ in 1..options.webhook_replicas {
+            replicas.push(
+                env.start_webhook(&[])
+                    .await
+                    .expect("webhook replica starts"),
+            );
+        }
+        let address = if replicas.is_empty() {
+            webhook.https
+        } else {
+            let backends: Vec<std::net::SocketAddr> = std::iter::once(webhook.https)
+                .chain(replicas.iter().map(|r| r.https))
+                .collect();
+            round_robin_proxy(backends).await
+        };
         let rendered = chart_support::render("default", options.chart_args);
         cluster
-            .register_webhooks(test, &rendered, webhook.https, &env.ca.ca_bundle_base64())
+            .register_webhooks(test, &rendered, address, &env.ca.ca_bundle_base64())
             .await
             .expect("webhooks registered");
         cluster
@@ -186,6 +231,7 @@ impl NodeWorld {
             .expect("the API server calls the webhooks");
         Some(NodeWorld {
             agent,
+            replicas,
             agent_args,
             agent_root,
             webhook,
