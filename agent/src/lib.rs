@@ -9,11 +9,12 @@
 //!
 //! - [`run`]: the agent's loop (scan, reconcile, publish), woken by the poll tick, `misc.events`,
 //!   the watches and deadlines; [`enforce`] below it wires the kernel enforcement (NRI plugin or
-//!   cgroup writer).
+//!   cgroup writer), and [`dra`] the DRA driver (DRA mode: the kubelet plugin and its checkpoint).
 //! - One module per thing the agent talks to, none importing another: [`kernel`] (the host's cgroup
 //!   files: the scanner, `misc.max`, `misc.events`), [`cluster`] (the API server: watches, the
-//!   `TeeCapacity`, its Lease, the Node, Events, cleanup) and [`runtime`] (the container runtime's
-//!   NRI: wire format, transport, plugin connection).
+//!   `TeeCapacity`, its Lease, the Node, ResourceSlices, Events, cleanup), [`runtime`] (the container
+//!   runtime's NRI: wire format, transport, plugin connection) and [`kubelet`] (the kubelet's plugin
+//!   sockets: registration, `DRAPlugin`, the checkpoint file).
 //! - [`metrics`]: the Prometheus series.
 //! - [`decide`]: the pure core: scan results and cgroup names, attribution, the report and its
 //!   conditions, the advertise plan, the limits and the `Enforcing` condition. No runtime, client,
