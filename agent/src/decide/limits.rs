@@ -223,7 +223,11 @@ pub fn pod_limits(pod: &Pod, namespace_exempt: bool, policy: Policy<'_>) -> Vec<
     let Ok(requests) = key_requests(pod, policy.resources) else {
         return Vec::new();
     };
-    let strict = policy.strict && !is_exempt(pod, namespace_exempt);
+    // A pod holding a DRA claim of its own (`spec.resourceClaims`) may hold keys it does not request
+    // as an extended resource: strict mode must not zero it.
+    let strict = policy.strict
+        && !is_exempt(pod, namespace_exempt)
+        && !super::attribution::has_dra_claim(pod);
     policy
         .host_kinds
         .iter()
@@ -265,8 +269,10 @@ fn container_requests(
 }
 
 fn requests_any(pod: &Pod, resources: &ResourcesConfig) -> bool {
-    // An unparsable request still means the pod asked for keys: never zero it.
+    // An unparsable request still means the pod asked for keys: never zero it. Nor a pod with a DRA
+    // claim: its devices may be keys it does not request as an extended resource.
     key_requests(pod, resources).map_or(true, |r| !r.is_empty())
+        || super::attribution::has_dra_claim(pod)
 }
 
 #[cfg(test)]
