@@ -78,7 +78,7 @@ async fn prepare(socket: &Path, claims: Vec<Claim>) -> NodePrepareResourcesRespo
     call(socket, PREPARE, NodePrepareResourcesRequest { claims }).await
 }
 
-fn start(api: &FakeApiServer, dir: &Path, shutdown: &CancellationToken) -> Dra {
+fn start(api: &FakeApiServer, dir: &Path, shutdown: &CancellationToken, metrics: &Metrics) -> Dra {
     Dra::start(
         api.client(),
         DraOptions {
@@ -86,7 +86,7 @@ fn start(api: &FakeApiServer, dir: &Path, shutdown: &CancellationToken) -> Dra {
             kubelet_dir: dir.to_path_buf(),
             api_timeout: Duration::from_secs(5),
         },
-        Metrics::new(&mut prometheus_client::registry::Registry::default()),
+        metrics.clone(),
         shutdown.clone(),
     )
     .expect("the driver starts")
@@ -112,7 +112,9 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
     let dir = tempfile::tempdir().expect("tempdir");
     let paths = PluginPaths::under(dir.path());
     let shutdown = CancellationToken::new();
-    let dra = start(&api, dir.path(), &shutdown);
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let dra = start(&api, dir.path(), &shutdown, &metrics);
 
     let info: PluginInfo = call(
         &paths.registration,
@@ -160,6 +162,16 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
     // Asked again (a kubelet retry): the same answer.
     let again = prepare(&paths.dra, vec![claim("u1", "c1")]).await;
     assert_eq!(again.claims["u1"], r.claims["u1"]);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+    for (result, n) in [("refused", 1), ("prepared", 1), ("already", 1)] {
+        assert!(
+            text.contains(&format!(
+                "teeguard_agent_dra_prepare_total{{result=\"{result}\"}} {n}\n"
+            )),
+            "each claim counted once, by its result: {text}"
+        );
+    }
 
     // Another claim allocated the same device, a claim that no longer exists, and a key the kernel
     // no longer has: each refused with its reason, the first one unaffected.
@@ -212,7 +224,7 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
     drop(dra);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let shutdown = CancellationToken::new();
-    let dra = start(&api, dir.path(), &shutdown);
+    let dra = start(&api, dir.path(), &shutdown, &metrics);
     assert_eq!(
         dra.allocated(),
         BTreeMap::from([(TeeKind::Tdx, [0u32].into())]),

@@ -9,7 +9,6 @@
 //! reading anything. Unpreparing forgets the claim; an unknown or deleted claim is already unprepared.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -212,14 +211,8 @@ impl Dra {
         if forget.is_empty() {
             return forget;
         }
-        let removed: Vec<(String, PreparedClaim)> = forget
-            .iter()
-            .filter_map(|u| s.claims.remove(u).map(|c| (u.clone(), c)))
-            .collect();
-        if let Err(e) = self.shared.checkpoint.save(&s.claims) {
-            for (u, c) in removed {
-                s.claims.insert(u, c);
-            }
+        let (removed, saved) = self.shared.forget(&mut s, &forget);
+        if let Err(e) = saved {
             tracing::warn!(error = %e, "cannot forget prepared claims whose pods are gone");
             return Vec::new();
         }
@@ -229,17 +222,32 @@ impl Dra {
         }
         removed.into_iter().map(|(u, _)| u).collect()
     }
-
-    /// Where the checkpoint is.
-    pub fn checkpoint_path(&self) -> &Path {
-        self.shared.checkpoint.path()
-    }
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves plain data behind: keep using it.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forget the claims `uids` (those recorded) and save the checkpoint; when it cannot be saved they
+    /// stay recorded, so the checkpoint stays the truth. Returns the claims removed and the save's
+    /// outcome.
+    fn forget(&self, s: &mut State, uids: &[String]) -> (Vec<(String, PreparedClaim)>, Result<()>) {
+        let removed: Vec<(String, PreparedClaim)> = uids
+            .iter()
+            .filter_map(|u| s.claims.remove(u).map(|c| (u.clone(), c)))
+            .collect();
+        if removed.is_empty() {
+            return (removed, Ok(()));
+        }
+        let saved = self.checkpoint.save(&s.claims);
+        if saved.is_err() {
+            for (u, c) in removed.iter().cloned() {
+                s.claims.insert(u, c);
+            }
+        }
+        (removed, saved)
     }
 
     fn devices_of(claim: &PreparedClaim) -> Vec<Device> {
@@ -256,10 +264,14 @@ impl Shared {
             .collect()
     }
 
-    async fn prepare_one(&self, claim: &Claim) -> std::result::Result<Vec<Device>, String> {
+    /// Prepare one claim: its devices and the metric's result (`prepared`, or `already` for a claim
+    /// prepared before), or why not.
+    async fn prepare_one(
+        &self,
+        claim: &Claim,
+    ) -> std::result::Result<(Vec<Device>, &'static str), String> {
         if let Some(p) = self.lock().claims.get(&claim.uid) {
-            self.metrics.dra_prepared("already");
-            return Ok(Self::devices_of(p));
+            return Ok((Self::devices_of(p), "already"));
         }
         let what = format!("ResourceClaim {}/{}", claim.namespace, claim.name);
         let read = tokio::time::timeout(
@@ -326,7 +338,7 @@ impl Shared {
         drop(s);
         self.changed.notify_one();
         tracing::info!(claim = %what, devices = ?prepared.devices.iter().map(|d| &d.device).collect::<Vec<_>>(), pods = ?prepared.pods, "prepared");
-        Ok(Self::devices_of(&prepared))
+        Ok((Self::devices_of(&prepared), "prepared"))
     }
 }
 
@@ -336,8 +348,8 @@ impl DraHandler for Shared {
         let mut out = NodePrepareResourcesResponse::default();
         for claim in &request.claims {
             let answer = match self.prepare_one(claim).await {
-                Ok(devices) => {
-                    self.metrics.dra_prepared("prepared");
+                Ok((devices, result)) => {
+                    self.metrics.dra_prepared(result);
                     NodePrepareResourceResponse {
                         devices,
                         error: String::new(),
@@ -364,26 +376,15 @@ impl DraHandler for Shared {
         &self,
         request: NodeUnprepareResourcesRequest,
     ) -> NodeUnprepareResourcesResponse {
-        let mut out = NodeUnprepareResourcesResponse::default();
-        let mut s = self.lock();
-        let removed: Vec<(String, PreparedClaim)> = request
-            .claims
-            .iter()
-            .filter_map(|c| s.claims.remove(&c.uid).map(|p| (c.uid.clone(), p)))
-            .collect();
-        let saved = if removed.is_empty() {
-            Ok(())
-        } else {
-            self.checkpoint.save(&s.claims)
+        let uids: Vec<String> = request.claims.iter().map(|c| c.uid.clone()).collect();
+        let (removed, saved) = {
+            let mut s = self.lock();
+            self.forget(&mut s, &uids)
         };
         if let Err(e) = &saved {
-            // Keep them recorded: the kubelet retries and the checkpoint stays the truth.
-            for (uid, p) in removed.iter().cloned() {
-                s.claims.insert(uid, p);
-            }
             tracing::warn!(error = %e, "cannot record unprepared claims; the kubelet retries");
         }
-        drop(s);
+        let mut out = NodeUnprepareResourcesResponse::default();
         for claim in &request.claims {
             let error = match &saved {
                 Err(e) if removed.iter().any(|(u, _)| *u == claim.uid) => e.to_string(),

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
@@ -32,11 +32,6 @@ impl Checkpoint {
     /// The checkpoint at `path`.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Checkpoint { path: path.into() }
-    }
-
-    /// Where it is.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 
     /// The claims recorded (none when the file does not exist yet).
