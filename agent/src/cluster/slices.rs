@@ -57,18 +57,22 @@ pub async fn apply(
             .map_err(|e| Error::kube("apply ResourceSlice", e))?;
         writes += 1;
     }
-    for old in existing {
-        let name = old.name_any();
-        if names.contains(&name) {
-            continue;
-        }
-        match api.delete(&name, &DeleteParams::default()).await {
-            Ok(_) => writes += 1,
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(Error::kube("delete ResourceSlice", e)),
-        }
+    for old in existing.iter().filter(|s| !names.contains(&s.name_any())) {
+        writes += usize::from(delete(&api, old).await?);
     }
     Ok(writes)
+}
+
+/// Delete one slice; `false` when it was gone already.
+async fn delete(api: &Api<ResourceSlice>, slice: &ResourceSlice) -> Result<bool> {
+    match api
+        .delete(&slice.name_any(), &DeleteParams::default())
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+        Err(e) => Err(Error::kube("delete ResourceSlice", e)),
+    }
 }
 
 /// Delete every slice in `existing` (cleanup after an uninstall, or leaving DRA mode).
@@ -76,11 +80,7 @@ pub async fn delete_all(client: &Client, existing: &[Arc<ResourceSlice>]) -> Res
     let api: Api<ResourceSlice> = Api::all(client.clone());
     let mut deleted = 0;
     for old in existing {
-        match api.delete(&old.name_any(), &DeleteParams::default()).await {
-            Ok(_) => deleted += 1,
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(Error::kube("delete ResourceSlice", e)),
-        }
+        deleted += usize::from(delete(&api, old).await?);
     }
     Ok(deleted)
 }

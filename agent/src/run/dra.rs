@@ -85,7 +85,7 @@ impl Agent {
         }
         let published = mode.published(&node_name);
         let current: Vec<ResourceSliceSpec> = published.iter().map(|s| s.spec.clone()).collect();
-        let wanted = dra::slice_specs(&node_name, &plan, 0);
+        let mut wanted = dra::slice_specs(&node_name, &plan, 0);
         let in_sync = dra::same_content(&current, &wanted)
             && current
                 .iter()
@@ -96,14 +96,17 @@ impl Agent {
             && mode.retry_at.is_none_or(|t| Instant::now() >= t)
         {
             let generation = current.iter().map(|s| s.pool.generation).max().unwrap_or(0) + 1;
-            let specs = dra::slice_specs(&node_name, &plan, generation);
+            for spec in &mut wanted {
+                spec.pool.generation = generation;
+            }
+            let specs = &wanted;
             let names: Vec<String> = (0..specs.len())
                 .map(|i| dra::slice_name(&node_name, i))
                 .collect();
             let client = self.client.clone();
             let result = match tokio::time::timeout(
                 api_timeout,
-                slices::apply(&client, node, &names, &specs, &published),
+                slices::apply(&client, node, &names, specs, &published),
             )
             .await
             {
