@@ -100,7 +100,51 @@ impl std::fmt::Debug for Cluster {
     }
 }
 
+/// The API server's answer to a create, with the warnings it carried (`Warning` headers, e.g. an
+/// admission webhook's).
+#[derive(Debug)]
+pub struct Created {
+    /// The HTTP status.
+    pub status: u16,
+    /// Each `Warning` header.
+    pub warnings: Vec<String>,
+    /// The body (the stored object, or a Status).
+    pub body: Vec<u8>,
+}
+
 impl Cluster {
+    /// Create `pod` in `ns` through the API server, keeping the warnings the client would show (the
+    /// kube client drops them).
+    pub async fn create_pod_with_warnings(&self, ns: &str, pod: &impl serde::Serialize) -> Created {
+        let body = serde_json::to_vec(pod).expect("json");
+        let req = http::Request::post(format!("/api/v1/namespaces/{ns}/pods"))
+            .header("content-type", "application/json")
+            .body(body)
+            .expect("request");
+        let resp = self
+            .client
+            .send(req.map(kube::client::Body::from))
+            .await
+            .expect("the API server answers");
+        let status = resp.status().as_u16();
+        let warnings = resp
+            .headers()
+            .get_all("warning")
+            .iter()
+            .map(|v| v.to_str().unwrap_or("").to_string())
+            .collect();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("body")
+            .to_bytes()
+            .to_vec();
+        Created {
+            status,
+            warnings,
+            body,
+        }
+    }
+
     /// Connect to this test binary's control plane (started on first use) with the CRDs installed;
     /// `None` when the test should skip (see [`ControlPlane::shared`]).
     pub async fn connect() -> Option<Cluster> {

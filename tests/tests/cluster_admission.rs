@@ -14,7 +14,7 @@ use serde_json::json;
 use teeguard_shared::{TeeKind, names};
 use teeguard_tests::e2e::{ProcessEnv, WebhookProcess};
 use teeguard_tests::fixtures::{self, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod};
-use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
+use teeguard_tests::realcluster::{Cluster, Created, TEST_LABEL, within};
 use teeguard_tests::standalone::driver::strip_server_fields;
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -295,24 +295,10 @@ async fn warn_mode_warning_reaches_the_client() {
         let selector = [(TEST_LABEL, "no-such-node")];
         let pod =
             Cluster::launcher_pod(&w.ns, "vm-nowhere", &uid, Tee::Tdx, &selector).expect("pod");
-        let body = serde_json::to_vec(&pod).expect("json");
-        let req = http::Request::post(format!("/api/v1/namespaces/{}/pods", w.ns))
-            .header("content-type", "application/json")
-            .body(body)
-            .expect("request");
-        let resp = c
-            .client
-            .send(req.map(kube::client::Body::from))
-            .await
-            .expect("the API server answers");
-        let status = resp.status();
-        let warnings: Vec<String> = resp
-            .headers()
-            .get_all("warning")
-            .iter()
-            .map(|v| v.to_str().unwrap_or("").to_string())
-            .collect();
-        assert_eq!(status.as_u16(), 201, "created in warn mode: {warnings:?}");
+        let Created {
+            status, warnings, ..
+        } = c.create_pod_with_warnings(&w.ns, &pod).await;
+        assert_eq!(status, 201, "created in warn mode: {warnings:?}");
         assert!(
             warnings
                 .iter()

@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 use teeguard_shared::TeeKind;
 use teeguard_tests::e2e::{ProcessEnv, WebhookProcess};
 use teeguard_tests::fixtures::{NodeBuilder, ReportBuilder, TDX_KEYS};
-use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
+use teeguard_tests::realcluster::{Cluster, Created, TEST_LABEL, within};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -295,29 +295,12 @@ async fn a_runtime_class_with_the_key_in_its_overhead_gets_a_warning_and_no_seco
             OVERHEAD_CLASS,
             json!({"nodeSelector": {TEST_LABEL: w.ns}}),
         );
-        let body = serde_json::to_vec(&p).expect("json");
-        let req = http::Request::post(format!("/api/v1/namespaces/{}/pods", w.ns))
-            .header("content-type", "application/json")
-            .body(body)
-            .expect("request");
-        let resp = w
-            .cluster
-            .client
-            .send(req.map(kube::client::Body::from))
-            .await
-            .expect("the API server answers");
-        let status = resp.status();
-        let warnings: Vec<String> = resp
-            .headers()
-            .get_all("warning")
-            .iter()
-            .map(|v| v.to_str().unwrap_or("").to_string())
-            .collect();
-        let body = http_body_util::BodyExt::collect(resp.into_body())
-            .await
-            .expect("body")
-            .to_bytes();
-        assert_eq!(status.as_u16(), 201, "{warnings:?}");
+        let Created {
+            status,
+            warnings,
+            body,
+        } = w.cluster.create_pod_with_warnings(&w.ns, &p).await;
+        assert_eq!(status, 201, "{warnings:?}");
         assert!(
             warnings
                 .iter()

@@ -65,20 +65,16 @@ pub async fn end(w: &NodeWorld) {
     }
 }
 
-/// Create (or keep) the TDX DeviceClass as the chart renders it.
+/// Create (or keep) the TDX DeviceClass exactly as the chart renders it in DRA mode.
 pub async fn ensure_device_class(w: &NodeWorld) {
+    let rendered =
+        crate::chart_support::render_for(crate::chart_support::DRA_KUBE_VERSION, "dra", &[]);
+    let class: k8s_openapi::api::resource::v1::DeviceClass = serde_json::from_value(
+        crate::chart_support::find(&rendered, "DeviceClass", TDX_CLASS).clone(),
+    )
+    .expect("the chart's DeviceClass");
     let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> =
         Api::all(w.cluster.client.clone());
-    let class = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-        "metadata": {"name": TDX_CLASS},
-        "spec": {
-            "selectors": [{"cel": {"expression":
-                "device.driver == \"tee.teeguard.dev\" && device.attributes[\"tee.teeguard.dev\"].kind == \"tdx\""}}],
-            "extendedResourceName": TDX_KEYS
-        }
-    }))
-    .expect("DeviceClass");
     match classes.create(&PostParams::default(), &class).await {
         Ok(_) => {}
         Err(kube::Error::Api(s)) if s.code == 409 => {}
@@ -122,23 +118,29 @@ pub async fn wait_published(w: &NodeWorld, want: usize, timeout: Duration) -> Du
     started.elapsed()
 }
 
-/// Wait until the report says the kubelet registered the driver.
-pub async fn wait_driver_ready(w: &NodeWorld) {
+/// Wait until the report's condition `type_` is True; returns it.
+pub async fn wait_condition_true(
+    w: &NodeWorld,
+    type_: &str,
+    timeout: Duration,
+) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
     let api: Api<TeeCapacity> = Api::all(w.cluster.client.clone());
     let node = w.turn.name.clone();
-    let got = w
-        .cluster
-        .wait_for_within("DraDriverReady True", Duration::from_secs(30), || async {
+    w.cluster
+        .wait_for_within(&format!("{type_} True"), timeout, || async {
             let r = api.get(&node).await.ok()?;
             r.status?
                 .conditions
                 .into_iter()
-                .find(|c| c.type_ == "DraDriverReady" && c.status == "True")
+                .find(|c| c.type_ == type_ && c.status == "True")
         })
-        .await;
-    if let Err(e) = got {
-        panic!("{e}\n{}", w.diagnostics());
-    }
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()))
+}
+
+/// Wait until the report says the kubelet registered the driver.
+pub async fn wait_driver_ready(w: &NodeWorld) {
+    wait_condition_true(w, "DraDriverReady", Duration::from_secs(30)).await;
 }
 
 /// The report's DRA figures for TDX: (published, allocated, withheld).
@@ -498,19 +500,7 @@ pub async fn bypassed(w: &mut NodeWorld) {
         )
         .await
         .expect("another writer advertises the key");
-    let api: Api<TeeCapacity> = Api::all(w.cluster.client.clone());
-    let node = w.turn.name.clone();
-    let got = w
-        .cluster
-        .wait_for_within("DraBypassed True", Duration::from_secs(15), || async {
-            let r = api.get(&node).await.ok()?;
-            r.status?
-                .conditions
-                .into_iter()
-                .find(|c| c.type_ == "DraBypassed" && c.status == "True")
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    let got = wait_condition_true(w, "DraBypassed", Duration::from_secs(15)).await;
     assert!(got.message.contains(TDX_KEYS), "{}", got.message);
     assert!(got.message.contains("another writer"), "{}", got.message);
     let metrics = w.agent.metrics().await;

@@ -2,40 +2,15 @@
 //! allocates their keys, so a pod not bound yet may wait there and a binding there is admitted; a pod
 //! created with `spec.nodeName` (no claim) is still checked against the report.
 
+use super::tests::{STALE, kind, now, report, tdx};
 use super::*;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use pretty_assertions::assert_eq;
-use teeguard_shared::KindStatus;
-
-const STALE: Duration = Duration::from_secs(90);
-
-fn now() -> Timestamp {
-    Timestamp::from_second(1_750_000_000).expect("now")
-}
 
 /// A current report of a full node (`free: 0`), in DRA mode or not.
 fn full(dra: bool, age_secs: i64) -> TeeCapacityStatus {
-    TeeCapacityStatus {
-        tdx: Some(KindStatus {
-            resource_name: "tdx.intel.com/keys".into(),
-            capacity: 1,
-            kernel_used: 1,
-            pods_used: 1,
-            free: 0,
-            ..KindStatus::default()
-        }),
-        accounting: Some(if dra { "dra" } else { "extendedResource" }.into()),
-        heartbeat_time: Some(Time(
-            now()
-                .checked_sub(jiff::SignedDuration::from_secs(age_secs))
-                .expect("ts"),
-        )),
-        ..Default::default()
-    }
-}
-
-fn tdx(n: u64) -> KeyRequests {
-    KeyRequests::from([(TeeKind::Tdx, n)])
+    let mut r = report(Some(kind(1, 0, 0)), age_secs);
+    r.accounting = Some(if dra { "dra" } else { "extendedResource" }.into());
+    r
 }
 
 fn assess(status: &TeeCapacityStatus, requests: &KeyRequests) -> NodeAssessment {

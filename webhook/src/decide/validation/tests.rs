@@ -5,13 +5,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use pretty_assertions::assert_eq;
 use teeguard_shared::KindStatus;
 
-const STALE: Duration = Duration::from_secs(90);
+pub(super) const STALE: Duration = Duration::from_secs(90);
 
-fn now() -> Timestamp {
+pub(super) fn now() -> Timestamp {
     Timestamp::from_second(1_750_000_000).expect("now")
 }
 
-fn kind(capacity: u64, free: u64, external: u64) -> KindStatus {
+pub(super) fn kind(capacity: u64, free: u64, external: u64) -> KindStatus {
     KindStatus {
         resource_name: "tdx.intel.com/keys".into(),
         capacity,
@@ -23,7 +23,7 @@ fn kind(capacity: u64, free: u64, external: u64) -> KindStatus {
     }
 }
 
-fn report(tdx: Option<KindStatus>, age_secs: i64) -> TeeCapacityStatus {
+pub(super) fn report(tdx: Option<KindStatus>, age_secs: i64) -> TeeCapacityStatus {
     TeeCapacityStatus {
         tdx,
         heartbeat_time: Some(Time(
@@ -35,7 +35,7 @@ fn report(tdx: Option<KindStatus>, age_secs: i64) -> TeeCapacityStatus {
     }
 }
 
-fn tdx(n: u64) -> KeyRequests {
+pub(super) fn tdx(n: u64) -> KeyRequests {
     KeyRequests::from([(TeeKind::Tdx, n)])
 }
 
