@@ -102,6 +102,22 @@ pub async fn published(w: &NodeWorld) -> Vec<String> {
     names
 }
 
+/// The UIDs of teeguard's slices for this node (a slice deleted and applied again has a new one).
+pub async fn slice_uids(w: &NodeWorld) -> std::collections::BTreeSet<String> {
+    let api: Api<ResourceSlice> = Api::all(w.cluster.client.clone());
+    let lp = ListParams::default().fields(&format!(
+        "spec.nodeName={},spec.driver=tee.teeguard.dev",
+        w.turn.name
+    ));
+    api.list(&lp)
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|s| s.metadata.uid)
+        .collect()
+}
+
 /// Wait until the node's slices publish exactly `want` devices.
 pub async fn wait_published(w: &NodeWorld, want: usize, timeout: Duration) -> Duration {
     let started = Instant::now();
@@ -456,16 +472,32 @@ pub async fn restarts(w: &mut NodeWorld) {
     let first_device = claim_devices(&claim_of(w, &first).await);
     wait_tdx_devices(w, (2, 1, 0)).await;
 
+    let before = slice_uids(w).await;
+    assert!(!before.is_empty(), "slices published before the restart");
     w.turn.restart_kubelet().await.expect("kubelet restarted");
-    // The kubelet deletes the slices as it starts; the agent applies them again.
-    let back = wait_published(w, 2, Duration::from_secs(20)).await;
-    eprintln!("slices back {back:?} after the kubelet restart");
-    let api: Api<ResourceSlice> = Api::all(w.cluster.client.clone());
-    let slices = api
-        .list(&ListParams::default().fields(&format!("spec.nodeName={}", w.turn.name)))
-        .await
-        .expect("slices");
-    assert!(!slices.items.is_empty());
+    // The kubelet deletes the slices as it starts (possibly after it reports Ready); the agent
+    // applies them again: wait for slices that are new objects (other UIDs) with both devices.
+    let started = Instant::now();
+    let what = "the slices the kubelet deleted published again";
+    let back = w
+        .cluster
+        .wait_for_within(what, Duration::from_secs(30), || async {
+            let now = slice_uids(w).await;
+            (!now.is_empty() && now.is_disjoint(&before) && published(w).await.len() == 2)
+                .then_some(())
+        })
+        .await;
+    if let Err(e) = back {
+        panic!(
+            "{e} (before {before:?}, now {:?})\n{}",
+            slice_uids(w).await,
+            w.diagnostics()
+        );
+    }
+    eprintln!(
+        "slices back {:?} after the kubelet restart",
+        started.elapsed()
+    );
     let still = w.pods_in(&ns).get("first").await.expect("first");
     assert_eq!(
         still.status.and_then(|s| s.phase).as_deref(),
