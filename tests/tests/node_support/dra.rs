@@ -241,6 +241,29 @@ pub async fn phases(w: &NodeWorld, ns: &str) -> (BTreeMap<String, usize>, Vec<St
     (by_phase, messages)
 }
 
+/// Wait until exactly `n` pods of `ns` are Pending, each with the scheduler's message that their
+/// claim cannot be allocated (a pod merely not looked at yet is Pending too, without the message).
+pub async fn wait_unschedulable(w: &NodeWorld, ns: &str, n: usize) {
+    let got = w
+        .cluster
+        .wait_for_within(
+            &format!("{n} pods Pending: cannot allocate all claims"),
+            Duration::from_secs(30),
+            || async {
+                let (by_phase, messages) = phases(w, ns).await;
+                let refused = messages
+                    .iter()
+                    .filter(|m| m.contains("cannot allocate all claims"))
+                    .count();
+                (by_phase.get("Pending") == Some(&n) && refused == n).then_some(())
+            },
+        )
+        .await;
+    if let Err(e) = got {
+        panic!("{e} (now {:?})\n{}", phases(w, ns).await, w.diagnostics());
+    }
+}
+
 /// Scenario: a TDX launcher pod (through the webhook) is allocated a device by the real scheduler,
 /// the kubelet has the agent prepare it, the pod runs, its compute container gets `tdx 1`; the report
 /// shows the device allocated.
@@ -392,15 +415,7 @@ pub async fn outside_key_withheld(w: &NodeWorld) {
         .create(&key_pod(w, &ns, "second", "1"))
         .await
         .expect("second");
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let (by_phase, messages) = phases(w, &ns).await;
-    assert_eq!(by_phase.get("Pending"), Some(&1), "{by_phase:?}");
-    assert!(
-        messages
-            .iter()
-            .any(|m| m.contains("cannot allocate all claims")),
-        "{messages:?}"
-    );
+    wait_unschedulable(w, &ns, 1).await;
     host.remove_external("outside-vm")
         .expect("external VM gone");
     wait_published(w, 2, Duration::from_secs(10)).await;
@@ -450,9 +465,7 @@ pub async fn kata_and_launcher_share_the_pool(w: &NodeWorld) {
     w.create(&key_pod(w, &ns, "third", "1"))
         .await
         .expect("third");
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let (by_phase, _) = phases(w, &ns).await;
-    assert_eq!(by_phase.get("Pending"), Some(&1), "{by_phase:?}");
+    wait_unschedulable(w, &ns, 1).await;
 }
 
 /// Scenario: the kubelet restarted (it deletes the node's slices when it starts): the slices are back
