@@ -10,6 +10,8 @@ use std::time::Duration;
 use prost::Message;
 use serde_json::json;
 use teeguard_agent::decide::attribution::KindFigures;
+use teeguard_agent::decide::claimed::ClaimedKeys;
+use teeguard_agent::decide::dra::{AllocatedDevice, PreparedClaim};
 use teeguard_agent::dra::{Dra, DraOptions};
 use teeguard_agent::kubelet::PluginPaths;
 use teeguard_agent::kubelet::proto::*;
@@ -64,6 +66,20 @@ fn claim_object(uid: &str, name: &str, device: &str, pod: &str) -> serde_json::V
             "reservedFor": [{"resource": "pods", "name": pod, "uid": pod}]
         }
     })
+}
+
+/// The claim `claim_object` describes, as the driver records it.
+fn prepared(name: &str, device: &str, pod: &str) -> PreparedClaim {
+    PreparedClaim {
+        namespace: "vms".into(),
+        name: name.into(),
+        pods: vec![pod.into()],
+        devices: vec![AllocatedDevice {
+            request: "container-0-request-0".into(),
+            pool: NODE.into(),
+            device: device.into(),
+        }],
+    }
 }
 
 fn claim(uid: &str, name: &str) -> Claim {
@@ -154,9 +170,11 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
         devices,
         [(NODE, "tdx-0", &["container-0-request-0".to_string()][..])]
     );
+    let claims = dra.claims();
     assert_eq!(
-        dra.pod_allocations()["pod-1"],
-        BTreeMap::from([(TeeKind::Tdx, 1)])
+        **claims.borrow(),
+        ClaimedKeys::from_prepared(&[prepared("c1", "tdx-0", "pod-1")]),
+        "enforcement sees the claim as soon as the kubelet hears back"
     );
 
     // Asked again (a kubelet retry): the same answer.
@@ -201,6 +219,11 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
     )
     .await;
     assert_eq!(unprepared.claims["u3"].error, "");
+    assert!(claims.borrow().holds_for("pod-1"));
+    assert!(
+        !claims.borrow().holds_for("pod-3"),
+        "an unprepared claim is gone from enforcement's view"
+    );
     let r = prepare(&paths.dra, vec![claim("u4", "c4")]).await;
     assert!(
         r.claims["u4"].error.contains("no free tdx key"),
@@ -229,6 +252,11 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
         dra.allocated(),
         BTreeMap::from([(TeeKind::Tdx, [0u32].into())]),
         "the checkpoint's claims after a restart"
+    );
+    assert_eq!(
+        **dra.claims().borrow(),
+        ClaimedKeys::from_prepared(&[prepared("c1", "tdx-0", "pod-1")]),
+        "enforcement knows the checkpoint's claims from the start"
     );
     api.delete("resourceclaims", Some("vms"), "c1")
         .expect("delete claim");

@@ -103,6 +103,18 @@ async fn a_kata_style_pod_of_a_tee_runtime_class_and_a_kubevirt_launcher_draw_fr
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_holding_a_key_only_through_its_own_claim_gets_misc_max_from_the_allocation() {
+    within(DEADLINE, async {
+        let Some(w) = NodeWorld::start(RUNTIME, "dra-own-claim", Options::dra(2)).await else {
+            return;
+        };
+        dra::own_claim_limited_by_its_allocation(&w).await;
+        dra::end(&w).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_kubelet_restart_the_slices_come_back_and_after_an_agent_restart_prepared_claims_are_kept()
  {
     within(DEADLINE, async {

@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Container, Node, NodeStatus, Pod, PodSpec, PodStatus, ResourceRequirements,
+    Container, Node, NodeStatus, Pod, PodExtendedResourceClaimStatus, PodResourceClaim,
+    PodResourceClaimStatus, PodSpec, PodStatus, ResourceClaim as ContainerClaim,
+    ResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -42,13 +44,9 @@ struct CachedSpec {
     init_containers: Option<Vec<CachedContainer>>,
     #[serde(default)]
     overhead: Option<BTreeMap<String, Quantity>>,
-    /// `spec.resourceClaims` is not empty (DRA mode: the pod's keys come from a claim).
-    #[serde(
-        default,
-        rename = "resourceClaims",
-        deserialize_with = "non_empty_list"
-    )]
-    has_resource_claims: bool,
+    /// `spec.resourceClaims` (DRA mode: claims of the pod's own; a few short names each).
+    #[serde(default)]
+    resource_claims: Option<Vec<PodResourceClaim>>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -69,6 +67,9 @@ struct CachedResources {
     requests: Option<BTreeMap<String, Quantity>>,
     #[serde(default)]
     limits: Option<BTreeMap<String, Quantity>>,
+    /// The pod's claims the container uses (DRA mode).
+    #[serde(default)]
+    claims: Option<Vec<ContainerClaim>>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -76,24 +77,13 @@ struct CachedResources {
 struct CachedStatus {
     #[serde(default)]
     phase: Option<String>,
-    /// `status.extendedResourceClaimStatus` is set: the scheduler allocated the pod's extended
-    /// resources through a DRA claim (DRA mode).
-    #[serde(
-        default,
-        rename = "extendedResourceClaimStatus",
-        deserialize_with = "present"
-    )]
-    has_extended_resource_claim: bool,
-}
-
-/// Whether a field is present (its value is skipped, never allocated).
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
-    Option::<serde::de::IgnoredAny>::deserialize(d).map(|v| v.is_some())
-}
-
-/// Whether a list field is present and not empty (its items are skipped).
-fn non_empty_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
-    Option::<Vec<serde::de::IgnoredAny>>::deserialize(d).map(|v| v.is_some_and(|v| !v.is_empty()))
+    /// The claims made from the pod's templates (DRA mode).
+    #[serde(default)]
+    resource_claim_statuses: Option<Vec<PodResourceClaimStatus>>,
+    /// The claim through which the scheduler allocated the pod's extended resources, per container
+    /// (DRA mode).
+    #[serde(default)]
+    extended_resource_claim_status: Option<PodExtendedResourceClaimStatus>,
 }
 
 #[derive(Default, Deserialize)]
@@ -162,7 +152,7 @@ impl CachedPod {
             if let Some(r) = &mut c.resources {
                 keep(&mut r.requests);
                 keep(&mut r.limits);
-                if r.requests.is_none() && r.limits.is_none() {
+                if r.requests.is_none() && r.limits.is_none() && r.claims.is_none() {
                     c.resources = None;
                 }
             }
@@ -178,7 +168,7 @@ impl CachedPod {
                     resources: c.resources.as_ref().map(|r| ResourceRequirements {
                         requests: r.requests.clone(),
                         limits: r.limits.clone(),
-                        ..ResourceRequirements::default()
+                        claims: r.claims.clone(),
                     }),
                     restart_policy: c.restart_policy.clone(),
                     ..Container::default()
@@ -191,19 +181,13 @@ impl CachedPod {
                 containers: s.containers.as_ref().map(containers).unwrap_or_default(),
                 init_containers: s.init_containers.as_ref().map(containers),
                 overhead: s.overhead.clone(),
-                resource_claims: s.has_resource_claims.then(|| {
-                    vec![k8s_openapi::api::core::v1::PodResourceClaim {
-                        name: "claim".into(),
-                        ..Default::default()
-                    }]
-                }),
+                resource_claims: s.resource_claims.clone(),
                 ..PodSpec::default()
             }),
             status: self.status.as_ref().map(|s| PodStatus {
                 phase: s.phase.clone(),
-                extended_resource_claim_status: s
-                    .has_extended_resource_claim
-                    .then(k8s_openapi::api::core::v1::PodExtendedResourceClaimStatus::default),
+                resource_claim_statuses: s.resource_claim_statuses.clone(),
+                extended_resource_claim_status: s.extended_resource_claim_status.clone(),
                 ..PodStatus::default()
             }),
         }
@@ -296,8 +280,88 @@ mod tests {
             "status": {"phase": "Running", "extendedResourceClaimStatus": {"resourceClaimName": "dra-extended-resources-x",
                 "requestMappings": [{"containerName": "compute", "resourceName": "tdx.intel.com/keys", "requestName": "container-0-request-0"}]}}}));
         pods.push(json!({"metadata": {"name": "claims", "namespace": "ns", "uid": "claims-uid"},
-            "spec": {"containers": [{"name": "c"}], "resourceClaims": [{"name": "key", "resourceClaimTemplateName": "t"}]}}));
+            "spec": {"containers": [{"name": "c", "resources": {"claims": [{"name": "key", "request": "tdx"}],
+                                                               "requests": {"cpu": "1"}}}],
+                     "resourceClaims": [{"name": "key", "resourceClaimTemplateName": "t"}]},
+            "status": {"resourceClaimStatuses": [{"name": "key", "resourceClaimName": "claims-key-x"}]}}));
         pods
+    }
+
+    #[test]
+    fn cached_pods_get_the_limits_of_full_pods_including_those_from_dra_claims() {
+        use crate::decide::claimed::ClaimedKeys;
+        use crate::decide::dra::{AllocatedDevice, PreparedClaim};
+        use crate::decide::limits::{self, PodFacts, Policy};
+        let res = ResourcesConfig::default();
+        let names: Vec<String> = TeeKind::ALL
+            .iter()
+            .map(|k| res.resource_name(*k).to_string())
+            .collect();
+        let prepared = |name: &str, request: &str, device: &str| PreparedClaim {
+            namespace: "ns".into(),
+            name: name.into(),
+            pods: Vec::new(),
+            devices: vec![AllocatedDevice {
+                request: request.into(),
+                pool: "n1".into(),
+                device: device.into(),
+            }],
+        };
+        let claims = ClaimedKeys::from_prepared(&[
+            prepared("dra-extended-resources-x", "container-0-request-0", "tdx-0"),
+            prepared("claims-key-x", "tdx", "tdx-1"),
+        ]);
+        let policy = Policy {
+            resources: &res,
+            host_kinds: &[TeeKind::Tdx],
+            strict: true,
+        };
+        let none = BTreeMap::new();
+        let mut limited = 0;
+        for json in pods_json() {
+            let full: Pod = serde_json::from_value(json.clone()).expect("pod");
+            let mut cached: CachedPod = serde_json::from_value(json).expect("cached pod");
+            cached.retain_resources(&names);
+            let cached = cached.to_pod();
+            let facts = |pod| PodFacts {
+                pod: Some(pod),
+                annotations: &none,
+                namespace_exempt: false,
+                claimed: &claims,
+            };
+            let spec = full.spec.clone().unwrap_or_default();
+            for c in spec
+                .containers
+                .iter()
+                .chain(spec.init_containers.iter().flatten())
+            {
+                let want = limits::container_limit(facts(&full), &c.name, policy);
+                assert_eq!(
+                    limits::container_limit(facts(&cached), &c.name, policy),
+                    want,
+                    "{:?} {}",
+                    full.metadata.name,
+                    c.name
+                );
+                limited += usize::from(want != limits::ContainerLimit::Unlimited);
+            }
+            assert_eq!(
+                limits::pod_limits(&cached, false, &claims, policy),
+                limits::pod_limits(&full, false, &claims, policy),
+                "{:?}",
+                full.metadata.name
+            );
+        }
+        assert!(limited >= 4, "the fixtures exercise limits: {limited}");
+        // The claim of its own is what limits the `claims` pod's container.
+        let claims_pod: Pod = serde_json::from_value(pods_json().pop().expect("pod")).expect("pod");
+        assert_eq!(
+            limits::pod_limits(&claims_pod, false, &claims, policy),
+            vec![limits::Limit {
+                kind: TeeKind::Tdx,
+                keys: 1
+            }]
+        );
     }
 
     #[test]

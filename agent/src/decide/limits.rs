@@ -11,6 +11,9 @@
 //!   (kernel order) and the rest is reported.
 //! - Pod level (the cgroup writer): every kind the pod requests, with `spec.overhead` (Kata's VMM runs
 //!   in the pod sandbox cgroup, which container adjustments do not reach).
+//! - DRA mode: the keys a container or pod holds through claims the agent prepared count too, and an
+//!   extended-resource request a claim serves is counted through the claim's devices
+//!   ([`super::claimed`]): the allocation, not the request, sets the limit.
 //! - Strict mode: a pod that requests no key of a kind the host has gets `<kind> 0` for it, so an
 //!   unaccounted KVM user fails at the kernel instead of taking a key the scheduler gave to someone
 //!   else. Exempt pods (label `teeguard.dev/exempt: "true"` on the pod or on its namespace, as the
@@ -24,6 +27,8 @@ use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::{EXEMPT_LABEL, misc_max_annotation};
 use teeguard_shared::pod::{container_amount, key_requests};
+
+use super::claimed::{self, ClaimedKeys};
 
 /// One `misc.max` line: at most `keys` keys of `kind`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -118,6 +123,8 @@ pub struct PodFacts<'a> {
     pub annotations: &'a BTreeMap<String, String>,
     /// The pod's namespace carries `teeguard.dev/exempt: "true"`.
     pub namespace_exempt: bool,
+    /// The claims the agent prepared (DRA mode; empty otherwise).
+    pub claimed: &'a ClaimedKeys,
 }
 
 /// Settings that do not change per pod.
@@ -163,7 +170,11 @@ pub fn container_limit(facts: PodFacts<'_>, container: &str, policy: Policy<'_>)
             _ => ContainerLimit::Unlimited,
         };
     };
-    let requested = container_requests(pod, container, policy.resources);
+    let held = claimed::container_claimed(pod, container, facts.claimed, policy.resources);
+    let requested: BTreeMap<TeeKind, u64> = container_requests(pod, container, policy.resources)
+        .into_iter()
+        .map(|(k, n)| (k, held.total(k, n)))
+        .collect();
     let mut kinds = requested.iter().filter(|(_, n)| **n > 0);
     let first = kinds.next().map(|(k, n)| Limit { kind: *k, keys: *n });
     let unapplied: Vec<TeeKind> = kinds.map(|(k, _)| *k).collect();
@@ -216,13 +227,19 @@ fn strict_zero(pod: &Pod, namespace_exempt: bool, policy: Policy<'_>) -> Contain
 }
 
 /// The pod cgroup's limits (the cgroup writer): for each kind the host has, the pod's request
-/// (with overhead) when it requests keys of that kind; `0` in strict mode otherwise (not for exempt
-/// pods, `namespace_exempt`: their namespace is); nothing else. Unparsable quantities give no limit
-/// (the report names the pod already).
-pub fn pod_limits(pod: &Pod, namespace_exempt: bool, policy: Policy<'_>) -> Vec<Limit> {
+/// (with overhead) and the devices of its prepared claims ([`claimed::pod_claimed`]) when it holds
+/// keys of that kind; `0` in strict mode otherwise (not for exempt pods, `namespace_exempt`: their
+/// namespace is); nothing else. Unparsable quantities give no limit (the report names the pod already).
+pub fn pod_limits(
+    pod: &Pod,
+    namespace_exempt: bool,
+    claims: &ClaimedKeys,
+    policy: Policy<'_>,
+) -> Vec<Limit> {
     let Ok(requests) = key_requests(pod, policy.resources) else {
         return Vec::new();
     };
+    let held = claimed::pod_claimed(pod, claims, policy.resources);
     // A pod holding a DRA claim of its own (`spec.resourceClaims`) may hold keys it does not request
     // as an extended resource: strict mode must not zero it.
     let strict = policy.strict
@@ -231,13 +248,16 @@ pub fn pod_limits(pod: &Pod, namespace_exempt: bool, policy: Policy<'_>) -> Vec<
     policy
         .host_kinds
         .iter()
-        .filter_map(|kind| match requests.get(kind) {
-            Some(&keys) => Some(Limit { kind: *kind, keys }),
-            None if strict => Some(Limit {
+        .filter_map(|kind| {
+            let requested = requests.get(kind).copied();
+            if requested.is_some() || held.keys.contains_key(kind) {
+                let keys = held.total(*kind, requested.unwrap_or(0));
+                return Some(Limit { kind: *kind, keys });
+            }
+            strict.then_some(Limit {
                 kind: *kind,
                 keys: 0,
-            }),
-            None => None,
+            })
         })
         .collect()
 }
@@ -277,3 +297,6 @@ fn requests_any(pod: &Pod, resources: &ResourcesConfig) -> bool {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod claimed_tests;

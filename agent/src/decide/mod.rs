@@ -11,12 +11,13 @@
 //! - [`advertise`]: the Node's extended resources: the writes, and what the agent remembers of other
 //!   managers;
 //! - [`dra`]: DRA mode: the devices published, the slices, the check before preparing a claim;
-//! - [`limits`]: which `misc.max` each pod and container gets; [`enforcing`]: the `Enforcing`
-//!   condition.
+//! - [`limits`]: which `misc.max` each pod and container gets ([`claimed`]: what DRA claims give
+//!   them); [`enforcing`]: the `Enforcing` condition.
 
 pub mod advertise;
 pub mod attribution;
 pub mod cgroup_names;
+pub mod claimed;
 pub mod counts;
 pub mod dra;
 pub mod enforcing;

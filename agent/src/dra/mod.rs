@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cluster::slices;
 use crate::decide::attribution::KindFigures;
+use crate::decide::claimed::ClaimedKeys;
 use crate::decide::dra::{
     AllocatedDevice, PrepareInput, PreparedClaim, allocated_devices, prepare_check,
 };
@@ -69,6 +70,9 @@ struct Shared {
     state: Mutex<State>,
     /// Notified when a claim is prepared or unprepared (the loop re-publishes).
     changed: Arc<Notify>,
+    /// The prepared claims' keys, for enforcement (sent before the kubelet hears back, so the
+    /// limits of a pod's containers know its claims when the runtime creates them).
+    claimed: tokio::sync::watch::Sender<Arc<ClaimedKeys>>,
 }
 
 #[derive(Default)]
@@ -107,6 +111,8 @@ impl Dra {
                 "prepared claims read from the checkpoint"
             );
         }
+        let claimed =
+            tokio::sync::watch::Sender::new(Arc::new(ClaimedKeys::from_prepared(claims.values())));
         let shared = Arc::new(Shared {
             node: opts.node_name.clone(),
             client,
@@ -118,6 +124,7 @@ impl Dra {
                 ..State::default()
             }),
             changed: Arc::new(Notify::new()),
+            claimed,
         });
         // The DRA socket first: the kubelet connects to it as soon as it sees the registration.
         let dra = grpc::serve(
@@ -167,21 +174,9 @@ impl Dra {
         allocated_devices(self.shared.lock().claims.values())
     }
 
-    /// Keys of each kind prepared for each pod (pod UID → kind → devices), from the claims' allocations.
-    pub fn pod_allocations(&self) -> BTreeMap<String, BTreeMap<TeeKind, u64>> {
-        let s = self.shared.lock();
-        let mut out: BTreeMap<String, BTreeMap<TeeKind, u64>> = BTreeMap::new();
-        for c in s.claims.values() {
-            for pod in &c.pods {
-                for d in c.device_names() {
-                    *out.entry(pod.clone())
-                        .or_default()
-                        .entry(d.kind)
-                        .or_insert(0) += 1;
-                }
-            }
-        }
-        out
+    /// The prepared claims' keys, kept current (enforcement reads them).
+    pub fn claims(&self) -> tokio::sync::watch::Receiver<Arc<ClaimedKeys>> {
+        self.shared.claimed.subscribe()
     }
 
     /// Forget the prepared claims none of whose pods has been bound to the node for `grace` (the
@@ -246,8 +241,16 @@ impl Shared {
             for (u, c) in removed.iter().cloned() {
                 s.claims.insert(u, c);
             }
+        } else {
+            self.publish_claims(s);
         }
         (removed, saved)
+    }
+
+    /// Tell enforcement the claims recorded now.
+    fn publish_claims(&self, s: &State) {
+        self.claimed
+            .send_replace(Arc::new(ClaimedKeys::from_prepared(s.claims.values())));
     }
 
     fn devices_of(claim: &PreparedClaim) -> Vec<Device> {
@@ -335,6 +338,7 @@ impl Shared {
             s.claims.remove(&claim.uid);
             return Err(e.to_string());
         }
+        self.publish_claims(&s);
         drop(s);
         self.changed.notify_one();
         tracing::info!(claim = %what, devices = ?prepared.devices.iter().map(|d| &d.device).collect::<Vec<_>>(), pods = ?prepared.pods, "prepared");

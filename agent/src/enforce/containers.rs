@@ -1,5 +1,6 @@
 //! The NRI plugin's decisions: the container's limit from the agent's pod cache (or one GET for an
-//! annotated pod the cache does not know yet), the host facts the poll loop keeps current, metrics,
+//! annotated pod, or one holding a prepared claim, that the cache does not know yet) and the claims
+//! the DRA driver prepared, the host facts the poll loop keeps current, metrics,
 //! logs and Events.
 
 use std::collections::BTreeMap;
@@ -17,6 +18,7 @@ use tokio::sync::watch;
 use crate::cluster::cached::CachedPod;
 use crate::cluster::events::{EventSink, PodRef, REASON_MISMATCH};
 use crate::cluster::watch::ExemptNamespaces;
+use crate::decide::claimed::ClaimedKeys;
 use crate::decide::enforcing::HostFacts;
 use crate::decide::limits::{self, ContainerLimit, PodFacts, Policy};
 use crate::metrics::Metrics;
@@ -40,6 +42,9 @@ pub struct NriContainers {
     pub strict: bool,
     /// Namespaces labelled exempt (strict mode leaves their pods alone).
     pub exempt_namespaces: ExemptNamespaces,
+    /// The claims the DRA driver prepared (DRA mode; the kubelet prepares a pod's claims before
+    /// it creates its containers).
+    pub claims: watch::Receiver<Arc<ClaimedKeys>>,
     /// Metrics.
     pub metrics: Metrics,
     /// Warning Events.
@@ -68,11 +73,13 @@ impl NriContainers {
         if !host.limits_possible() {
             return None;
         }
+        let claims = self.claims.borrow().clone();
         let decision = limits::container_limit(
             PodFacts {
                 pod,
                 annotations: &req.annotations,
                 namespace_exempt: self.exempt_namespaces.contains(&req.pod_namespace),
+                claimed: &claims,
             },
             &req.container_name,
             Policy {
@@ -133,7 +140,12 @@ impl Containers for NriContainers {
         }
         match self.cached(req) {
             Some(pod) => Answer::Now(self.answer(req, Some(&pod))),
-            None if self.client.is_some() && limits::has_limit_annotation(&req.annotations) => {
+            // Worth one GET: a pod admitted with teeguard's annotation, or one holding a claim
+            // the driver prepared.
+            None if self.client.is_some()
+                && (limits::has_limit_annotation(&req.annotations)
+                    || self.claims.borrow().holds_for(&req.pod_uid)) =>
+            {
                 Answer::Lookup
             }
             None => Answer::Now(self.answer(req, None)),

@@ -22,6 +22,7 @@ use teeguard_shared::config::EnforcementMode;
 
 use crate::cluster::events;
 use crate::cluster::watch::ExemptNamespaces;
+use crate::decide::claimed::ClaimedKeys;
 use crate::decide::enforcing::{
     EnforcingInput, HostFacts, Mechanism, NriState, WriterStatus, condition,
 };
@@ -61,6 +62,7 @@ pub struct Enforcement {
     desired_tx: tokio::sync::watch::Sender<cgroup::Desired>,
     nri: tokio::sync::watch::Receiver<NriState>,
     writer: tokio::sync::watch::Receiver<WriterStatus>,
+    claims: tokio::sync::watch::Receiver<std::sync::Arc<ClaimedKeys>>,
 }
 
 /// What [`Enforcement::start`] needs.
@@ -79,8 +81,16 @@ pub struct StartOptions {
     pub node_name: String,
     /// The poll interval (the cgroup writer's sweep).
     pub poll_interval: std::time::Duration,
+    /// The claims the DRA driver prepared ([`crate::dra::Dra::claims`]; in extended-resource mode
+    /// [`no_claims`]).
+    pub claims: tokio::sync::watch::Receiver<std::sync::Arc<ClaimedKeys>>,
     /// Metrics.
     pub metrics: crate::metrics::Metrics,
+}
+
+/// The claims of a node without the DRA driver: none, ever.
+pub fn no_claims() -> tokio::sync::watch::Receiver<std::sync::Arc<ClaimedKeys>> {
+    tokio::sync::watch::channel(std::sync::Arc::new(ClaimedKeys::NONE)).1
 }
 
 impl std::fmt::Debug for StartOptions {
@@ -123,6 +133,7 @@ impl Enforcement {
                     resources: resources.clone(),
                     strict: opts.config.strict,
                     exempt_namespaces: opts.exempt_namespaces.clone(),
+                    claims: opts.claims.clone(),
                     metrics: opts.metrics.clone(),
                     events,
                 };
@@ -174,6 +185,7 @@ impl Enforcement {
             desired_tx,
             nri,
             writer,
+            claims: opts.claims,
         }
     }
 
@@ -196,7 +208,8 @@ impl Enforcement {
         }
     }
 
-    /// After the pods or the host changed: the pod cgroups' limits (cgroup writer only).
+    /// After the pods, the host or the prepared claims changed: the pod cgroups' limits (cgroup
+    /// writer only).
     pub fn set_pods<'a>(
         &self,
         pods: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Pod>,
@@ -210,6 +223,7 @@ impl Enforcement {
             host_kinds: &host.kinds,
             strict: self.strict,
         };
+        let claims = self.claims.borrow().clone();
         let mut desired = std::collections::BTreeMap::new();
         for pod in pods {
             let terminated = pod
@@ -228,7 +242,7 @@ impl Enforcement {
                 continue;
             }
             let namespace_exempt = self.exempt_namespaces.contains(&ns);
-            let pod_limits = limits::pod_limits(pod, namespace_exempt, policy);
+            let pod_limits = limits::pod_limits(pod, namespace_exempt, &claims, policy);
             if !pod_limits.is_empty() {
                 desired.insert(
                     uid.clone(),

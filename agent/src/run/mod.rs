@@ -122,19 +122,7 @@ pub async fn run(
     } else {
         (ExemptNamespaces::default(), None)
     };
-    let enforcement = Enforcement::start(
-        StartOptions {
-            config: opts.config.enforcement.clone(),
-            resources: opts.config.resources.clone(),
-            pods: pods.store.clone(),
-            exempt_namespaces,
-            client: Some(client.clone()),
-            node_name: opts.node_name.clone(),
-            poll_interval: opts.config.agent.poll_interval,
-            metrics: metrics.clone(),
-        },
-        shutdown.clone(),
-    );
+    // The driver first: enforcement reads the claims it prepares.
     let dra = if opts.config.agent.accounting == Accounting::Dra {
         let driver = Dra::start(
             client.clone(),
@@ -157,6 +145,22 @@ pub async fn run(
     } else {
         None
     };
+    let enforcement = Enforcement::start(
+        StartOptions {
+            config: opts.config.enforcement.clone(),
+            resources: opts.config.resources.clone(),
+            pods: pods.store.clone(),
+            exempt_namespaces,
+            client: Some(client.clone()),
+            node_name: opts.node_name.clone(),
+            poll_interval: opts.config.agent.poll_interval,
+            claims: dra
+                .as_ref()
+                .map_or_else(crate::enforce::no_claims, |d| d.driver.claims()),
+            metrics: metrics.clone(),
+        },
+        shutdown.clone(),
+    );
     let mut agent = Agent {
         client: client.clone(),
         dra,

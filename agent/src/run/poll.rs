@@ -111,6 +111,10 @@ impl Agent {
                 self.readiness.set(READY_PODS, true);
             }
         }
+        if wake == Wake::Dra {
+            // A claim prepared or unprepared: the pod cgroups' limits follow its devices.
+            self.update_limits();
+        }
         if scan {
             self.scan().await;
         }

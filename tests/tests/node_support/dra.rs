@@ -300,6 +300,74 @@ pub async fn launcher_allocated_prepared_limited(w: &NodeWorld) {
     wait_tdx_devices(w, (2, 1, 0)).await;
 }
 
+/// Scenario: a pod holding its key only through a claim of its own (a ResourceClaimTemplate of the
+/// chart's DeviceClass, used by `compute`; `sidecar` uses none): the scheduler allocates a device,
+/// the agent prepares it, and `compute` gets `misc.max` `tdx 1` from the claim's allocation (there
+/// is no key request to take it from); `sidecar` gets none.
+pub async fn own_claim_limited_by_its_allocation(w: &NodeWorld) {
+    ensure_device_class(w).await;
+    wait_published(w, 2, Duration::from_secs(20)).await;
+    wait_driver_ready(w).await;
+    let templates: Api<k8s_openapi::api::resource::v1::ResourceClaimTemplate> =
+        Api::namespaced(w.cluster.client.clone(), &w.ns);
+    let template = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "tdx-key", "namespace": w.ns},
+        "spec": {"spec": {"devices": {"requests": [
+            {"name": "key", "exactly": {"deviceClassName": TDX_CLASS}}
+        ]}}}
+    }))
+    .expect("ResourceClaimTemplate");
+    templates
+        .create(&PostParams::default(), &template)
+        .await
+        .expect("create the ResourceClaimTemplate");
+    let mut pod = pods::plain(
+        &w.ns,
+        "own-claim",
+        &[("compute", &[]), ("sidecar", &[])],
+        &w.selector(),
+    );
+    let spec = pod.spec.as_mut().expect("spec");
+    spec.resource_claims = Some(vec![k8s_openapi::api::core::v1::PodResourceClaim {
+        name: "tee".into(),
+        resource_claim_template_name: Some("tdx-key".into()),
+        ..Default::default()
+    }]);
+    spec.containers[0].resources.get_or_insert_default().claims =
+        Some(vec![k8s_openapi::api::core::v1::ResourceClaim {
+            name: "tee".into(),
+            request: None,
+        }]);
+    let pod = w
+        .create(&pod)
+        .await
+        .unwrap_or_else(|e| panic!("pod refused: {e}\n{}", w.diagnostics()));
+    let pod = w.wait_running(&pod).await;
+    let claim_name = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|s| s.iter().find(|c| c.name == "tee"))
+        .and_then(|c| c.resource_claim_name.clone())
+        .expect("the claim made from the template");
+    let claims: Api<ResourceClaim> = Api::namespaced(w.cluster.client.clone(), &w.ns);
+    let devices = claim_devices(&claims.get(&claim_name).await.expect("the claim"));
+    assert_eq!(devices.len(), 1, "{devices:?}");
+    let got = limits(&w.records(&pod).await);
+    assert_eq!(
+        got.get("compute").map(String::as_str),
+        Some("tdx 1"),
+        "compute's misc.max comes from its claim's allocation: {got:?}"
+    );
+    assert_eq!(
+        got.get("sidecar").map(String::as_str),
+        Some("-"),
+        "sidecar uses no claim: {got:?}"
+    );
+    wait_tdx_devices(w, (2, 1, 0)).await;
+}
+
 /// Scenario: 50 pods requesting one TDX key each, created at once (past any webhook) for a node with
 /// one free key: the scheduler allocates exactly one, which runs; 49 stay Pending with the scheduler's
 /// message.

@@ -12,6 +12,8 @@ use super::*;
 const TDX_KEYS: &str = "tdx.intel.com/keys";
 const ESIDS: &str = "sev-snp.amd.com/esids";
 const ANNOTATION: &str = "misc-max.teeguard.dev/compute";
+/// Extended-resource mode: the agent prepares no claim.
+static NO_CLAIMS: ClaimedKeys = ClaimedKeys::NONE;
 
 fn tdx(keys: u64) -> Limit {
     Limit {
@@ -52,6 +54,7 @@ fn decide(
             pod,
             annotations: ann,
             namespace_exempt: false,
+            claimed: &NO_CLAIMS,
         },
         container,
         Policy {
@@ -265,18 +268,18 @@ fn pod_limits_follow_requests_overhead_and_strict_mode() {
     };
     let vm = admitted(Tee::Tdx, TDX_KEYS, Some("tdx 1"));
     assert_eq!(
-        pod_limits(&vm, false, policy(&[TeeKind::Tdx], false)),
+        pod_limits(&vm, false, &NO_CLAIMS, policy(&[TeeKind::Tdx], false)),
         vec![tdx(1)]
     );
     assert_eq!(
-        pod_limits(&vm, false, policy(&[TeeKind::Tdx], true)),
+        pod_limits(&vm, false, &NO_CLAIMS, policy(&[TeeKind::Tdx], true)),
         vec![tdx(1)]
     );
 
     // Kata: the key comes from the RuntimeClass overhead.
     let kata = fx::kata_pod("kata", KataTee::Tdx);
     assert_eq!(
-        pod_limits(&kata, false, policy(&[TeeKind::Tdx], false)),
+        pod_limits(&kata, false, &NO_CLAIMS, policy(&[TeeKind::Tdx], false)),
         vec![tdx(1)]
     );
 
@@ -284,11 +287,16 @@ fn pod_limits_follow_requests_overhead_and_strict_mode() {
         .running_on("node-a")
         .build();
     assert_eq!(
-        pod_limits(&plain, false, policy(&[TeeKind::Tdx], false)),
+        pod_limits(&plain, false, &NO_CLAIMS, policy(&[TeeKind::Tdx], false)),
         vec![]
     );
     assert_eq!(
-        pod_limits(&plain, false, policy(&[TeeKind::Sev, TeeKind::SevEs], true)),
+        pod_limits(
+            &plain,
+            false,
+            &NO_CLAIMS,
+            policy(&[TeeKind::Sev, TeeKind::SevEs], true)
+        ),
         vec![
             Limit {
                 kind: TeeKind::Sev,
@@ -300,7 +308,12 @@ fn pod_limits_follow_requests_overhead_and_strict_mode() {
     // An SNP VM on an AMD host in strict mode: its own kind at its request, the other at 0.
     let snp = admitted(Tee::Snp, ESIDS, Some("sev_es 1"));
     assert_eq!(
-        pod_limits(&snp, false, policy(&[TeeKind::Sev, TeeKind::SevEs], true)),
+        pod_limits(
+            &snp,
+            false,
+            &NO_CLAIMS,
+            policy(&[TeeKind::Sev, TeeKind::SevEs], true)
+        ),
         vec![
             Limit {
                 kind: TeeKind::Sev,
@@ -314,7 +327,7 @@ fn pod_limits_follow_requests_overhead_and_strict_mode() {
         .running_on("node-a")
         .build();
     assert_eq!(
-        pod_limits(&exempt, false, policy(&[TeeKind::Tdx], true)),
+        pod_limits(&exempt, false, &NO_CLAIMS, policy(&[TeeKind::Tdx], true)),
         vec![]
     );
 }
@@ -331,7 +344,7 @@ fn an_unparsable_request_is_never_zeroed() {
         host_kinds: &[TeeKind::Tdx],
         strict: true,
     };
-    assert_eq!(pod_limits(&pod, false, policy), vec![]);
+    assert_eq!(pod_limits(&pod, false, &NO_CLAIMS, policy), vec![]);
     assert_eq!(
         decide(
             Some(&pod),
@@ -371,6 +384,7 @@ fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
         pod: Some(&plain),
         annotations: &none,
         namespace_exempt,
+        claimed: &NO_CLAIMS,
     };
     assert_eq!(
         container_limit(facts(false), "compute", policy),
@@ -384,12 +398,12 @@ fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
         container_limit(facts(true), "compute", policy),
         ContainerLimit::Unlimited
     );
-    assert_eq!(pod_limits(&plain, false, policy), vec![tdx(0)]);
-    assert_eq!(pod_limits(&plain, true, policy), vec![]);
+    assert_eq!(pod_limits(&plain, false, &NO_CLAIMS, policy), vec![tdx(0)]);
+    assert_eq!(pod_limits(&plain, true, &NO_CLAIMS, policy), vec![]);
     // A pod of an exempt namespace that requests a key is still held to its request (what the
     // scheduler counted): exemption only lifts strict mode's zero.
     let vm = admitted(Tee::Tdx, TDX_KEYS, Some("tdx 1"));
-    assert_eq!(pod_limits(&vm, true, policy), vec![tdx(1)]);
+    assert_eq!(pod_limits(&vm, true, &NO_CLAIMS, policy), vec![tdx(1)]);
 }
 
 #[test]
@@ -414,11 +428,12 @@ fn strict_mode_never_zeroes_a_pod_holding_a_dra_claim_of_its_own() {
         pod: Some(&pod),
         annotations: &none,
         namespace_exempt: false,
+        claimed: &NO_CLAIMS,
     };
     assert_eq!(
         container_limit(facts, "compute", policy),
         ContainerLimit::Unlimited,
         "its claim's devices may be keys: no zero"
     );
-    assert_eq!(pod_limits(&pod, false, policy), vec![]);
+    assert_eq!(pod_limits(&pod, false, &NO_CLAIMS, policy), vec![]);
 }
