@@ -103,9 +103,15 @@ async fn a_kata_style_pod_of_a_tee_runtime_class_and_a_kubevirt_launcher_draw_fr
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pod_holding_a_key_only_through_its_own_claim_gets_misc_max_from_the_allocation() {
+async fn a_pod_holding_a_key_only_through_its_own_claim_gets_misc_max_from_the_allocation_in_strict_mode()
+ {
     within(DEADLINE, async {
-        let Some(w) = NodeWorld::start(RUNTIME, "dra-own-claim", Options::dra(2)).await else {
+        // Strict mode on: a pod whose keys come from a claim is held to it, and not zeroed.
+        let options = Options {
+            strict: true,
+            ..Options::dra(2)
+        };
+        let Some(w) = NodeWorld::start(RUNTIME, "dra-own-claim", options).await else {
             return;
         };
         dra::own_claim_limited_by_its_allocation(&w).await;

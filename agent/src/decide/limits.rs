@@ -14,10 +14,10 @@
 //! - DRA mode: the keys a container or pod holds through claims the agent prepared count too, and an
 //!   extended-resource request a claim serves is counted through the claim's devices
 //!   ([`super::claimed`]): the allocation, not the request, sets the limit.
-//! - Strict mode: a pod that requests no key of a kind the host has gets `<kind> 0` for it, so an
-//!   unaccounted KVM user fails at the kernel instead of taking a key the scheduler gave to someone
-//!   else. Exempt pods (label `teeguard.dev/exempt: "true"` on the pod or on its namespace, as the
-//!   webhook honours it) are left alone.
+//! - Strict mode: a pod that holds no key of a kind the host has (no request, no prepared claim) gets
+//!   `<kind> 0` for it, so an unaccounted KVM user fails at the kernel instead of taking a key the
+//!   scheduler gave to someone else. Exempt pods (label `teeguard.dev/exempt: "true"` on the pod or
+//!   on its namespace, as the webhook honours it) are left alone.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -189,7 +189,7 @@ pub fn container_limit(facts: PodFacts<'_>, container: &str, policy: Policy<'_>)
         (None, None) => None,
     };
     let Some(limit) = derived else {
-        return strict_zero(pod, facts.namespace_exempt, policy);
+        return strict_zero(pod, facts, policy);
     };
     let mismatch = match annotated {
         Some(a) => match Limit::parse(a) {
@@ -208,10 +208,14 @@ pub fn container_limit(facts: PodFacts<'_>, container: &str, policy: Policy<'_>)
     ContainerLimit::Set { limit, mismatch }
 }
 
-/// Strict mode for a container of a pod requesting nothing: `<kind> 0` when the host has exactly one
-/// kind (one line per container); with several kinds the pod-level cgroup writer covers them all.
-fn strict_zero(pod: &Pod, namespace_exempt: bool, policy: Policy<'_>) -> ContainerLimit {
-    if !policy.strict || is_exempt(pod, namespace_exempt) || requests_any(pod, policy.resources) {
+/// Strict mode for a container of a pod holding no key (no request, no prepared claim): `<kind> 0`
+/// when the host has exactly one kind (one line per container); with several kinds the pod-level
+/// cgroup writer covers them all.
+fn strict_zero(pod: &Pod, facts: PodFacts<'_>, policy: Policy<'_>) -> ContainerLimit {
+    if !policy.strict
+        || is_exempt(pod, facts.namespace_exempt)
+        || holds_any(pod, facts.claimed, policy.resources)
+    {
         return ContainerLimit::Unlimited;
     }
     match policy.host_kinds {
@@ -240,11 +244,7 @@ pub fn pod_limits(
         return Vec::new();
     };
     let held = claimed::pod_claimed(pod, claims, policy.resources);
-    // A pod holding a DRA claim of its own (`spec.resourceClaims`) may hold keys it does not request
-    // as an extended resource: strict mode must not zero it.
-    let strict = policy.strict
-        && !is_exempt(pod, namespace_exempt)
-        && !super::attribution::has_dra_claim(pod);
+    let strict = policy.strict && !is_exempt(pod, namespace_exempt);
     policy
         .host_kinds
         .iter()
@@ -288,11 +288,13 @@ fn container_requests(
         .collect()
 }
 
-fn requests_any(pod: &Pod, resources: &ResourcesConfig) -> bool {
-    // An unparsable request still means the pod asked for keys: never zero it. Nor a pod with a DRA
-    // claim: its devices may be keys it does not request as an extended resource.
+/// Whether the pod requests keys or holds some through a claim the agent prepared. An unparsable
+/// request still means the pod asked for keys: never zero it. A claim the agent did not prepare holds
+/// none of its keys: the kubelet has the driver prepare a pod's claims before it creates the pod's
+/// sandbox and containers.
+fn holds_any(pod: &Pod, claims: &ClaimedKeys, resources: &ResourcesConfig) -> bool {
     key_requests(pod, resources).map_or(true, |r| !r.is_empty())
-        || super::attribution::has_dra_claim(pod)
+        || !claimed::pod_claimed(pod, claims, resources).keys.is_empty()
 }
 
 #[cfg(test)]

@@ -303,7 +303,8 @@ pub async fn launcher_allocated_prepared_limited(w: &NodeWorld) {
 /// Scenario: a pod holding its key only through a claim of its own (a ResourceClaimTemplate of the
 /// chart's DeviceClass, used by `compute`; `sidecar` uses none): the scheduler allocates a device,
 /// the agent prepares it, and `compute` gets `misc.max` `tdx 1` from the claim's allocation (there
-/// is no key request to take it from); `sidecar` gets none.
+/// is no key request to take it from); `sidecar` gets none (not even strict mode's zero: the pod
+/// holds a key).
 pub async fn own_claim_limited_by_its_allocation(w: &NodeWorld) {
     ensure_device_class(w).await;
     wait_published(w, 2, Duration::from_secs(20)).await;

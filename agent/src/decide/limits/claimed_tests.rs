@@ -113,9 +113,9 @@ fn a_pod_holding_keys_only_through_its_own_claim_is_limited_to_the_claims_device
             ContainerLimit::Unlimited
         );
     }
-    // Before the claim is prepared (or when another driver's): nothing to set.
+    // A claim not prepared by the agent (another driver's): nothing to set (strict mode: below).
     assert_eq!(
-        decide(&pod, "compute", &ClaimedKeys::NONE, true),
+        decide(&pod, "compute", &ClaimedKeys::NONE, false),
         ContainerLimit::Unlimited
     );
     assert_eq!(pod_level(&pod, &ClaimedKeys::NONE, false), vec![]);
@@ -172,4 +172,26 @@ fn an_extended_resource_whose_claim_is_not_prepared_here_falls_back_to_the_reque
     let other = claims("another-claim", &[("r", "tdx-0")]);
     assert_eq!(decide(&pod, "compute", &other, false), set(tdx(1)));
     assert_eq!(pod_level(&pod, &other, false), vec![tdx(1)]);
+}
+
+#[test]
+fn strict_mode_holds_a_pod_with_claims_to_what_the_agent_prepared_for_it() {
+    let pod = own_claim_pod();
+    // Its claim prepared: the allocation, and the container that uses no claim is not zeroed (the
+    // pod holds keys; its cgroup's limit bounds every container).
+    let held = claims("p-key-abcde", &[("tdx", "tdx-0")]);
+    assert_eq!(
+        decide(&pod, "sidecar", &held, true),
+        ContainerLimit::Unlimited
+    );
+    assert_eq!(pod_level(&pod, &held, true), vec![tdx(1)]);
+    // Its claims are none of the agent's (another driver's devices; or extended-resource mode, where
+    // no claim holds keys): zeroed like any pod holding no key, since the kubelet has the driver
+    // prepare a pod's claims before it creates the pod's containers.
+    for other in [ClaimedKeys::NONE, claims("gpu-claim", &[("gpu", "tdx-7")])] {
+        assert_eq!(decide(&pod, "compute", &other, true), set(tdx(0)));
+        assert_eq!(decide(&pod, "sidecar", &other, true), set(tdx(0)));
+        assert_eq!(pod_level(&pod, &other, true), vec![tdx(0)]);
+        assert_eq!(pod_level(&pod, &other, false), vec![]);
+    }
 }

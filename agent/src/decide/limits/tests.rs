@@ -405,35 +405,3 @@ fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
     let vm = admitted(Tee::Tdx, TDX_KEYS, Some("tdx 1"));
     assert_eq!(pod_limits(&vm, true, &NO_CLAIMS, policy), vec![tdx(1)]);
 }
-
-#[test]
-fn strict_mode_never_zeroes_a_pod_holding_a_dra_claim_of_its_own() {
-    let resources = ResourcesConfig::default();
-    let policy = Policy {
-        resources: &resources,
-        host_kinds: &[TeeKind::Tdx],
-        strict: true,
-    };
-    let mut pod = VirtLauncherPod::for_tee("claimed", Tee::None)
-        .running_on("node-a")
-        .build();
-    pod.spec.as_mut().expect("spec").resource_claims =
-        Some(vec![k8s_openapi::api::core::v1::PodResourceClaim {
-            name: "key".into(),
-            resource_claim_template_name: Some("tdx-key".into()),
-            ..Default::default()
-        }]);
-    let none = BTreeMap::new();
-    let facts = PodFacts {
-        pod: Some(&pod),
-        annotations: &none,
-        namespace_exempt: false,
-        claimed: &NO_CLAIMS,
-    };
-    assert_eq!(
-        container_limit(facts, "compute", policy),
-        ContainerLimit::Unlimited,
-        "its claim's devices may be keys: no zero"
-    );
-    assert_eq!(pod_limits(&pod, false, &NO_CLAIMS, policy), vec![]);
-}
