@@ -3,11 +3,13 @@
 //! info, preparing (the re-check, idempotence, a device another claim holds, a deleted claim),
 //! unpreparing (idempotent, unknown claims), and the checkpoint across a restart.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use prost::Message;
+use common::kubelet::{PREPARE, UNPREPARE, call};
 use serde_json::json;
 use teeguard_agent::decide::attribution::KindFigures;
 use teeguard_agent::decide::claimed::ClaimedKeys;
@@ -21,38 +23,6 @@ use teeguard_tests::fakeapi::FakeApiServer;
 use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "node-a";
-
-async fn call<Req, Resp>(socket: &Path, path: &'static str, req: Req) -> Resp
-where
-    Req: Message + Send + Sync + 'static,
-    Resp: Message + Default + Send + Sync + 'static,
-{
-    let socket = socket.to_path_buf();
-    let channel = tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let s = socket.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(s).await?,
-                ))
-            }
-        }))
-        .await
-        .expect("connect to the plugin socket");
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.expect("ready");
-    grpc.unary(
-        tonic::Request::new(req),
-        http::uri::PathAndQuery::from_static(path),
-        tonic_prost::ProstCodec::<Req, Resp>::default(),
-    )
-    .await
-    .expect("call")
-    .into_inner()
-}
-
-const PREPARE: &str = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources";
-const UNPREPARE: &str = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources";
 
 fn claim_object(uid: &str, name: &str, device: &str, pod: &str) -> serde_json::Value {
     json!({

@@ -2,6 +2,8 @@
 //! simulated host.
 #![allow(dead_code)]
 
+pub mod kubelet;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +35,15 @@ pub fn config(extra_agent: &str) -> Config {
     .expect("config")
 }
 
+/// The options of a test agent on `node` reading `root`: short backoffs and API timeout.
+pub fn options(node: &str, root: &std::path::Path, config: Config) -> AgentOptions {
+    let mut opts = AgentOptions::new(node, root, config);
+    opts.backoff_initial = Duration::from_millis(20);
+    opts.backoff_max = Duration::from_millis(200);
+    opts.api_timeout = Duration::from_secs(5);
+    opts
+}
+
 /// A running agent.
 pub struct Agent {
     pub api: FakeApiServer,
@@ -55,10 +66,11 @@ impl Agent {
         root: &std::path::Path,
         config: Config,
     ) -> Agent {
-        let mut opts = AgentOptions::new(node, root, config);
-        opts.backoff_initial = Duration::from_millis(20);
-        opts.backoff_max = Duration::from_millis(200);
-        opts.api_timeout = Duration::from_secs(5);
+        Self::start_with(api, options(node, root, config))
+    }
+
+    /// Start `run` with `opts` (from [`options`]).
+    pub fn start_with(api: &FakeApiServer, opts: AgentOptions) -> Agent {
         let mut registry = Registry::default();
         let metrics = Metrics::new(&mut registry);
         let readiness = Readiness::new(&[READY_SCAN, READY_PODS]);
