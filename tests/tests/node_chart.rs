@@ -21,14 +21,15 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::Api;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::api::{ListParams, PostParams};
+use kube::{Api, ResourceExt};
 use teeguard_certs::{CertificateAuthority, ServingCertRequest};
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::controlplane::{ControlPlane, unique_name};
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
 use teeguard_tests::host::{SimHost, TDX};
-use teeguard_tests::node::{ContainerKind, RealNode, Runtime, built_images, pods};
+use teeguard_tests::node::{ContainerKind, NodeTurn, RealNode, Runtime, built_images, pods};
 use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
 
 const DEADLINE: Duration = Duration::from_secs(420);
@@ -176,17 +177,7 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
         let nodes: Api<Node> = Api::all(cluster.client.clone());
         let before = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
 
-        for (image, file) in [
-            (WEBHOOK_IMAGE, "teeguard-webhook"),
-            (AGENT_IMAGE, "teeguard-agent"),
-        ] {
-            turn.import_image(
-                &images.join(format!("{file}.tar")),
-                &format!("{image}:{VERSION}"),
-            )
-            .unwrap_or_else(|e| panic!("{e}"));
-        }
-
+        import_images(&turn, &images);
         // The agent reads a simulated host with the misc controller delegated (4 TDX keys): this
         // machine's own tree has no misc controller.
         let host = SimHost::builder()
@@ -196,63 +187,12 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
         // The chart mounts the cgroup tree with HostToContainer propagation, which the runtime allows
         // only from a shared (or slave) mount, as /sys/fs/cgroup is on a systemd host.
         let _shared = SharedMount::new(host.root());
-        let release = unique_name("tg");
-        let ns = release.clone();
-        let (webhook_port, webhook_admin, agent_admin) = (free_port(), free_port(), free_port());
-        let ca = CertificateAuthority::generate("teeguard-node-chart-ca", 2).expect("CA");
-        let leaf = ca
-            .issue(&ServingCertRequest::localhost())
-            .expect("serving certificate");
-        let dir = tempfile::tempdir().expect("temp dir");
-        let (crt, key, ca_crt) = (
-            dir.path().join("tls.crt"),
-            dir.path().join("tls.key"),
-            dir.path().join("ca.crt"),
+        let Release { name: release, ns } = install(
+            cp,
+            &turn,
+            &host,
+            &[("config.enforcement.mode", "nri".into())],
         );
-        std::fs::write(&crt, leaf.cert_pem()).expect("write");
-        std::fs::write(&key, leaf.key_pem()).expect("write");
-        std::fs::write(&ca_crt, ca.cert_pem()).expect("write");
-        let api_port = cp.url.rsplit(':').next().expect("port").to_string();
-        let mut args: Vec<String> = vec![
-            "install".into(),
-            release.clone(),
-            chart_support::chart_dir().display().to_string(),
-            "--namespace".into(),
-            ns.clone(),
-            "--create-namespace".into(),
-        ];
-        args.extend(set(&[
-            ("apiServer.host", "127.0.0.1".into()),
-            ("apiServer.port", api_port),
-            ("webhook.replicas", "1".into()),
-            ("webhook.hostNetwork", "true".into()),
-            ("webhook.port", webhook_port.to_string()),
-            ("webhook.adminPort", webhook_admin.to_string()),
-            ("webhook.image.pullPolicy", "Never".into()),
-            ("webhook.podDisruptionBudget.enabled", "false".into()),
-            // The API server here reaches no Service: it calls the host-network pod by URL.
-            ("webhook.url", format!("https://127.0.0.1:{webhook_port}")),
-            ("agent.hostNetwork", "true".into()),
-            ("agent.adminPort", agent_admin.to_string()),
-            ("agent.image.pullPolicy", "Never".into()),
-            ("agent.hostCgroupRoot", host.root().display().to_string()),
-            ("config.enforcement.mode", "nri".into()),
-            (
-                "config.enforcement.nriSocket",
-                turn.nri_socket().display().to_string(),
-            ),
-            ("config.agent.pollInterval", "250ms".into()),
-            ("config.agent.heartbeatInterval", "5s".into()),
-        ]));
-        for (k, f) in [
-            ("webhook.tls.crt", &crt),
-            ("webhook.tls.key", &key),
-            ("webhook.tls.caCrt", &ca_crt),
-        ] {
-            args.extend(["--set-file".into(), format!("{k}={}", f.display())]);
-        }
-        let out = helm(cp, &args);
-        assert!(out.success, "helm install failed:\n{}", out.stderr);
 
         // The agent's pod: on this node, the chart's securityContext and mounts, Ready.
         let agent = ready_pod(&cluster, &ns, "agent", &format!("{AGENT_IMAGE}:{VERSION}")).await;
@@ -329,56 +269,9 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
             &format!("{WEBHOOK_IMAGE}:{VERSION}"),
         )
         .await;
-        let vm_ns = cluster
-            .namespace("chart-vms", test, &[])
-            .await
-            .expect("namespace");
-        let uid = cluster
-            .create_vmi(&vm_ns, "tdx-vm", Tee::Tdx)
-            .await
-            .expect("VMI");
-        let pod = Cluster::launcher_pod(&vm_ns, "tdx-vm", &uid, Tee::Tdx, &[(TEST_LABEL, test)])
-            .expect("pod");
-        let pods_api: Api<Pod> = Api::namespaced(cluster.client.clone(), &vm_ns);
-        let created = pods_api
-            .create(&PostParams::default(), &pods::runnable(&pod))
-            .await
-            .unwrap_or_else(|e| panic!("the TDX VM's pod was refused: {e}"));
-        let compute = &created.spec.as_ref().expect("spec").containers[0];
+        let vm = run_tdx_vm(&cluster, &turn, test).await;
         assert_eq!(
-            compute
-                .resources
-                .as_ref()
-                .and_then(|r| r.requests.as_ref())
-                .and_then(|r| r.get(TDX_KEYS))
-                .map(|q| q.0.as_str()),
-            Some("1"),
-            "mutated by the chart's webhook"
-        );
-        let pod_uid = created.metadata.uid.clone().expect("uid");
-        let name = created.metadata.name.clone().expect("name");
-        cluster
-            .wait_for_within(
-                "the TDX VM's pod Running",
-                Duration::from_secs(90),
-                || async {
-                    let p = pods_api.get(&name).await.ok()?;
-                    (p.status?.phase.as_deref() == Some("Running")).then_some(())
-                },
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{e}\nkubelet:\n{}", tail(&turn.log("kubelet"))));
-        let compute_limit = cluster
-            .wait_for("the compute container's recorded config", || async {
-                turn.records_of(&pod_uid)
-                    .into_iter()
-                    .find(|r| r.kind == ContainerKind::Container && r.container == "compute")
-                    .map(|r| r.misc_max().map(str::to_string))
-            })
-            .await
-            .expect("recorded");
-        assert_eq!(
-            compute_limit.as_deref(),
+            vm.compute_limit.as_deref(),
             Some("tdx 1"),
             "misc.max from the chart's agent"
         );
@@ -450,8 +343,8 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
         assert_no_refused_api_calls(&turn, &upgraded, "upgraded agent");
 
         // helm uninstall, then `teeguard-agent cleanup`: the Node as it was before the install.
-        pods_api
-            .delete(&name, &Default::default())
+        vm.pods
+            .delete(&vm.name, &Default::default())
             .await
             .expect("delete the VM's pod");
         let out = helm(
@@ -489,6 +382,364 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
         );
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_and_a_tdx_vm_is_allocated_prepared_and_limited()
+ {
+    let Some(images) = built_images() else { return };
+    let Some(node) = RealNode::shared(Runtime::Containerd) else {
+        return;
+    };
+    within(DEADLINE, async move {
+        let turn = node.acquire().await;
+        let cluster = Cluster::connect().await.expect("control plane");
+        let cp = cluster.cp;
+        let test = "chart-dra";
+        node_support::prepare_node(&cluster, &turn, test).await;
+        let nodes: Api<Node> = Api::all(cluster.client.clone());
+        let before = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
+        // The chart creates the DeviceClasses: drop copies other tests made by hand (not the chart's).
+        let classes: Api<DeviceClass> = Api::all(cluster.client.clone());
+        for kind in ["tdx", "sev", "sev-es"] {
+            let name = format!("{kind}.tee.teeguard.dev");
+            if let Ok(c) = classes.get(&name).await
+                && c.labels()
+                    .get("app.kubernetes.io/managed-by")
+                    .map(String::as_str)
+                    != Some("Helm")
+            {
+                let _ = classes.delete(&name, &Default::default()).await;
+            }
+        }
+        import_images(&turn, &images);
+        let host = SimHost::builder()
+            .capacity(TDX, 2)
+            .build()
+            .expect("simulated host");
+        let _shared = SharedMount::new(host.root());
+        let kubelet_dir = turn.kubelet_root().display().to_string();
+        let Release { name: release, ns } = install(
+            cp,
+            &turn,
+            &host,
+            &[
+                ("config.enforcement.mode", "nri".into()),
+                ("config.agent.accounting", "dra".into()),
+                ("agent.kubeletDir", kubelet_dir.clone()),
+            ],
+        );
+
+        // The agent's pod: root without capabilities, the kubelet's plugin directories mounted at
+        // their host paths.
+        let agent = ready_pod(&cluster, &ns, "agent", &format!("{AGENT_IMAGE}:{VERSION}")).await;
+        let spec = agent.spec.as_ref().expect("spec");
+        assert_eq!(
+            spec.security_context.as_ref().and_then(|s| s.run_as_user),
+            Some(0),
+            "DRA mode: the agent runs as root to serve the kubelet's sockets"
+        );
+        let mounts: Vec<&str> = spec.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .map(|m| m.mount_path.as_str())
+            .collect();
+        for dir in [
+            format!("{kubelet_dir}/plugins_registry"),
+            format!("{kubelet_dir}/plugins/tee.teeguard.dev"),
+        ] {
+            assert!(mounts.contains(&dir.as_str()), "{dir} in {mounts:?}");
+        }
+
+        // The kubelet registers the driver; the agent publishes the node's 2 keys as devices and
+        // advertises no extended resource.
+        let reports: Api<TeeCapacity> = Api::all(cluster.client.clone());
+        cluster
+            .wait_for_within(
+                "the report: accounting dra, DraDriverReady True, 2 TDX devices published",
+                Duration::from_secs(90),
+                || async {
+                    let s = reports.get(&turn.name).await.ok()?.status?;
+                    let ready = s
+                        .condition("DraDriverReady")
+                        .is_some_and(|c| c.status == "True");
+                    let published = s.tdx.as_ref()?.devices.as_ref()?.published;
+                    (s.accounting.as_deref() == Some("dra") && ready && published == 2)
+                        .then_some(())
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}\nkubelet:\n{}", tail(&turn.log("kubelet"))));
+        let slices: Api<ResourceSlice> = Api::all(cluster.client.clone());
+        let on_node = ListParams::default().fields(&format!(
+            "spec.nodeName={},spec.driver=tee.teeguard.dev",
+            turn.name
+        ));
+        let devices: usize = slices
+            .list(&on_node)
+            .await
+            .expect("slices")
+            .items
+            .iter()
+            .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+            .sum();
+        assert_eq!(devices, 2);
+        assert_eq!(
+            teeguard_marks(&nodes.get(&turn.name).await.expect("node")).1,
+            None,
+            "DRA mode advertises no tdx.intel.com/keys"
+        );
+
+        // A TDX VM through the chart's webhook: the scheduler allocates a device through the chart's
+        // DeviceClass, the kubelet has the chart's agent prepare it, the pod runs with tdx 1.
+        let webhook = ready_pod(
+            &cluster,
+            &ns,
+            "webhook",
+            &format!("{WEBHOOK_IMAGE}:{VERSION}"),
+        )
+        .await;
+        let vm = run_tdx_vm(&cluster, &turn, test).await;
+        assert_eq!(vm.compute_limit.as_deref(), Some("tdx 1"));
+        assert!(
+            vm.pod
+                .status
+                .as_ref()
+                .and_then(|s| s.extended_resource_claim_status.as_ref())
+                .is_some(),
+            "the key was allocated through a claim"
+        );
+        cluster
+            .wait_for("the report counting 1 device allocated", || async {
+                let s = reports.get(&turn.name).await.ok()?.status?;
+                (s.tdx?.devices?.allocated == 1).then_some(())
+            })
+            .await
+            .expect("allocated");
+        assert_no_refused_api_calls(&turn, &agent, "agent");
+        assert_no_refused_api_calls(&turn, &webhook, "webhook");
+
+        // The VM ends (the kubelet unprepares its claim), then uninstall and cleanup: no slice, no
+        // DeviceClass, no report left, the Node as before.
+        vm.pods
+            .delete(&vm.name, &Default::default())
+            .await
+            .expect("delete the VM's pod");
+        cluster
+            .wait_for("the report counting no device allocated", || async {
+                let s = reports.get(&turn.name).await.ok()?.status?;
+                (s.tdx?.devices?.allocated == 0).then_some(())
+            })
+            .await
+            .expect("unprepared");
+        let out = helm(
+            cp,
+            &[
+                "uninstall".into(),
+                release.clone(),
+                "--namespace".into(),
+                ns.clone(),
+                "--wait".into(),
+            ],
+        );
+        assert!(out.success, "helm uninstall failed:\n{}", out.stderr);
+        assert!(
+            classes
+                .get_opt("tdx.tee.teeguard.dev")
+                .await
+                .expect("get")
+                .is_none(),
+            "the chart's DeviceClass left"
+        );
+        let bins = teeguard_tests::e2e::binaries().expect("teeguard binaries");
+        let cleanup = std::process::Command::new(&bins.agent)
+            .args(["cleanup", "--node-name", &turn.name, "--namespace", &ns])
+            .env("KUBECONFIG", &cp.kubeconfig)
+            .output()
+            .expect("run teeguard-agent cleanup");
+        assert!(
+            cleanup.status.success(),
+            "teeguard-agent cleanup failed: {}{}",
+            String::from_utf8_lossy(&cleanup.stdout),
+            String::from_utf8_lossy(&cleanup.stderr)
+        );
+        assert!(
+            slices
+                .list(&on_node)
+                .await
+                .expect("slices")
+                .items
+                .is_empty(),
+            "slices left after cleanup"
+        );
+        assert!(
+            reports.get_opt(&turn.name).await.expect("get").is_none(),
+            "report left"
+        );
+        let after = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
+        assert_eq!(after, before, "the Node after uninstall and cleanup");
+    })
+    .await;
+}
+
+/// The images `scripts/images.sh` built, imported into the node's runtime under the chart's names.
+fn import_images(turn: &NodeTurn, images: &std::path::Path) {
+    for (image, file) in [
+        (WEBHOOK_IMAGE, "teeguard-webhook"),
+        (AGENT_IMAGE, "teeguard-agent"),
+    ] {
+        turn.import_image(
+            &images.join(format!("{file}.tar")),
+            &format!("{image}:{VERSION}"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+/// A release of the chart installed by [`install`].
+struct Release {
+    name: String,
+    ns: String,
+}
+
+/// `helm install` of the chart on the real control plane for this node: the images built here, host
+/// network, the webhook called by URL with a certificate of a fresh CA, the agent reading `host`,
+/// plus `extra` values.
+fn install(
+    cp: &ControlPlane,
+    turn: &NodeTurn,
+    host: &SimHost,
+    extra: &[(&str, String)],
+) -> Release {
+    let release = unique_name("tg");
+    let ns = release.clone();
+    let (webhook_port, webhook_admin, agent_admin) = (free_port(), free_port(), free_port());
+    let ca = CertificateAuthority::generate("teeguard-node-chart-ca", 2).expect("CA");
+    let leaf = ca
+        .issue(&ServingCertRequest::localhost())
+        .expect("serving certificate");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (crt, key, ca_crt) = (
+        dir.path().join("tls.crt"),
+        dir.path().join("tls.key"),
+        dir.path().join("ca.crt"),
+    );
+    std::fs::write(&crt, leaf.cert_pem()).expect("write");
+    std::fs::write(&key, leaf.key_pem()).expect("write");
+    std::fs::write(&ca_crt, ca.cert_pem()).expect("write");
+    let api_port = cp.url.rsplit(':').next().expect("port").to_string();
+    let mut args: Vec<String> = vec![
+        "install".into(),
+        release.clone(),
+        chart_support::chart_dir().display().to_string(),
+        "--namespace".into(),
+        ns.clone(),
+        "--create-namespace".into(),
+    ];
+    args.extend(set(&[
+        ("apiServer.host", "127.0.0.1".into()),
+        ("apiServer.port", api_port),
+        ("webhook.replicas", "1".into()),
+        ("webhook.hostNetwork", "true".into()),
+        ("webhook.port", webhook_port.to_string()),
+        ("webhook.adminPort", webhook_admin.to_string()),
+        ("webhook.image.pullPolicy", "Never".into()),
+        ("webhook.podDisruptionBudget.enabled", "false".into()),
+        // The API server here reaches no Service: it calls the host-network pod by URL.
+        ("webhook.url", format!("https://127.0.0.1:{webhook_port}")),
+        ("agent.hostNetwork", "true".into()),
+        ("agent.adminPort", agent_admin.to_string()),
+        ("agent.image.pullPolicy", "Never".into()),
+        ("agent.hostCgroupRoot", host.root().display().to_string()),
+        (
+            "config.enforcement.nriSocket",
+            turn.nri_socket().display().to_string(),
+        ),
+        ("config.agent.pollInterval", "250ms".into()),
+        ("config.agent.heartbeatInterval", "5s".into()),
+    ]));
+    args.extend(set(extra));
+    for (k, f) in [
+        ("webhook.tls.crt", &crt),
+        ("webhook.tls.key", &key),
+        ("webhook.tls.caCrt", &ca_crt),
+    ] {
+        args.extend(["--set-file".into(), format!("{k}={}", f.display())]);
+    }
+    let out = helm(cp, &args);
+    assert!(out.success, "helm install failed:\n{}", out.stderr);
+    Release { name: release, ns }
+}
+
+/// A TDX VM's launcher pod, created through the chart's webhook and running on the node.
+struct RunningVm {
+    pods: Api<Pod>,
+    name: String,
+    /// Its `compute` container's `misc.max` as containerd handed it to runc.
+    compute_limit: Option<String>,
+    pod: Pod,
+}
+
+/// Create a TDX VM (VMI + launcher pod) through the webhook, check the webhook mutated the pod, wait
+/// until it runs and its compute container's OCI config is recorded.
+async fn run_tdx_vm(cluster: &Cluster, turn: &NodeTurn, test: &str) -> RunningVm {
+    let vm_ns = cluster
+        .namespace("chart-vms", test, &[])
+        .await
+        .expect("namespace");
+    let uid = cluster
+        .create_vmi(&vm_ns, "tdx-vm", Tee::Tdx)
+        .await
+        .expect("VMI");
+    let pod = Cluster::launcher_pod(&vm_ns, "tdx-vm", &uid, Tee::Tdx, &[(TEST_LABEL, test)])
+        .expect("pod");
+    let pods_api: Api<Pod> = Api::namespaced(cluster.client.clone(), &vm_ns);
+    let created = pods_api
+        .create(&PostParams::default(), &pods::runnable(&pod))
+        .await
+        .unwrap_or_else(|e| panic!("the TDX VM's pod was refused: {e}"));
+    let compute = &created.spec.as_ref().expect("spec").containers[0];
+    assert_eq!(
+        compute
+            .resources
+            .as_ref()
+            .and_then(|r| r.requests.as_ref())
+            .and_then(|r| r.get(TDX_KEYS))
+            .map(|q| q.0.as_str()),
+        Some("1"),
+        "mutated by the chart's webhook"
+    );
+    let pod_uid = created.metadata.uid.clone().expect("uid");
+    let name = created.metadata.name.clone().expect("name");
+    cluster
+        .wait_for_within(
+            "the TDX VM's pod Running",
+            Duration::from_secs(90),
+            || async {
+                let p = pods_api.get(&name).await.ok()?;
+                (p.status?.phase.as_deref() == Some("Running")).then_some(())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\nkubelet:\n{}", tail(&turn.log("kubelet"))));
+    let compute_limit = cluster
+        .wait_for("the compute container's recorded config", || async {
+            turn.records_of(&pod_uid)
+                .into_iter()
+                .find(|r| r.kind == ContainerKind::Container && r.container == "compute")
+                .map(|r| r.misc_max().map(str::to_string))
+        })
+        .await
+        .expect("recorded");
+
+    let pod = pods_api.get(&name).await.expect("the VM's pod");
+    RunningVm {
+        pods: pods_api,
+        name,
+        compute_limit,
+        pod,
+    }
 }
 
 /// `path` bind-mounted onto itself and made a shared mount, unmounted on drop.
