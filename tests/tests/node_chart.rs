@@ -8,6 +8,8 @@
 //! which gets `misc.max tdx 1` from the chart's agent; no API call of either is refused (a 403 would
 //! mean the chart's RBAC is wrong); `helm upgrade` to another image rolls the agent without the Node's
 //! key resource ever dropping; `helm uninstall` and `teeguard-agent cleanup` leave the Node as before.
+//! And the same chart in DRA mode (`config.agent.accounting: dra`): the kubelet registers the agent's
+//! pod as the DRA driver, which publishes the node's keys as devices and prepares a TDX VM's claim.
 //! Skipped (one line) without the node, the control plane or the images, unless `CI=true`.
 
 mod chart_support;
