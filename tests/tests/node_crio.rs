@@ -1,6 +1,7 @@
 //! The agent under a real kubelet on CRI-O 1.37-dev (`teeguard_tests::node`): pods created through the
 //! real API server, webhook and scheduler, started by the kubelet through CRI-O, which asks the agent
-//! over NRI; each container's OCI config as CRI-O handed it to runc is the evidence. Skipped (one line)
+//! over NRI; each container's OCI config as CRI-O handed it to runc is the evidence. DRA mode too (the
+//! agent as the kubelet's DRA driver; the limits reach runc through CRI-O's NRI). Skipped (one line)
 //! without the node's binaries or root, unless `CI=true`.
 
 mod chart_support;
@@ -13,7 +14,7 @@ use kube::Api;
 use kube::api::PostParams;
 use node_support::faults;
 use node_support::scenarios::{self, DEADLINE};
-use node_support::{NodeWorld, Options};
+use node_support::{NodeWorld, Options, dra};
 use serde_json::json;
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
 use teeguard_tests::node::{CRIO_UNIFIED_HANDLER, Runtime};
@@ -24,6 +25,34 @@ const RUNTIME: Runtime = Runtime::Crio;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tdx_and_snp_launchers_run_with_misc_max_on_compute_only_and_a_mismatch_gets_the_request() {
     within(DEADLINE, scenarios::launchers(RUNTIME)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_dra_mode_a_tdx_launcher_is_allocated_prepared_and_gets_misc_max_on_crio() {
+    within(DEADLINE, async {
+        let Some(w) = NodeWorld::start(RUNTIME, "crio-dra", Options::dra(2)).await else {
+            return;
+        };
+        dra::launcher_allocated_prepared_limited(&w).await;
+        dra::end(&w).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_dra_mode_a_pod_holding_a_key_through_its_own_claim_is_limited_to_it_on_crio() {
+    within(DEADLINE, async {
+        let options = Options {
+            strict: true,
+            ..Options::dra(2)
+        };
+        let Some(w) = NodeWorld::start(RUNTIME, "crio-dra-claim", options).await else {
+            return;
+        };
+        dra::own_claim_limited_by_its_allocation(&w).await;
+        dra::end(&w).await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -134,6 +134,22 @@ async fn after_a_kubelet_restart_the_slices_come_back_and_after_an_agent_restart
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_switched_to_dra_and_back_keeps_its_running_pods_through_a_kubelet_restart() {
+    within(DEADLINE, async {
+        let options = Options {
+            dra: false,
+            ..Options::dra(2)
+        };
+        let Some(mut w) = NodeWorld::start(RUNTIME, "dra-switch", options).await else {
+            return;
+        };
+        dra::switch_and_back(&mut w).await;
+        dra::end(&w).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_allocatable_still_names_the_key_says_dra_is_bypassed() {
     within(DEADLINE, async {
         let Some(mut w) = NodeWorld::start(RUNTIME, "dra-bypassed", Options::dra(2)).await else {

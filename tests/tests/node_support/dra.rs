@@ -649,3 +649,155 @@ pub async fn bypassed(w: &mut NodeWorld) {
     assert_eq!(cleaned.slices, 1, "{cleaned}");
     assert!(published(w).await.is_empty(), "no slice left");
 }
+
+/// Whether a pod is Running and was never refused by the kubelet (a pod the kubelet no longer admits
+/// fails with reason `UnexpectedAdmissionError` or `OutOf<resource>`).
+fn still_running(p: &Pod) -> Result<(), String> {
+    let status = p.status.clone().unwrap_or_default();
+    match (status.phase.as_deref(), status.reason.as_deref()) {
+        (Some("Running"), None) => Ok(()),
+        (phase, reason) => Err(format!(
+            "{:?}: phase {phase:?}, reason {reason:?}, message {:?}",
+            p.metadata.name, status.message
+        )),
+    }
+}
+
+/// Scenario: a node switched from extended-resource accounting to DRA and back, with pods running
+/// across it. A pod admitted before the switch (no claim) keeps running, its key withheld from the
+/// slice; the kubelet restarted in DRA mode re-admits it (the Node no longer advertises the key); a new
+/// pod is allocated the other device. Switched back: the agent advertises again and both pods keep
+/// running. But a pod allocated through DRA cannot end while the driver is away: the kubelet must
+/// unprepare its claim first, and retries. Switched to DRA again, the kubelet unprepares it and the
+/// pod is gone; switched back once more, the kubelet deletes the driver's slices. (So: end a node's
+/// DRA-allocated pods before switching it back; docs/dra.md.)
+pub async fn switch_and_back(w: &mut NodeWorld) {
+    ensure_device_class(w).await;
+    w.wait_allocatable(TDX_KEYS, "2", Duration::from_secs(20))
+        .await;
+    let ns = unguarded_namespace(&w.cluster, "dra-switch").await;
+    let before = w
+        .create(&key_pod(w, &ns, "before", "1"))
+        .await
+        .expect("before");
+    let before = w.wait_running(&before).await;
+    assert!(
+        before
+            .status
+            .as_ref()
+            .and_then(|s| s.extended_resource_claim_status.as_ref())
+            .is_none(),
+        "a node that advertises the key bypasses DRA: no claim"
+    );
+
+    w.switch_accounting(true).await;
+    let gone = w
+        .cluster
+        .wait_for_within(
+            "the key gone from the Node's allocatable",
+            Duration::from_secs(20),
+            || async { w.allocatable(TDX_KEYS).await.is_none().then_some(()) },
+        )
+        .await;
+    gone.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    wait_published(w, 1, Duration::from_secs(20)).await;
+    wait_tdx_devices(w, (1, 0, 1)).await;
+
+    // The kubelet restarted while the pre-switch pod runs: it must admit it again.
+    w.turn.restart_kubelet().await.expect("kubelet restarted");
+    wait_driver_ready(w).await;
+    wait_published(w, 1, Duration::from_secs(30)).await;
+    let after = w
+        .create(&key_pod(w, &ns, "after", "1"))
+        .await
+        .expect("after");
+    let after = w.wait_running(&after).await;
+    assert_eq!(claim_devices(&claim_of(w, &after).await).len(), 1);
+    let now = w.pods_in(&ns).get("before").await.expect("before");
+    still_running(&now).unwrap_or_else(|e| {
+        panic!(
+            "the pre-switch pod after a kubelet restart in DRA mode: {e}\n{}",
+            w.diagnostics()
+        )
+    });
+    w.create(&key_pod(w, &ns, "third", "1"))
+        .await
+        .expect("third");
+    wait_unschedulable(w, &ns, 1).await;
+    // Gone before a device frees: allocated through DRA later, it could not end after the switch.
+    w.pods_in(&ns)
+        .delete("third", &kube::api::DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete third");
+
+    // Back to extended resources: the agent advertises again, both pods keep running.
+    w.switch_accounting(false).await;
+    w.wait_allocatable(TDX_KEYS, "2", Duration::from_secs(20))
+        .await;
+    for name in ["before", "after"] {
+        let p = w.pods_in(&ns).get(name).await.expect("pod");
+        still_running(&p).unwrap_or_else(|e| panic!("after switching back: {e}"));
+    }
+    // The pod allocated through DRA cannot end without the driver: the kubelet must unprepare its
+    // claim, and retries.
+    w.pods_in(&ns)
+        .delete("after", &kube::api::DeleteParams::default().grace_period(1))
+        .await
+        .expect("delete");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let stuck = w.pods_in(&ns).get_opt("after").await.expect("get");
+    assert!(
+        stuck.is_some_and(|p| p.metadata.deletion_timestamp.is_some()),
+        "the DRA-allocated pod stays Terminating while the driver is away"
+    );
+    assert!(
+        w.turn
+            .log("kubelet")
+            .contains("unprepare dynamic resources"),
+        "the kubelet retries unpreparing its claim"
+    );
+    // The driver back: the kubelet unprepares the claim and the pod is gone.
+    w.switch_accounting(true).await;
+    let started = Instant::now();
+    let ended = w
+        .cluster
+        .wait_for_within(
+            "the DRA-allocated pod gone once the driver is back",
+            Duration::from_secs(60),
+            || async {
+                w.pods_in(&ns)
+                    .get_opt("after")
+                    .await
+                    .ok()?
+                    .is_none()
+                    .then_some(())
+            },
+        )
+        .await;
+    ended.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    eprintln!(
+        "the DRA-allocated pod ended {:?} after the driver came back",
+        started.elapsed()
+    );
+    // Switched back with no DRA-allocated pod left: the kubelet deletes the driver's slices (30 s
+    // after its plugin went away, by its source).
+    w.switch_accounting(false).await;
+    w.wait_allocatable(TDX_KEYS, "2", Duration::from_secs(20))
+        .await;
+    let started = Instant::now();
+    let wiped = w
+        .cluster
+        .wait_for_within(
+            "the kubelet deleting the driver's slices",
+            Duration::from_secs(90),
+            || async { published(w).await.is_empty().then_some(()) },
+        )
+        .await;
+    wiped.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    eprintln!(
+        "slices deleted {:?} after switching back",
+        started.elapsed()
+    );
+    let p = w.pods_in(&ns).get("before").await.expect("before");
+    still_running(&p).unwrap_or_else(|e| panic!("at the end: {e}"));
+}

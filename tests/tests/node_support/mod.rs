@@ -256,6 +256,22 @@ impl NodeWorld {
         wait_registered(&mut self.agent).await;
     }
 
+    /// Switch the agent to `agent.accounting: dra` (`dra`) or back to `extendedResource`, as a rolling
+    /// update of the chart does on a node: the same configuration file with the other accounting, the
+    /// arguments of that mode, a new agent process.
+    pub async fn switch_accounting(&mut self, dra: bool) {
+        let (from, to) = if dra {
+            ("accounting: extendedResource", "accounting: dra")
+        } else {
+            ("accounting: dra", "accounting: extendedResource")
+        };
+        let text = std::fs::read_to_string(&self.env.config_path).expect("read the config");
+        assert!(text.contains(from), "{text}");
+        std::fs::write(&self.env.config_path, text.replace(from, to)).expect("write the config");
+        self.agent_args = agent_args(&self.turn, dra);
+        self.restart_agent().await;
+    }
+
     /// The node selector of this test's pods (the Node carries the test's label while it is taken).
     pub fn selector(&self) -> [(&str, &str); 1] {
         [(TEST_LABEL, self.test.as_str())]
