@@ -76,7 +76,8 @@ pub struct RunArgs {
     #[arg(long, env = "TEEGUARD_ADMIN_ADDR", default_value = "0.0.0.0:8081")]
     pub admin_addr: SocketAddr,
     /// The kubelet's root directory, as the kubelet sees it (DRA mode: the driver's sockets go in its
-    /// `plugins_registry/` and `plugins/tee.teeguard.dev/`, with the checkpoint of prepared claims).
+    /// `plugins_registry/` and `plugins/tee.teeguard.dev/`, with the checkpoint of prepared claims;
+    /// switched back, the agent drains the claims that checkpoint still holds).
     #[arg(long, env = "TEEGUARD_KUBELET_DIR", default_value = crate::run::DEFAULT_KUBELET_DIR)]
     pub kubelet_dir: PathBuf,
 }

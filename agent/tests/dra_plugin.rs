@@ -71,6 +71,7 @@ fn start(api: &FakeApiServer, dir: &Path, shutdown: &CancellationToken, metrics:
             node_name: NODE.into(),
             kubelet_dir: dir.to_path_buf(),
             api_timeout: Duration::from_secs(5),
+            draining: false,
         },
         metrics.clone(),
         shutdown.clone(),
@@ -244,4 +245,84 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
     assert_eq!(r.claims["u1"].error, "", "a deleted claim unprepares");
     assert!(dra.allocated().is_empty());
     shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switched_back_the_driver_drains_unprepares_what_it_prepared_prepares_nothing_new_then_stops()
+ {
+    let api = FakeApiServer::new();
+    let dir = tempfile::tempdir().expect("dir");
+    let paths = PluginPaths::under(dir.path());
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let options = || DraOptions {
+        node_name: NODE.into(),
+        kubelet_dir: dir.path().to_path_buf(),
+        api_timeout: Duration::from_secs(5),
+        draining: true,
+    };
+    let shutdown = CancellationToken::new();
+    // Never in DRA mode here: nothing to drain, nothing served.
+    assert!(
+        Dra::start_draining(api.client(), options(), metrics.clone(), shutdown.clone())
+            .expect("start")
+            .is_none()
+    );
+    assert!(!paths.registration.exists());
+
+    // DRA mode prepares a claim; the node is switched back.
+    let dra = start(&api, dir.path(), &shutdown, &metrics);
+    dra.observe(&tdx(2, 0), &BTreeMap::new());
+    for (uid, name, device, pod) in [
+        ("u1", "c1", "tdx-0", "pod-1"),
+        ("u2", "c2", "tdx-1", "pod-2"),
+    ] {
+        api.create(&claim_object(uid, name, device, pod))
+            .expect("claim");
+    }
+    let r = prepare(&paths.dra, vec![claim("u1", "c1")]).await;
+    assert_eq!(r.claims["u1"].error, "");
+    shutdown.cancel();
+    drop(dra);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let shutdown = CancellationToken::new();
+    let draining = Dra::start_draining(api.client(), options(), metrics.clone(), shutdown.clone())
+        .expect("start")
+        .expect("claims left: draining");
+    draining.observe(&tdx(2, 0), &BTreeMap::new());
+    let r = prepare(&paths.dra, vec![claim("u2", "c2"), claim("u1", "c1")]).await;
+    assert!(
+        r.claims["u2"]
+            .error
+            .contains("extended-resource accounting"),
+        "nothing new is prepared: {r:?}"
+    );
+    assert_eq!(
+        r.claims["u1"].error, "",
+        "a claim prepared before is answered"
+    );
+    assert!(!draining.is_empty());
+    let r: NodeUnprepareResourcesResponse = call(
+        &paths.dra,
+        UNPREPARE,
+        NodeUnprepareResourcesRequest {
+            claims: vec![claim("u1", "c1")],
+        },
+    )
+    .await;
+    assert_eq!(r.claims["u1"].error, "");
+    assert!(draining.is_empty());
+    draining.stop();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !paths.registration.exists() && !paths.dra.exists(),
+        "stopped: the sockets are gone, so the kubelet drops the plugin"
+    );
+    assert!(
+        Dra::start_draining(api.client(), options(), metrics, shutdown)
+            .expect("start")
+            .is_none(),
+        "nothing left to drain"
+    );
 }

@@ -331,6 +331,45 @@ fn the_agent_gets_the_kubelet_plugin_directories_at_their_host_paths() {
 }
 
 #[test]
+fn switching_back_with_dra_drain_keeps_only_the_kubelet_plugin_mounts() {
+    for extra in [
+        vec!["--set", "dra.drain=true"],
+        vec![
+            "--set",
+            "dra.drain=true",
+            "--set",
+            "config.enforcement.mode=off",
+        ],
+    ] {
+        let docs = render("default", &extra);
+        let ds = find(&docs, "DaemonSet", "teeguard-agent");
+        assert_eq!(
+            env_value(ds, KUBELET_DIR_ENV).as_deref(),
+            Some("/var/lib/kubelet"),
+            "{extra:?}"
+        );
+        for volume in ["kubelet-plugins-registry", "kubelet-plugin"] {
+            assert!(try_mount(ds, volume).is_some(), "{extra:?}: {volume}");
+        }
+        // Root: the agent serves the kubelet's sockets in root's directories.
+        assert_hardened(ds, 0);
+        // Nothing else of DRA: extended-resource accounting, no DeviceClass, no resource.k8s.io call
+        // (draining unprepares from the checkpoint and reads nothing).
+        assert_eq!(
+            config_of(&docs).agent.accounting,
+            Accounting::ExtendedResource
+        );
+        assert!(all(&docs, "DeviceClass").is_empty());
+        for role in all(&docs, "ClusterRole")
+            .into_iter()
+            .chain(all(&docs, "Role"))
+        {
+            assert!(grants(role).iter().all(|(_, g, _)| g != "resource.k8s.io"));
+        }
+    }
+}
+
+#[test]
 fn the_agents_kubelet_dir_flag_reads_the_variable_the_chart_sets() {
     // The agent takes the kubelet's directory from `--kubelet-dir` or TEEGUARD_KUBELET_DIR; the chart
     // sets only the variable.

@@ -39,6 +39,8 @@ use crate::metrics::Metrics;
 pub struct Dra {
     shared: Arc<Shared>,
     registration: tokio::sync::watch::Receiver<Option<RegistrationStatus>>,
+    /// Stops the plugin's servers (their sockets are removed).
+    stop: CancellationToken,
     _servers: [Listening; 2],
 }
 
@@ -59,6 +61,10 @@ pub struct DraOptions {
     pub kubelet_dir: std::path::PathBuf,
     /// Time limit of one API call.
     pub api_timeout: Duration,
+    /// Draining: the node went back to extended-resource accounting with claims still prepared. The
+    /// driver prepares nothing new and serves the kubelet's unprepare calls (a pod allocated a device
+    /// cannot end until its claim is unprepared) until no claim is left.
+    pub draining: bool,
 }
 
 struct Shared {
@@ -73,6 +79,8 @@ struct Shared {
     /// The prepared claims' keys, for enforcement (sent before the kubelet hears back, so the
     /// limits of a pod's containers know its claims when the runtime creates them).
     claimed: tokio::sync::watch::Sender<Arc<ClaimedKeys>>,
+    /// See [`DraOptions::draining`].
+    draining: bool,
 }
 
 #[derive(Default)]
@@ -94,6 +102,7 @@ impl Dra {
         metrics: Metrics,
         shutdown: CancellationToken,
     ) -> Result<Dra> {
+        let shutdown = shutdown.child_token();
         let paths = PluginPaths::under(&opts.kubelet_dir);
         let checkpoint = Checkpoint::new(&paths.checkpoint);
         let claims = match checkpoint.load() {
@@ -125,6 +134,7 @@ impl Dra {
             }),
             changed: Arc::new(Notify::new()),
             claimed,
+            draining: opts.draining,
         });
         // The DRA socket first: the kubelet connects to it as soon as it sees the registration.
         let dra = grpc::serve(
@@ -134,18 +144,62 @@ impl Dra {
         )?;
         let registration_service = RegistrationService::new(DRA_DRIVER, &paths.dra);
         let registration = registration_service.status();
-        let reg = grpc::serve(&paths.registration, registration_service, shutdown)?;
+        let reg = grpc::serve(&paths.registration, registration_service, shutdown.clone())?;
         tracing::info!(
             registration = %paths.registration.display(),
             endpoint = %paths.dra.display(),
             driver = DRA_DRIVER,
+            draining = opts.draining,
             "serving the kubelet plugin"
         );
         Ok(Dra {
             shared,
             registration,
+            stop: shutdown,
             _servers: [dra, reg],
         })
+    }
+
+    /// In extended-resource accounting: when the checkpoint still holds claims prepared in DRA mode
+    /// (the node was switched back with pods allocated a device still running), serve the kubelet
+    /// plugin to unprepare them, draining (see [`DraOptions::draining`]); otherwise `None`, nothing is
+    /// served.
+    pub fn start_draining(
+        client: Client,
+        opts: DraOptions,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) -> Result<Option<Dra>> {
+        let checkpoint = Checkpoint::new(&PluginPaths::under(&opts.kubelet_dir).checkpoint);
+        match checkpoint.load() {
+            Ok(claims) if !claims.is_empty() => {
+                tracing::warn!(
+                    claims = claims.len(),
+                    "claims prepared in DRA mode are still held: serving the kubelet's unprepare calls until they end (nothing new is prepared)"
+                );
+                let opts = DraOptions {
+                    draining: true,
+                    ..opts
+                };
+                Dra::start(client, opts, metrics, shutdown).map(Some)
+            }
+            Ok(_) => Ok(None),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the DRA checkpoint; not serving the kubelet plugin");
+                Ok(None)
+            }
+        }
+    }
+
+    /// No claim is prepared.
+    pub fn is_empty(&self) -> bool {
+        self.shared.lock().claims.is_empty()
+    }
+
+    /// Stop serving the kubelet plugin: the sockets are removed, so the kubelet drops the plugin
+    /// (and deletes the driver's ResourceSlices 30 s later).
+    pub fn stop(self) {
+        self.stop.cancel();
     }
 
     /// Notified when a claim was prepared or unprepared.
@@ -275,6 +329,13 @@ impl Shared {
     ) -> std::result::Result<(Vec<Device>, &'static str), String> {
         if let Some(p) = self.lock().claims.get(&claim.uid) {
             return Ok((Self::devices_of(p), "already"));
+        }
+        if self.draining {
+            return Err(format!(
+                "node {} uses extended-resource accounting now (agent.accounting): the driver only \
+                 unprepares the claims it prepared before",
+                self.node
+            ));
         }
         let what = format!("ResourceClaim {}/{}", claim.namespace, claim.name);
         let read = tokio::time::timeout(

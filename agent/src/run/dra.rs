@@ -158,6 +158,29 @@ impl Agent {
     }
 }
 
+impl Agent {
+    /// Extended-resource accounting with claims left from DRA mode: forget those whose pods are
+    /// gone, and stop serving the kubelet plugin once none is left.
+    pub(super) fn drain_dra(&mut self) {
+        let Some(driver) = self.draining.as_ref() else {
+            return;
+        };
+        if self.pods_view_synced {
+            let pods_on_node: std::collections::HashSet<&str> =
+                self.pods_view.pods.iter().map(|p| p.uid.as_str()).collect();
+            driver.forget_orphans(&pods_on_node, Instant::now(), ORPHAN_GRACE);
+        }
+        if driver.is_empty()
+            && let Some(driver) = self.draining.take()
+        {
+            tracing::info!(
+                "every claim prepared in DRA mode was unprepared: the kubelet plugin stops (the kubelet deletes the driver's ResourceSlices 30 s later)"
+            );
+            driver.stop();
+        }
+    }
+}
+
 fn describe(plan: &BTreeMap<TeeKind, dra::KindDevices>) -> String {
     plan.iter()
         .map(|(k, d)| {

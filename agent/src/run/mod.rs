@@ -130,6 +130,7 @@ pub async fn run(
                 node_name: opts.node_name.clone(),
                 kubelet_dir: opts.kubelet_dir.clone(),
                 api_timeout: opts.api_timeout,
+                draining: false,
             },
             metrics.clone(),
             shutdown.clone(),
@@ -145,6 +146,23 @@ pub async fn run(
     } else {
         None
     };
+    // Extended-resource accounting with claims left from DRA mode: the kubelet must unprepare them
+    // before their pods can end.
+    let draining = if dra.is_none() {
+        Dra::start_draining(
+            client.clone(),
+            DraOptions {
+                node_name: opts.node_name.clone(),
+                kubelet_dir: opts.kubelet_dir.clone(),
+                api_timeout: opts.api_timeout,
+                draining: true,
+            },
+            metrics.clone(),
+            shutdown.clone(),
+        )?
+    } else {
+        None
+    };
     let enforcement = Enforcement::start(
         StartOptions {
             config: opts.config.enforcement.clone(),
@@ -154,9 +172,11 @@ pub async fn run(
             client: Some(client.clone()),
             node_name: opts.node_name.clone(),
             poll_interval: opts.config.agent.poll_interval,
-            claims: dra
-                .as_ref()
-                .map_or_else(crate::enforce::no_claims, |d| d.driver.claims()),
+            claims: match (&dra, &draining) {
+                (Some(d), _) => d.driver.claims(),
+                (None, Some(d)) => d.claims(),
+                (None, None) => crate::enforce::no_claims(),
+            },
             metrics: metrics.clone(),
         },
         shutdown.clone(),
@@ -164,6 +184,7 @@ pub async fn run(
     let mut agent = Agent {
         client: client.clone(),
         dra,
+        draining,
         enforcement,
         publisher: Publisher::new(client.clone(), opts.node_name.clone()),
         lease: Some(HeartbeatLease::new(
@@ -207,6 +228,9 @@ struct Agent {
     client: Client,
     /// DRA mode (`agent.accounting: dra`).
     dra: Option<dra::DraMode>,
+    /// Extended-resource accounting with claims prepared in DRA mode still held: the driver serves
+    /// the kubelet's unprepare calls until none is left ([`Dra::start_draining`]).
+    draining: Option<Dra>,
     enforcement: Enforcement,
     metrics: Metrics,
     readiness: Readiness,

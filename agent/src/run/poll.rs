@@ -35,7 +35,11 @@ impl Agent {
         let events_changed = self.events.changed();
         // DRA mode: a claim prepared or unprepared, or the node's slices changed (the kubelet deletes
         // them when it starts).
-        let dra_changed = self.dra.as_ref().map(|d| d.driver.changed());
+        let dra_changed = self
+            .dra
+            .as_ref()
+            .map(|d| d.driver.changed())
+            .or_else(|| self.draining.as_ref().map(crate::dra::Dra::changed));
         let slices_changed = self.dra.as_ref().map(|d| d.slices.changed.clone());
         let dra_wait = || async {
             match (&dra_changed, &slices_changed) {
@@ -43,6 +47,7 @@ impl Agent {
                     _ = a.notified() => {}
                     _ = b.notified() => {}
                 },
+                (Some(a), None) => a.notified().await,
                 _ => std::future::pending().await,
             }
         };

@@ -667,10 +667,9 @@ fn still_running(p: &Pod) -> Result<(), String> {
 /// across it. A pod admitted before the switch (no claim) keeps running, its key withheld from the
 /// slice; the kubelet restarted in DRA mode re-admits it (the Node no longer advertises the key); a new
 /// pod is allocated the other device. Switched back: the agent advertises again and both pods keep
-/// running. But a pod allocated through DRA cannot end while the driver is away: the kubelet must
-/// unprepare its claim first, and retries. Switched to DRA again, the kubelet unprepares it and the
-/// pod is gone; switched back once more, the kubelet deletes the driver's slices. (So: end a node's
-/// DRA-allocated pods before switching it back; docs/dra.md.)
+/// running. The pod allocated through DRA can end: the kubelet must unprepare its claim first, which
+/// the agent, back in extended-resource accounting, still serves (draining) until no claim is left;
+/// then it stops serving the plugin and the kubelet deletes the driver's slices.
 pub async fn switch_and_back(w: &mut NodeWorld) {
     ensure_device_class(w).await;
     w.wait_allocatable(TDX_KEYS, "2", Duration::from_secs(20))
@@ -738,31 +737,17 @@ pub async fn switch_and_back(w: &mut NodeWorld) {
         let p = w.pods_in(&ns).get(name).await.expect("pod");
         still_running(&p).unwrap_or_else(|e| panic!("after switching back: {e}"));
     }
-    // The pod allocated through DRA cannot end without the driver: the kubelet must unprepare its
-    // claim, and retries.
+    // The pod allocated through DRA ends: the kubelet unprepares its claim through the draining
+    // driver, which then stops serving the plugin.
+    let started = Instant::now();
     w.pods_in(&ns)
         .delete("after", &kube::api::DeleteParams::default().grace_period(1))
         .await
         .expect("delete");
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    let stuck = w.pods_in(&ns).get_opt("after").await.expect("get");
-    assert!(
-        stuck.is_some_and(|p| p.metadata.deletion_timestamp.is_some()),
-        "the DRA-allocated pod stays Terminating while the driver is away"
-    );
-    assert!(
-        w.turn
-            .log("kubelet")
-            .contains("unprepare dynamic resources"),
-        "the kubelet retries unpreparing its claim"
-    );
-    // The driver back: the kubelet unprepares the claim and the pod is gone.
-    w.switch_accounting(true).await;
-    let started = Instant::now();
     let ended = w
         .cluster
         .wait_for_within(
-            "the DRA-allocated pod gone once the driver is back",
+            "the DRA-allocated pod gone after switching back",
             Duration::from_secs(60),
             || async {
                 w.pods_in(&ns)
@@ -776,14 +761,24 @@ pub async fn switch_and_back(w: &mut NodeWorld) {
         .await;
     ended.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
     eprintln!(
-        "the DRA-allocated pod ended {:?} after the driver came back",
+        "the DRA-allocated pod ended {:?} after its deletion",
         started.elapsed()
     );
-    // Switched back with no DRA-allocated pod left: the kubelet deletes the driver's slices (30 s
-    // after its plugin went away, by its source).
-    w.switch_accounting(false).await;
-    w.wait_allocatable(TDX_KEYS, "2", Duration::from_secs(20))
+    let stopped = w
+        .cluster
+        .wait_for_within(
+            "the draining driver stopping",
+            Duration::from_secs(20),
+            || async {
+                w.agent
+                    .proc
+                    .log()
+                    .contains("the kubelet plugin stops")
+                    .then_some(())
+            },
+        )
         .await;
+    stopped.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
     let started = Instant::now();
     let wiped = w
         .cluster
@@ -795,7 +790,7 @@ pub async fn switch_and_back(w: &mut NodeWorld) {
         .await;
     wiped.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
     eprintln!(
-        "slices deleted {:?} after switching back",
+        "slices deleted {:?} after the plugin stopped",
         started.elapsed()
     );
     let p = w.pods_in(&ns).get("before").await.expect("before");

@@ -257,8 +257,8 @@ impl NodeWorld {
     }
 
     /// Switch the agent to `agent.accounting: dra` (`dra`) or back to `extendedResource`, as a rolling
-    /// update of the chart does on a node: the same configuration file with the other accounting, the
-    /// arguments of that mode, a new agent process.
+    /// update of the chart does on a node: the same configuration file with the other accounting, a
+    /// new agent process.
     pub async fn switch_accounting(&mut self, dra: bool) {
         let (from, to) = if dra {
             ("accounting: extendedResource", "accounting: dra")
@@ -268,7 +268,9 @@ impl NodeWorld {
         let text = std::fs::read_to_string(&self.env.config_path).expect("read the config");
         assert!(text.contains(from), "{text}");
         std::fs::write(&self.env.config_path, text.replace(from, to)).expect("write the config");
-        self.agent_args = agent_args(&self.turn, dra);
+        // The kubelet's directory either way: switched back, the agent still unprepares the claims
+        // it prepared (as the chart's `dra.drain` mounts it).
+        self.agent_args = agent_args(&self.turn, true);
         self.restart_agent().await;
     }
 
