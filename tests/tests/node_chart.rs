@@ -9,7 +9,8 @@
 //! mean the chart's RBAC is wrong); `helm upgrade` to another image rolls the agent without the Node's
 //! key resource ever dropping; `helm uninstall` and `teeguard-agent cleanup` leave the Node as before.
 //! And the same chart in DRA mode (`config.agent.accounting: dra`): the kubelet registers the agent's
-//! pod as the DRA driver, which publishes the node's keys as devices and prepares a TDX VM's claim.
+//! pod as the DRA driver, which publishes the node's keys as devices and prepares a TDX VM's claim;
+//! switched back with `dra.drain`, the VM's pod can still end (the agent unprepares its claim).
 //! Skipped (one line) without the node, the control plane or the images, unless `CI=true`.
 
 mod chart_support;
@@ -387,7 +388,7 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_and_a_tdx_vm_is_allocated_prepared_and_limited()
+async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_allocated_prepared_and_limited_and_ends_after_switching_back()
  {
     let Some(images) = built_images() else { return };
     let Some(node) = RealNode::shared(Runtime::Containerd) else {
@@ -522,19 +523,85 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_and_a_tdx_vm_is
         assert_no_refused_api_calls(&turn, &agent, "agent");
         assert_no_refused_api_calls(&turn, &webhook, "webhook");
 
-        // The VM ends (the kubelet unprepares its claim), then uninstall and cleanup: no slice, no
-        // DeviceClass, no report left, the Node as before.
+        // Switched back to extended resources with `dra.drain`, the VM still running: the agent
+        // advertises again, the DeviceClasses go; the VM's pod, deleted, ends (the draining agent
+        // unprepares its claim), and the kubelet then deletes the driver's slices.
+        let mut back: Vec<String> = vec![
+            "upgrade".into(),
+            release.clone(),
+            chart_support::chart_dir().display().to_string(),
+            "--namespace".into(),
+            ns.clone(),
+            "--reuse-values".into(),
+        ];
+        back.extend(set(&[
+            ("config.agent.accounting", "extendedResource".into()),
+            ("dra.drain", "true".into()),
+        ]));
+        let out = helm(cp, &back);
+        assert!(
+            out.success,
+            "helm upgrade (switch back) failed:\n{}",
+            out.stderr
+        );
+        cluster
+            .wait_for_within(
+                "the switched-back agent advertising tdx.intel.com/keys: 2",
+                Duration::from_secs(90),
+                || async {
+                    let r = reports.get(&turn.name).await.ok()?.status?;
+                    let n = nodes.get(&turn.name).await.ok()?;
+                    (r.accounting.as_deref() == Some("extendedResource")
+                        && teeguard_marks(&n).1.as_deref() == Some("2"))
+                    .then_some(())
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}\nkubelet:\n{}", tail(&turn.log("kubelet"))));
+        assert!(
+            classes
+                .get_opt("tdx.tee.teeguard.dev")
+                .await
+                .expect("get")
+                .is_none(),
+            "the DeviceClass is gone with DRA mode"
+        );
+        let still = vm.pods.get(&vm.name).await.expect("the VM's pod");
+        assert_eq!(
+            still.status.and_then(|s| s.phase).as_deref(),
+            Some("Running"),
+            "the VM keeps running through the switch back"
+        );
         vm.pods
             .delete(&vm.name, &Default::default())
             .await
             .expect("delete the VM's pod");
         cluster
-            .wait_for("the report counting no device allocated", || async {
-                let s = reports.get(&turn.name).await.ok()?.status?;
-                (s.tdx?.devices?.allocated == 0).then_some(())
-            })
+            .wait_for_within(
+                "the DRA-allocated VM's pod gone (its claim unprepared by the draining agent)",
+                Duration::from_secs(60),
+                || async {
+                    vm.pods
+                        .get_opt(&vm.name)
+                        .await
+                        .ok()?
+                        .is_none()
+                        .then_some(())
+                },
+            )
             .await
-            .expect("unprepared");
+            .unwrap_or_else(|e| panic!("{e}\nkubelet:\n{}", tail(&turn.log("kubelet"))));
+        cluster
+            .wait_for_within(
+                "the kubelet deleting the driver's slices once the plugin stopped",
+                Duration::from_secs(90),
+                || async {
+                    let l = slices.list(&on_node).await.ok()?;
+                    l.items.is_empty().then_some(())
+                },
+            )
+            .await
+            .expect("slices deleted");
         let out = helm(
             cp,
             &[
