@@ -64,6 +64,10 @@ async fn prepare(socket: &Path, claims: Vec<Claim>) -> NodePrepareResourcesRespo
     call(socket, PREPARE, NodePrepareResourcesRequest { claims }).await
 }
 
+async fn unprepare(socket: &Path, claims: Vec<Claim>) -> NodeUnprepareResourcesResponse {
+    call(socket, UNPREPARE, NodeUnprepareResourcesRequest { claims }).await
+}
+
 fn start(api: &FakeApiServer, dir: &Path, shutdown: &CancellationToken, metrics: &Metrics) -> Dra {
     Dra::start(
         api.client(),
@@ -181,14 +185,7 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
     dra.observe(&tdx(2, 1), &BTreeMap::new());
     api.create(&claim_object("u4", "c4", "tdx-1", "pod-4"))
         .expect("claim");
-    let unprepared: NodeUnprepareResourcesResponse = call(
-        &paths.dra,
-        UNPREPARE,
-        NodeUnprepareResourcesRequest {
-            claims: vec![claim("u3", "c3")],
-        },
-    )
-    .await;
+    let unprepared = unprepare(&paths.dra, vec![claim("u3", "c3")]).await;
     assert_eq!(unprepared.claims["u3"].error, "");
     assert!(claims.borrow().holds_for("pod-1"));
     assert!(
@@ -202,14 +199,7 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
     );
 
     // Unprepare: unknown claims and repeats are fine.
-    let r: NodeUnprepareResourcesResponse = call(
-        &paths.dra,
-        UNPREPARE,
-        NodeUnprepareResourcesRequest {
-            claims: vec![claim("u9", "gone"), claim("u3", "c3")],
-        },
-    )
-    .await;
+    let r = unprepare(&paths.dra, vec![claim("u9", "gone"), claim("u3", "c3")]).await;
     assert_eq!(r.claims["u9"].error, "");
     assert_eq!(r.claims["u3"].error, "");
 
@@ -234,14 +224,7 @@ async fn the_driver_registers_prepares_once_per_claim_unprepares_idempotently_an
     let r = prepare(&paths.dra, vec![claim("u1", "c1")]).await;
     assert_eq!(r.claims["u1"].error, "", "{r:?}");
     assert_eq!(r.claims["u1"].devices.len(), 1);
-    let r: NodeUnprepareResourcesResponse = call(
-        &paths.dra,
-        UNPREPARE,
-        NodeUnprepareResourcesRequest {
-            claims: vec![claim("u1", "c1")],
-        },
-    )
-    .await;
+    let r = unprepare(&paths.dra, vec![claim("u1", "c1")]).await;
     assert_eq!(r.claims["u1"].error, "", "a deleted claim unprepares");
     assert!(dra.allocated().is_empty());
     shutdown.cancel();
@@ -303,14 +286,7 @@ async fn switched_back_the_driver_drains_unprepares_what_it_prepared_prepares_no
         "a claim prepared before is answered"
     );
     assert!(!draining.is_empty());
-    let r: NodeUnprepareResourcesResponse = call(
-        &paths.dra,
-        UNPREPARE,
-        NodeUnprepareResourcesRequest {
-            claims: vec![claim("u1", "c1")],
-        },
-    )
-    .await;
+    let r = unprepare(&paths.dra, vec![claim("u1", "c1")]).await;
     assert_eq!(r.claims["u1"].error, "");
     assert!(draining.is_empty());
     draining.stop();

@@ -180,20 +180,12 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
         let nodes: Api<Node> = Api::all(cluster.client.clone());
         let before = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
 
-        import_images(&turn, &images);
-        // The agent reads a simulated host with the misc controller delegated (4 TDX keys): this
-        // machine's own tree has no misc controller.
-        let host = SimHost::builder()
-            .capacity(TDX, 4)
-            .build()
-            .expect("simulated host");
-        // The chart mounts the cgroup tree with HostToContainer propagation, which the runtime allows
-        // only from a shared (or slave) mount, as /sys/fs/cgroup is on a systemd host.
-        let _shared = SharedMount::new(host.root());
+        let host = SharedHost::new(4);
         let Release { name: release, ns } = install(
             cp,
             &turn,
-            &host,
+            &images,
+            &host.host,
             &[("config.enforcement.mode", "nri".into())],
         );
 
@@ -350,29 +342,7 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
             .delete(&vm.name, &Default::default())
             .await
             .expect("delete the VM's pod");
-        let out = helm(
-            cp,
-            &[
-                "uninstall".into(),
-                release.clone(),
-                "--namespace".into(),
-                ns.clone(),
-                "--wait".into(),
-            ],
-        );
-        assert!(out.success, "helm uninstall failed:\n{}", out.stderr);
-        let bins = teeguard_tests::e2e::binaries().expect("teeguard binaries");
-        let cleanup = std::process::Command::new(&bins.agent)
-            .args(["cleanup", "--node-name", &turn.name, "--namespace", &ns])
-            .env("KUBECONFIG", &cp.kubeconfig)
-            .output()
-            .expect("run teeguard-agent cleanup");
-        assert!(
-            cleanup.status.success(),
-            "teeguard-agent cleanup failed: {}{}",
-            String::from_utf8_lossy(&cleanup.stdout),
-            String::from_utf8_lossy(&cleanup.stderr)
-        );
+        uninstall_and_clean_up(cp, &turn, &release, &ns);
         let after = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
         assert_eq!(after, before, "the Node after uninstall and cleanup");
         assert!(
@@ -415,17 +385,13 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
                 let _ = classes.delete(&name, &Default::default()).await;
             }
         }
-        import_images(&turn, &images);
-        let host = SimHost::builder()
-            .capacity(TDX, 2)
-            .build()
-            .expect("simulated host");
-        let _shared = SharedMount::new(host.root());
+        let host = SharedHost::new(2);
         let kubelet_dir = turn.kubelet_root().display().to_string();
         let Release { name: release, ns } = install(
             cp,
             &turn,
-            &host,
+            &images,
+            &host.host,
             &[
                 ("config.enforcement.mode", "nri".into()),
                 ("config.agent.accounting", "dra".into()),
@@ -602,37 +568,7 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
             )
             .await
             .expect("slices deleted");
-        let out = helm(
-            cp,
-            &[
-                "uninstall".into(),
-                release.clone(),
-                "--namespace".into(),
-                ns.clone(),
-                "--wait".into(),
-            ],
-        );
-        assert!(out.success, "helm uninstall failed:\n{}", out.stderr);
-        assert!(
-            classes
-                .get_opt("tdx.tee.teeguard.dev")
-                .await
-                .expect("get")
-                .is_none(),
-            "the chart's DeviceClass left"
-        );
-        let bins = teeguard_tests::e2e::binaries().expect("teeguard binaries");
-        let cleanup = std::process::Command::new(&bins.agent)
-            .args(["cleanup", "--node-name", &turn.name, "--namespace", &ns])
-            .env("KUBECONFIG", &cp.kubeconfig)
-            .output()
-            .expect("run teeguard-agent cleanup");
-        assert!(
-            cleanup.status.success(),
-            "teeguard-agent cleanup failed: {}{}",
-            String::from_utf8_lossy(&cleanup.stdout),
-            String::from_utf8_lossy(&cleanup.stderr)
-        );
+        uninstall_and_clean_up(cp, &turn, &release, &ns);
         assert!(
             slices
                 .list(&on_node)
@@ -650,6 +586,33 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
         assert_eq!(after, before, "the Node after uninstall and cleanup");
     })
     .await;
+}
+
+/// `helm uninstall --wait` of the release, then `teeguard-agent cleanup` for the node.
+fn uninstall_and_clean_up(cp: &ControlPlane, turn: &NodeTurn, release: &str, ns: &str) {
+    let out = helm(
+        cp,
+        &[
+            "uninstall".into(),
+            release.into(),
+            "--namespace".into(),
+            ns.into(),
+            "--wait".into(),
+        ],
+    );
+    assert!(out.success, "helm uninstall failed:\n{}", out.stderr);
+    let bins = teeguard_tests::e2e::binaries().expect("teeguard binaries");
+    let cleanup = std::process::Command::new(&bins.agent)
+        .args(["cleanup", "--node-name", &turn.name, "--namespace", ns])
+        .env("KUBECONFIG", &cp.kubeconfig)
+        .output()
+        .expect("run teeguard-agent cleanup");
+    assert!(
+        cleanup.status.success(),
+        "teeguard-agent cleanup failed: {}{}",
+        String::from_utf8_lossy(&cleanup.stdout),
+        String::from_utf8_lossy(&cleanup.stderr)
+    );
 }
 
 /// The images `scripts/images.sh` built, imported into the node's runtime under the chart's names.
@@ -672,15 +635,17 @@ struct Release {
     ns: String,
 }
 
-/// `helm install` of the chart on the real control plane for this node: the images built here, host
-/// network, the webhook called by URL with a certificate of a fresh CA, the agent reading `host`,
-/// plus `extra` values.
+/// `helm install` of the chart on the real control plane for this node: the images built here
+/// (`images`, imported into the node's runtime), host network, the webhook called by URL with a
+/// certificate of a fresh CA, the agent reading `host`, plus `extra` values.
 fn install(
     cp: &ControlPlane,
     turn: &NodeTurn,
+    images: &std::path::Path,
     host: &SimHost,
     extra: &[(&str, String)],
 ) -> Release {
+    import_images(turn, images);
     let release = unique_name("tg");
     let ns = release.clone();
     let (webhook_port, webhook_admin, agent_admin) = (free_port(), free_port(), free_port());
@@ -808,6 +773,29 @@ async fn run_tdx_vm(cluster: &Cluster, turn: &NodeTurn, test: &str) -> RunningVm
         name,
         compute_limit,
         pod,
+    }
+}
+
+/// The simulated host the chart's agent reads (`tdx` TDX keys, the misc controller delegated: this
+/// machine's own tree has no misc controller), on a shared mount: the chart mounts the cgroup tree
+/// with HostToContainer propagation, which the runtime allows only from a shared (or slave) mount, as
+/// /sys/fs/cgroup is on a systemd host.
+struct SharedHost {
+    // Unmounted before the host's tree is removed (fields drop in order).
+    _mount: SharedMount,
+    host: SimHost,
+}
+
+impl SharedHost {
+    fn new(tdx: u64) -> SharedHost {
+        let host = SimHost::builder()
+            .capacity(TDX, tdx)
+            .build()
+            .expect("simulated host");
+        SharedHost {
+            _mount: SharedMount::new(host.root()),
+            host,
+        }
     }
 }
 
