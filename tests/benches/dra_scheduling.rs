@@ -8,6 +8,8 @@
 //! creates per pod; in extended-resource mode it counts the Node's allocatable. Target: DRA ≥ 0.8× the
 //! extended-resource throughput. Then, in DRA mode, the kubelet's NodePrepareResources calls as the
 //! agent measured them (its `teeguard_agent_dra_prepare_seconds` histogram: p50 / p99 bucket bounds).
+//! And a control: DRA mode again with the agent stopped once its slices are published, to tell
+//! teeguard's share of DRA's time from the scheduler's.
 //!
 //! Needs the real node and the control plane; without them it says so and exits.
 //! `cargo bench -p teeguard-tests --bench dra_scheduling` (100 pods per mode, the kubelet's default maxPods being 110; quick: 30).
@@ -56,6 +58,11 @@ async fn run(pods: usize) {
     let Some(dra_fig) = measure(true, pods).await else {
         return;
     };
+    // The control: the same DRA run with teeguard's agent stopped once its slices are published (they
+    // stay, and the scheduler reads nothing else of teeguard's): what the scheduler does alone.
+    let Some(alone) = measure_with(true, true, pods).await else {
+        return;
+    };
     let ratio = dra_fig.per_second / er.per_second;
     println!(
         "extended resource: {pods} bound in {} ({:.1} pods/s)",
@@ -66,6 +73,12 @@ async fn run(pods: usize) {
         "DRA:               {pods} bound in {} ({:.1} pods/s)",
         fmt_dur(dra_fig.elapsed),
         dra_fig.per_second
+    );
+    println!(
+        "DRA, agent stopped: {pods} bound in {} ({:.1} pods/s): teeguard's share of DRA's time {:+.0} %",
+        fmt_dur(alone.elapsed),
+        alone.per_second,
+        (dra_fig.elapsed.as_secs_f64() / alone.elapsed.as_secs_f64() - 1.0) * 100.0
     );
     println!(
         "DRA / extended resource throughput: {ratio:.2} (target >= {TARGET_RATIO}) {}",
@@ -79,7 +92,17 @@ async fn run(pods: usize) {
 
 /// One mode: a fresh world, `n` pods at once, the time until all are bound.
 async fn measure(dra_mode: bool, n: usize) -> Option<Figures> {
-    let name = if dra_mode { "bench-dra" } else { "bench-er" };
+    measure_with(dra_mode, false, n).await
+}
+
+/// [`measure`]; `agent_stopped` (DRA mode): the agent is killed once its slices are published and the
+/// kubelet registered it, and started again after the pods are bound (so that they can start and end).
+async fn measure_with(dra_mode: bool, agent_stopped: bool, n: usize) -> Option<Figures> {
+    let name = match (dra_mode, agent_stopped) {
+        (false, _) => "bench-er",
+        (true, false) => "bench-dra",
+        (true, true) => "bench-dra-alone",
+    };
     let options = if dra_mode {
         Options::dra(n as u64)
     } else {
@@ -91,11 +114,14 @@ async fn measure(dra_mode: bool, n: usize) -> Option<Figures> {
             ..Options::simulated()
         }
     };
-    let w = NodeWorld::start(Runtime::Containerd, name, options).await?;
+    let mut w = NodeWorld::start(Runtime::Containerd, name, options).await?;
     if dra_mode {
         dra::ensure_device_class(&w).await;
         dra::wait_published(&w, n, Duration::from_secs(30)).await;
         dra::wait_driver_ready(&w).await;
+        if agent_stopped {
+            w.agent.proc.kill();
+        }
     } else {
         w.wait_allocatable(dra::TDX_KEYS, &n.to_string(), Duration::from_secs(30))
             .await;
@@ -144,7 +170,9 @@ async fn measure(dra_mode: bool, n: usize) -> Option<Figures> {
     watch.abort();
     let last = bound.values().max().copied().expect("pods");
     let elapsed = last - started;
-    if dra_mode {
+    if agent_stopped {
+        w.restart_agent().await;
+    } else if dra_mode {
         prepare_figures(&w, n).await;
     }
     dra::end(&w).await;
