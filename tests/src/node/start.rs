@@ -493,7 +493,8 @@ pub(super) async fn wait_runtime(node: &RealNode) -> Result<Instant> {
     }
 }
 
-/// The kubelet's configuration (as `up.sh` writes it) with free ports and the node's cgroup root.
+/// The kubelet's configuration (as `up.sh` writes it) with free ports and the node's cgroup root, and
+/// room for 250 pods (the `dra_scheduling` bench places 200 at once; the kubelet's default is 110).
 fn write_kubelet_config(node: &RealNode, port: u16) -> Result<()> {
     let kd = node.dir.join("kubelet");
     for sub in ["root", "certs", "manifests", "pod-logs"] {
@@ -524,6 +525,7 @@ staticPodPath: {kd}/manifests
 podLogsDir: {kd}/pod-logs
 syncFrequency: 5s
 makeIPTablesUtilChains: false
+maxPods: 250
 ",
             cgroup_root = node.name,
             sock = node.cri_socket().display(),

@@ -52,7 +52,7 @@ pub async fn end(w: &NodeWorld) {
     }
     let gone = w
         .cluster
-        .wait_for_within("the node's pods gone", Duration::from_secs(60), || async {
+        .wait_for_within("the node's pods gone", Duration::from_secs(120), || async {
             pods.list(&on_node)
                 .await
                 .ok()
