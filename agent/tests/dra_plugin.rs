@@ -247,9 +247,7 @@ async fn switched_back_the_driver_drains_unprepares_what_it_prepared_prepares_no
     let shutdown = CancellationToken::new();
     // Never in DRA mode here: nothing to drain, nothing served.
     assert!(
-        Dra::start_draining(api.client(), options(), metrics.clone(), shutdown.clone())
-            .expect("start")
-            .is_none()
+        Dra::start_draining(api.client(), options(), metrics.clone(), shutdown.clone()).is_none()
     );
     assert!(!paths.registration.exists());
 
@@ -271,7 +269,6 @@ async fn switched_back_the_driver_drains_unprepares_what_it_prepared_prepares_no
 
     let shutdown = CancellationToken::new();
     let draining = Dra::start_draining(api.client(), options(), metrics.clone(), shutdown.clone())
-        .expect("start")
         .expect("claims left: draining");
     draining.observe(&tdx(2, 0), &BTreeMap::new());
     let r = prepare(&paths.dra, vec![claim("u2", "c2"), claim("u1", "c1")]).await;
@@ -296,9 +293,7 @@ async fn switched_back_the_driver_drains_unprepares_what_it_prepared_prepares_no
         "stopped: the sockets are gone, so the kubelet drops the plugin"
     );
     assert!(
-        Dra::start_draining(api.client(), options(), metrics, shutdown)
-            .expect("start")
-            .is_none(),
+        Dra::start_draining(api.client(), options(), metrics, shutdown).is_none(),
         "nothing left to drain"
     );
 }

@@ -163,30 +163,36 @@ impl Dra {
     /// In extended-resource accounting: when the checkpoint still holds claims prepared in DRA mode
     /// (the node was switched back with pods allocated a device still running), serve the kubelet
     /// plugin to unprepare them, draining (see [`DraOptions::draining`]); otherwise `None`, nothing is
-    /// served.
+    /// served. A plugin that cannot be served is logged, not fatal: the agent's work in
+    /// extended-resource accounting does not depend on it.
     pub fn start_draining(
         client: Client,
         opts: DraOptions,
         metrics: Metrics,
         shutdown: CancellationToken,
-    ) -> Result<Option<Dra>> {
+    ) -> Option<Dra> {
         let checkpoint = Checkpoint::new(&PluginPaths::under(&opts.kubelet_dir).checkpoint);
-        match checkpoint.load() {
-            Ok(claims) if !claims.is_empty() => {
-                tracing::warn!(
-                    claims = claims.len(),
-                    "claims prepared in DRA mode are still held: serving the kubelet's unprepare calls until they end (nothing new is prepared)"
-                );
-                let opts = DraOptions {
-                    draining: true,
-                    ..opts
-                };
-                Dra::start(client, opts, metrics, shutdown).map(Some)
-            }
-            Ok(_) => Ok(None),
+        let claims = match checkpoint.load() {
+            Ok(claims) if !claims.is_empty() => claims,
+            Ok(_) => return None,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read the DRA checkpoint; not serving the kubelet plugin");
-                Ok(None)
+                return None;
+            }
+        };
+        tracing::warn!(
+            claims = claims.len(),
+            "claims prepared in DRA mode are still held: serving the kubelet's unprepare calls until they end (nothing new is prepared)"
+        );
+        let opts = DraOptions {
+            draining: true,
+            ..opts
+        };
+        match Dra::start(client, opts, metrics, shutdown) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot serve the kubelet plugin: the pods allocated a device in DRA mode cannot end until their claims are unprepared (docs/dra.md, switching back)");
+                None
             }
         }
     }

@@ -156,9 +156,7 @@ impl Agent {
             self.api_failed(&e);
         }
     }
-}
 
-impl Agent {
     /// Extended-resource accounting with claims left from DRA mode: forget those whose pods are
     /// gone, and stop serving the kubelet plugin once none is left.
     pub(super) fn drain_dra(&mut self) {

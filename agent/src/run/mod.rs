@@ -159,7 +159,7 @@ pub async fn run(
             },
             metrics.clone(),
             shutdown.clone(),
-        )?
+        )
     } else {
         None
     };
