@@ -134,7 +134,8 @@ async fn after_a_kubelet_restart_the_slices_come_back_and_after_an_agent_restart
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_switched_to_dra_and_back_keeps_its_running_pods_through_a_kubelet_restart() {
+async fn a_node_switched_to_dra_and_back_keeps_its_pods_running_through_a_kubelet_restart_and_a_dra_allocated_pod_can_still_end()
+ {
     within(DEADLINE, async {
         let options = Options {
             dra: false,
