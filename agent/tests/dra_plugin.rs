@@ -75,7 +75,6 @@ fn start(api: &FakeApiServer, dir: &Path, shutdown: &CancellationToken, metrics:
             node_name: NODE.into(),
             kubelet_dir: dir.to_path_buf(),
             api_timeout: Duration::from_secs(5),
-            draining: false,
         },
         metrics.clone(),
         shutdown.clone(),
@@ -242,7 +241,6 @@ async fn switched_back_the_driver_drains_unprepares_what_it_prepared_prepares_no
         node_name: NODE.into(),
         kubelet_dir: dir.path().to_path_buf(),
         api_timeout: Duration::from_secs(5),
-        draining: true,
     };
     let shutdown = CancellationToken::new();
     // Never in DRA mode here: nothing to drain, nothing served.

@@ -61,10 +61,6 @@ pub struct DraOptions {
     pub kubelet_dir: std::path::PathBuf,
     /// Time limit of one API call.
     pub api_timeout: Duration,
-    /// Draining: the node went back to extended-resource accounting with claims still prepared. The
-    /// driver prepares nothing new and serves the kubelet's unprepare calls (a pod allocated a device
-    /// cannot end until its claim is unprepared) until no claim is left.
-    pub draining: bool,
 }
 
 struct Shared {
@@ -79,7 +75,9 @@ struct Shared {
     /// The prepared claims' keys, for enforcement (sent before the kubelet hears back, so the
     /// limits of a pod's containers know its claims when the runtime creates them).
     claimed: tokio::sync::watch::Sender<Arc<ClaimedKeys>>,
-    /// See [`DraOptions::draining`].
+    /// Draining ([`Dra::start_draining`]): the node went back to extended-resource accounting with
+    /// claims still prepared. The driver prepares nothing new and serves the kubelet's unprepare
+    /// calls (a pod allocated a device cannot end until its claim is unprepared) until none is left.
     draining: bool,
 }
 
@@ -102,7 +100,6 @@ impl Dra {
         metrics: Metrics,
         shutdown: CancellationToken,
     ) -> Result<Dra> {
-        let shutdown = shutdown.child_token();
         let paths = PluginPaths::under(&opts.kubelet_dir);
         let checkpoint = Checkpoint::new(&paths.checkpoint);
         let claims = match checkpoint.load() {
@@ -120,6 +117,22 @@ impl Dra {
                 "prepared claims read from the checkpoint"
             );
         }
+        Dra::serve(client, opts, metrics, shutdown, checkpoint, claims, false)
+    }
+
+    /// Serve the kubelet plugin with `claims` (read from `checkpoint`) prepared, until `shutdown` or
+    /// [`Dra::stop`]; `draining`: see [`Shared::draining`].
+    fn serve(
+        client: Client,
+        opts: DraOptions,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+        checkpoint: Checkpoint,
+        claims: BTreeMap<String, PreparedClaim>,
+        draining: bool,
+    ) -> Result<Dra> {
+        let shutdown = shutdown.child_token();
+        let paths = PluginPaths::under(&opts.kubelet_dir);
         let claimed =
             tokio::sync::watch::Sender::new(Arc::new(ClaimedKeys::from_prepared(claims.values())));
         let shared = Arc::new(Shared {
@@ -134,7 +147,7 @@ impl Dra {
             }),
             changed: Arc::new(Notify::new()),
             claimed,
-            draining: opts.draining,
+            draining,
         });
         // The DRA socket first: the kubelet connects to it as soon as it sees the registration.
         let dra = grpc::serve(
@@ -149,7 +162,7 @@ impl Dra {
             registration = %paths.registration.display(),
             endpoint = %paths.dra.display(),
             driver = DRA_DRIVER,
-            draining = opts.draining,
+            draining,
             "serving the kubelet plugin"
         );
         Ok(Dra {
@@ -162,7 +175,7 @@ impl Dra {
 
     /// In extended-resource accounting: when the checkpoint still holds claims prepared in DRA mode
     /// (the node was switched back with pods allocated a device still running), serve the kubelet
-    /// plugin to unprepare them, draining (see [`DraOptions::draining`]); otherwise `None`, nothing is
+    /// plugin to unprepare them, draining (see [`Shared::draining`]); otherwise `None`, nothing is
     /// served. A plugin that cannot be served is logged, not fatal: the agent's work in
     /// extended-resource accounting does not depend on it.
     pub fn start_draining(
@@ -184,11 +197,7 @@ impl Dra {
             claims = claims.len(),
             "claims prepared in DRA mode are still held: serving the kubelet's unprepare calls until they end (nothing new is prepared)"
         );
-        let opts = DraOptions {
-            draining: true,
-            ..opts
-        };
-        match Dra::start(client, opts, metrics, shutdown) {
+        match Dra::serve(client, opts, metrics, shutdown, checkpoint, claims, true) {
             Ok(d) => Some(d),
             Err(e) => {
                 tracing::error!(error = %e, "cannot serve the kubelet plugin: the pods allocated a device in DRA mode cannot end until their claims are unprepared (docs/dra.md, switching back)");

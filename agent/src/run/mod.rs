@@ -123,15 +123,15 @@ pub async fn run(
         (ExemptNamespaces::default(), None)
     };
     // The driver first: enforcement reads the claims it prepares.
+    let dra_options = DraOptions {
+        node_name: opts.node_name.clone(),
+        kubelet_dir: opts.kubelet_dir.clone(),
+        api_timeout: opts.api_timeout,
+    };
     let dra = if opts.config.agent.accounting == Accounting::Dra {
         let driver = Dra::start(
             client.clone(),
-            DraOptions {
-                node_name: opts.node_name.clone(),
-                kubelet_dir: opts.kubelet_dir.clone(),
-                api_timeout: opts.api_timeout,
-                draining: false,
-            },
+            dra_options.clone(),
             metrics.clone(),
             shutdown.clone(),
         )?;
@@ -151,12 +151,7 @@ pub async fn run(
     let draining = if dra.is_none() {
         Dra::start_draining(
             client.clone(),
-            DraOptions {
-                node_name: opts.node_name.clone(),
-                kubelet_dir: opts.kubelet_dir.clone(),
-                api_timeout: opts.api_timeout,
-                draining: true,
-            },
+            dra_options,
             metrics.clone(),
             shutdown.clone(),
         )
