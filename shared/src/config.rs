@@ -240,6 +240,14 @@ impl ResourcesConfig {
         &self.get(kind).resource_name
     }
 
+    /// The extended resource names of every kind, in kernel order.
+    pub fn resource_names(&self) -> Vec<String> {
+        TeeKind::ALL
+            .iter()
+            .map(|k| self.resource_name(*k).to_string())
+            .collect()
+    }
+
     /// The kind whose extended resource is `name`, if any.
     pub fn kind_of_resource(&self, name: &str) -> Option<TeeKind> {
         TeeKind::ALL

@@ -290,26 +290,17 @@ mod tests {
     #[test]
     fn cached_pods_get_the_limits_of_full_pods_including_those_from_dra_claims() {
         use crate::decide::claimed::ClaimedKeys;
-        use crate::decide::dra::{AllocatedDevice, PreparedClaim};
+        use crate::decide::claimed::tests::prepared_in;
         use crate::decide::limits::{self, PodFacts, Policy};
         let res = ResourcesConfig::default();
-        let names: Vec<String> = TeeKind::ALL
-            .iter()
-            .map(|k| res.resource_name(*k).to_string())
-            .collect();
-        let prepared = |name: &str, request: &str, device: &str| PreparedClaim {
-            namespace: "ns".into(),
-            name: name.into(),
-            pods: Vec::new(),
-            devices: vec![AllocatedDevice {
-                request: request.into(),
-                pool: "n1".into(),
-                device: device.into(),
-            }],
-        };
+        let names = res.resource_names();
         let claims = ClaimedKeys::from_prepared(&[
-            prepared("dra-extended-resources-x", "container-0-request-0", "tdx-0"),
-            prepared("claims-key-x", "tdx", "tdx-1"),
+            prepared_in(
+                "ns",
+                "dra-extended-resources-x",
+                &[("container-0-request-0", "tdx-0")],
+            ),
+            prepared_in("ns", "claims-key-x", &[("tdx", "tdx-1")]),
         ]);
         let policy = Policy {
             resources: &res,
@@ -367,10 +358,7 @@ mod tests {
     #[test]
     fn cached_pods_summarize_like_full_pods() {
         let res = ResourcesConfig::default();
-        let names: Vec<String> = TeeKind::ALL
-            .iter()
-            .map(|k| res.resource_name(*k).to_string())
-            .collect();
+        let names = res.resource_names();
         let json = pods_json();
         let full: Vec<Pod> = json
             .iter()
@@ -402,10 +390,7 @@ mod tests {
     #[test]
     fn cached_pods_keep_identity_and_only_tee_quantities() {
         let res = ResourcesConfig::default();
-        let names: Vec<String> = TeeKind::ALL
-            .iter()
-            .map(|k| res.resource_name(*k).to_string())
-            .collect();
+        let names = res.resource_names();
         let json = pods_json();
         let inits = json
             .iter()

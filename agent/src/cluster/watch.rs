@@ -14,7 +14,6 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
-use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::{DRA_DRIVER, EXEMPT_LABEL};
 use tokio::sync::Notify;
@@ -117,10 +116,7 @@ impl Watches {
     /// attribution needs (see [`CachedPod`]).
     pub fn pods(&self, node_name: &str, resources: &ResourcesConfig) -> Watched<CachedPod> {
         let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node_name}"));
-        let names: Vec<String> = TeeKind::ALL
-            .iter()
-            .map(|k| resources.resource_name(*k).to_string())
-            .collect();
+        let names = resources.resource_names();
         self.spawn(
             cfg,
             move |p: &mut CachedPod| p.retain_resources(&names),

@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::{Container, Pod, PodExtendedResourceClaimStatus};
 use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
 
@@ -136,6 +136,20 @@ fn claim_name<'a>(pod: &'a Pod, name: &str) -> Option<&'a str> {
     })
 }
 
+/// The scheduler's claim for the pod's extended resources and its devices, when the agent prepared it.
+fn extended_resource_claim<'a>(
+    pod: &'a Pod,
+    namespace: &str,
+    claims: &'a ClaimedKeys,
+) -> Option<(&'a PodExtendedResourceClaimStatus, &'a [(String, TeeKind)])> {
+    let ext = pod
+        .status
+        .as_ref()?
+        .extended_resource_claim_status
+        .as_ref()?;
+    Some((ext, claims.devices(namespace, &ext.resource_claim_name)?))
+}
+
 fn find_container<'a>(pod: &'a Pod, name: &str) -> Option<&'a Container> {
     let spec = pod.spec.as_ref()?;
     spec.containers
@@ -156,12 +170,7 @@ pub fn container_claimed(
         return out;
     }
     let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
-    if let Some(ext) = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.extended_resource_claim_status.as_ref())
-        && let Some(devices) = claims.devices(namespace, &ext.resource_claim_name)
-    {
+    if let Some((ext, devices)) = extended_resource_claim(pod, namespace, claims) {
         for m in ext
             .request_mappings
             .iter()
@@ -208,14 +217,7 @@ pub fn pod_claimed(pod: &Pod, claims: &ClaimedKeys, resources: &ResourcesConfig)
     }
     let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
     let mut names: BTreeSet<&str> = BTreeSet::new();
-    if let Some(ext) = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.extended_resource_claim_status.as_ref())
-        && claims
-            .devices(namespace, &ext.resource_claim_name)
-            .is_some()
-    {
+    if let Some((ext, _)) = extended_resource_claim(pod, namespace, claims) {
         names.insert(&ext.resource_claim_name);
         out.served.extend(
             ext.request_mappings
@@ -241,4 +243,4 @@ pub fn pod_claimed(pod: &Pod, claims: &ClaimedKeys, resources: &ResourcesConfig)
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -19,9 +19,15 @@ fn pod(spec: Value, status: Value) -> Pod {
     .expect("pod")
 }
 
-fn prepared(name: &str, devices: &[(&str, &str)]) -> PreparedClaim {
+/// A claim of namespace `vms` reserved for `pod-1`, as the driver records it: (request, device) pairs.
+pub(crate) fn prepared(name: &str, devices: &[(&str, &str)]) -> PreparedClaim {
+    prepared_in(NS, name, devices)
+}
+
+/// [`prepared`] in `namespace`.
+pub(crate) fn prepared_in(namespace: &str, name: &str, devices: &[(&str, &str)]) -> PreparedClaim {
     PreparedClaim {
-        namespace: NS.into(),
+        namespace: namespace.into(),
         name: name.into(),
         pods: vec!["pod-1".into()],
         devices: devices

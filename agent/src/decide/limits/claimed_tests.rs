@@ -9,7 +9,7 @@ use teeguard_shared::config::ResourcesConfig;
 
 use super::*;
 use crate::decide::claimed::ClaimedKeys;
-use crate::decide::dra::{AllocatedDevice, PreparedClaim};
+use crate::decide::claimed::tests::prepared;
 
 fn tdx(keys: u64) -> Limit {
     Limit {
@@ -28,19 +28,7 @@ fn pod(spec: Value, status: Value, annotations: Value) -> Pod {
 }
 
 fn claims(name: &str, devices: &[(&str, &str)]) -> ClaimedKeys {
-    ClaimedKeys::from_prepared(&[PreparedClaim {
-        namespace: "vms".into(),
-        name: name.into(),
-        pods: vec!["pod-1".into()],
-        devices: devices
-            .iter()
-            .map(|(r, d)| AllocatedDevice {
-                request: (*r).into(),
-                pool: "node-a".into(),
-                device: (*d).into(),
-            })
-            .collect(),
-    }])
+    ClaimedKeys::from_prepared(&[prepared(name, devices)])
 }
 
 fn decide(pod: &Pod, container: &str, claimed: &ClaimedKeys, strict: bool) -> ContainerLimit {
