@@ -244,20 +244,32 @@ pub async fn phases(w: &NodeWorld, ns: &str) -> (BTreeMap<String, usize>, Vec<St
 /// Wait until exactly `n` pods of `ns` are Pending, each with the scheduler's message that their
 /// claim cannot be allocated (a pod merely not looked at yet is Pending too, without the message).
 pub async fn wait_unschedulable(w: &NodeWorld, ns: &str, n: usize) {
+    wait_placed(w, ns, None, n, Duration::from_secs(30)).await;
+}
+
+/// [`wait_unschedulable`] within `timeout`, and with exactly `running` pods of `ns` Running when given.
+pub async fn wait_placed(
+    w: &NodeWorld,
+    ns: &str,
+    running: Option<usize>,
+    n: usize,
+    timeout: Duration,
+) {
+    let what = match running {
+        Some(r) => format!("{r} Running, {n} Pending: cannot allocate all claims"),
+        None => format!("{n} pods Pending: cannot allocate all claims"),
+    };
     let got = w
         .cluster
-        .wait_for_within(
-            &format!("{n} pods Pending: cannot allocate all claims"),
-            Duration::from_secs(30),
-            || async {
-                let (by_phase, messages) = phases(w, ns).await;
-                let refused = messages
-                    .iter()
-                    .filter(|m| m.contains("cannot allocate all claims"))
-                    .count();
-                (by_phase.get("Pending") == Some(&n) && refused == n).then_some(())
-            },
-        )
+        .wait_for_within(&what, timeout, || async {
+            let (by_phase, messages) = phases(w, ns).await;
+            let refused = messages
+                .iter()
+                .filter(|m| m.contains("cannot allocate all claims"))
+                .count();
+            let running_ok = running.is_none_or(|r| by_phase.get("Running") == Some(&r));
+            (running_ok && by_phase.get("Pending") == Some(&n) && refused == n).then_some(())
+        })
         .await;
     if let Err(e) = got {
         panic!("{e} (now {:?})\n{}", phases(w, ns).await, w.diagnostics());
@@ -384,20 +396,7 @@ pub async fn fifty_pods_one_key(w: &NodeWorld) {
     for r in futures::future::join_all(creates).await {
         r.expect("created");
     }
-    let got = w
-        .cluster
-        .wait_for_within("1 Running, 49 Pending", Duration::from_secs(60), || async {
-            let (by_phase, messages) = phases(w, &ns).await;
-            (by_phase.get("Running") == Some(&1)
-                && by_phase.get("Pending") == Some(&49)
-                && messages.len() == 49)
-                .then_some(messages)
-        })
-        .await;
-    let messages = got.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
-    for m in &messages {
-        assert!(m.contains("cannot allocate all claims"), "{m}");
-    }
+    wait_placed(w, &ns, Some(1), 49, Duration::from_secs(60)).await;
     // Still so a few polls later: nothing else was allocated or started.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (by_phase, _) = phases(w, &ns).await;
@@ -425,20 +424,7 @@ pub async fn fifty_vms_one_key(w: &NodeWorld) {
     for r in futures::future::join_all(creates).await {
         r.unwrap_or_else(|e| panic!("a VM refused: {e}\n{}", w.diagnostics()));
     }
-    let got = w
-        .cluster
-        .wait_for_within("1 Running, 49 Pending", Duration::from_secs(90), || async {
-            let (by_phase, messages) = phases(w, &w.ns).await;
-            (by_phase.get("Running") == Some(&1)
-                && by_phase.get("Pending") == Some(&49)
-                && messages.len() == 49)
-                .then_some(messages)
-        })
-        .await;
-    let messages = got.unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
-    for m in &messages {
-        assert!(m.contains("cannot allocate all claims"), "{m}");
-    }
+    wait_placed(w, &w.ns, Some(1), 49, Duration::from_secs(90)).await;
     // Every replica refused nothing. The API server keeps its connections open, so (as behind a
     // Service) the replicas it reaches are those its connections landed on; together they saw every
     // pod CREATE.
