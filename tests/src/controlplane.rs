@@ -466,23 +466,28 @@ if [ -e "$dir/FAILED" ]; then rm -rf "$dir/etcd" "$dir/bin"; else rm -rf "$dir";
 
 fn spawn(dir: &Path, bin: &Path, name: &str, args: &[String]) -> Result<()> {
     let log = dir.join("log").join(format!("{name}.log"));
+    spawn_watched(&log, &bin.join(name), args).map_err(io(format!("start {name} (needs bash)")))
+}
+
+/// Start `program` with `args` under the watchdog: output to `log`, stopped (TERM, then KILL after
+/// 5 s) when the test process exits. Other harnesses' long-running components use it too.
+pub(crate) fn spawn_watched(log: &Path, program: &Path, args: &[String]) -> std::io::Result<()> {
     Command::new("bash")
         .arg("-c")
         .arg(WATCHDOG)
         .arg("watchdog")
         .arg(std::process::id().to_string())
-        .arg(&log)
-        .arg(bin.join(name))
+        .arg(log)
+        .arg(program)
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(io(format!("start {name} (needs bash)")))?;
-    Ok(())
+        .map(|_| ())
 }
 
-fn spawn_janitor(dir: &Path) -> Result<()> {
+pub(crate) fn spawn_janitor(dir: &Path) -> Result<()> {
     Command::new("bash")
         .arg("-c")
         .arg(JANITOR)
@@ -499,7 +504,12 @@ fn spawn_janitor(dir: &Path) -> Result<()> {
 
 /// On the first panic in this process, mark the state directory so the janitor keeps the logs, and
 /// say where they are.
-fn install_panic_hook(dir: &Path) {
+pub(crate) fn install_panic_hook(dir: &Path) {
+    install_panic_hook_for(dir, "control plane", "the components' logs")
+}
+
+/// [`install_panic_hook`] for another harness: `what` names it, `kept` what stays in `dir/log`.
+pub(crate) fn install_panic_hook_for(dir: &Path, what: &'static str, kept: &'static str) {
     let marker = dir.join("FAILED");
     let logs = dir.join("log");
     let previous = std::panic::take_hook();
@@ -508,7 +518,7 @@ fn install_panic_hook(dir: &Path) {
             let _ = std::fs::write(&marker, info.to_string());
         }
         eprintln!(
-            "control plane: a test failed; the components' logs are kept in {}",
+            "{what}: a test failed; {kept} are kept in {}",
             logs.display()
         );
         previous(info);

@@ -105,3 +105,20 @@ impl RealNode {
         )
     }
 }
+
+impl RealNode {
+    /// Write a one-layer OCI archive of the directory `rootfs` named `image` (entrypoint `entry`) with
+    /// `make-oci-image.py`, into this node's image directory, and import it into the runtime.
+    pub fn add_image(&self, image: &str, rootfs: &Path, entry: &[&str]) -> Result<()> {
+        let file = image.replace(['/', ':'], "_");
+        let archive = self.dir.join("images").join(format!("{file}.tar"));
+        let mut cmd = Command::new("python3");
+        cmd.arg(self.bin.join("make-oci-image.py"))
+            .arg(&archive)
+            .arg(image)
+            .arg(rootfs)
+            .args(entry);
+        run(cmd, &format!("make-oci-image.py {image}"))?;
+        self.import_image(&archive, image)
+    }
+}

@@ -158,18 +158,33 @@ pub struct RealNode {
     turn: tokio::sync::Mutex<()>,
 }
 
-static CONTAINERD: OnceLock<Result<RealNode, String>> = OnceLock::new();
-static CRIO: OnceLock<Result<RealNode, String>> = OnceLock::new();
+/// How many nodes of one runtime a test binary may run (`RealNode::shared_nth`).
+pub const MAX_NODES: usize = 2;
+
+type Slot = OnceLock<Result<RealNode, String>>;
+static CONTAINERD: [Slot; MAX_NODES] = [const { OnceLock::new() }; MAX_NODES];
+static CRIO: [Slot; MAX_NODES] = [const { OnceLock::new() }; MAX_NODES];
 
 impl RealNode {
     /// The node of this test binary with `runtime`, started on first use (with the control plane).
     /// `None` (after printing one line) when something it needs is missing and `CI` is not `true`;
     /// panics when `CI=true` and something is missing, or when the node does not start.
     pub fn shared(runtime: Runtime) -> Option<&'static RealNode> {
-        let cell = match runtime {
+        Self::shared_nth(runtime, 0)
+    }
+
+    /// The `n`th node of this test binary with `runtime` (`n` < [`MAX_NODES`]; 0 is
+    /// [`RealNode::shared`]'s), each with its own runtime, kubelet, ports, root directory and cgroup
+    /// root, started on first use; as [`RealNode::shared`] otherwise. A test taking several nodes
+    /// acquires them in order of `n`, so two such tests never wait for each other's second node.
+    pub fn shared_nth(runtime: Runtime, n: usize) -> Option<&'static RealNode> {
+        let slots = match runtime {
             Runtime::Containerd => &CONTAINERD,
             Runtime::Crio => &CRIO,
         };
+        let cell = slots
+            .get(n)
+            .unwrap_or_else(|| panic!("a test binary runs at most {MAX_NODES} nodes per runtime"));
         // Checked first: a machine without the node's binaries need not start a control plane.
         if let Err(NodeError::Missing(m)) = start::prerequisites(runtime) {
             if ci() {
@@ -181,7 +196,7 @@ impl RealNode {
         let cp = ControlPlane::shared()?;
         let got = cell.get_or_init(|| {
             // On its own thread: a test's tokio runtime cannot block on another runtime.
-            std::thread::spawn(move || start::start(runtime, cp))
+            std::thread::spawn(move || start::start(runtime, n, cp))
                 .join()
                 .unwrap_or_else(|_| Err(NodeError::Missing("the node's start-up panicked".into())))
                 .map_err(|e| e.to_string())

@@ -79,8 +79,10 @@ pub(super) fn prerequisites(runtime: Runtime) -> Result<PathBuf> {
         .filter(|(cmd, _)| which(cmd).is_none())
         .map(|(cmd, pkg)| format!("{cmd} (Debian {pkg})"))
         .chain(
-            (!Path::new(CNI_BIN).join("loopback").is_file())
-                .then(|| format!("{CNI_BIN}/loopback (Debian containernetworking-plugins)")),
+            ["loopback", "bridge", "host-local"]
+                .into_iter()
+                .filter(|p| !Path::new(CNI_BIN).join(p).is_file())
+                .map(|p| format!("{CNI_BIN}/{p} (Debian containernetworking-plugins)")),
         )
         .collect();
     if !missing.is_empty() {
@@ -92,12 +94,15 @@ pub(super) fn prerequisites(runtime: Runtime) -> Result<PathBuf> {
     Ok(source)
 }
 
-/// Start a node: state directory, janitor, binaries, images, the runtime, the kubelet; returns once
+/// Start node `n` of `runtime`: state directory, janitor, binaries, images, the runtime, the kubelet; returns once
 /// the Node is registered, Ready and untainted.
-pub(super) fn start(runtime: Runtime, cp: &'static ControlPlane) -> Result<RealNode> {
+pub(super) fn start(runtime: Runtime, n: usize, cp: &'static ControlPlane) -> Result<RealNode> {
     let started = Instant::now();
     let source = prerequisites(runtime)?;
-    let name = format!("teeguard-{}-{}", runtime.name(), std::process::id());
+    let name = match n {
+        0 => format!("teeguard-{}-{}", runtime.name(), std::process::id()),
+        n => format!("teeguard-{}-{}-{n}", runtime.name(), std::process::id()),
+    };
     let dir = tempfile::Builder::new()
         .prefix(&format!("teeguard-node-{}-", runtime.name()))
         .tempdir()
@@ -107,7 +112,8 @@ pub(super) fn start(runtime: Runtime, cp: &'static ControlPlane) -> Result<RealN
         std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("create {sub}/")))?;
     }
     let bin = binaries(&source, runtime, &dir.join("bin"))?;
-    teardown::install(&dir, &bin, runtime, &name)?;
+    let network = Network::of(runtime, n);
+    teardown::install(&dir, &bin, runtime, &name, &network.bridge)?;
     let [kubelet_port, kubelet_healthz] = free_ports()?;
     let node = RealNode {
         runtime,
@@ -122,7 +128,7 @@ pub(super) fn start(runtime: Runtime, cp: &'static ControlPlane) -> Result<RealN
     };
     write_runc_wrapper(&node)?;
     build_images(&node)?;
-    write_runtime_config(&node)?;
+    write_runtime_config(&node, &network)?;
     if runtime == Runtime::Crio {
         import_images_crio(&node)?;
     }
@@ -296,12 +302,47 @@ fn import_images_crio(node: &RealNode) -> Result<()> {
     Ok(())
 }
 
-/// The runtime's configuration (as `up.sh` writes it) and the loopback-only CNI network.
-fn write_runtime_config(node: &RealNode) -> Result<()> {
+/// The node's pod network: a Linux bridge of its own with addresses from a /24 of its own (no gateway,
+/// no masquerading: pods get an address and reach nothing, which is all the pods here need; a pod that
+/// must reach the host uses `hostNetwork`). Removed by the teardown.
+#[derive(Debug)]
+struct Network {
+    /// The bridge's name (at most 15 characters).
+    bridge: String,
+    /// The pods' subnet.
+    subnet: String,
+}
+
+impl Network {
+    /// The network of node `n` of `runtime` in this test process.
+    fn of(runtime: Runtime, n: usize) -> Network {
+        let pid = std::process::id();
+        let r = match runtime {
+            Runtime::Containerd => 0,
+            Runtime::Crio => 1,
+        };
+        Network {
+            bridge: format!("tg{}{pid}n{n}", &runtime.name()[..1]),
+            subnet: format!("10.{}.{}.0/24", 100 + 2 * n + r, pid % 256),
+        }
+    }
+}
+
+/// The runtime's configuration (as `up.sh` writes it) and the node's CNI network ([`Network`]).
+fn write_runtime_config(node: &RealNode, network: &Network) -> Result<()> {
     let d = |p: &str| node.dir.join(p).display().to_string();
     write(
-        &node.dir.join("cni/10-loopback.conflist"),
-        r#"{"cniVersion": "1.0.0", "name": "loopback-only", "plugins": [{"type": "loopback"}]}"#,
+        &node.dir.join("cni/10-teeguard.conflist"),
+        &serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": format!("teeguard-{}", node.name),
+            "plugins": [{
+                "type": "bridge", "bridge": network.bridge, "isGateway": false, "ipMasq": false,
+                "ipam": {"type": "host-local", "ranges": [[{"subnet": network.subnet}]],
+                    "dataDir": d("cni-ipam")}
+            }]
+        })
+        .to_string(),
     )?;
     let timeout = format!("{}s", NRI_REQUEST_TIMEOUT.as_secs());
     match node.runtime {
@@ -518,7 +559,7 @@ healthzPort: {healthz}
 authentication: {{anonymous: {{enabled: false}}, webhook: {{enabled: false}}}}
 authorization: {{mode: AlwaysAllow}}
 enforceNodeAllocatable: []
-localStorageCapacityIsolation: false
+localStorageCapacityIsolation: true
 imageGCHighThresholdPercent: 100
 evictionHard: {{}}
 staticPodPath: {kd}/manifests

@@ -53,13 +53,13 @@ case "$cmd" in
 esac
 "#;
 
-/// `<state>/teardown.sh`; `@DIR@`, `@BIN@`, `@RUNTIME@`, `@CGROUP@`, `@ID@` are filled in.
+/// `<state>/teardown.sh`; `@DIR@`, `@BIN@`, `@RUNTIME@`, `@CGROUP@`, `@BRIDGE@`, `@ID@` are filled in.
 const TEARDOWN: &str = r#"#!/usr/bin/env bash
 # Stops the real test node under this directory (its janitor runs this once the test process @ID@ has
 # exited; it may be run by hand): the kubelet, the pods (so their cgroups go away), the runtime, then
 # whatever of this node is left (shims, conmon, containers: their command lines name this directory, or
 # they sit in its cgroups); unmounts what is left under the directory, removes the node's cgroups
-# (/sys/fs/cgroup/*/@CGROUP@), puts the kernel tunables back when no other test node runs, and removes
+# (/sys/fs/cgroup/*/@CGROUP@) and its pod network's bridge (@BRIDGE@), puts the kernel tunables back when no other test node runs, and removes
 # the directory, keeping log/ and record/ when a test failed (the FAILED marker).
 set -u
 dir=@DIR@; bin=@BIN@; runtime=@RUNTIME@; cgroot=@CGROUP@
@@ -95,6 +95,7 @@ for _ in $(seq 10); do
   sleep 0.5
 done
 [ -z "$(cgroups)" ] || echo "teardown: cgroups left: $(cgroups)" >&2
+ip link del @BRIDGE@ 2>/dev/null
 bash "$dir/sysctls.sh" restore $$
 if [ -e "$dir/FAILED" ]; then
   find "$dir" -mindepth 1 -maxdepth 1 ! -name log ! -name record ! -name FAILED -exec rm -rf {} +
@@ -112,13 +113,20 @@ exec bash "$2/teardown.sh" >"$2/teardown.log" 2>&1
 
 /// Write `teardown.sh` and `sysctls.sh`, start the janitor, and mark the directory on the first panic
 /// so the logs stay.
-pub(super) fn install(dir: &Path, bin: &Path, runtime: Runtime, cgroup_root: &str) -> Result<()> {
+pub(super) fn install(
+    dir: &Path,
+    bin: &Path,
+    runtime: Runtime,
+    cgroup_root: &str,
+    bridge: &str,
+) -> Result<()> {
     let id = std::process::id().to_string();
     let script = TEARDOWN
         .replace("@DIR@", &dir.display().to_string())
         .replace("@BIN@", &bin.display().to_string())
         .replace("@RUNTIME@", runtime.name())
         .replace("@CGROUP@", cgroup_root)
+        .replace("@BRIDGE@", bridge)
         .replace("@ID@", &id);
     let write = |name: &str, body: &str| {
         std::fs::write(dir.join(name), body).map_err(io(format!("write {name}")))

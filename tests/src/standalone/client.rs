@@ -42,6 +42,15 @@ impl std::fmt::Debug for WebhookClient {
     }
 }
 
+/// The name of a method this client sends, for errors.
+fn method_name(method: &http::Method) -> &'static str {
+    if method == http::Method::GET {
+        "GET"
+    } else {
+        "POST"
+    }
+}
+
 /// A rustls client configuration trusting only `ca` (ring provider, HTTP/1.1 ALPN).
 pub fn client_config(ca: CertificateDer<'static>) -> Result<Arc<rustls::ClientConfig>> {
     let tls_err = |reason: String| StandaloneError::Startup {
@@ -134,13 +143,25 @@ impl WebhookClient {
     }
 
     fn request(&self, path: &str, body: &[u8]) -> Result<Request<Full<Bytes>>> {
-        Request::post(path)
+        self.request_with(http::Method::POST, path, body)
+    }
+
+    fn request_with(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: &[u8],
+    ) -> Result<Request<Full<Bytes>>> {
+        let name = method_name(&method);
+        Request::builder()
+            .method(method)
+            .uri(path)
             .header(header::HOST, format!("localhost:{}", self.addr.port()))
             .header(header::CONTENT_TYPE, "application/json")
             .header(header::ACCEPT, "application/json, */*")
             .body(Full::new(Bytes::copy_from_slice(body)))
             .map_err(|e| StandaloneError::Http {
-                method: "POST",
+                method: name,
                 url: self.url(path),
                 reason: e.to_string(),
             })
@@ -214,13 +235,29 @@ impl WebhookClient {
 
     /// POST `body` to `path` on a new connection that is closed afterwards.
     pub async fn post_fresh(&self, path: &str, body: &[u8]) -> Result<(StatusCode, Bytes)> {
+        self.send_fresh(http::Method::POST, path, body).await
+    }
+
+    /// GET `path` on a new connection that is closed afterwards (a component's health or leader
+    /// endpoint).
+    pub async fn get(&self, path: &str) -> Result<(StatusCode, Bytes)> {
+        self.send_fresh(http::Method::GET, path, &[]).await
+    }
+
+    async fn send_fresh(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: &[u8],
+    ) -> Result<(StatusCode, Bytes)> {
+        let name = method_name(&method);
         let work = async {
             let mut sender = self.connect().await?;
             let resp = sender
-                .send_request(self.request(path, body)?)
+                .send_request(self.request_with(method.clone(), path, body)?)
                 .await
                 .map_err(|e| StandaloneError::Http {
-                    method: "POST",
+                    method: name,
                     url: self.url(path),
                     reason: e.to_string(),
                 })?;
@@ -230,7 +267,7 @@ impl WebhookClient {
                 .collect()
                 .await
                 .map_err(|e| StandaloneError::Http {
-                    method: "POST",
+                    method: name,
                     url: self.url(path),
                     reason: format!("reading the response body: {e}"),
                 })?
@@ -240,7 +277,7 @@ impl WebhookClient {
         match tokio::time::timeout(self.timeout, work).await {
             Ok(r) => r,
             Err(_) => Err(StandaloneError::Timeout {
-                what: format!("the webhook to answer POST {path} on a new connection"),
+                what: format!("an answer to {name} {path} on a new connection"),
                 after: self.timeout,
             }),
         }

@@ -1,0 +1,521 @@
+//! One test's world with KubeVirt's own virt-controller (`teeguard_tests::kubevirt`) and two real nodes
+//! (`teeguard_tests::node`, kubelet + containerd each): one labelled as virt-handler labels an Intel
+//! TDX host, one as an AMD SEV-SNP host, each with the `devices.kubevirt.io/*` resources virt-handler
+//! would advertise, KubeVirt's images (stand-ins), a simulated TEE host and its own `teeguard-agent`
+//! (NRI plugin on that node's containerd). The real `teeguard-webhook` is registered by URL with the
+//! chart's webhook configurations for the test's namespace. VMIs are created as a user writes them and
+//! defaulted by virt-api's code (the stand-in webhook); the launcher pods are virt-controller's own.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use kube::Api;
+use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use serde_json::{Value, json};
+use teeguard_shared::TeeCapacity;
+use teeguard_shared::crd::TeeCapacityStatus;
+use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess, json_log_line};
+use teeguard_tests::fixtures::Tee;
+use teeguard_tests::host::{SEV, SEV_ES, SimHost, TDX};
+use teeguard_tests::kubevirt::{self, KubeVirt, vmis};
+use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime};
+use teeguard_tests::realcluster::Cluster;
+
+use crate::chart_support;
+
+/// Longest a launcher pod may take from its VMI's CREATE to Running (two kubelets, virt-controller,
+/// the scheduler and the API server share two cores).
+pub const RUN_DEADLINE: Duration = Duration::from_secs(120);
+/// The agents' poll interval.
+pub const POLL: Duration = Duration::from_millis(250);
+
+/// The device-plugin resources virt-handler advertises on every KubeVirt node.
+const KUBEVIRT_DEVICES: [&str; 3] = [
+    "devices.kubevirt.io/kvm",
+    "devices.kubevirt.io/tun",
+    "devices.kubevirt.io/vhost-net",
+];
+
+/// Every TEE label virt-handler may put on a node (removed first: the node may have been the other kind
+/// in an earlier test of the binary).
+const TEE_LABELS: [&str; 4] = [
+    "kubevirt.io/tdx",
+    "kubevirt.io/sev",
+    "kubevirt.io/sev-es",
+    "kubevirt.io/sev-snp",
+];
+
+/// How a world is set up.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// TDX keys of the TDX node's (simulated) host.
+    pub tdx_keys: u64,
+    /// SEV-ES keys (SNP guests are charged as `sev_es`) of the SNP node's host.
+    pub snp_keys: u64,
+    /// Plain SEV keys of the SNP node's host (an EPYC host has both ASID pools).
+    pub sev_keys: u64,
+    /// teeguard in the path: the webhook registered and the agents' NRI plugins (`false`: the agents
+    /// still report, nothing of teeguard admits or limits anything: a cluster without teeguard).
+    pub teeguard: bool,
+    /// Extra configuration YAML appended to the agents' and the webhook's file.
+    pub extra_config: &'static str,
+}
+
+impl Options {
+    /// `tdx` TDX keys and `snp` SEV-ES/SNP keys (and as many plain SEV keys), teeguard in the path.
+    pub fn keys(tdx: u64, snp: u64) -> Options {
+        Options {
+            tdx_keys: tdx,
+            snp_keys: snp,
+            sev_keys: snp,
+            teeguard: true,
+            extra_config: "",
+        }
+    }
+}
+
+/// One of the two nodes, with its agent. Fields drop in order: the agent stops before the node is
+/// handed on.
+pub struct TeeNode {
+    /// The kind of TEE host it is.
+    pub tee: Tee,
+    pub agent: AgentProcess,
+    /// Its simulated cgroup tree (the host's TEE keys).
+    pub host: SimHost,
+    /// The agent's processes' environment (its configuration names this node's NRI socket).
+    pub env: ProcessEnv,
+    pub turn: NodeTurn,
+}
+
+impl TeeNode {
+    /// The Node's name.
+    pub fn name(&self) -> &str {
+        &self.turn.name
+    }
+}
+
+/// One test's world. Fields drop in order: the webhook and the agents stop first, the nodes are handed
+/// to the next test last.
+pub struct KubeVirtWorld {
+    pub webhook: Option<WebhookProcess>,
+    pub tdx: TeeNode,
+    pub snp: TeeNode,
+    pub kv: &'static KubeVirt,
+    pub cluster: Cluster,
+    pub test: String,
+    /// The test's namespace (teeguard's webhooks are called for it).
+    pub ns: String,
+}
+
+/// Nodes whose runtime already has the stand-in images.
+static IMAGES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+impl KubeVirtWorld {
+    /// Take both nodes, start their agents and the webhook for test `test`; `None` when the test
+    /// should skip (no KubeVirt kit or no real node here).
+    pub async fn start(test: &str, options: Options) -> Option<KubeVirtWorld> {
+        let kv = KubeVirt::shared()?;
+        let first = RealNode::shared_nth(Runtime::Containerd, 0)?;
+        let second = RealNode::shared_nth(Runtime::Containerd, 1)?;
+        let cluster = Cluster::connect().await?;
+        // An earlier test's VirtualMachines would start their VMIs again on the nodes.
+        remove_kubevirt_objects(&cluster).await;
+        let tdx_turn = first.acquire().await;
+        let snp_turn = second.acquire().await;
+        for turn in [&tdx_turn, &snp_turn] {
+            stand_in_images(turn);
+        }
+        let ns = cluster.namespace(test, test, &[]).await.expect("namespace");
+        let tdx = TeeNode::start(&cluster, tdx_turn, Tee::Tdx, options).await;
+        let snp = TeeNode::start(&cluster, snp_turn, Tee::Snp, options).await;
+        let webhook = if options.teeguard {
+            let webhook = tdx.env.start_webhook(&[]).await.expect("webhook starts");
+            let rendered = chart_support::render("default", &[]);
+            cluster
+                .register_webhooks(
+                    test,
+                    &rendered,
+                    webhook.https,
+                    &tdx.env.ca.ca_bundle_base64(),
+                )
+                .await
+                .expect("webhooks registered");
+            cluster
+                .wait_webhooks_called(&ns)
+                .await
+                .expect("the API server calls the webhooks");
+            Some(webhook)
+        } else {
+            None
+        };
+        Some(KubeVirtWorld {
+            webhook,
+            tdx,
+            snp,
+            kv,
+            cluster,
+            test: test.to_string(),
+            ns,
+        })
+    }
+
+    /// The node of kind `tee` (TDX, or the SNP node for every SEV kind).
+    pub fn node_for(&self, tee: Tee) -> &TeeNode {
+        if tee == Tee::Tdx {
+            &self.tdx
+        } else {
+            &self.snp
+        }
+    }
+
+    /// Create VMI `name` of kind `tee` in the test's namespace as a user writes it; returns it as
+    /// stored (defaulted by virt-api's code).
+    pub async fn create_vmi(&self, name: &str, tee: Tee, size: vmis::Size) -> DynamicObject {
+        vmis::create(&self.cluster.client, &self.ns, &vmis::vmi(name, tee, size))
+            .await
+            .unwrap_or_else(|e| panic!("create VMI {name}: {e}"))
+    }
+
+    /// The VMI `name` as stored now.
+    pub async fn vmi(&self, name: &str) -> Option<DynamicObject> {
+        vmis::api(&self.cluster.client, &self.ns, "VirtualMachineInstance")
+            .get_opt(name)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// The launcher pods of VMI `name` (virt-controller labels them `kubevirt.io/created-by=<uid>`).
+    pub async fn launchers(&self, name: &str) -> Vec<Pod> {
+        let Some(uid) = self.vmi(name).await.and_then(|v| v.metadata.uid) else {
+            return Vec::new();
+        };
+        let pods: Api<Pod> = Api::namespaced(self.cluster.client.clone(), &self.ns);
+        pods.list(&ListParams::default().labels(&format!("kubevirt.io/created-by={uid}")))
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default()
+    }
+
+    /// Wait until VMI `name`'s launcher pod runs with every container started; the pod. Panics with
+    /// what `kubectl describe vmi` would show when it does not within [`RUN_DEADLINE`].
+    pub async fn wait_running(&self, name: &str) -> Pod {
+        let deadline = Instant::now() + RUN_DEADLINE;
+        loop {
+            if let Some(p) = self.launchers(name).await.into_iter().find(running) {
+                return p;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "VMI {name}'s launcher pod is not Running within {RUN_DEADLINE:?}\n{}",
+                    self.describe(name).await
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The recorded OCI configs of `pod` once each of its containers has one (node `node`).
+    pub async fn records(&self, node: &TeeNode, pod: &Pod) -> Vec<Recorded> {
+        let uid = pod.metadata.uid.clone().expect("uid");
+        let spec = pod.spec.as_ref().expect("spec");
+        let want: Vec<&str> = spec
+            .containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+            .map(|c| c.name.as_str())
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let got = node.turn.records_of(&uid);
+            if want.iter().all(|w| got.iter().any(|r| r.container == *w)) {
+                return got;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pod {uid}: containers {want:?}, configs recorded for {:?}",
+                got.iter().map(|r| r.container.as_str()).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The node's `TeeCapacity` status, if published.
+    pub async fn report(&self, node: &TeeNode) -> Option<TeeCapacityStatus> {
+        let api: Api<TeeCapacity> = Api::all(self.cluster.client.clone());
+        api.get(node.name()).await.ok()?.status
+    }
+
+    /// Wait until `check` holds for `node`'s report; the report. Panics after `timeout`.
+    pub async fn wait_report(
+        &self,
+        node: &TeeNode,
+        what: &str,
+        timeout: Duration,
+        check: impl Fn(&TeeCapacityStatus) -> bool,
+    ) -> TeeCapacityStatus {
+        let got = self
+            .cluster
+            .wait_for_within(
+                &format!("{}'s report: {what}", node.name()),
+                timeout,
+                || async { self.report(node).await.filter(|r| check(r)) },
+            )
+            .await;
+        match got {
+            Ok(r) => r,
+            Err(e) => panic!(
+                "{e}\nthe report now: {:?}\n{}",
+                self.report(node).await,
+                self.diagnostics()
+            ),
+        }
+    }
+
+    /// Events about the object `name` in the test's namespace, oldest first.
+    pub async fn events(&self, name: &str) -> Vec<Event> {
+        let events: Api<Event> = Api::namespaced(self.cluster.client.clone(), &self.ns);
+        let mut got: Vec<Event> = events
+            .list(&ListParams::default())
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
+            .collect();
+        got.sort_by_key(|e| {
+            e.last_timestamp
+                .as_ref()
+                .map(|t| t.0)
+                .or_else(|| e.event_time.as_ref().map(|t| t.0))
+        });
+        got
+    }
+
+    /// What `kubectl describe vmi` shows of VMI `name`: phase, conditions and events.
+    pub async fn describe(&self, name: &str) -> String {
+        let Some(vmi) = self.vmi(name).await else {
+            return format!("VMI {}/{name}: not found", self.ns);
+        };
+        let status = &vmi.data["status"];
+        let mut out = format!(
+            "VMI {}/{name}: phase {}\n  conditions:\n",
+            self.ns,
+            status["phase"].as_str().unwrap_or("")
+        );
+        for c in status["conditions"].as_array().into_iter().flatten() {
+            out.push_str(&format!(
+                "    {} {} {}: {}\n",
+                c["type"].as_str().unwrap_or(""),
+                c["status"].as_str().unwrap_or(""),
+                c["reason"].as_str().unwrap_or(""),
+                c["message"].as_str().unwrap_or("")
+            ));
+        }
+        out.push_str("  events:\n");
+        for e in self.events(name).await {
+            out.push_str(&format!(
+                "    {} {} (x{}): {}\n",
+                e.type_.unwrap_or_default(),
+                e.reason.unwrap_or_default(),
+                e.count.unwrap_or(1),
+                e.message.unwrap_or_default()
+            ));
+        }
+        out
+    }
+
+    /// Logs for a failure: virt-controller's last lines, both kubelets', every process.
+    pub fn diagnostics(&self) -> String {
+        let tail = |log: String, n: usize| {
+            let lines: Vec<&str> = log.lines().rev().take(n).collect();
+            lines.into_iter().rev().collect::<Vec<_>>().join("\n")
+        };
+        format!(
+            "----- virt-controller (last lines) -----\n{}\n----- kubelet {} -----\n{}\n----- kubelet {} -----\n{}\n{}\n{}",
+            tail(self.kv.log(), 20),
+            self.tdx.name(),
+            tail(self.tdx.turn.log("kubelet"), 15),
+            self.snp.name(),
+            tail(self.snp.turn.log("kubelet"), 15),
+            self.tdx.env.all_logs(),
+            self.snp.env.all_logs()
+        )
+    }
+}
+
+impl TeeNode {
+    async fn start(cluster: &Cluster, turn: NodeTurn, tee: Tee, options: Options) -> TeeNode {
+        let capacities: &[(&str, u64)] = if tee == Tee::Tdx {
+            &[(TDX, options.tdx_keys)]
+        } else {
+            &[(SEV, options.sev_keys), (SEV_ES, options.snp_keys)]
+        };
+        label_node(cluster, &turn, tee, options.tdx_keys).await;
+        let mut b = SimHost::builder();
+        for (resource, keys) in capacities {
+            if *keys > 0 {
+                b = b.capacity(resource, *keys);
+            }
+        }
+        let host = b.build().expect("simulated host");
+        let config = format!(
+            "agent:\n  pollInterval: {}ms\n  heartbeatInterval: 5s\nenforcement:\n  mode: {}\n  \
+             nriSocket: {}\n{}",
+            POLL.as_millis(),
+            if options.teeguard { "nri" } else { "off" },
+            turn.nri_socket().display(),
+            options.extra_config,
+        );
+        let env = cluster.process_env(&config).expect("process env");
+        let mut agent = env
+            .start_agent_with(&turn.name, host.root(), &[])
+            .await
+            .expect("agent starts");
+        if options.teeguard {
+            agent
+                .proc
+                .wait_for_log("its NRI registration", Duration::from_secs(30), |line| {
+                    json_log_line(line, "NRI plugin registered").map(|_| ())
+                })
+                .await
+                .expect("the agent registers with the runtime");
+        }
+        TeeNode {
+            tee,
+            agent,
+            host,
+            env,
+            turn,
+        }
+    }
+}
+
+/// Label and equip the Node as virt-handler does on a host of kind `tee` with `keys` keys: the TEE
+/// labels, `kubevirt.io/schedulable`, the q35 machine type, the device-plugin resources (KubeVirt v1.9
+/// sizes `devices.kubevirt.io/tdx` from `misc.capacity`; `devices.kubevirt.io/sev` is a fixed 1000).
+async fn label_node(cluster: &Cluster, turn: &NodeTurn, tee: Tee, keys: u64) {
+    let nodes: Api<Node> = Api::all(cluster.client.clone());
+    let mut labels = serde_json::Map::new();
+    for l in TEE_LABELS {
+        labels.insert(l.into(), Value::Null);
+    }
+    let tee_labels: &[&str] = if tee == Tee::Tdx {
+        &["kubevirt.io/tdx"]
+    } else {
+        &[
+            "kubevirt.io/sev",
+            "kubevirt.io/sev-es",
+            "kubevirt.io/sev-snp",
+        ]
+    };
+    for l in tee_labels {
+        labels.insert((*l).into(), json!("true"));
+    }
+    labels.insert("kubevirt.io/schedulable".into(), json!("true"));
+    labels.insert("machine-type.node.kubevirt.io/q35".into(), json!("true"));
+    nodes
+        .patch(
+            &turn.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": labels}})),
+        )
+        .await
+        .expect("label the Node");
+    let mut devices: BTreeMap<String, Value> = KUBEVIRT_DEVICES
+        .iter()
+        .map(|d| ((*d).to_string(), json!("1k")))
+        .collect();
+    let (own, other) = if tee == Tee::Tdx {
+        ("devices.kubevirt.io/tdx", "devices.kubevirt.io/sev")
+    } else {
+        ("devices.kubevirt.io/sev", "devices.kubevirt.io/tdx")
+    };
+    devices.insert(
+        own.into(),
+        json!(if tee == Tee::Tdx {
+            keys.to_string()
+        } else {
+            "1k".into()
+        }),
+    );
+    devices.insert(other.into(), Value::Null);
+    nodes
+        .patch_status(
+            &turn.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"capacity": devices, "allocatable": devices}})),
+        )
+        .await
+        .expect("advertise KubeVirt's devices");
+}
+
+/// Import the stand-in KubeVirt images into the node's runtime, once per node.
+fn stand_in_images(turn: &NodeTurn) {
+    let mut done = IMAGES.lock().unwrap_or_else(|e| e.into_inner());
+    if done.iter().any(|n| n == &turn.name) {
+        return;
+    }
+    let dir: PathBuf = turn.dir().join("kubevirt-images");
+    kubevirt::images::import_stand_ins(&turn, &dir).expect("stand-in KubeVirt images");
+    done.push(turn.name.clone());
+}
+
+/// Delete every VirtualMachine and VMI of the cluster (an earlier test's), waiting until the VMIs are
+/// gone (virt-controller removes their finalizers once their pods are).
+async fn remove_kubevirt_objects(cluster: &Cluster) {
+    for kind in ["VirtualMachine", "VirtualMachineInstance"] {
+        let ar = kube::core::ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(
+            "kubevirt.io",
+            "v1",
+            kind,
+        ));
+        let all: Api<DynamicObject> = Api::all_with(cluster.client.clone(), &ar);
+        let items = all
+            .list(&ListParams::default())
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default();
+        for o in items {
+            let ns = o.metadata.namespace.clone().unwrap_or_default();
+            let name = o.metadata.name.clone().unwrap_or_default();
+            let _ = vmis::api(&cluster.client, &ns, kind)
+                .delete(&name, &DeleteParams::default())
+                .await;
+        }
+        let gone = cluster
+            .wait_for_within(
+                &format!("every {kind} of earlier tests gone"),
+                Duration::from_secs(120),
+                || async {
+                    all.list(&ListParams::default())
+                        .await
+                        .ok()
+                        .filter(|l| l.items.is_empty())
+                        .map(|_| ())
+                },
+            )
+            .await;
+        gone.unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+/// Whether the pod runs with every container started.
+pub fn running(p: &Pod) -> bool {
+    let Some(status) = &p.status else {
+        return false;
+    };
+    status.phase.as_deref() == Some("Running")
+        && status
+            .container_statuses
+            .iter()
+            .flatten()
+            .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+}
+
+pub mod scenarios;

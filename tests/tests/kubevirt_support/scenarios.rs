@@ -1,0 +1,110 @@
+//! The KubeVirt scenarios: VMIs as users write them, KubeVirt's own controller rendering their launcher
+//! pods, teeguard admitting, the scheduler placing and the real kubelets and containerd starting them.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use teeguard_tests::fixtures::Tee;
+use teeguard_tests::kubevirt::vmis::Size;
+use teeguard_tests::node::{ContainerKind, Recorded};
+
+use super::{KubeVirtWorld, Options, TeeNode};
+
+/// The longest a scenario may take.
+pub const DEADLINE: Duration = Duration::from_secs(600);
+
+/// The extended resource and `misc.max` line teeguard gives a VM of kind `tee`.
+pub fn key_of(tee: Tee) -> (&'static str, &'static str) {
+    match tee {
+        Tee::Tdx => ("tdx.intel.com/keys", "tdx 1"),
+        Tee::Sev => ("sev.amd.com/asids", "sev 1"),
+        _ => ("sev-snp.amd.com/esids", "sev_es 1"),
+    }
+}
+
+/// `container name -> misc.max` of a pod's recorded containers (`-` for none); asserts that the
+/// sandbox carries nothing.
+pub fn limits(records: &[Recorded]) -> BTreeMap<String, String> {
+    for r in records.iter().filter(|r| r.kind == ContainerKind::Sandbox) {
+        assert!(
+            r.unified.is_empty(),
+            "sandbox of {}: {:?}",
+            r.pod,
+            r.unified
+        );
+    }
+    records
+        .iter()
+        .filter(|r| r.kind == ContainerKind::Container)
+        .map(|r| (r.container.clone(), r.misc_max().unwrap_or("-").to_string()))
+        .collect()
+}
+
+/// The amount of `resource` the pod's `compute` container requests.
+pub fn compute_request(pod: &Pod, resource: &str) -> Option<String> {
+    pod.spec
+        .as_ref()?
+        .containers
+        .iter()
+        .find(|c| c.name == "compute")?
+        .resources
+        .as_ref()?
+        .requests
+        .as_ref()?
+        .get(resource)
+        .map(|q| q.0.clone())
+}
+
+/// Scenario 1 (extended resources): a TDX, an SNP, an SEV-ES and a plain SEV VMI each become
+/// virt-controller's launcher pod, get their key request from teeguard, are placed on the node of their
+/// kind and started there with `misc.max` of one key on `compute` only; each node's report counts its
+/// pods.
+pub async fn each_kind_runs_limited_on_its_node() {
+    let Some(w) = KubeVirtWorld::start("kv-each-kind", Options::keys(2, 2)).await else {
+        return;
+    };
+    let kinds = [Tee::Tdx, Tee::Snp, Tee::SevEs, Tee::Sev];
+    for tee in kinds {
+        w.create_vmi(&format!("vmi-{}", tee.slug()), tee, Size::SAMPLE)
+            .await;
+    }
+    for tee in kinds {
+        let name = format!("vmi-{}", tee.slug());
+        let pod = w.wait_running(&name).await;
+        let node: &TeeNode = w.node_for(tee);
+        let spec = pod.spec.as_ref().expect("spec");
+        assert_eq!(
+            spec.node_name.as_deref(),
+            Some(node.name()),
+            "{name} ran on the node of its kind"
+        );
+        let (resource, line) = key_of(tee);
+        assert_eq!(
+            compute_request(&pod, resource).as_deref(),
+            Some("1"),
+            "{name}: teeguard added one key to compute"
+        );
+        let got = limits(&w.records(node, &pod).await);
+        let want: BTreeMap<String, String> = [
+            ("compute", line),
+            ("guest-console-log", "-"),
+            ("volumecontainerdisk", "-"),
+        ]
+        .into_iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+        assert_eq!(
+            got, want,
+            "{name}: misc.max per container as containerd handed it to runc"
+        );
+        let uid = pod.metadata.uid.clone().expect("uid");
+        w.wait_report(
+            node,
+            &format!("counts {name}'s pod"),
+            Duration::from_secs(30),
+            |r| r.counted_pods.contains(&uid),
+        )
+        .await;
+    }
+}
