@@ -20,6 +20,7 @@
 //!   staleReportPolicy: { podCreate: deny, binding: allow }
 //!   ledgerTtl: 30s
 //!   sharedReservations: true # reservations shared by webhook replicas (TeeReservation per node)
+//!   retryRefusedVmis: true   # when a key frees, have KubeVirt retry the VMIs whose pods were refused
 //!   teeRuntimeClasses: {}    # RuntimeClass → kind: the webhook gives those pods a container key request
 //! agent:
 //!   accounting: extendedResource # extendedResource | dra (the scheduler allocates keys from ResourceSlices)
@@ -186,6 +187,9 @@ pub struct AdmissionConfig {
     /// Share reservations between webhook replicas through a `TeeReservation` per node (exact with
     /// any replica count; one API write per admitted TEE binding).
     pub shared_reservations: bool,
+    /// When a key is free again, annotate the VMIs whose launcher pods teeguard refused (oldest first,
+    /// one per free key), so KubeVirt creates their pods at once instead of after its backoff.
+    pub retry_refused_vmis: bool,
     /// RuntimeClasses whose pods are TEE guests (Kata's `kata-qemu-tdx`, ...) and their kind: the
     /// mutating webhook adds the kind's key request to the first container of such a pod that asks for
     /// no key itself, so the key is a container request, which DRA can serve (a RuntimeClass
@@ -293,6 +297,7 @@ impl Default for AdmissionConfig {
             stale_on_binding: StalePolicy::Allow,
             ledger_ttl: Duration::from_secs(30),
             shared_reservations: true,
+            retry_refused_vmis: true,
             tee_runtime_classes: Default::default(),
         }
     }
@@ -354,6 +359,7 @@ struct RawAdmission {
     stale_report_policy: Option<RawStalePolicy>,
     ledger_ttl: Option<String>,
     shared_reservations: Option<bool>,
+    retry_refused_vmis: Option<bool>,
     tee_runtime_classes: Option<std::collections::BTreeMap<String, RawKindName>>,
 }
 
@@ -522,6 +528,9 @@ impl Config {
             }
             if let Some(v) = a.shared_reservations {
                 cfg.admission.shared_reservations = v;
+            }
+            if let Some(v) = a.retry_refused_vmis {
+                cfg.admission.retry_refused_vmis = v;
             }
             if let Some(classes) = a.tee_runtime_classes {
                 for (name, kind) in classes {

@@ -71,6 +71,13 @@ pub const AGENT_FIELD_MANAGER: &str = "teeguard-agent";
 pub const AGENT_LEASE_LABEL: &str = "teeguard.dev/agent-heartbeat";
 /// Field manager / reporting controller name the webhook uses.
 pub const WEBHOOK_FIELD_MANAGER: &str = "teeguard-webhook";
+/// The domain every teeguard admission webhook's name ends in (`validate.pods.teeguard.dev`): how a
+/// KubeVirt condition quoting the API server's answer tells that teeguard refused a pod.
+pub const WEBHOOK_NAME_SUFFIX: &str = ".teeguard.dev";
+/// The webhook writes this annotation (RFC 3339 time) on a VMI whose launcher pod it refused, when a
+/// key is free for it again: the change makes virt-controller create the pod at once instead of after
+/// its backoff.
+pub const RETRIED_ANNOTATION: &str = "teeguard.dev/retried-at";
 
 /// Condition types in a `TeeCapacity` status.
 pub mod conditions {
@@ -130,6 +137,8 @@ pub mod reasons {
     pub const PUBLISH_FAILED: &str = "PublishFailed";
     /// Event reason on a VMI whose pod was refused for lack of keys.
     pub const INSUFFICIENT_TEE_KEYS: &str = "InsufficientTEEKeys";
+    /// Event on a waiting VMI: a key is free for it, and teeguard had KubeVirt create its pod again.
+    pub const TEE_KEY_FREE: &str = "TEEKeyFree";
 }
 
 /// The DRA driver name the agent publishes its devices under (DRA mode, `agent.accounting: dra`).

@@ -1,8 +1,8 @@
 //! The few fields of a KubeVirt `VirtualMachineInstance` (`kubevirt.io/v1`) teeguard needs.
 //!
-//! KubeVirt's Go types are not pulled in: everything but `metadata` and
-//! `spec.domain.launchSecurity` is ignored when a VMI is read, which also keeps a cache of tens of
-//! thousands of VMIs small.
+//! KubeVirt's Go types are not pulled in: everything but `metadata`, `spec.domain.launchSecurity`,
+//! `spec.nodeSelector`, `spec.affinity`, `status.phase` and `status.conditions` is ignored when a VMI is read, which also keeps a cache of
+//! tens of thousands of VMIs small.
 
 use kube::CustomResource;
 use serde::{Deserialize, Serialize};
@@ -20,6 +20,7 @@ use crate::tee::TeeKind;
     shortname = "vmi",
     namespaced,
     schema = "disabled",
+    status = "VirtualMachineInstanceStatus",
     derive = "PartialEq",
     derive = "Default"
 )]
@@ -28,6 +29,46 @@ pub struct VirtualMachineInstanceSpec {
     /// `spec.domain`.
     #[serde(default)]
     pub domain: DomainSpec,
+    /// `spec.nodeSelector` (KubeVirt copies it to the launcher pod's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<std::collections::BTreeMap<String, String>>,
+    /// `spec.affinity` (KubeVirt copies it to the launcher pod).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<k8s_openapi::api::core::v1::Affinity>,
+}
+
+/// `status`, reduced to the phase and the conditions (virt-controller says there why a VMI has no
+/// launcher pod: `Synchronized` `False`, reason `FailedCreate`, with the API server's answer).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualMachineInstanceStatus {
+    /// `Pending`, `Scheduling`, `Scheduled`, `Running`, `Succeeded`, `Failed`; absent before
+    /// virt-controller first sees the VMI.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    /// The VMI's conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<VmiCondition>,
+}
+
+/// One of a VMI's `status.conditions`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VmiCondition {
+    /// `Ready`, `Synchronized`, ...
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// The machine-readable reason (`FailedCreate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The human-readable message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// When the condition last changed (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<String>,
 }
 
 /// `spec.domain`, reduced to `launchSecurity`.

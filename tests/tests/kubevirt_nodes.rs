@@ -14,3 +14,9 @@ use teeguard_tests::realcluster::within;
 async fn vmis_of_each_kind_run_on_the_node_of_their_kind_with_one_key_on_compute() {
     within(DEADLINE, scenarios::each_kind_runs_limited_on_its_node()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn explore_full_node() {
+    within(DEADLINE, scenarios::explore_full_node()).await;
+}

@@ -6,7 +6,8 @@
 //!
 //! Shutdown (SIGTERM): `/readyz` turns not ready at once; the HTTPS server keeps serving for
 //! `--shutdown-grace`, then stops accepting and drains for up to `--drain-timeout` (see
-//! [`crate::web::server`]). The caches, the Event sink, the ledger sweep and the certificate reloader
+//! [`crate::web::server`]). The caches, the Event sink, the ledger sweep, the retry of refused VMIs
+//! ([`crate::cluster::retry`]) and the certificate reloader
 //! keep running until the HTTPS server has stopped, so answers during the grace and the drain are made
 //! from live caches; the admin port stops last.
 
@@ -24,6 +25,7 @@ use crate::cli::ServeArgs;
 use crate::cluster::caches::Caches;
 use crate::cluster::events::EventSink;
 use crate::cluster::reservations::SharedReservations;
+use crate::cluster::retry::Retrier;
 use crate::decide::ledger::Ledger;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -174,8 +176,22 @@ pub async fn start(
             metrics.clone(),
         )
     });
+    let config = Arc::new(config);
+    // Retries the VMIs whose pods were refused as soon as a key is free for them
+    // (crate::cluster::retry); stopped with the caches.
+    let retry_task = config.admission.retry_refused_vmis.then(|| {
+        Retrier {
+            caches: caches.clone(),
+            ledger: ledger.clone(),
+            config: config.clone(),
+            metrics: metrics.clone(),
+            events: events.clone(),
+            api_timeout: args.api_timeout,
+        }
+        .start(background.clone())
+    });
     let state = AppState {
-        config: Arc::new(config),
+        config,
         caches: caches.clone(),
         metrics,
         limits: RequestLimits {
@@ -209,6 +225,9 @@ pub async fn start(
         let _ = reloader_task.await;
         let _ = events_task.await;
         let _ = sweep_task.await;
+        if let Some(t) = retry_task {
+            let _ = t.await;
+        }
         served?;
         match admin {
             Ok(r) => r.map_err(Error::from),

@@ -103,6 +103,15 @@ pub enum EventResult {
     Suppressed,
 }
 
+/// What became of a retry of a VMI whose pod teeguard refused ([`crate::cluster::retry`]).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum RetryResult {
+    /// The VMI was annotated: virt-controller creates its pod again.
+    Retried,
+    /// The API server refused the annotation or did not answer.
+    Failed,
+}
+
 /// What `/mutate` did with a pod of a TEE RuntimeClass (`admission.teeRuntimeClasses`).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum RuntimeClassResult {
@@ -165,6 +174,10 @@ label_values!(EventResult {
     Dropped => "dropped",
     Suppressed => "suppressed",
 });
+label_values!(RetryResult {
+    Retried => "retried",
+    Failed => "failed",
+});
 label_values!(RuntimeClassResult {
     Patched => "patched",
     OverheadKey => "overhead_key",
@@ -202,6 +215,17 @@ struct ValidationLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EventLabels {
     result: EventResult,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RetryLabels {
+    kind: &'static str,
+    result: RetryResult,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -251,6 +275,8 @@ pub struct Metrics {
     shared: Family<SharedLabels, Counter>,
     shared_latency: Histogram,
     vmi_events: Family<EventLabels, Counter>,
+    vmi_retries: Family<RetryLabels, Counter>,
+    waiting_vmis: Family<KindLabels, Gauge>,
     runtime_class_mutations: Family<RuntimeClassLabels, Counter>,
 }
 
@@ -269,6 +295,8 @@ impl Metrics {
             shared: Family::default(),
             shared_latency: latency_histogram(),
             vmi_events: Family::default(),
+            vmi_retries: Family::default(),
+            waiting_vmis: Family::default(),
             runtime_class_mutations: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_webhook");
@@ -324,8 +352,18 @@ impl Metrics {
         );
         r.register(
             "vmi_events",
-            "InsufficientTEEKeys Events on VMIs, by result",
+            "InsufficientTEEKeys and TEEKeyFree Events on VMIs, by result",
             m.vmi_events.clone(),
+        );
+        r.register(
+            "vmi_retries",
+            "VMIs whose launcher pod teeguard refused, retried once a key was free for them, by TEE kind and result (retried, failed)",
+            m.vmi_retries.clone(),
+        );
+        r.register(
+            "waiting_vmis",
+            "VMIs waiting for a key: their launcher pod was refused by teeguard and not created since, by TEE kind",
+            m.waiting_vmis.clone(),
         );
         r.register(
             "runtime_class_mutations",
@@ -333,6 +371,20 @@ impl Metrics {
             m.runtime_class_mutations.clone(),
         );
         m
+    }
+
+    /// Count one retry of a waiting VMI; `kind` a kernel name (`tdx`).
+    pub fn vmi_retry(&self, kind: &'static str, result: RetryResult) {
+        self.vmi_retries
+            .get_or_create(&RetryLabels { kind, result })
+            .inc();
+    }
+
+    /// Set how many VMIs wait for a key of `kind` (a kernel name).
+    pub fn set_waiting_vmis(&self, kind: &'static str, n: usize) {
+        self.waiting_vmis
+            .get_or_create(&KindLabels { kind })
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// Count one mutating decision on a pod of a TEE RuntimeClass; `kind` a kernel name (`tdx`).

@@ -390,7 +390,8 @@ fn validates_with_reports_nodes_and_pods() {
     assert_eq!(
         v["status"]["message"],
         "no node can host this TDX VM: node-a 0/31 free (3 held outside Kubernetes); free a key or add \
-         capacity; `kubectl get teecapacities` shows free keys per node"
+         capacity; `kubectl get teecapacities` shows free keys per node; teeguard starts this VM by \
+         itself as soon as a key is free for it"
     );
 
     // With Node files, labels decide the candidates: a node without the TDX label is no candidate.

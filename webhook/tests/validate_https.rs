@@ -21,6 +21,8 @@ use teeguard_tests::fixtures::{
 
 const HINT: &str =
     "free a key or add capacity; `kubectl get teecapacities` shows free keys per node";
+/// The end of a refusal of a virt-launcher pod not bound yet (`admission.retryRefusedVmis`).
+const RETRY: &str = "; teeguard starts this VM by itself as soon as a key is free for it";
 
 /// RFC 3339 time `age` ago.
 /// A TDX report: `free` of `capacity` keys free, `external` held outside Kubernetes, heartbeat `age` ago.
@@ -383,7 +385,7 @@ async fn stale_and_missing_reports_under_both_policies() {
                 msg.starts_with(
                     "no node can host this TDX VM: stale-node report is stale (last heartbeat 10m"
                 ) && msg.ends_with(&format!(
-                    "ago); {HINT}; a node needs a running teeguard agent to report its keys"
+                    "ago); {HINT}; a node needs a running teeguard agent to report its keys{RETRY}"
                 )),
                 "{msg}"
             );
@@ -703,7 +705,7 @@ async fn pod_create_checks_the_candidate_nodes() {
     assert_eq!(
         msg,
         format!(
-            "no node can host this TDX VM: node-a 0/31 free (3 held outside Kubernetes), node-b 0/31 free; {HINT}"
+            "no node can host this TDX VM: node-a 0/31 free (3 held outside Kubernetes), node-b 0/31 free; {HINT}{RETRY}"
         )
     );
     assert!(resp["response"]["auditAnnotations"].get("node").is_none());

@@ -108,3 +108,50 @@ pub async fn each_kind_runs_limited_on_its_node() {
         .await;
     }
 }
+
+/// Exploration: what a user sees on a full node today, and how long a waiting VMI takes to start once
+/// the key frees.
+pub async fn explore_full_node() {
+    let Some(w) = KubeVirtWorld::start("kv-explore", Options::keys(1, 1)).await else {
+        return;
+    };
+    w.create_vmi("vm-a", Tee::Tdx, Size::SAMPLE).await;
+    w.wait_running("vm-a").await;
+    w.create_vmi("vm-b", Tee::Tdx, Size::SAMPLE).await;
+    let wait = std::env::var("EXPLORE_WAIT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    eprintln!("=== after {wait}s:\n{}", w.describe("vm-b").await);
+    let vmi = w.vmi("vm-b").await.expect("vmi");
+    eprintln!(
+        "=== vmi status: {}",
+        serde_json::to_string_pretty(&vmi.data["status"]).unwrap_or_default()
+    );
+    let a = w.launchers("vm-a").await;
+    let pods: kube::Api<Pod> = kube::Api::namespaced(w.cluster.client.clone(), &w.ns);
+    for p in a {
+        pods.delete(
+            p.metadata.name.as_deref().unwrap_or(""),
+            &Default::default(),
+        )
+        .await
+        .ok();
+    }
+    let vmis =
+        teeguard_tests::kubevirt::vmis::api(&w.cluster.client, &w.ns, "VirtualMachineInstance");
+    vmis.delete("vm-a", &Default::default()).await.ok();
+    let t = std::time::Instant::now();
+    w.wait_report(&w.tdx, "a free key", Duration::from_secs(60), |r| {
+        r.tdx.as_ref().is_some_and(|k| k.free == 1)
+    })
+    .await;
+    let free_at = t.elapsed();
+    w.wait_running("vm-b").await;
+    eprintln!(
+        "=== key free after {free_at:?}, vm-b running after {:?}",
+        t.elapsed()
+    );
+    eprintln!("=== finally:\n{}", w.describe("vm-b").await);
+}

@@ -1,5 +1,5 @@
 //! `InsufficientTEEKeys` Events on the VMI whose pod was refused, so `kubectl describe vmi` says why its
-//! pod is not scheduled.
+//! pod is not scheduled; `TEEKeyFree` Events on a VMI teeguard retried once a key was free for it.
 //!
 //! Off the hot path: a review only puts the Event on a bounded queue ([`EventSink::record`], never
 //! blocks, never fails the review); one background task writes them with kube's
@@ -20,23 +20,60 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::decide::mutation::VmiRef;
 use crate::metrics::{EventResult, Metrics};
 
 /// Events waiting to be written, at most.
 pub const EVENT_QUEUE: usize = 256;
 /// At most one Event per VMI this often.
 pub const EVENT_MIN_INTERVAL: Duration = Duration::from_secs(30);
-/// The Event's `action`.
+/// The `InsufficientTEEKeys` Event's `action`.
 pub const EVENT_ACTION: &str = "AdmitPod";
+/// The `TEEKeyFree` Event's `action`.
+pub const RETRY_ACTION: &str = "RetryVMI";
 /// Longest Event note the API server accepts (bytes).
 pub const MAX_NOTE_BYTES: usize = 1024;
+
+/// Which Event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmiEventKind {
+    /// Warning `InsufficientTEEKeys`: the VMI's pod was refused.
+    InsufficientKeys,
+    /// Normal `TEEKeyFree`: a key is free for the waiting VMI and teeguard had KubeVirt retry it.
+    KeyFree,
+}
+
+impl VmiEventKind {
+    fn reason(self) -> &'static str {
+        match self {
+            VmiEventKind::InsufficientKeys => names::reasons::INSUFFICIENT_TEE_KEYS,
+            VmiEventKind::KeyFree => names::reasons::TEE_KEY_FREE,
+        }
+    }
+
+    fn type_(self) -> EventType {
+        match self {
+            VmiEventKind::InsufficientKeys => EventType::Warning,
+            VmiEventKind::KeyFree => EventType::Normal,
+        }
+    }
+
+    fn action(self) -> &'static str {
+        match self {
+            VmiEventKind::InsufficientKeys => EVENT_ACTION,
+            VmiEventKind::KeyFree => RETRY_ACTION,
+        }
+    }
+}
 
 /// One Event to write.
 #[derive(Clone, Debug, PartialEq)]
 pub struct VmiEvent {
     /// The VMI (`kubevirt.io/v1` `VirtualMachineInstance`, namespace, name, uid).
     pub vmi: ObjectReference,
-    /// The denial message.
+    /// Which Event.
+    pub kind: VmiEventKind,
+    /// The denial message, or what was retried.
     pub message: String,
 }
 
@@ -99,6 +136,18 @@ pub struct EventSink {
     metrics: Arc<Metrics>,
 }
 
+/// The reference an Event about `vmi` names.
+pub fn vmi_reference(vmi: &VmiRef) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("kubevirt.io/v1".into()),
+        kind: Some("VirtualMachineInstance".into()),
+        namespace: Some(vmi.namespace.clone()),
+        name: Some(vmi.name.clone()),
+        uid: (!vmi.uid.is_empty()).then(|| vmi.uid.clone()),
+        ..ObjectReference::default()
+    }
+}
+
 fn vmi_key(r: &ObjectReference) -> String {
     format!(
         "{}/{}/{}",
@@ -155,9 +204,9 @@ impl EventSink {
         )
     }
 
-    /// Queue an Event unless the VMI got one recently or the queue is full. Never blocks.
+    /// Queue an Event unless the VMI got one of its kind recently or the queue is full. Never blocks.
     pub fn record(&self, event: VmiEvent) -> EventResult {
-        let key = vmi_key(&event.vmi);
+        let key = format!("{}/{}", vmi_key(&event.vmi), event.kind.reason());
         let allowed = self
             .limiter
             .lock()
@@ -175,7 +224,7 @@ impl EventSink {
                     .unwrap_or_else(PoisonError::into_inner)
                     .forget(&key);
                 self.metrics.vmi_event(EventResult::Dropped);
-                tracing::warn!(vmi = key, error = %e, "event queue full; InsufficientTEEKeys event dropped");
+                tracing::warn!(vmi = key, error = %e, "event queue full; VMI event dropped");
                 EventResult::Dropped
             }
         }
@@ -197,26 +246,27 @@ async fn write_events(
                 None => break,
             },
         };
+        let reason = event.kind.reason();
         let ev = Event {
-            type_: EventType::Warning,
-            reason: names::reasons::INSUFFICIENT_TEE_KEYS.to_string(),
+            type_: event.kind.type_(),
+            reason: reason.to_string(),
             note: Some(truncate(&event.message, MAX_NOTE_BYTES).to_string()),
-            action: EVENT_ACTION.to_string(),
+            action: event.kind.action().to_string(),
             secondary: None,
         };
         let vmi = vmi_key(&event.vmi);
         match tokio::time::timeout(api_timeout, recorder.publish(&ev, &event.vmi)).await {
             Ok(Ok(())) => {
                 metrics.vmi_event(EventResult::Recorded);
-                tracing::debug!(vmi, "InsufficientTEEKeys event recorded");
+                tracing::debug!(vmi, reason, "VMI event recorded");
             }
             Ok(Err(e)) => {
                 metrics.vmi_event(EventResult::Failed);
-                tracing::warn!(vmi, error = %e, "cannot record the InsufficientTEEKeys event");
+                tracing::warn!(vmi, reason, error = %e, "cannot record the VMI event");
             }
             Err(_) => {
                 metrics.vmi_event(EventResult::Failed);
-                tracing::warn!(vmi, timeout = ?api_timeout, "the API server did not accept the InsufficientTEEKeys event in time");
+                tracing::warn!(vmi, reason, timeout = ?api_timeout, "the API server did not accept the VMI event in time");
             }
         }
     }

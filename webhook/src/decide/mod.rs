@@ -10,9 +10,11 @@
 //! - [`affinity`]: whether a node matches a pod's node selector and required node affinity.
 //! - [`ledger`]: keys admitted onto a node that its report does not count yet (this replica);
 //! - [`reservations`]: the same, shared by every replica through a `TeeReservation` per node.
+//! - [`retry`]: which VMIs wait because teeguard refused their pods, and which a free key retries.
 
 pub mod affinity;
 pub mod ledger;
 pub mod mutation;
 pub mod reservations;
+pub mod retry;
 pub mod validation;

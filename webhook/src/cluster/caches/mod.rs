@@ -38,24 +38,32 @@ use tokio_util::sync::CancellationToken;
 
 use crate::decide::ledger::Ledger;
 use crate::decide::mutation::{VmiLookup, VmiRef};
+use crate::decide::retry;
 use crate::metrics::{Cache, LookupResult, Metrics};
 use crate::pods::{CachedLauncherPod, LauncherPod, slim_meta};
 
 mod store;
 #[cfg(test)]
 mod tests;
+mod waiting;
 
 pub use store::{CacheBuilder, NamedStore, Observer};
+pub use waiting::WaitingVmis;
 
-/// Ends the ledger's reservations the moment a report counting their pods arrives.
-struct ReportsEndReservations(Arc<Ledger>);
+/// Ends the ledger's reservations the moment a report counting their pods arrives, and wakes the retry
+/// task (the report may show a key free for a waiting VMI).
+struct ReportsArrived {
+    ledger: Arc<Ledger>,
+    waiting: Arc<WaitingVmis>,
+}
 
-impl Observer<TeeCapacity> for ReportsEndReservations {
+impl Observer<TeeCapacity> for ReportsArrived {
     fn stored(&self, cap: &TeeCapacity) {
         if let (Some(node), Some(status)) = (cap.metadata.name.as_deref(), cap.status.as_ref()) {
-            self.0
+            self.ledger
                 .report_arrived(node, &status.counted_pods, std::time::Instant::now());
         }
+        self.waiting.wake();
     }
 }
 
@@ -142,7 +150,25 @@ pub fn namespace_labels(labels: Option<Labels>) -> Labels {
 /// What the VMI cache keeps of a VMI: identity, the exemption label, the controller owner and
 /// `launchSecurity` (the type reads nothing else of the spec).
 pub fn slim_vmi(vmi: &mut VirtualMachineInstance) {
-    slim_meta(&mut vmi.metadata, |k| k == names::EXEMPT_LABEL, |_| false);
+    let deletion = vmi.metadata.deletion_timestamp.take();
+    slim_meta(
+        &mut vmi.metadata,
+        |k| k == names::EXEMPT_LABEL,
+        |k| k == names::RETRIED_ANNOTATION,
+    );
+    vmi.metadata.deletion_timestamp = deletion;
+    // Where its pod may go, and why it has none, matter only while it waits on teeguard.
+    if retry::waiting(vmi).is_some() {
+        if let Some(status) = vmi.status.as_mut() {
+            status.conditions.retain(|c| c.type_ == retry::SYNCHRONIZED);
+        }
+    } else {
+        vmi.spec.node_selector = None;
+        vmi.spec.affinity = None;
+        if let Some(status) = vmi.status.as_mut() {
+            status.conditions = Vec::new();
+        }
+    }
 }
 
 /// What the report cache keeps of a `TeeCapacity`: name, `resourceVersion` and the status figures
@@ -201,6 +227,8 @@ pub struct Caches {
     pub agent_leases: NamedStore<Option<jiff::Timestamp>>,
     /// The namespace of the agents' Leases: the webhook's own (from its client).
     pub lease_namespace: String,
+    /// The VMIs waiting because teeguard refused their pods (kept by the VMI cache).
+    pub waiting: Arc<WaitingVmis>,
     synced: Arc<tokio::sync::watch::Receiver<bool>>,
 }
 
@@ -231,7 +259,8 @@ impl Caches {
         shutdown: CancellationToken,
     ) -> (Caches, CacheTasks) {
         let mut b = CacheBuilder::new(metrics.clone(), shutdown);
-        let vmis = b.watch(
+        let waiting = Arc::new(WaitingVmis::default());
+        let vmis = b.watch_observed(
             Cache::Vmis.as_str(),
             Api::<VirtualMachineInstance>::all(client.clone()),
             watcher::Config::default().any_semantic(),
@@ -239,6 +268,7 @@ impl Caches {
                 slim_vmi(&mut v);
                 v
             },
+            Some(waiting.clone()),
         );
         let namespaces = b.watch(
             Cache::Namespaces.as_str(),
@@ -251,7 +281,10 @@ impl Caches {
             Api::<TeeCapacity>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             slim_report,
-            Some(Arc::new(ReportsEndReservations(ledger.clone()))),
+            Some(Arc::new(ReportsArrived {
+                ledger: ledger.clone(),
+                waiting: waiting.clone(),
+            })),
         );
         let nodes = b.watch(
             Cache::Nodes.as_str(),
@@ -305,6 +338,7 @@ impl Caches {
             reservations,
             agent_leases,
             lease_namespace,
+            waiting,
             synced: Arc::new(rx),
         };
         (caches, tasks)

@@ -233,7 +233,11 @@ fn the_caches_end_ledger_reservations_as_reports_and_deletions_arrive() {
     }
     assert_eq!(ledger.len(), 2);
     let (_reports, mut w) = NamedStore::new(slim_report);
-    w.observer = Some(Arc::new(ReportsEndReservations(ledger.clone())));
+    let waiting = Arc::new(WaitingVmis::default());
+    w.observer = Some(Arc::new(ReportsArrived {
+        ledger: ledger.clone(),
+        waiting: waiting.clone(),
+    }));
     w.apply(watcher::Event::Apply(report("n1", &["uid-a"])));
     assert_eq!(ledger.len(), 1, "a's ended at the report's arrival");
     let pod = |uid: &str| -> LauncherPod {
@@ -276,4 +280,102 @@ async fn wait_for_returns_an_object_the_watch_delivers_within_the_wait_and_none_
         .await;
     assert!(none.is_none());
     assert!(started.elapsed() >= Duration::from_millis(50));
+}
+
+/// A TDX VMI in `phase`, its pod refused by teeguard when `refused`.
+fn vmi(name: &str, phase: &str, refused: bool) -> VirtualMachineInstance {
+    let mut conditions = vec![serde_json::json!({"type": "Ready", "status": "False"})];
+    if refused {
+        conditions.push(serde_json::json!({
+            "type": "Synchronized", "status": "False", "reason": "FailedCreate",
+            "lastTransitionTime": "2026-11-26T10:00:00Z",
+            "message": "failed to create virtual machine pod: admission webhook \"validate.pods.teeguard.dev\" denied the request: no node can host this TDX VM"
+        }));
+    }
+    VirtualMachineInstance::from_json(serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": name, "namespace": "vms", "uid": format!("uid-{name}"),
+            "labels": {"app": "x"},
+            "annotations": {names::RETRIED_ANNOTATION: "2026-11-26T10:05:00Z", "other": "y"}},
+        "spec": {"domain": {"launchSecurity": {"tdx": {}}}, "nodeSelector": {"rack": "r1"},
+            "affinity": {"nodeAffinity": {}}},
+        "status": {"phase": phase, "conditions": conditions}
+    }))
+    .expect("VMI")
+}
+
+#[test]
+fn a_waiting_vmi_keeps_what_its_retry_needs_and_any_other_vmi_drops_it() {
+    let mut w = vmi("a", "Pending", true);
+    w.metadata.deletion_timestamp = None;
+    slim_vmi(&mut w);
+    assert_eq!(
+        w.metadata
+            .annotations
+            .as_ref()
+            .map(|a| a.keys().cloned().collect::<Vec<_>>()),
+        Some(vec![names::RETRIED_ANNOTATION.to_string()])
+    );
+    assert_eq!(w.metadata.labels, None);
+    assert!(w.spec.node_selector.is_some() && w.spec.affinity.is_some());
+    let conditions = &w.status.as_ref().expect("status").conditions;
+    assert_eq!(conditions.len(), 1, "only the refusal is kept");
+    assert!(
+        crate::decide::retry::waiting(&w).is_some(),
+        "still waiting once slimmed"
+    );
+
+    let mut running = vmi("b", "Scheduled", true);
+    slim_vmi(&mut running);
+    assert_eq!(running.spec.node_selector, None);
+    assert_eq!(running.spec.affinity, None);
+    assert!(
+        running
+            .status
+            .as_ref()
+            .expect("status")
+            .conditions
+            .is_empty()
+    );
+    assert_eq!(
+        running.status.and_then(|s| s.phase).as_deref(),
+        Some("Scheduled")
+    );
+}
+
+#[tokio::test]
+async fn the_vmi_cache_keeps_the_waiting_vmis_and_wakes_the_retry_task_when_one_starts_waiting() {
+    let waiting = Arc::new(WaitingVmis::default());
+    let (_vmis, mut w) = NamedStore::new(|mut v: VirtualMachineInstance| {
+        slim_vmi(&mut v);
+        v
+    });
+    w.observer = Some(waiting.clone());
+    w.apply(watcher::Event::Apply(vmi("other", "Pending", false)));
+    assert!(waiting.snapshot().is_empty(), "not refused by teeguard");
+    w.apply(watcher::Event::Apply(vmi("a", "Pending", true)));
+    assert_eq!(
+        waiting.counts().get(&teeguard_shared::TeeKind::Tdx),
+        Some(&1)
+    );
+    tokio::time::timeout(std::time::Duration::from_secs(1), waiting.changed())
+        .await
+        .expect("a VMI that starts waiting wakes the retry task");
+    waiting.mark_retried(
+        &VmiRef {
+            namespace: "vms".into(),
+            name: "a".into(),
+            uid: String::new(),
+        },
+        "2026-11-26T11:00:00Z".parse().expect("time"),
+    );
+    assert_eq!(
+        waiting.snapshot()[0].retried,
+        Some("2026-11-26T11:00:00Z".parse().expect("time"))
+    );
+    w.apply(watcher::Event::Apply(vmi("a", "Scheduling", false)));
+    assert!(waiting.snapshot().is_empty(), "its pod was created");
+    w.apply(watcher::Event::Apply(vmi("b", "Pending", true)));
+    w.apply(watcher::Event::Delete(vmi("b", "Pending", true)));
+    assert!(waiting.snapshot().is_empty(), "deleted");
 }

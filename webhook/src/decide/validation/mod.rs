@@ -421,6 +421,15 @@ pub mod reason {
     pub const SCHEDULER_ALLOCATED: &str = "scheduler-allocated";
     /// A cgroup-limit annotation teeguard did not write.
     pub const FORGED_LIMIT_ANNOTATION: &str = "forged-limit-annotation";
+
+    /// Whether a refusal for `reason` is for lack of keys (or of a current report): what a freed key
+    /// (or a report) ends. Such refusals put an Event on the VMI, and the VMI is retried.
+    pub fn ends_when_a_key_frees(reason: &str) -> bool {
+        matches!(
+            reason,
+            INSUFFICIENT_KEYS | REPORT_UNKNOWN | NO_CANDIDATE_NODES
+        )
+    }
 }
 
 /// The verdict for a pod bound to one node (a binding, or a pod created with `spec.nodeName`).

@@ -31,14 +31,14 @@ use std::time::Instant;
 use axum::extract::{Request, State};
 use axum::response::Response;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{ObjectReference, PodSpec};
+use k8s_openapi::api::core::v1::PodSpec;
 use teeguard_shared::config::{Mode, StalePolicy};
 use teeguard_shared::pod::{KeyRequests, PodName, key_requests};
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
 use crate::cluster::caches::{Lookups, PodLookup};
-use crate::cluster::events::{EventSink, VmiEvent};
+use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
 use crate::cluster::reservations::{
     Outcome as SharedOutcome, Request as SharedRequest, SharedReservations,
 };
@@ -49,6 +49,7 @@ use crate::decide::mutation::{
     namespace_exempt, runtime_class::tee_runtime_class,
 };
 use crate::decide::reservations;
+use crate::decide::retry;
 use crate::decide::validation::{
     CandidateScan, Decision, NodeAssessment, Report, Trigger, apply_mode, check_created_limits,
     check_updated_limits, decide_on_node, expected_limits, has_limit_annotations, mode_name,
@@ -376,6 +377,12 @@ async fn pod_create<L: Lookups>(
             Answer::from_decision(REQ, kind, d, None, mode)
         }
     };
+    let mut answer = answer;
+    // The retry task starts the VM when a key frees (crate::cluster::retry), unless it was bound.
+    let unbound = spec.node_name.as_deref().is_none_or(str::is_empty);
+    if vmi_ref.is_some() && unbound && config.admission.retry_refused_vmis {
+        retry::note_refusal(answer.reason, answer.message.as_mut());
+    }
     record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
     log_decision(&answer, pod_name);
     Ok(answer.with_warnings(warnings))
@@ -477,10 +484,7 @@ async fn check_node<L: Lookups>(
 
 /// In enforce mode, a refusal for lack of keys (not a dry run) puts an Event on the VMI.
 fn record_event(answer: &Answer, vmi: Option<&VmiRef>, dry_run: bool, ctx: &ValidationContext<'_>) {
-    let capacity_reason = matches!(
-        answer.reason,
-        reason::INSUFFICIENT_KEYS | reason::REPORT_UNKNOWN | reason::NO_CANDIDATE_NODES
-    );
+    let capacity_reason = reason::ends_when_a_key_frees(answer.reason);
     let (Some(vmi), Some(events), Some(message)) = (vmi, ctx.events, answer.message.as_ref())
     else {
         return;
@@ -489,14 +493,8 @@ fn record_event(answer: &Answer, vmi: Option<&VmiRef>, dry_run: bool, ctx: &Vali
         return;
     }
     events.record(VmiEvent {
-        vmi: ObjectReference {
-            api_version: Some("kubevirt.io/v1".into()),
-            kind: Some("VirtualMachineInstance".into()),
-            namespace: Some(vmi.namespace.clone()),
-            name: Some(vmi.name.clone()),
-            uid: (!vmi.uid.is_empty()).then(|| vmi.uid.clone()),
-            ..ObjectReference::default()
-        },
+        vmi: vmi_reference(vmi),
+        kind: VmiEventKind::InsufficientKeys,
         message: message.clone(),
     });
 }

@@ -1,0 +1,327 @@
+//! The retry decisions: which VMIs wait on teeguard, and which a free key retries.
+
+use std::collections::BTreeMap;
+
+use jiff::Timestamp;
+use serde_json::{Value, json};
+use teeguard_shared::{TeeKind, VirtualMachineInstance, names};
+
+use super::*;
+
+const DENIED: &str = "failed to create virtual machine pod: admission webhook \
+    \"validate.pods.teeguard.dev\" denied the request: no node can host this TDX VM: node-a 0/1 free";
+
+fn t(s: &str) -> Timestamp {
+    s.parse().expect("timestamp")
+}
+
+/// A VMI of launchSecurity `ls` in phase `phase` with a `Synchronized` condition saying `message`
+/// (none when `None`) since `since`.
+fn vmi(name: &str, ls: Value, phase: &str, message: Option<&str>, since: &str) -> Value {
+    let mut conditions = vec![
+        json!({"type": "Ready", "status": "False", "reason": "PodNotExists",
+        "message": "virt-launcher pod has not yet been scheduled"}),
+    ];
+    if let Some(m) = message {
+        conditions.push(
+            json!({"type": "Synchronized", "status": "False", "reason": "FailedCreate",
+            "message": m, "lastTransitionTime": since}),
+        );
+    }
+    json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": name, "namespace": "vms", "uid": format!("uid-{name}")},
+        "spec": {"domain": {"launchSecurity": ls, "devices": {}}},
+        "status": {"phase": phase, "conditions": conditions}
+    })
+}
+
+fn parse(v: Value) -> VirtualMachineInstance {
+    VirtualMachineInstance::from_json(v).expect("VMI")
+}
+
+fn tdx_waiting(name: &str, since: &str) -> Waiting {
+    waiting(&parse(vmi(
+        name,
+        json!({"tdx": {}}),
+        "Pending",
+        Some(DENIED),
+        since,
+    )))
+    .expect("waiting")
+}
+
+#[test]
+fn a_denial_or_a_failed_call_of_a_teeguard_webhook_is_teeguards_and_nothing_else_is() {
+    let ours = [
+        DENIED,
+        "Error creating pod: admission webhook \"kv.validate.pods.teeguard.dev\" denied the request: x",
+        "failed to create virtual machine pod: Internal error occurred: failed calling webhook \
+         \"mutate.pods.teeguard.dev\": failed to call webhook: Post \"https://x/mutate\": dial tcp: connection refused",
+    ];
+    for m in ours {
+        assert!(refused_by_teeguard(m), "{m}");
+    }
+    let others = [
+        "pods \"virt-launcher-x\" is forbidden: ValidatingAdmissionPolicy 'deny' denied request: no",
+        "admission webhook \"validate.example.com\" denied the request: teeguard.dev is mentioned",
+        "admission webhook \"teeguard.dev.example.com\" denied the request: x",
+        "pods \"x\" is forbidden: exceeded quota: compute, requested: cpu=200m",
+        "",
+    ];
+    for m in others {
+        assert!(!refused_by_teeguard(m), "{m}");
+    }
+}
+
+#[test]
+fn a_pending_tee_vmi_refused_by_teeguard_waits_with_its_refusal_time_and_placement() {
+    let mut v = vmi(
+        "a",
+        json!({"tdx": {}}),
+        "Pending",
+        Some(DENIED),
+        "2026-11-26T10:00:00Z",
+    );
+    v["spec"]["nodeSelector"] = json!({"rack": "r1"});
+    v["metadata"]["annotations"] = json!({names::RETRIED_ANNOTATION: "2026-11-26T10:05:00Z"});
+    let w = waiting(&parse(v)).expect("waiting");
+    assert_eq!(w.vmi.to_string(), "vms/a");
+    assert_eq!(w.vmi.uid, "uid-a");
+    assert_eq!(w.kind, TeeKind::Tdx);
+    assert_eq!(w.since, Some(t("2026-11-26T10:00:00Z")));
+    assert_eq!(w.retried, Some(t("2026-11-26T10:05:00Z")));
+    let selector = w.placement.node_selector.expect("selector");
+    let want: BTreeMap<String, String> = [("kubevirt.io/tdx", "true"), ("rack", "r1")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    assert_eq!(selector, want);
+}
+
+#[test]
+fn each_kind_gets_kubevirts_node_labels() {
+    let cases = [
+        (json!({"tdx": {}}), TeeKind::Tdx, vec!["kubevirt.io/tdx"]),
+        (
+            json!({"snp": {}}),
+            TeeKind::SevEs,
+            vec!["kubevirt.io/sev", "kubevirt.io/sev-snp"],
+        ),
+        (
+            json!({"sev": {"policy": {"encryptedState": true}}}),
+            TeeKind::SevEs,
+            vec!["kubevirt.io/sev", "kubevirt.io/sev-es"],
+        ),
+        (json!({"sev": {}}), TeeKind::Sev, vec!["kubevirt.io/sev"]),
+    ];
+    for (ls, kind, labels) in cases {
+        let w = waiting(&parse(vmi(
+            "a",
+            ls.clone(),
+            "Pending",
+            Some(DENIED),
+            "2026-11-26T10:00:00Z",
+        )))
+        .expect("waiting");
+        assert_eq!(w.kind, kind, "{ls}");
+        let got: Vec<String> = w
+            .placement
+            .node_selector
+            .expect("selector")
+            .into_keys()
+            .collect();
+        assert_eq!(got, labels, "{ls}");
+    }
+}
+
+#[test]
+fn vmis_that_do_not_wait_on_teeguard_are_not_waiting() {
+    let since = "2026-11-26T10:00:00Z";
+    let other = "failed to create virtual machine pod: pods is forbidden: exceeded quota";
+    let cases = [
+        (
+            "scheduled already",
+            vmi("a", json!({"tdx": {}}), "Scheduling", Some(DENIED), since),
+        ),
+        (
+            "no refusal",
+            vmi("a", json!({"tdx": {}}), "Pending", None, since),
+        ),
+        (
+            "refused by someone else",
+            vmi("a", json!({"tdx": {}}), "Pending", Some(other), since),
+        ),
+        (
+            "not a TEE VM",
+            vmi("a", json!(null), "Pending", Some(DENIED), since),
+        ),
+        (
+            "Secure Execution",
+            vmi("a", json!({}), "Pending", Some(DENIED), since),
+        ),
+        (
+            "two kinds",
+            vmi(
+                "a",
+                json!({"tdx": {}, "snp": {}}),
+                "Pending",
+                Some(DENIED),
+                since,
+            ),
+        ),
+    ];
+    for (why, v) in cases {
+        assert!(waiting(&parse(v)).is_none(), "{why}");
+    }
+    let mut deleted = vmi("a", json!({"tdx": {}}), "Pending", Some(DENIED), since);
+    deleted["metadata"]["deletionTimestamp"] = json!("2026-11-26T10:01:00Z");
+    assert!(waiting(&parse(deleted)).is_none(), "being deleted");
+    let mut unset = vmi("a", json!({"tdx": {}}), "Pending", Some(DENIED), since);
+    unset["status"]
+        .as_object_mut()
+        .expect("status")
+        .remove("phase");
+    assert!(waiting(&parse(unset)).is_some(), "no phase yet still waits");
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn free<'a>(
+    name: &'a str,
+    labels: &'a BTreeMap<String, String>,
+    kind: TeeKind,
+    n: u64,
+) -> FreeNode<'a> {
+    FreeNode {
+        name,
+        labels,
+        available: [(kind, n)].into_iter().collect(),
+    }
+}
+
+fn names_of(plan: &[Retry<'_>]) -> Vec<String> {
+    plan.iter().map(|r| r.waiting.vmi.name.clone()).collect()
+}
+
+#[test]
+fn one_free_key_retries_the_vmi_that_waited_longest_and_no_other() {
+    let tdx = labels(&[("kubevirt.io/tdx", "true")]);
+    let waiting = [
+        tdx_waiting("b", "2026-11-26T10:02:00Z"),
+        tdx_waiting("a", "2026-11-26T10:01:00Z"),
+        tdx_waiting("c", "2026-11-26T10:03:00Z"),
+    ];
+    let mut nodes = [free("node-a", &tdx, TeeKind::Tdx, 1)];
+    let now = t("2026-11-26T11:00:00Z");
+    let plan = plan(&waiting, &mut nodes, now);
+    assert_eq!(names_of(&plan), ["a"]);
+    assert_eq!(plan[0].node, "node-a");
+    assert_eq!(
+        nodes[0].available[&TeeKind::Tdx],
+        0,
+        "the key is handed out"
+    );
+}
+
+#[test]
+fn keys_go_only_to_vmis_of_their_kind_whose_pods_may_go_to_the_node() {
+    let tdx = labels(&[("kubevirt.io/tdx", "true")]);
+    let tdx_rack2 = labels(&[("kubevirt.io/tdx", "true"), ("rack", "r2")]);
+    let mut rack1 = tdx_waiting("rack1-vm", "2026-11-26T10:00:00Z");
+    rack1
+        .placement
+        .node_selector
+        .as_mut()
+        .expect("selector")
+        .insert("rack".into(), "r1".into());
+    let snp = waiting(&parse(vmi(
+        "snp-vm",
+        json!({"snp": {}}),
+        "Pending",
+        Some(DENIED),
+        "2026-11-26T09:00:00Z",
+    )))
+    .expect("waiting");
+    let waiting = [rack1, snp, tdx_waiting("any", "2026-11-26T10:30:00Z")];
+    let mut nodes = [
+        free("plain-tdx", &tdx, TeeKind::Tdx, 0),
+        free("rack2", &tdx_rack2, TeeKind::Tdx, 1),
+    ];
+    let plan = plan(&waiting, &mut nodes, t("2026-11-26T11:00:00Z"));
+    assert_eq!(
+        names_of(&plan),
+        ["any"],
+        "the SNP VMI has no SNP key and the rack-1 VMI cannot go to rack 2"
+    );
+}
+
+#[test]
+fn a_vmi_retried_moments_ago_keeps_its_key_and_is_not_retried_again_until_the_interval_passed() {
+    let tdx = labels(&[("kubevirt.io/tdx", "true")]);
+    let mut first = tdx_waiting("first", "2026-11-26T10:00:00Z");
+    first.retried = Some(t("2026-11-26T11:00:00Z"));
+    let waiting = [first, tdx_waiting("second", "2026-11-26T10:01:00Z")];
+    let soon = t("2026-11-26T11:00:03Z");
+    let mut nodes = [free("node-a", &tdx, TeeKind::Tdx, 1)];
+    assert!(
+        plan(&waiting, &mut nodes, soon).is_empty(),
+        "the first VMI's pod is on its way: the key is not offered to the second"
+    );
+    let later = t("2026-11-26T11:00:00Z") + MIN_RETRY_INTERVAL;
+    let mut nodes = [free("node-a", &tdx, TeeKind::Tdx, 1)];
+    assert_eq!(names_of(&plan(&waiting, &mut nodes, later)), ["first"]);
+    let mut nodes = [free("node-a", &tdx, TeeKind::Tdx, 2)];
+    assert_eq!(
+        names_of(&plan(&waiting, &mut nodes, soon)),
+        ["second"],
+        "a second key goes to the next VMI"
+    );
+}
+
+#[test]
+fn a_retry_time_ahead_of_this_clock_counts_as_recent() {
+    let tdx = labels(&[("kubevirt.io/tdx", "true")]);
+    let mut w = tdx_waiting("a", "2026-11-26T10:00:00Z");
+    w.retried = Some(t("2026-11-26T11:00:10Z"));
+    let mut nodes = [free("node-a", &tdx, TeeKind::Tdx, 1)];
+    assert!(plan(&[w], &mut nodes, t("2026-11-26T11:00:00Z")).is_empty());
+}
+
+#[test]
+fn vmis_without_a_refusal_time_come_last_and_ties_go_by_name() {
+    let tdx = labels(&[("kubevirt.io/tdx", "true")]);
+    let mut unknown = tdx_waiting("a-unknown", "2026-11-26T10:00:00Z");
+    unknown.since = None;
+    let waiting = [
+        unknown,
+        tdx_waiting("z", "2026-11-26T10:00:00Z"),
+        tdx_waiting("m", "2026-11-26T10:00:00Z"),
+    ];
+    let mut nodes = [free("node-a", &tdx, TeeKind::Tdx, 3)];
+    assert_eq!(
+        names_of(&plan(&waiting, &mut nodes, t("2026-11-26T11:00:00Z"))),
+        ["m", "z", "a-unknown"]
+    );
+}
+
+#[test]
+fn keys_on_several_nodes_retry_as_many_vmis() {
+    let tdx = labels(&[("kubevirt.io/tdx", "true")]);
+    let waiting: Vec<Waiting> = (0..5)
+        .map(|i| tdx_waiting(&format!("vm-{i}"), &format!("2026-11-26T10:0{i}:00Z")))
+        .collect();
+    let mut nodes = [
+        free("node-a", &tdx, TeeKind::Tdx, 1),
+        free("node-b", &tdx, TeeKind::Tdx, 2),
+    ];
+    let plan = plan(&waiting, &mut nodes, t("2026-11-26T11:00:00Z"));
+    assert_eq!(names_of(&plan), ["vm-0", "vm-1", "vm-2"]);
+    let on: Vec<&str> = plan.iter().map(|r| r.node.as_str()).collect();
+    assert_eq!(on, ["node-a", "node-b", "node-b"]);
+}
