@@ -227,6 +227,7 @@ fn main() {
         events: None,
         metrics: Some(&metrics),
         shared: None,
+        promises: None,
     };
 
     // The mutating reviews: one per kind and size, each checked to be a patch from a cache hit (or the

@@ -8,6 +8,7 @@ mod chart_support;
 mod kubevirt_support;
 
 use kubevirt_support::scenarios::{self, DEADLINE};
+use kubevirt_support::{full, lifecycle};
 use teeguard_tests::realcluster::within;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -19,4 +20,47 @@ async fn vmis_of_each_kind_run_on_the_node_of_their_kind_with_one_key_on_compute
 #[ignore]
 async fn explore_full_node() {
     within(DEADLINE, scenarios::explore_full_node()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vmi_on_a_full_node_says_why_and_starts_by_itself_soon_after_a_key_frees() {
+    within(
+        DEADLINE,
+        full::full_node_vmi_waits_and_starts_when_a_key_frees(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_vmis_for_four_keys_run_by_kind_and_the_waiting_take_freed_places() {
+    within(
+        DEADLINE,
+        full::thirty_vmis_for_four_keys_run_by_kind_and_the_waiting_take_freed_places(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn explore_deletion() {
+    within(DEADLINE, scenarios::explore_deletion()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_the_runtime_class_overhead_is_the_vms_only_key() {
+    within(DEADLINE, scenarios::overhead_key_is_counted_once()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_cycled_on_a_full_node_is_never_refused_with_a_free_key_nor_counted_twice() {
+    within(
+        DEADLINE,
+        lifecycle::vm_cycles_on_a_full_node_never_refused_with_a_free_key_never_two_keys(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_webhook_down_a_vmi_waits_and_starts_when_it_is_back_losing_nothing() {
+    within(DEADLINE, lifecycle::webhook_down_and_back_loses_nothing()).await;
 }

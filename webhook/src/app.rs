@@ -177,6 +177,7 @@ pub async fn start(
         )
     });
     let config = Arc::new(config);
+    let promises = Arc::new(crate::decide::retry::Promises::default());
     // Retries the VMIs whose pods were refused as soon as a key is free for them
     // (crate::cluster::retry); stopped with the caches.
     let retry_task = config.admission.retry_refused_vmis.then(|| {
@@ -186,6 +187,7 @@ pub async fn start(
             config: config.clone(),
             metrics: metrics.clone(),
             events: events.clone(),
+            promises: promises.clone(),
             api_timeout: args.api_timeout,
         }
         .start(background.clone())
@@ -202,6 +204,7 @@ pub async fn start(
             ledger,
             events: Some(events),
             shared: shared_reservations,
+            promises,
         },
     };
     let settings = ServerSettings {

@@ -465,6 +465,7 @@ pub async fn review_document(
                 events: None,
                 metrics: None,
                 shared: None,
+                promises: None,
             };
             let validated = review_validation(&vbody, lookups, &ctx)
                 .await

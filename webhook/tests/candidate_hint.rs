@@ -112,6 +112,7 @@ async fn review(lookups: &Counting, ledger: &Ledger) -> (String, usize) {
         events: None,
         metrics: None,
         shared: None,
+        promises: None,
     };
     let reviewed = review_validation(&create_review(), lookups, &ctx)
         .await

@@ -6,9 +6,10 @@
 //! request-derived value and is reported as a mismatch (defence in depth: an annotation that slipped
 //! past admission can never raise a limit above what the scheduler counted).
 //!
-//! - Container level (NRI `CreateContainer`): the container's own request of one kind. `unified` is a
-//!   map, so one container gets one `misc.max` line: a container requesting several kinds gets the first
-//!   (kernel order) and the rest is reported.
+//! - Container level (NRI `CreateContainer`): the container's own request of one kind (for a
+//!   virt-launcher pod's `compute`, plus the keys its RuntimeClass put in the pod overhead: the VM runs
+//!   there). `unified` is a map, so one container gets one `misc.max` line: a container requesting
+//!   several kinds gets the first (kernel order) and the rest is reported.
 //! - Pod level (the cgroup writer): every kind the pod requests, with `spec.overhead` (Kata's VMM runs
 //!   in the pod sandbox cgroup, which container adjustments do not reach).
 //! - DRA mode: the keys a container or pod holds through claims the agent prepared count too, and an
@@ -25,8 +26,10 @@ use std::fmt;
 use k8s_openapi::api::core::v1::Pod;
 use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
-use teeguard_shared::names::{EXEMPT_LABEL, misc_max_annotation};
-use teeguard_shared::pod::{container_amount, key_requests};
+use teeguard_shared::names::{
+    COMPUTE_CONTAINER, EXEMPT_LABEL, KUBEVIRT_LABEL, VIRT_LAUNCHER, misc_max_annotation,
+};
+use teeguard_shared::pod::{container_amount, key_requests, parse_keys};
 
 use super::claimed::{self, ClaimedKeys};
 
@@ -279,13 +282,32 @@ fn container_requests(
     let Some(c) = found else {
         return BTreeMap::new();
     };
+    // A virt-launcher pod whose RuntimeClass puts the key in `overhead.podFixed` (KubeVirt's
+    // `defaultRuntimeClass`) has it counted for the pod, not a container: its VM runs in `compute`.
+    let overhead = (container == COMPUTE_CONTAINER && is_virt_launcher(pod))
+        .then(|| spec.overhead.as_ref())
+        .flatten();
     TeeKind::ALL
         .iter()
         .map(|k| {
-            let amount = container_amount(pod, c, resources.resource_name(*k)).unwrap_or(0);
-            (*k, amount)
+            let name = resources.resource_name(*k);
+            let amount = container_amount(pod, c, name).unwrap_or(0);
+            let in_overhead = overhead
+                .and_then(|o| o.get(name))
+                .and_then(|q| parse_keys(pod, name, q).ok())
+                .unwrap_or(0);
+            (*k, amount + in_overhead)
         })
         .collect()
+}
+
+/// Whether the pod is a KubeVirt virt-launcher pod (label `kubevirt.io: virt-launcher`).
+fn is_virt_launcher(pod: &Pod) -> bool {
+    pod.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(KUBEVIRT_LABEL))
+        .is_some_and(|v| v == VIRT_LAUNCHER)
 }
 
 /// Whether the pod requests keys or holds some through a claim the agent prepared. An unparsable

@@ -160,6 +160,7 @@ pub fn validate(data: &[u8]) -> Seen {
         events: None,
         metrics: None,
         shared: None,
+        promises: None,
     };
     let result = run_now(
         teeguard_webhook::web::handlers::validate::review_validation(data, lookups(), &ctx),

@@ -343,23 +343,33 @@ impl KubeVirt {
     }
 
     /// Merge `patch` into the KubeVirt CR's `spec.configuration` (e.g. `{"defaultRuntimeClass":
-    /// "kata-tdx"}`; `null` removes a field), and let `kvtool default-vmi` read the new CR. virt-controller
-    /// reads the CR through an informer: a caller that needs the controller to render pods with the new
-    /// configuration waits for a pod that shows it.
+    /// "kata-tdx"}`; `null` removes a field), let `kvtool default-vmi` read the new CR, and wait until
+    /// virt-controller logs that it took that version of the CR (`Updating cluster config from KubeVirt
+    /// to resource version '<rv>'`): the pods it renders from then on follow it.
     pub async fn configure(&self, client: &Client, patch: Value) -> Result<()> {
         let crs = kubevirt_api(client);
-        crs.patch(
-            "kubevirt",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"configuration": patch}})),
-        )
-        .await
-        .map_err(api("patch the KubeVirt CR"))?;
         let stored = crs
-            .get("kubevirt")
+            .patch(
+                "kubevirt",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"configuration": patch}})),
+            )
             .await
-            .map_err(api("read the KubeVirt CR"))?;
-        write_cr(&self.cr_file, &stored)
+            .map_err(api("patch the KubeVirt CR"))?;
+        write_cr(&self.cr_file, &stored)?;
+        let rv = stored.metadata.resource_version.unwrap_or_default();
+        let line = format!("Updating cluster config from KubeVirt to resource version '{rv}'");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !self.log().contains(&line) {
+            if Instant::now() >= deadline {
+                return Err(KubeVirtError::NotReady {
+                    what: format!("virt-controller did not log {line:?} within 60 s"),
+                    logs: self.dir.join("log"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
     }
 }
 

@@ -9,8 +9,9 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
@@ -103,6 +104,8 @@ impl TeeNode {
 /// to the next test last.
 pub struct KubeVirtWorld {
     pub webhook: Option<WebhookProcess>,
+    /// Where the API server's webhook calls go: the webhook process, or nowhere while it is down.
+    pub webhook_backend: Arc<Mutex<Option<SocketAddr>>>,
     pub tdx: TeeNode,
     pub snp: TeeNode,
     pub kv: &'static KubeVirt,
@@ -123,45 +126,95 @@ impl KubeVirtWorld {
         let first = RealNode::shared_nth(Runtime::Containerd, 0)?;
         let second = RealNode::shared_nth(Runtime::Containerd, 1)?;
         let cluster = Cluster::connect().await?;
-        // An earlier test's VirtualMachines would start their VMIs again on the nodes.
-        remove_kubevirt_objects(&cluster).await;
+        // Every KubeVirt test takes both nodes: holding them, this test is the only one running.
         let tdx_turn = first.acquire().await;
         let snp_turn = second.acquire().await;
+        // An earlier test's VirtualMachines would start their VMIs again on the nodes.
+        remove_kubevirt_objects(&cluster).await;
         for turn in [&tdx_turn, &snp_turn] {
             stand_in_images(turn);
         }
+        // An earlier test may have pointed KubeVirt at a RuntimeClass.
+        kv.configure(&cluster.client, json!({"defaultRuntimeClass": null}))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         let ns = cluster.namespace(test, test, &[]).await.expect("namespace");
         let tdx = TeeNode::start(&cluster, tdx_turn, Tee::Tdx, options).await;
         let snp = TeeNode::start(&cluster, snp_turn, Tee::Snp, options).await;
+        let webhook_backend = Arc::new(Mutex::new(None));
         let webhook = if options.teeguard {
             let webhook = tdx.env.start_webhook(&[]).await.expect("webhook starts");
+            *webhook_backend.lock().unwrap_or_else(|e| e.into_inner()) = Some(webhook.https);
+            // Through a TCP proxy, as through a Service: the webhook can stop and come back elsewhere.
+            let proxy = forward(webhook_backend.clone()).await;
             let rendered = chart_support::render("default", &[]);
             cluster
-                .register_webhooks(
-                    test,
-                    &rendered,
-                    webhook.https,
-                    &tdx.env.ca.ca_bundle_base64(),
-                )
+                .register_webhooks(test, &rendered, proxy, &tdx.env.ca.ca_bundle_base64())
                 .await
                 .expect("webhooks registered");
-            cluster
-                .wait_webhooks_called(&ns)
-                .await
-                .expect("the API server calls the webhooks");
+            if let Err(e) = webhooks_called(&cluster, &ns).await {
+                panic!(
+                    "the API server calls the webhooks: {e}\n{}",
+                    tdx.env.all_logs()
+                );
+            }
+            remove_vmis(&cluster, &ns).await;
             Some(webhook)
         } else {
             None
         };
-        Some(KubeVirtWorld {
+        let world = KubeVirtWorld {
             webhook,
+            webhook_backend,
             tdx,
             snp,
             kv,
             cluster,
             test: test.to_string(),
             ns,
-        })
+        };
+        // Every key free (the probe's, an earlier test's pods gone) before the test begins.
+        let all_free = |k: Option<&teeguard_shared::crd::KindStatus>, n: u64| {
+            n == 0 || k.is_some_and(|k| k.capacity == n && k.free == n)
+        };
+        world
+            .wait_report(&world.tdx, "every key free", Duration::from_secs(60), |r| {
+                all_free(r.tdx.as_ref(), options.tdx_keys)
+            })
+            .await;
+        world
+            .wait_report(&world.snp, "every key free", Duration::from_secs(60), |r| {
+                all_free(r.sev_es.as_ref(), options.snp_keys)
+                    && all_free(r.sev.as_ref(), options.sev_keys)
+            })
+            .await;
+        Some(world)
+    }
+
+    /// Stop the webhook process (the API server's calls then fail, as with every replica down).
+    pub fn stop_webhook(&mut self) {
+        *self
+            .webhook_backend
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+        if let Some(mut w) = self.webhook.take() {
+            w.proc.kill();
+        }
+    }
+
+    /// Start a new webhook process and send the API server's calls to it once it is ready.
+    pub async fn start_webhook(&mut self) {
+        let webhook = self
+            .tdx
+            .env
+            .start_webhook(&[])
+            .await
+            .expect("webhook starts");
+        *self
+            .webhook_backend
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(webhook.https);
+        self.webhook = Some(webhook);
     }
 
     /// The node of kind `tee` (TDX, or the SNP node for every SEV kind).
@@ -318,7 +371,8 @@ impl KubeVirtWorld {
             ));
         }
         out.push_str("  events:\n");
-        for e in self.events(name).await {
+        let events = self.events(name).await;
+        for e in events {
             out.push_str(&format!(
                 "    {} {} (x{}): {}\n",
                 e.type_.unwrap_or_default(),
@@ -326,6 +380,35 @@ impl KubeVirtWorld {
                 e.count.unwrap_or(1),
                 e.message.unwrap_or_default()
             ));
+        }
+        out.push_str("  every launcher pod:\n");
+        let pods: Api<Pod> = Api::all(self.cluster.client.clone());
+        match pods
+            .list(&ListParams::default().labels("kubevirt.io=virt-launcher"))
+            .await
+        {
+            Err(e) => out.push_str(&format!("    cannot list pods: {e}\n")),
+            Ok(l) => {
+                for p in l.items {
+                    let status = p.status.as_ref();
+                    let scheduled = status
+                        .and_then(|s| s.conditions.as_ref())
+                        .and_then(|c| c.iter().find(|c| c.type_ == "PodScheduled"))
+                        .and_then(|c| c.message.clone())
+                        .unwrap_or_default();
+                    out.push_str(&format!(
+                        "    {} on {:?}: {:?}{} {scheduled}\n",
+                        p.metadata.name.as_deref().unwrap_or(""),
+                        p.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+                        status.and_then(|s| s.phase.as_deref()),
+                        if p.metadata.deletion_timestamp.is_some() {
+                            " (terminating)"
+                        } else {
+                            ""
+                        }
+                    ));
+                }
+            }
         }
         out
     }
@@ -505,6 +588,92 @@ async fn remove_kubevirt_objects(cluster: &Cluster) {
     }
 }
 
+/// A TCP proxy on 127.0.0.1 to `backend` (TLS passes through); a connection is closed at once while
+/// there is none, as a Service without endpoints does. Runs until the test process ends.
+async fn forward(backend: Arc<Mutex<Option<SocketAddr>>>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("proxy listens");
+    let addr = listener.local_addr().expect("proxy address");
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let to = *backend.lock().unwrap_or_else(|e| e.into_inner());
+            tokio::spawn(async move {
+                if let Some(to) = to
+                    && let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await
+                {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Wait until the API server calls teeguard's webhooks for namespace `ns`: a TDX VMI's launcher pod
+/// is created with teeguard's annotation, or refused by teeguard (virt-controller's condition says
+/// which). The probe VMI is left for the caller to delete.
+async fn webhooks_called(cluster: &Cluster, ns: &str) -> Result<(), String> {
+    let probe = vmis::vmi("webhook-probe", Tee::Tdx, vmis::Size::SMALL);
+    vmis::create(&cluster.client, ns, &probe)
+        .await
+        .map_err(|e| format!("create the probe VMI: {e}"))?;
+    let api = vmis::api(&cluster.client, ns, "VirtualMachineInstance");
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), ns);
+    cluster
+        .wait_for_within(
+            &format!("teeguard's webhooks called for {ns}"),
+            Duration::from_secs(60),
+            || async {
+                let vmi = api.get("webhook-probe").await.ok()?;
+                let refused = vmi.data["status"]["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|c| c["message"].as_str())
+                    .any(|m| m.contains(".teeguard.dev\" denied"));
+                let uid = vmi.metadata.uid?;
+                let mutated = pods
+                    .list(&ListParams::default().labels(&format!("kubevirt.io/created-by={uid}")))
+                    .await
+                    .ok()?
+                    .items
+                    .iter()
+                    .any(|p| {
+                        p.metadata
+                            .annotations
+                            .as_ref()
+                            .is_some_and(|a| a.contains_key("misc-max.teeguard.dev/compute"))
+                    });
+                (refused || mutated).then_some(())
+            },
+        )
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Delete every VMI of namespace `ns` and wait until they are gone.
+async fn remove_vmis(cluster: &Cluster, ns: &str) {
+    let api = vmis::api(&cluster.client, ns, "VirtualMachineInstance");
+    let _ = api
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await;
+    cluster
+        .wait_for_within(
+            &format!("the VMIs of {ns} gone"),
+            Duration::from_secs(60),
+            || async {
+                api.list(&ListParams::default())
+                    .await
+                    .ok()
+                    .filter(|l| l.items.is_empty())
+                    .map(|_| ())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// Whether the pod runs with every container started.
 pub fn running(p: &Pod) -> bool {
     let Some(status) = &p.status else {
@@ -518,4 +687,6 @@ pub fn running(p: &Pod) -> bool {
             .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
 }
 
+pub mod full;
+pub mod lifecycle;
 pub mod scenarios;

@@ -155,3 +155,146 @@ pub async fn explore_full_node() {
     );
     eprintln!("=== finally:\n{}", w.describe("vm-b").await);
 }
+
+/// Exploration: what happens to launcher pods when their VMIs are deleted.
+pub async fn explore_deletion() {
+    let Some(w) = KubeVirtWorld::start("kv-explore-del", Options::keys(2, 2)).await else {
+        return;
+    };
+    for n in ["d-0", "d-1"] {
+        w.create_vmi(n, Tee::Tdx, Size::SMALL).await;
+    }
+    for n in ["d-0", "d-1"] {
+        w.wait_running(n).await;
+    }
+    let vmis =
+        teeguard_tests::kubevirt::vmis::api(&w.cluster.client, &w.ns, "VirtualMachineInstance");
+    for n in ["d-0", "d-1"] {
+        vmis.delete(n, &Default::default()).await.ok();
+    }
+    let t = std::time::Instant::now();
+    let pods: kube::Api<Pod> = kube::Api::namespaced(w.cluster.client.clone(), &w.ns);
+    let mut last = String::new();
+    while t.elapsed() < Duration::from_secs(90) {
+        let list = match pods.list(&Default::default()).await {
+            Ok(l) => l
+                .items
+                .iter()
+                .map(|p| {
+                    format!(
+                        "{}:{:?}:{}",
+                        p.metadata.name.as_deref().unwrap_or(""),
+                        p.status.as_ref().and_then(|s| s.phase.clone()),
+                        p.metadata.deletion_timestamp.is_some()
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(" "),
+            Err(e) => format!("ERR {e}"),
+        };
+        let v: Vec<String> = vmis
+            .list(&Default::default())
+            .await
+            .map(|l| {
+                l.items
+                    .iter()
+                    .map(|v| {
+                        format!(
+                            "{}:{}",
+                            v.metadata.name.as_deref().unwrap_or(""),
+                            v.data["status"]["phase"]
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let r = w
+            .report(&w.tdx)
+            .await
+            .and_then(|r| r.tdx)
+            .map(|k| format!("free {} pending {} used {}", k.free, k.pending, k.pods_used))
+            .unwrap_or_default();
+        let line = format!("pods [{list}] vmis {v:?} report {r}");
+        if line != last {
+            eprintln!("{:>6.1}s {line}", t.elapsed().as_secs_f64());
+            last = line;
+        }
+        if list.is_empty() && v.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Scenario 5: KubeVirt's `defaultRuntimeClass` names a RuntimeClass whose `overhead.podFixed` carries
+/// the TDX key (as kata-deploy renders them). The API server copies it into the launcher pod's
+/// `spec.overhead` before any webhook; teeguard takes it as the VM's key: no second request on
+/// `compute`, the annotation says one key, `compute` gets `misc.max` `tdx 1`, the node's report counts
+/// one key, and with one key on the node a second VMI is refused.
+pub async fn overhead_key_is_counted_once() {
+    let Some(w) = KubeVirtWorld::start("kv-overhead", Options::keys(1, 0)).await else {
+        return;
+    };
+    w.ensure_kata_runtime_class().await;
+    w.kv.configure(
+        &w.cluster.client,
+        serde_json::json!({"defaultRuntimeClass": super::full::KATA_TDX}),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    w.create_vmi("vmi-kata-rc", Tee::Tdx, Size::SMALL).await;
+    let pod = w.wait_running("vmi-kata-rc").await;
+    let spec = pod.spec.as_ref().expect("spec");
+    assert_eq!(
+        spec.runtime_class_name.as_deref(),
+        Some(super::full::KATA_TDX)
+    );
+    assert_eq!(
+        spec.overhead
+            .as_ref()
+            .and_then(|o| o.get("tdx.intel.com/keys"))
+            .map(|q| q.0.as_str()),
+        Some("1"),
+        "the RuntimeClass's key is in the pod overhead"
+    );
+    assert_eq!(
+        compute_request(&pod, "tdx.intel.com/keys"),
+        None,
+        "no second key on compute"
+    );
+    assert_eq!(
+        pod.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("misc-max.teeguard.dev/compute"))
+            .map(String::as_str),
+        Some("tdx 1")
+    );
+    let got = limits(&w.records(&w.tdx, &pod).await);
+    assert_eq!(
+        got.get("compute").map(String::as_str),
+        Some("tdx 1"),
+        "{got:?}"
+    );
+    assert!(
+        got.iter()
+            .filter(|(c, _)| *c != "compute")
+            .all(|(_, l)| l == "-"),
+        "{got:?}"
+    );
+    let uid = pod.metadata.uid.clone().expect("uid");
+    let report = w
+        .wait_report(&w.tdx, "counts the pod", Duration::from_secs(30), |r| {
+            r.counted_pods.contains(&uid)
+        })
+        .await;
+    let tdx = report.tdx.expect("tdx figures");
+    assert_eq!(
+        (tdx.pending + tdx.pods_used, tdx.free),
+        (1, 0),
+        "one key counted for the VM"
+    );
+    w.create_vmi("vmi-second", Tee::Tdx, Size::SMALL).await;
+    w.wait_refused("vmi-second", 1).await;
+    assert!(w.launchers("vmi-second").await.is_empty());
+}

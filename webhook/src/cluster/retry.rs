@@ -7,7 +7,8 @@
 //! missed, or the webhook itself was down while keys freed), lets a burst of changes [`SETTLE`], asks
 //! [`crate::decide::retry::plan`] which waiting VMIs the available keys can serve (oldest first), and
 //! writes the annotation [`names::RETRIED_ANNOTATION`] on each: the change makes virt-controller sync the
-//! VMI at once. Each retry logs a line, counts `teeguard_webhook_vmi_retries_total` and records a
+//! VMI at once, and the key is promised to it ([`Promises`]) so another VMI's own retry cannot take it
+//! first. Each retry logs a line, counts `teeguard_webhook_vmi_retries_total` and records a
 //! `TEEKeyFree` Event on the VMI. Needs `patch` on `virtualmachineinstances` (the chart grants it).
 
 use std::collections::BTreeMap;
@@ -27,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cluster::caches::{Caches, Lookups};
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
 use crate::decide::ledger::{Ledger, ReportMark};
-use crate::decide::retry::{FreeNode, Retry, plan};
+use crate::decide::retry::{FreeNode, Promises, Retry, plan};
 use crate::decide::validation::{Report, current_report, human};
 use crate::metrics::{Metrics, RetryResult};
 
@@ -50,6 +51,8 @@ pub struct Retrier {
     pub metrics: Arc<Metrics>,
     /// Where the `TEEKeyFree` Events go.
     pub events: EventSink,
+    /// The keys promised to the VMIs retried, which the validating webhook holds for them.
+    pub promises: Arc<Promises>,
     /// Longest one annotation write may take.
     pub api_timeout: Duration,
 }
@@ -168,6 +171,9 @@ impl Retrier {
             field_manager: Some(names::WEBHOOK_FIELD_MANAGER.into()),
             ..PatchParams::default()
         };
+        // Promised first: virt-controller may create the pod before the patch's answer arrives.
+        self.promises
+            .promise(&r.node, w.kind, &w.vmi.uid, Instant::now());
         let written = tokio::time::timeout(
             self.api_timeout,
             api.patch(&w.vmi.name, &params, &Patch::Merge(&patch)),
@@ -195,10 +201,12 @@ impl Retrier {
                 });
             }
             Ok(Err(e)) => {
+                self.promises.forget(&w.vmi.uid);
                 self.metrics.vmi_retry(kind, RetryResult::Failed);
                 tracing::warn!(vmi = %w.vmi, kind, error = %e, "cannot annotate the VMI to retry it; retried at the next pass");
             }
             Err(_) => {
+                self.promises.forget(&w.vmi.uid);
                 self.metrics.vmi_retry(kind, RetryResult::Failed);
                 tracing::warn!(vmi = %w.vmi, kind, timeout = ?self.api_timeout, "the API server did not answer the VMI annotation in time; retried at the next pass");
             }

@@ -16,9 +16,15 @@
 //!
 //! Every replica plans from the same caches, so replicas retry the same VMIs; virt-controller's queue
 //! folds the duplicates.
+//!
+//! virt-controller keeps retrying every waiting VMI on its own backoff, so when a key frees, some other
+//! VMI's retry may land first and take it. A retried VMI therefore holds a [`Promises`] entry on the
+//! node for [`PROMISE_TTL`]: the validating webhook counts the promised key as taken for every other
+//! VMI's pod, until the promised VMI's pod is admitted and the node's report counts it.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::PodSpec;
@@ -31,6 +37,10 @@ use super::mutation::VmiRef;
 
 /// A VMI is not retried again sooner than this after teeguard retried it (its pod may be on its way).
 pub const MIN_RETRY_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long a key stays promised to a retried VMI at most (its pod created, bound, started and counted
+/// by the node's report usually takes 1-3 s).
+pub const PROMISE_TTL: Duration = Duration::from_secs(10);
 
 /// What a refusal of a virt-launcher pod ends with when refused VMIs are retried.
 pub const REFUSAL_NOTE: &str =
@@ -217,6 +227,95 @@ pub fn plan<'w>(
         }
     }
     out
+}
+
+/// One key promised to a retried VMI on a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Promise {
+    node: String,
+    kind: TeeKind,
+    vmi_uid: String,
+    /// The VMI's pod admitted against the promise: the promise ends when the report counts it.
+    pod_uid: Option<String>,
+    at: Instant,
+}
+
+/// The keys this replica promised to the VMIs it retried (see the module). Cheap to share behind an
+/// `Arc`; time is an input.
+#[derive(Debug, Default)]
+pub struct Promises {
+    list: Mutex<Vec<Promise>>,
+}
+
+impl Promises {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Promise>> {
+        self.list.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Promise one `kind` key on `node` to the VMI `vmi_uid` (replacing its earlier promise).
+    pub fn promise(&self, node: &str, kind: TeeKind, vmi_uid: &str, now: Instant) {
+        let mut list = self.lock();
+        list.retain(|p| p.vmi_uid != vmi_uid && now.saturating_duration_since(p.at) < PROMISE_TTL);
+        list.push(Promise {
+            node: node.to_string(),
+            kind,
+            vmi_uid: vmi_uid.to_string(),
+            pod_uid: None,
+            at: now,
+        });
+    }
+
+    /// Drop the promise to VMI `vmi_uid` (its retry could not be written).
+    pub fn forget(&self, vmi_uid: &str) {
+        self.lock().retain(|p| p.vmi_uid != vmi_uid);
+    }
+
+    /// The pod `pod_uid` of VMI `vmi_uid` was admitted: its promise lasts until the report counts it.
+    pub fn admitted(&self, vmi_uid: &str, pod_uid: &str) {
+        for p in self.lock().iter_mut().filter(|p| p.vmi_uid == vmi_uid) {
+            p.pod_uid = Some(pod_uid.to_string());
+        }
+    }
+
+    /// Add to `held` the keys `promises` (when given) holds on `node` for VMIs other than `except_vmi`
+    /// (see [`Promises::held`]): what a pod of another VMI cannot have.
+    pub fn add_held(
+        promises: Option<&Promises>,
+        held: &mut KeyRequests,
+        node: &str,
+        counted_pods: &[String],
+        except_vmi: &str,
+        now: Instant,
+    ) {
+        for (kind, n) in promises
+            .map(|p| p.held(node, counted_pods, except_vmi, now))
+            .unwrap_or_default()
+        {
+            *held.entry(kind).or_insert(0) += n;
+        }
+    }
+
+    /// The keys promised on `node` to VMIs other than `except_vmi`, at `now`, leaving out those whose
+    /// pods the node's report counts (`counted_pods`).
+    pub fn held(
+        &self,
+        node: &str,
+        counted_pods: &[String],
+        except_vmi: &str,
+        now: Instant,
+    ) -> KeyRequests {
+        let mut held = KeyRequests::new();
+        let list = self.lock();
+        for p in list.iter().filter(|p| {
+            p.node == node
+                && p.vmi_uid != except_vmi
+                && now.saturating_duration_since(p.at) < PROMISE_TTL
+                && !p.pod_uid.as_ref().is_some_and(|u| counted_pods.contains(u))
+        }) {
+            *held.entry(p.kind).or_insert(0) += 1;
+        }
+        held
+    }
 }
 
 #[cfg(test)]

@@ -56,4 +56,6 @@ pub struct ValidationState {
     pub events: Option<EventSink>,
     /// Reservations shared by every replica (`None`: `admission.sharedReservations` off).
     pub shared: Option<crate::cluster::reservations::SharedReservations>,
+    /// Keys promised to the VMIs the retry task retried (`admission.retryRefusedVmis`).
+    pub promises: Arc<crate::decide::retry::Promises>,
 }

@@ -405,3 +405,57 @@ fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
     let vm = admitted(Tee::Tdx, TDX_KEYS, Some("tdx 1"));
     assert_eq!(pod_limits(&vm, true, &NO_CLAIMS, policy), vec![tdx(1)]);
 }
+
+#[test]
+fn a_launchers_key_in_the_pod_overhead_is_computes_once_and_no_other_containers() {
+    // KubeVirt's defaultRuntimeClass with the key in overhead.podFixed: the scheduler counted one key
+    // for the pod, and the VM runs in compute.
+    let mut pod = VirtLauncherPod::for_tee("vm", Tee::Tdx)
+        .annotation(ANNOTATION, "tdx 1")
+        .running_on("node-a")
+        .build();
+    let spec = pod.spec.as_mut().expect("spec");
+    spec.runtime_class_name = Some("kata-qemu-tdx".into());
+    spec.overhead = Some(BTreeMap::from([(
+        TDX_KEYS.to_string(),
+        k8s_openapi::apimachinery::pkg::api::resource::Quantity("1".into()),
+    )]));
+    let ann = annotations(&pod);
+    assert_eq!(
+        decide(Some(&pod), &ann, "compute", &[TeeKind::Tdx], false),
+        set(tdx(1))
+    );
+    assert_eq!(
+        decide(
+            Some(&pod),
+            &ann,
+            "guest-console-log",
+            &[TeeKind::Tdx],
+            false
+        ),
+        ContainerLimit::Unlimited
+    );
+    let resources = ResourcesConfig::default();
+    let policy = Policy {
+        resources: &resources,
+        host_kinds: &[TeeKind::Tdx],
+        strict: false,
+    };
+    assert_eq!(pod_limits(&pod, false, &NO_CLAIMS, policy), vec![tdx(1)]);
+    // Not a virt-launcher pod (a Kata pod): its overhead key is the sandbox's, no container's.
+    pod.metadata
+        .labels
+        .as_mut()
+        .expect("labels")
+        .remove("kubevirt.io");
+    assert_eq!(
+        decide(
+            Some(&pod),
+            &BTreeMap::new(),
+            "compute",
+            &[TeeKind::Tdx],
+            false
+        ),
+        ContainerLimit::Unlimited
+    );
+}

@@ -66,6 +66,17 @@ pub struct ReportMark<'a> {
     pub counted_pods: &'a [String],
 }
 
+impl<'a> ReportMark<'a> {
+    /// The pods a node's report (`None`: no report) counts.
+    pub fn of(report: Option<&'a teeguard_shared::TeeCapacity>) -> Self {
+        ReportMark {
+            counted_pods: report
+                .and_then(|c| c.status.as_ref())
+                .map_or(&[], |s| s.counted_pods.as_slice()),
+        }
+    }
+}
+
 impl Reservation {
     /// Whether the TTL has passed.
     pub fn expired(&self, now: Instant, ttl: Duration) -> bool {

@@ -107,8 +107,26 @@ pub(super) fn add(tokens: &[&str], value: Value) -> PatchOperation {
     })
 }
 
+/// The key amount `spec.overhead` carries for `resource` (the API server's RuntimeClass admission
+/// copies the RuntimeClass's `overhead.podFixed` there before any webhook runs), or the quantity when it
+/// is not a whole number.
+fn overhead_key(pod: &Pod, resource: &str) -> Result<Option<u64>, String> {
+    let Some(q) = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.overhead.as_ref())
+        .and_then(|o| o.get(resource))
+    else {
+        return Ok(None);
+    };
+    parse_whole_quantity(&q.0)
+        .map(Some)
+        .ok_or_else(|| q.0.clone())
+}
+
 /// The patch adding `<resource>: <keys>` to the `compute` container's requests and limits and the
 /// misc.max annotations; empty when all is present. A different amount already requested is a denial.
+/// When the pod overhead carries the key (a RuntimeClass's), only the annotations are added.
 pub(super) fn injection_patch(
     pod: &Pod,
     vmi: &VmiRef,
@@ -140,11 +158,48 @@ pub(super) fn injection_patch(
         });
     };
     let res = compute.resources.as_ref();
+    // A RuntimeClass's `overhead.podFixed` may already carry the key (kata-deploy renders its TEE
+    // RuntimeClasses that way; KubeVirt's `defaultRuntimeClass` can name one): the scheduler counts it
+    // for the pod, so it is the VM's key and `compute` gets no second one.
+    let in_overhead = overhead_key(pod, resource).map_err(|q| Denial {
+        reason: DenyReason::BadQuantity,
+        message: format!(
+            "pod {}: spec.overhead {resource}: {q:?} (from its RuntimeClass) is not a whole number of keys",
+            pod_name()
+        ),
+    })?;
     let mut missing: Vec<&'static str> = Vec::with_capacity(2);
     for (field, map) in [
         ("requests", res.and_then(|r| r.requests.as_ref())),
         ("limits", res.and_then(|r| r.limits.as_ref())),
     ] {
+        if let Some(n) = in_overhead {
+            if n != u64::from(keys) || map.is_some_and(|m| m.contains_key(resource)) {
+                return Err(Denial {
+                    reason: DenyReason::ConflictingRequest,
+                    message: format!(
+                        "pod {}: its RuntimeClass {:?} puts {resource}: {n} in the pod overhead{}, but a {} VM \
+                         holds exactly {keys} key; fix overhead.podFixed of the RuntimeClass (or KubeVirt's \
+                         defaultRuntimeClass) so the VM's key is counted once",
+                        pod_name(),
+                        pod.spec
+                            .as_ref()
+                            .and_then(|s| s.runtime_class_name.as_deref())
+                            .unwrap_or(""),
+                        if map.is_some_and(|m| m.contains_key(resource)) {
+                            format!(
+                                " and container {:?} {field} another",
+                                names::COMPUTE_CONTAINER
+                            )
+                        } else {
+                            String::new()
+                        },
+                        kind.display_name()
+                    ),
+                });
+            }
+            continue;
+        }
         match map.and_then(|m| m.get(resource)) {
             None => missing.push(field),
             Some(q) => match parse_whole_quantity(&q.0) {

@@ -575,3 +575,57 @@ fn codes_are_distinct() {
         assert!(!s.to_string().is_empty());
     }
 }
+
+#[test]
+fn a_key_in_the_pod_overhead_is_the_vms_key_and_compute_gets_only_the_annotation() {
+    let cfg = Config::default();
+    let mut pod = base_pod();
+    pod["spec"]["runtimeClassName"] = json!("kata-qemu-tdx");
+    pod["spec"]["overhead"] = json!({"tdx.intel.com/keys": "1", "memory": "160Mi"});
+    let inj = injected(decide(&pod, Some(&tdx()), &cfg));
+    assert_eq!((inj.kind, inj.keys), (TeeKind::Tdx, 1));
+    let out = apply(&pod, &inj.patch);
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"], pod["spec"]["containers"][0]["resources"],
+        "no second key on compute"
+    );
+    assert_eq!(
+        out["metadata"]["annotations"]["misc-max.teeguard.dev/compute"],
+        "tdx 1"
+    );
+    let again = injected(decide(&out, Some(&tdx()), &cfg));
+    assert!(again.patch.0.is_empty(), "reinvocation adds nothing");
+}
+
+#[test]
+fn an_overhead_key_of_another_amount_or_beside_a_compute_request_is_denied() {
+    let cfg = Config::default();
+    let mut two = base_pod();
+    two["spec"]["runtimeClassName"] = json!("kata-qemu-tdx");
+    two["spec"]["overhead"] = json!({"tdx.intel.com/keys": "2"});
+    let d = denied(decide(&two, Some(&tdx()), &cfg));
+    assert_eq!(d.reason, DenyReason::ConflictingRequest);
+    assert!(
+        d.message
+            .contains("\"kata-qemu-tdx\" puts tdx.intel.com/keys: 2 in the pod overhead")
+            && d.message.contains("counted once"),
+        "{}",
+        d.message
+    );
+    let mut both = base_pod();
+    both["spec"]["overhead"] = json!({"tdx.intel.com/keys": "1"});
+    both["spec"]["containers"][0]["resources"]["requests"]["tdx.intel.com/keys"] = json!("1");
+    let d = denied(decide(&both, Some(&tdx()), &cfg));
+    assert_eq!(d.reason, DenyReason::ConflictingRequest);
+    assert!(
+        d.message.contains("container \"compute\" requests another"),
+        "{}",
+        d.message
+    );
+    let mut half = base_pod();
+    half["spec"]["overhead"] = json!({"tdx.intel.com/keys": "500m"});
+    assert_eq!(
+        denied(decide(&half, Some(&tdx()), &cfg)).reason,
+        DenyReason::BadQuantity
+    );
+}

@@ -1,6 +1,7 @@
 //! The retry decisions: which VMIs wait on teeguard, and which a free key retries.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 use serde_json::{Value, json};
@@ -324,4 +325,49 @@ fn keys_on_several_nodes_retry_as_many_vmis() {
     assert_eq!(names_of(&plan), ["vm-0", "vm-1", "vm-2"]);
     let on: Vec<&str> = plan.iter().map(|r| r.node.as_str()).collect();
     assert_eq!(on, ["node-a", "node-b", "node-b"]);
+}
+
+#[test]
+fn a_promised_key_is_held_for_other_vmis_until_the_promised_vmis_pod_is_counted_or_it_expires() {
+    let p = Promises::default();
+    let t0 = Instant::now();
+    p.promise("node-a", TeeKind::Tdx, "vmi-a", t0);
+    let held =
+        |counted: &[String], except: &str, at: Instant| p.held("node-a", counted, except, at);
+    assert_eq!(
+        held(&[], "vmi-b", t0).get(&TeeKind::Tdx),
+        Some(&1),
+        "held for another VMI"
+    );
+    assert!(
+        held(&[], "vmi-a", t0).is_empty(),
+        "not for the promised VMI's own pod"
+    );
+    assert!(
+        p.held("node-b", &[], "vmi-b", t0).is_empty(),
+        "only on its node"
+    );
+    p.admitted("vmi-a", "pod-a");
+    let t1 = t0 + Duration::from_secs(2);
+    assert_eq!(
+        held(&["other-pod".into()], "vmi-b", t1).get(&TeeKind::Tdx),
+        Some(&1),
+        "admitted, not counted yet"
+    );
+    assert!(
+        held(&["pod-a".into()], "vmi-b", t1).is_empty(),
+        "the report counts the pod: the key is in its figures now"
+    );
+    assert!(held(&[], "vmi-b", t0 + PROMISE_TTL).is_empty(), "expired");
+    p.promise("node-a", TeeKind::Tdx, "vmi-c", t1);
+    p.promise("node-a", TeeKind::Tdx, "vmi-c", t1);
+    assert_eq!(
+        held(&[], "vmi-b", t1).get(&TeeKind::Tdx),
+        Some(&2),
+        "a VMI promised twice holds one key"
+    );
+    p.forget("vmi-c");
+    let mut into = KeyRequests::from([(TeeKind::Tdx, 3)]);
+    Promises::add_held(Some(&p), &mut into, "node-a", &[], "vmi-b", t1);
+    assert_eq!(into.get(&TeeKind::Tdx), Some(&4), "added to the ledger's");
 }

@@ -49,7 +49,7 @@ use crate::decide::mutation::{
     namespace_exempt, runtime_class::tee_runtime_class,
 };
 use crate::decide::reservations;
-use crate::decide::retry;
+use crate::decide::retry::{self, Promises};
 use crate::decide::validation::{
     CandidateScan, Decision, NodeAssessment, Report, Trigger, apply_mode, check_created_limits,
     check_updated_limits, decide_on_node, expected_limits, has_limit_annotations, mode_name,
@@ -91,6 +91,8 @@ pub struct ValidationContext<'a> {
     pub metrics: Option<&'a Metrics>,
     /// Reservations shared by every replica (`None`: this replica's ledger only, as offline).
     pub shared: Option<&'a SharedReservations>,
+    /// Keys promised to retried VMIs (`None` offline).
+    pub promises: Option<&'a Promises>,
 }
 
 /// The axum handler.
@@ -103,6 +105,7 @@ pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Respons
             events: s.validation.events.as_ref(),
             metrics: Some(&s.metrics),
             shared: s.validation.shared.as_ref(),
+            promises: Some(&s.validation.promises),
         };
         review_validation(&body, &s.caches, &ctx).await
     })
@@ -357,7 +360,10 @@ async fn pod_create<L: Lookups>(
                     status: cap.as_ref().and_then(|c| c.status.as_ref()),
                     lease_renewed: lookups.agent_lease(node),
                 };
-                let held = ctx.ledger.held(node, mark(cap.as_deref()), mono, &uid);
+                let m = ReportMark::of(cap.as_deref());
+                let mut held = ctx.ledger.held(node, m, mono, &uid);
+                let vmi = vmi_ref.as_ref().map_or("", |v| v.uid.as_str());
+                Promises::add_held(ctx.promises, &mut held, node, m.counted_pods, vmi, mono);
                 let flow = scan.offer(
                     node,
                     report,
@@ -377,6 +383,9 @@ async fn pod_create<L: Lookups>(
             Answer::from_decision(REQ, kind, d, None, mode)
         }
     };
+    if let (Some(p), Some(v), None) = (ctx.promises, &vmi_ref, &answer.message) {
+        p.admitted(&v.uid, &uid);
+    }
     let mut answer = answer;
     // The retry task starts the VM when a key frees (crate::cluster::retry), unless it was bound.
     let unbound = spec.node_name.as_deref().is_none_or(str::is_empty);
@@ -386,15 +395,6 @@ async fn pod_create<L: Lookups>(
     record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
     log_decision(&answer, pod_name);
     Ok(answer.with_warnings(warnings))
-}
-
-/// The pods the node's report counts, for the ledger.
-fn mark(cap: Option<&teeguard_shared::TeeCapacity>) -> ReportMark<'_> {
-    ReportMark {
-        counted_pods: cap
-            .and_then(|c| c.status.as_ref())
-            .map_or(&[], |s| s.counted_pods.as_slice()),
-    }
 }
 
 /// The pod-specific inputs of [`check_node`].
@@ -425,7 +425,7 @@ async fn check_node<L: Lookups>(
         status: cap.as_ref().and_then(|c| c.status.as_ref()),
         lease_renewed: lookups.agent_lease(node),
     };
-    let m = mark(cap.as_deref());
+    let m = ReportMark::of(cap.as_deref());
     let candidate = Reservation {
         pod_uid: p.uid.to_string(),
         pod: p.pod.to_string(),
