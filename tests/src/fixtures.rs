@@ -2232,10 +2232,11 @@ pub fn sample_files() -> Vec<(String, String)> {
     }
     let admission =
         |name: &str, review: Value| (format!("admission/{name}.json"), to_pretty_json(&review));
+    // The pods KubeVirt v1.9.0's virt-controller rendered (crate::kubevirt::rendered).
     for tee in [Tee::Tdx, Tee::Sev, Tee::SevEs, Tee::Snp, Tee::None] {
         files.push(admission(
             &format!("mutate-{}-pod", tee.slug()),
-            pod_create(&virt_launcher_pod(tee)),
+            pod_create(&crate::kubevirt::rendered::launcher_pod(tee)),
         ));
     }
     let tdx = || VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx);

@@ -64,3 +64,12 @@ async fn a_vm_cycled_on_a_full_node_is_never_refused_with_a_free_key_nor_counted
 async fn with_the_webhook_down_a_vmi_waits_and_starts_when_it_is_back_losing_nothing() {
     within(DEADLINE, lifecycle::webhook_down_and_back_loses_nothing()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_dra_mode_vmis_of_each_kind_run_with_a_key_the_scheduler_allocated() {
+    within(
+        DEADLINE,
+        scenarios::each_kind_runs_with_a_dra_allocated_key(),
+    )
+    .await;
+}

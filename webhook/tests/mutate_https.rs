@@ -98,6 +98,54 @@ fn assert_denied(status: StatusCode, resp: &Value, reason: &str) -> String {
         .to_string()
 }
 
+/// KubeVirt v1.9.0's own objects (`tests/fixtures/kubevirt-v1.9.0/`, rendered by its virt-controller
+/// from VMIs defaulted by virt-api's code): each TEE kind's launcher pod gets its key request on
+/// `compute` and the annotation, nothing else of it changes, and the plain VMI's pod is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubevirt_v1_9_launcher_pods_of_each_kind_get_their_key_and_annotation() {
+    use teeguard_tests::kubevirt::rendered;
+    let api = FakeApiServer::new();
+    let mut uids = Vec::new();
+    for tee in rendered::KINDS {
+        let stored = api.create(&rendered::vmi_value(tee)).expect("seed the VMI");
+        uids.push(stored["metadata"]["uid"].as_str().expect("uid").to_string());
+    }
+    let h = Harness::start_with(api, None, &[]).await;
+    h.wait_vmis(rendered::KINDS.len()).await;
+    for (tee, uid) in rendered::KINDS.into_iter().zip(&uids) {
+        let original = rendered::launcher_pod(tee);
+        let review = create_review(owned_by(&original, uid));
+        let (status, resp) = h.review(&review).await;
+        let Some((resource, misc)) = (match tee {
+            Tee::Tdx => Some(("tdx.intel.com/keys", "tdx 1")),
+            Tee::Sev => Some(("sev.amd.com/asids", "sev 1")),
+            Tee::SevEs | Tee::Snp => Some(("sev-snp.amd.com/esids", "sev_es 1")),
+            _ => None,
+        }) else {
+            assert_skipped(&review, status, &resp, "not-tee");
+            continue;
+        };
+        let pod = assert_patched(&review, status, &resp);
+        let (mut want_req, mut want_lim) = (requests_of(&original), limits_of(&original));
+        want_req.insert(resource.to_string(), Quantity("1".into()));
+        want_lim.insert(resource.to_string(), Quantity("1".into()));
+        assert_eq!(requests_of(&pod), want_req, "{tee:?}");
+        assert_eq!(limits_of(&pod), want_lim, "{tee:?}");
+        assert_eq!(
+            pod.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("misc-max.teeguard.dev/compute")),
+            Some(&misc.to_string()),
+            "{tee:?}"
+        );
+        let spec = pod.spec.as_ref().expect("spec");
+        let before = original.spec.as_ref().expect("spec");
+        assert_eq!(spec.init_containers, before.init_containers, "{tee:?}");
+        assert_eq!(spec.containers.len(), before.containers.len());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_tee_kind_gets_its_key_and_annotation() {
     let api = FakeApiServer::new();

@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 use teeguard_shared::names::{
-    AGENT_EXTENDED_RESOURCES_ANNOTATION, EXEMPT_LABEL, MISC_MAX_ANNOTATION_PREFIX,
+    AGENT_EXTENDED_RESOURCES_ANNOTATION, EXEMPT_LABEL, KUBEVIRT_LABEL, MISC_MAX_ANNOTATION_PREFIX,
     NFD_EXTENDED_RESOURCES_ANNOTATION,
 };
 
@@ -122,8 +122,9 @@ fn slim_meta<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Er
         generate_name: m.generate_name,
         uid: m.uid,
         resource_version: m.resource_version,
-        // Strict mode leaves exempt pods alone; the limits check teeguard's own annotation.
-        labels: keep_only(m.labels, |k| k == EXEMPT_LABEL),
+        // Strict mode leaves exempt pods alone; a virt-launcher's `compute` holds a key its
+        // RuntimeClass put in the overhead; the limits check teeguard's own annotation.
+        labels: keep_only(m.labels, |k| k == EXEMPT_LABEL || k == KUBEVIRT_LABEL),
         annotations: keep_only(m.annotations, |k| k.starts_with(MISC_MAX_ANNOTATION_PREFIX)),
         ..ObjectMeta::default()
     })
@@ -244,6 +245,15 @@ mod tests {
             VirtLauncherPod::for_tee("c", Tee::Sev)
                 .generated_name()
                 .to_value(),
+            {
+                // KubeVirt's defaultRuntimeClass with the key in overhead.podFixed.
+                let mut v = VirtLauncherPod::for_tee("rc", Tee::Tdx)
+                    .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+                    .to_value();
+                v["spec"]["runtimeClassName"] = json!("kata-qemu-tdx");
+                v["spec"]["overhead"] = json!({"tdx.intel.com/keys": "1", "memory": "160Mi"});
+                v
+            },
             fx::to_value(&fx::kata_pod("k", KataTee::Tdx)),
             fx::to_value(&fx::storage_binding_pod("d", Tee::Tdx)),
             fx::to_value(&fx::hotplug_pod("e", "n1")),

@@ -22,6 +22,7 @@
 //! kit the tests skip with one line; with `CI=true` they fail.
 
 pub mod images;
+pub mod rendered;
 pub mod virt_api;
 pub mod vmis;
 

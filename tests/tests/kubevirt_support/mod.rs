@@ -65,6 +65,9 @@ pub struct Options {
     pub teeguard: bool,
     /// Extra configuration YAML appended to the agents' and the webhook's file.
     pub extra_config: &'static str,
+    /// The nodes in DRA mode: each agent is the node's DRA driver, the scheduler allocates keys
+    /// through the chart's DeviceClasses.
+    pub dra: bool,
 }
 
 impl Options {
@@ -76,6 +79,7 @@ impl Options {
             sev_keys: snp,
             teeguard: true,
             extra_config: "",
+            dra: false,
         }
     }
 }
@@ -448,16 +452,29 @@ impl TeeNode {
         }
         let host = b.build().expect("simulated host");
         let config = format!(
-            "agent:\n  pollInterval: {}ms\n  heartbeatInterval: 5s\nenforcement:\n  mode: {}\n  \
-             nriSocket: {}\n{}",
+            "agent:\n  pollInterval: {}ms\n  heartbeatInterval: 5s\n  accounting: {}\nenforcement:\n  \
+             mode: {}\n  nriSocket: {}\n{}",
             POLL.as_millis(),
+            if options.dra {
+                "dra"
+            } else {
+                "extendedResource"
+            },
             if options.teeguard { "nri" } else { "off" },
             turn.nri_socket().display(),
             options.extra_config,
         );
         let env = cluster.process_env(&config).expect("process env");
+        let args: Vec<String> = if options.dra {
+            vec![
+                "--kubelet-dir".into(),
+                turn.kubelet_root().display().to_string(),
+            ]
+        } else {
+            Vec::new()
+        };
         let mut agent = env
-            .start_agent_with(&turn.name, host.root(), &[])
+            .start_agent_with(&turn.name, host.root(), &args)
             .await
             .expect("agent starts");
         if options.teeguard {
@@ -653,7 +670,7 @@ async fn webhooks_called(cluster: &Cluster, ns: &str) -> Result<(), String> {
 }
 
 /// Delete every VMI of namespace `ns` and wait until they are gone.
-async fn remove_vmis(cluster: &Cluster, ns: &str) {
+pub(crate) async fn remove_vmis(cluster: &Cluster, ns: &str) {
     let api = vmis::api(&cluster.client, ns, "VirtualMachineInstance");
     let _ = api
         .delete_collection(&DeleteParams::default(), &ListParams::default())
@@ -687,6 +704,7 @@ pub fn running(p: &Pod) -> bool {
             .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
 }
 
+pub mod dra;
 pub mod full;
 pub mod lifecycle;
 pub mod scenarios;

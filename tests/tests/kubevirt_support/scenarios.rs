@@ -298,3 +298,56 @@ pub async fn overhead_key_is_counted_once() {
     w.wait_refused("vmi-second", 1).await;
     assert!(w.launchers("vmi-second").await.is_empty());
 }
+
+/// Scenario 1 in DRA mode: the nodes' agents are their DRA drivers; the scheduler allocates the key
+/// teeguard's mutation requests through the chart's DeviceClasses (their `extendedResourceName`), the
+/// kubelet has the agent prepare it, and `compute` gets `misc.max` from the allocation. A TDX and an SNP
+/// VMI run on the node of their kind, each with its claim's device, and end cleanly (the kubelet
+/// unprepares the claims while the drivers run).
+pub async fn each_kind_runs_with_a_dra_allocated_key() {
+    let options = Options {
+        dra: true,
+        ..Options::keys(2, 2)
+    };
+    let Some(w) = KubeVirtWorld::start("kv-dra", options).await else {
+        return;
+    };
+    let classes = w.create_device_classes().await;
+    for tee in [Tee::Tdx, Tee::Snp] {
+        w.create_vmi(&format!("vmi-{}", tee.slug()), tee, Size::SMALL)
+            .await;
+    }
+    for tee in [Tee::Tdx, Tee::Snp] {
+        let name = format!("vmi-{}", tee.slug());
+        let pod = w.wait_running(&name).await;
+        let node = w.node_for(tee);
+        assert_eq!(
+            pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+            Some(node.name())
+        );
+        let claim = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.extended_resource_claim_status.as_ref())
+            .map(|c| c.resource_claim_name.clone());
+        assert!(
+            claim.is_some(),
+            "{name}: the scheduler allocated the key through a claim: {:?}",
+            pod.status
+        );
+        let (_, line) = key_of(tee);
+        let got = limits(&w.records(node, &pod).await);
+        assert_eq!(
+            got.get("compute").map(String::as_str),
+            Some(line),
+            "{name}: {got:?}"
+        );
+        assert!(
+            got.iter()
+                .filter(|(c, _)| *c != "compute")
+                .all(|(_, l)| l == "-"),
+            "{got:?}"
+        );
+    }
+    w.end_dra(&classes).await;
+}
