@@ -445,15 +445,52 @@ struct Layout {
 }
 
 impl Layout {
+    fn names(&self) -> KubeletNames {
+        KubeletNames {
+            driver: self.driver,
+            runtime: self.runtime,
+        }
+    }
+
     fn kubepods_rel(&self) -> String {
+        self.names().kubepods()
+    }
+
+    fn qos_rel(&self, qos: QosClass) -> String {
+        self.names().qos(qos)
+    }
+
+    fn pod_rel(&self, qos: QosClass, uid_part: &str) -> String {
+        self.names().pod(qos, uid_part)
+    }
+
+    fn container_dir(&self, id: &str) -> String {
+        self.names().container_dir(id)
+    }
+}
+
+/// Where the kubelet (by its cgroup driver) and the runtime put pod and container cgroups, relative to
+/// the misc root: the names the simulated tree uses, and the kernel tests create on a real one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KubeletNames {
+    /// The kubelet's cgroup driver.
+    pub driver: CgroupDriver,
+    /// The container runtime.
+    pub runtime: ContainerRuntime,
+}
+
+impl KubeletNames {
+    /// The kubepods cgroup: `kubepods.slice` or `kubepods`.
+    pub fn kubepods(&self) -> String {
         match self.driver {
             CgroupDriver::Systemd => "kubepods.slice".into(),
             CgroupDriver::Cgroupfs => "kubepods".into(),
         }
     }
 
-    fn qos_rel(&self, qos: QosClass) -> String {
-        let kubepods = self.kubepods_rel();
+    /// The QoS class's cgroup (kubepods itself for Guaranteed pods).
+    pub fn qos(&self, qos: QosClass) -> String {
+        let kubepods = self.kubepods();
         match (qos.slug(), self.driver) {
             (None, _) => kubepods,
             (Some(slug), CgroupDriver::Systemd) => format!("{kubepods}/kubepods-{slug}.slice"),
@@ -461,10 +498,10 @@ impl Layout {
         }
     }
 
-    /// Pod cgroup path relative to the misc root; `uid_part` is put in the name as given (after the
-    /// systemd driver's `-` → `_` escaping).
-    fn pod_rel(&self, qos: QosClass, uid_part: &str) -> String {
-        let parent = self.qos_rel(qos);
+    /// Pod cgroup path; `uid_part` is put in the name as given (after the systemd driver's `-` → `_`
+    /// escaping).
+    pub fn pod(&self, qos: QosClass, uid_part: &str) -> String {
+        let parent = self.qos(qos);
         match (self.driver, qos.slug()) {
             (CgroupDriver::Systemd, None) => {
                 format!("{parent}/kubepods-pod{}.slice", uid_part.replace('-', "_"))
@@ -479,7 +516,8 @@ impl Layout {
         }
     }
 
-    fn container_dir(&self, id: &str) -> String {
+    /// A container's cgroup directory name below its pod's.
+    pub fn container_dir(&self, id: &str) -> String {
         match (self.driver, self.runtime) {
             (CgroupDriver::Systemd, ContainerRuntime::Containerd) => {
                 format!("cri-containerd-{id}.scope")

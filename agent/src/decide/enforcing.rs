@@ -139,17 +139,58 @@ pub struct EnforcingInput<'a> {
     pub nri: Option<&'a NriState>,
     /// The cgroup writer's status (cgroup only).
     pub writer: Option<&'a WriterStatus>,
+    /// The last pod given no `misc.max` line for a kind it asks for because the host has no capacity
+    /// of that kind ([`unavailable_note`]).
+    pub unavailable: Option<&'a str>,
+}
+
+/// What the `Enforcing` condition says about a pod (or container) asking for kinds the host has no
+/// capacity for: `pod` is `namespace/name`, `container` `None` for the whole pod (cgroup writer).
+pub fn unavailable_note(
+    pod: &str,
+    container: Option<&str>,
+    kinds: &[TeeKind],
+    host_kinds: &[TeeKind],
+) -> String {
+    let names = |ks: &[TeeKind]| {
+        if ks.is_empty() {
+            "none".to_string()
+        } else {
+            ks.iter()
+                .map(|k| k.kernel_name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let who = match container {
+        Some(c) => format!("{pod} (container {c})"),
+        None => pod.to_string(),
+    };
+    format!(
+        "{who} asks for {} keys, which this host has no capacity for (misc.capacity: {}): no misc.max \
+         line is set for them, since the kernel refuses it (EINVAL) and the runtime would not start \
+         the container",
+        names(kinds),
+        names(host_kinds)
+    )
 }
 
 /// The `Enforcing` condition (pure).
 pub fn condition(input: &EnforcingInput<'_>) -> ConditionSpec {
     let m = input.mechanism;
     let strict = if input.strict { "on" } else { "off" };
+    let unavailable = input
+        .unavailable
+        .map(|u| format!("; {u}"))
+        .unwrap_or_default();
     let spec = |ok: bool, reason: &'static str, detail: String| ConditionSpec {
         type_: ct::ENFORCING,
         status: if ok { "True" } else { "False" },
         reason,
-        message: format!("mechanism {}; strict {strict}; {detail}", m.name()),
+        message: format!(
+            "mechanism {}; strict {strict}; {detail}{unavailable}",
+            m.name()
+        ),
     };
     if m == Mechanism::Off {
         return spec(
@@ -247,6 +288,7 @@ mod tests {
             host,
             nri,
             writer,
+            unavailable: None,
         })
     }
 

@@ -185,6 +185,10 @@ impl Agent {
         }
         if let Ok(state) = &result {
             self.enforcement.observe_scan(state);
+            if let HostState::Scanned(s) = state {
+                self.enforcement
+                    .observe_refusals(&s.refusals, &self.pods_view);
+            }
             self.update_limits();
         }
         self.kernel.record(result);
