@@ -28,6 +28,10 @@ use crate::controlplane::ci;
 /// The environment variable naming the prepared kit (`scripts/tee-vm.sh` sets it).
 pub const ENV: &str = "TEEGUARD_TEE_VM";
 
+/// Where the agent is in a guest booted with [`GuestOptions::agent`] (where `scripts/image-root.sh`
+/// puts it).
+pub const AGENT: &str = "/usr/local/bin/teeguard-agent";
+
 /// The address the guest reaches the forwarded host port at (QEMU's user-mode network).
 pub const API_ADDRESS: &str = "10.0.2.100:6443";
 

@@ -186,6 +186,16 @@ impl Guest {
             .map(drop)
     }
 
+    /// Remove cgroup `rel` and every cgroup below it (they must hold no process).
+    pub async fn rm_cgroup_tree(&self, rel: &str) -> Result<()> {
+        self.sh(&format!(
+            "d={}\n[ ! -d \"$d\" ] || find \"$d\" -depth -type d -exec rmdir {{}} \\;",
+            quote(&cgroup_dir(rel))
+        ))
+        .await
+        .map(drop)
+    }
+
     /// Start a VM in cgroup `cgroup` (`""`: the root cgroup) asking for `n` keys of `kind` and keeping
     /// what it gets; returns once the kernel has answered every key.
     pub async fn start_vm(&self, name: &str, cgroup: &str, kind: &str, n: u32) -> Result<Vm> {

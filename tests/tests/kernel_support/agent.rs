@@ -1,0 +1,1 @@
+//! The agent's `run` in a guest, against the real control plane on the host.
