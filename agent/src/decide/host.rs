@@ -106,6 +106,9 @@ pub struct Refusals {
     pub pods: HashMap<String, KindCounts>,
     /// Each top-level cgroup outside kubepods whose `misc.events` counted any, by directory name.
     pub outside: BTreeMap<String, KindCounts>,
+    /// The top-level cgroups whose `misc.events` was read (kubepods included), sorted: the files
+    /// the agent watches with inotify.
+    pub dirs: Vec<PathBuf>,
 }
 
 impl Refusals {

@@ -32,9 +32,11 @@ impl RefusalReader {
         let mut out = Refusals::default();
         if let Ok(dirs) = list_dirs(misc_dir) {
             for dir in dirs {
-                let Some(count) = self.events(&misc_dir.join(&dir)) else {
+                let path = misc_dir.join(&dir);
+                let Some(count) = self.events(&path) else {
                     continue;
                 };
+                out.dirs.push(path);
                 if Some(dir.as_str()) == kubepods {
                     out.kubepods = count;
                 } else if !count.is_zero() {
@@ -42,6 +44,7 @@ impl RefusalReader {
                 }
             }
         }
+        out.dirs.sort();
         match kubepods {
             Some(name) if !out.kubepods.is_zero() => {
                 if self.kubepods_seen != Some(out.kubepods) {
