@@ -17,11 +17,14 @@
 //! - Without the kit (or qemu), the tests skip with one line; with `CI=true` they fail instead.
 
 mod guest;
+pub mod oci;
+mod runc;
 pub mod shell;
 
 use std::path::{Path, PathBuf};
 
 pub use guest::{Guest, GuestOptions, Output, Spawned};
+pub use runc::Container;
 
 use crate::controlplane::ci;
 
