@@ -293,6 +293,28 @@ mod tests {
     }
 
     #[test]
+    fn enforcing_names_a_pod_given_no_line_for_a_kind_without_capacity_and_stays_true() {
+        let ok = host(&[TeeKind::Sev], true);
+        let note = unavailable_note("vms/snp", Some("compute"), &[TeeKind::SevEs], &ok.kinds);
+        assert_eq!(
+            note,
+            "vms/snp (container compute) asks for sev_es keys, which this host has no capacity for \
+             (misc.capacity: sev): no misc.max line is set for them, since the kernel refuses it (EINVAL) \
+             and the runtime would not start the container"
+        );
+        let c = condition(&EnforcingInput {
+            mechanism: Mechanism::Cgroup,
+            strict: true,
+            host: Some(&ok),
+            nri: None,
+            writer: Some(&WriterStatus::default()),
+            unavailable: Some(&note),
+        });
+        assert_eq!((c.status, c.reason), ("True", reasons::CGROUP));
+        assert!(c.message.ends_with(&note), "{}", c.message);
+    }
+
+    #[test]
     fn enforcing_says_which_mechanism_and_why_not() {
         let ok = host(&[TeeKind::Tdx], true);
         let registered = NriState::Registered {
