@@ -14,6 +14,9 @@
 //!   Kubernetes (the kernel counts a refusal at the root in no file; the report still shows the node
 //!   full and the refused pod pending).
 //!
+//! The guest reaches the API server only through the forward (checked: no default route, the host's
+//! address answers nothing).
+//!
 //! Skipped (one line) without the kit or the control plane, unless `CI=true`.
 
 mod kernel_support;
@@ -97,6 +100,22 @@ async fn enforcement_and_refusals(kernel: Kernel) {
         return;
     };
     let g = &w.guest;
+    // The guest's only way out is the forward to the API server: no default route, and the API
+    // server's port on the host is not reachable at QEMU's host address (`restrict=on`).
+    let routes = ok(g, g.sh("ip route").await);
+    assert!(
+        !routes.contains("default") && routes.lines().count() == 1,
+        "{routes}"
+    );
+    let port = w.cluster.cp.url.rsplit(':').next().unwrap_or_default();
+    let direct = ok(
+        g,
+        g.sh(&format!(
+            "nc -w 3 10.0.2.2 {port} </dev/null >/dev/null 2>&1 && echo reached || echo not reached"
+        ))
+        .await,
+    );
+    assert_eq!(direct.trim(), "not reached", "10.0.2.2:{port}");
     // The writer on 6.1 with the kubelet's cgroupfs layout, on 6.12 with its systemd layout.
     let names = match kernel {
         Kernel::Linux6_1 => LAYOUTS[0],
