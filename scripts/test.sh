@@ -4,6 +4,8 @@
 # the real control plane of ../shared/control-plane, unpacked into ./.tools, for the cluster tests;
 # the real node of ../shared/node-runtime (containerd, CRI-O, kubelet) and the Debian packages it needs,
 # for the real-node tests;
+# the tee-vm kit of ../shared/tee-vm (Debian's Linux 6.1 and 6.12 under QEMU), prepared into ./.tools,
+# for the kernel tests;
 # promtool from Debian's prometheus package, for the alert tests; buildah from Debian, for the images).
 # Usage: scripts/test.sh            # everything
 #        SKIP_LINT=1 scripts/test.sh  # tests only
@@ -46,6 +48,10 @@ source scripts/control-plane.sh
 step "node runtime (containerd, CRI-O, kubelet; runc, conmon, skopeo from Debian)"
 # shellcheck source=scripts/node-runtime.sh
 source scripts/node-runtime.sh
+
+step "tee-vm (Debian's Linux 6.1 and 6.12 under QEMU with the fake_tee module; qemu and the kernels from Debian)"
+# shellcheck source=scripts/tee-vm.sh
+source scripts/tee-vm.sh
 
 if [ -z "${SKIP_LINT:-}" ]; then
   step "format (cargo fmt --check)"

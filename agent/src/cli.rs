@@ -200,6 +200,9 @@ pub struct PodRow {
     pub requests: BTreeMap<TeeKind, u64>,
     /// Keys its cgroup holds per kind.
     pub holds: BTreeMap<TeeKind, u64>,
+    /// Charges the kernel refused in its cgroup per kind (its `misc.events`), when any.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub refused: BTreeMap<TeeKind, u64>,
 }
 
 /// What `scan` prints.
@@ -333,7 +336,12 @@ pub fn scan_report(
         unreadable_cgroups: Vec::new(),
     };
     let mut uids = BTreeSet::new();
+    let mut refused: BTreeMap<String, BTreeMap<TeeKind, u64>> = BTreeMap::new();
     if let Some(HostState::Scanned(scan)) = &kernel.last_good {
+        for (uid, counts) in &scan.refusals.pods {
+            refused.insert(uid.clone(), counts.to_map());
+        }
+        uids.extend(scan.refusals.pods.keys().cloned());
         report.misc_dir = Some(scan.misc_dir.clone());
         report.cgroup_version = Some(match scan.layout {
             CgroupLayout::V1 => "v1",
@@ -360,6 +368,7 @@ pub fn scan_report(
             phase: pod.map(|p| p.phase),
             requests: pod.map(|p| p.requests.to_map()).unwrap_or_default(),
             holds: report::pod_usage(&kernel, &uid).to_map(),
+            refused: refused.remove(&uid).unwrap_or_default(),
             uid,
         });
     }
@@ -417,6 +426,7 @@ fn render_table(r: &ScanReport) -> String {
                 "PENDING",
                 "FREE",
                 "ADVERTISE",
+                "REFUSED",
             ]
             .map(String::from)
             .to_vec(),
@@ -433,6 +443,15 @@ fn render_table(r: &ScanReport) -> String {
                 s.free.to_string(),
                 s.advertised
                     .map_or_else(|| "-".to_string(), |v| v.to_string()),
+                s.refused.as_ref().map_or_else(
+                    || "-".to_string(),
+                    |r| {
+                        format!(
+                            "pods={},kubepods={},outside={}",
+                            r.pods, r.kubepods, r.outside
+                        )
+                    },
+                ),
             ]);
         }
         out.push_str(&table(&rows));
@@ -441,7 +460,7 @@ fn render_table(r: &ScanReport) -> String {
     if !r.pods.is_empty() {
         out.push('\n');
         let mut rows = vec![
-            ["POD", "UID", "PHASE", "REQUESTS", "HOLDS"]
+            ["POD", "UID", "PHASE", "REQUESTS", "HOLDS", "REFUSED"]
                 .map(String::from)
                 .to_vec(),
         ];
@@ -465,6 +484,7 @@ fn render_table(r: &ScanReport) -> String {
                     .map_or_else(|| "-".to_string(), |ph| format!("{ph:?}")),
                 counts(&p.requests),
                 counts(&p.holds),
+                counts(&p.refused),
             ]);
         }
         out.push_str(&table(&rows));

@@ -74,7 +74,7 @@ fn table_output() {
         .find(|l| l.starts_with("tdx "))
         .unwrap_or_else(|| panic!("no tdx row in\n{text}"));
     let cols: Vec<&str> = row.split_whitespace().collect();
-    // KIND RESOURCE CAPACITY USED PODS EXTERNAL PENDING FREE ADVERTISE
+    // KIND RESOURCE CAPACITY USED PODS EXTERNAL PENDING FREE ADVERTISE REFUSED
     assert_eq!(
         cols,
         [
@@ -86,7 +86,8 @@ fn table_output() {
             "2",
             "1",
             "11",
-            "14"
+            "14",
+            "-"
         ],
         "\n{text}"
     );

@@ -121,6 +121,30 @@ pub struct KindStatus {
     /// DRA mode only: the node's devices of this kind (one per key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub devices: Option<DeviceCounts>,
+    /// Charges of this kind the kernel refused, where its `misc.events` files counted them; absent
+    /// when none was counted. A charge refused at the root cgroup itself (the node full while keys are
+    /// held outside kubepods) is counted in no file, on any kernel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<RefusedCharges>,
+}
+
+/// Failed charges of one kind, as the kernel counted them in `misc.events` (since each cgroup was
+/// created). The kernel counts a refusal in the cgroup whose `misc.max` or the capacity stopped it and
+/// in every ancestor, so each refusal is in exactly one of these figures.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RefusedCharges {
+    /// In the cgroups of the node's pods: a VM asked for more than its pod's `misc.max` (teeguard's
+    /// limit at work), or one pod held the whole capacity.
+    #[schemars(extend("format" = "int64"))]
+    pub pods: u64,
+    /// In kubepods but in no pod cgroup present now: the capacity was reached by the pods together
+    /// (the node was full of pods), or the pod that counted it has ended since.
+    #[schemars(extend("format" = "int64"))]
+    pub kubepods: u64,
+    /// In cgroups outside kubepods: VMs and runtimes outside Kubernetes.
+    #[schemars(extend("format" = "int64"))]
+    pub outside: u64,
 }
 
 /// The DRA view of one kind on one node (DRA mode).

@@ -105,6 +105,12 @@ pub mod conditions {
 pub mod reasons {
     /// Condition reason: the misc files were read.
     pub const SCANNED: &str = "Scanned";
+    /// Condition reason: the misc files were read, but the kernel has no root `misc.current` (Linux 6.1,
+    /// RHEL 9's 5.14): the usage is the top-level cgroups', which miss keys charged to the root cgroup.
+    pub const ROOT_USAGE_NOT_SHOWN: &str = "RootUsageNotShown";
+    /// Condition reason: the misc files were read, but the kernel shows no usage (no root
+    /// `misc.current`, and the misc controller not enabled below the root).
+    pub const USAGE_NOT_SHOWN: &str = "UsageNotShown";
     /// Condition reason: a misc file could not be read or parsed.
     pub const SCAN_FAILED: &str = "ScanFailed";
     /// Condition reason: no TEE kind has capacity on this host.

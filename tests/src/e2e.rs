@@ -329,8 +329,32 @@ pub fn binaries() -> Result<&'static Binaries> {
         .map_err(|e| E2eError::Binaries(e.clone()))
 }
 
-fn locate_or_build() -> Result<Binaries> {
+/// The webhook and agent binaries of the `release` profile (beside the running test executable's
+/// profile directory), built once per test process when missing or older than their sources: what the
+/// kernel tests hand a guest (`crate::teevm`), where a debug build would be slow under emulation.
+pub fn release_binaries() -> Result<&'static Binaries> {
+    static BINARIES: OnceLock<std::result::Result<Binaries, String>> = OnceLock::new();
+    BINARIES
+        .get_or_init(|| locate_or_build_release().map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| E2eError::Binaries(e.clone()))
+}
+
+fn locate_or_build_release() -> Result<Binaries> {
     let dir = profile_dir()?;
+    let target = dir
+        .parent()
+        .ok_or_else(|| E2eError::Binaries(format!("{} has no parent", dir.display())))?;
+    locate_or_build_in(&target.join("release"))
+}
+
+fn locate_or_build() -> Result<Binaries> {
+    locate_or_build_in(&profile_dir()?)
+}
+
+fn locate_or_build_in(dir: &Path) -> Result<Binaries> {
+    std::fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+    let dir = dir.to_path_buf();
     let bins = Binaries {
         webhook: dir.join(exe_name("teeguard-webhook")),
         agent: dir.join(exe_name("teeguard-agent")),

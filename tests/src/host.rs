@@ -5,11 +5,22 @@
 //! - `misc.capacity` at the root lists resources with capacity > 0;
 //! - `misc.current` / `misc.peak` in every cgroup (root: only on newer kernels) are hierarchical: a charge
 //!   made in a cgroup is added to that cgroup and every ancestor, the root included;
+//! - a charge of a resource whose capacity is 0 fails with `EINVAL` before anything is counted;
 //! - a charge walks from the charged cgroup up to the root and fails (`EBUSY`) at the first level where
 //!   the new usage would exceed that cgroup's `misc.max` or the capacity; the failure increments
 //!   `<name>.max` in `misc.events` of that cgroup and all its ancestors and in `misc.events.local` of
 //!   that cgroup only. The root has no `misc.events`, so a charge refused at the root (the host is full)
 //!   leaves no trace in any file, exactly as on a real host;
+//! - the root's files follow the kernel: `misc.capacity` only on older kernels
+//!   ([`KernelFeatures::old`], Linux 6.1), `misc.capacity`, `misc.current` and `misc.peak` on current
+//!   ones ([`KernelFeatures::modern`], the 6.12 line); other cgroups have `misc.current`, `misc.max`,
+//!   `misc.events`, and on current kernels `misc.peak` and `misc.events.local`;
+//! - lowering a capacity (or `misc.max`) below the usage takes nothing back; a capacity of 0 drops the
+//!   resource from `misc.capacity` and `misc.max` (while `misc.current` and `misc.events` still show it
+//!   where non-zero), and a `misc.max` set before comes back with the capacity.
+//!
+//! These are the real kernels' answers, checked on Debian's Linux 6.1 and 6.12
+//! (`tests/tests/kernel_*.rs`, [`crate::teevm`]); `tests/tests/host_*.rs` hold the simulator to them.
 //! - when the misc controller is not enabled in a cgroup (not delegated), its processes are charged to
 //!   the nearest ancestor that has it, and the cgroup has no `misc.*` files.
 //!
@@ -157,7 +168,8 @@ pub struct KernelFeatures {
 }
 
 impl KernelFeatures {
-    /// A current kernel: every file present.
+    /// A current kernel: every file present (Debian's Linux 6.12: root `misc.capacity`,
+    /// `misc.current`, `misc.peak`).
     pub const fn modern() -> Self {
         Self {
             root_current: true,
@@ -166,7 +178,8 @@ impl KernelFeatures {
         }
     }
 
-    /// An older kernel: no root `misc.current`, no `misc.peak`, no `misc.events.local`.
+    /// An older kernel: no root `misc.current`, no `misc.peak`, no `misc.events.local` (Debian's Linux
+    /// 6.1, RHEL 9's 5.14: the root has `misc.capacity` only).
     pub const fn old() -> Self {
         Self {
             root_current: false,
@@ -257,6 +270,20 @@ pub enum HostError {
         amount: u64,
         /// How many the cgroup holds itself.
         charged: u64,
+    },
+    /// The kernel answered `EINVAL`: a charge or a `misc.max` of a resource whose capacity is 0 (its
+    /// `misc_cg_try_charge` checks the capacity before walking the cgroups, so no `misc.events` counts
+    /// it; seen on Linux 6.1 and 6.12 with `fake_tee`).
+    #[error(
+        "simulated host: {what} of {resource:?} in cgroup {cgroup:?} refused: its capacity is 0 (EINVAL)"
+    )]
+    Invalid {
+        /// A charge or a `misc.max` write.
+        what: &'static str,
+        /// The cgroup.
+        cgroup: String,
+        /// Resource name.
+        resource: String,
     },
     /// The misc controller is not enabled in that cgroup (writing `misc.max` fails like on a real host).
     #[error("simulated host: misc controller not available in cgroup {0:?} (not delegated)")]
@@ -445,15 +472,52 @@ struct Layout {
 }
 
 impl Layout {
+    fn names(&self) -> KubeletNames {
+        KubeletNames {
+            driver: self.driver,
+            runtime: self.runtime,
+        }
+    }
+
     fn kubepods_rel(&self) -> String {
+        self.names().kubepods()
+    }
+
+    fn qos_rel(&self, qos: QosClass) -> String {
+        self.names().qos(qos)
+    }
+
+    fn pod_rel(&self, qos: QosClass, uid_part: &str) -> String {
+        self.names().pod(qos, uid_part)
+    }
+
+    fn container_dir(&self, id: &str) -> String {
+        self.names().container_dir(id)
+    }
+}
+
+/// Where the kubelet (by its cgroup driver) and the runtime put pod and container cgroups, relative to
+/// the misc root: the names the simulated tree uses, and the kernel tests create on a real one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KubeletNames {
+    /// The kubelet's cgroup driver.
+    pub driver: CgroupDriver,
+    /// The container runtime.
+    pub runtime: ContainerRuntime,
+}
+
+impl KubeletNames {
+    /// The kubepods cgroup: `kubepods.slice` or `kubepods`.
+    pub fn kubepods(&self) -> String {
         match self.driver {
             CgroupDriver::Systemd => "kubepods.slice".into(),
             CgroupDriver::Cgroupfs => "kubepods".into(),
         }
     }
 
-    fn qos_rel(&self, qos: QosClass) -> String {
-        let kubepods = self.kubepods_rel();
+    /// The QoS class's cgroup (kubepods itself for Guaranteed pods).
+    pub fn qos(&self, qos: QosClass) -> String {
+        let kubepods = self.kubepods();
         match (qos.slug(), self.driver) {
             (None, _) => kubepods,
             (Some(slug), CgroupDriver::Systemd) => format!("{kubepods}/kubepods-{slug}.slice"),
@@ -461,10 +525,10 @@ impl Layout {
         }
     }
 
-    /// Pod cgroup path relative to the misc root; `uid_part` is put in the name as given (after the
-    /// systemd driver's `-` → `_` escaping).
-    fn pod_rel(&self, qos: QosClass, uid_part: &str) -> String {
-        let parent = self.qos_rel(qos);
+    /// Pod cgroup path; `uid_part` is put in the name as given (after the systemd driver's `-` → `_`
+    /// escaping).
+    pub fn pod(&self, qos: QosClass, uid_part: &str) -> String {
+        let parent = self.qos(qos);
         match (self.driver, qos.slug()) {
             (CgroupDriver::Systemd, None) => {
                 format!("{parent}/kubepods-pod{}.slice", uid_part.replace('-', "_"))
@@ -479,7 +543,8 @@ impl Layout {
         }
     }
 
-    fn container_dir(&self, id: &str) -> String {
+    /// A container's cgroup directory name below its pod's.
+    pub fn container_dir(&self, id: &str) -> String {
         match (self.driver, self.runtime) {
             (CgroupDriver::Systemd, ContainerRuntime::Containerd) => {
                 format!("cri-containerd-{id}.scope")
@@ -1132,7 +1197,15 @@ impl SimHost {
         }
         if !has_capacity {
             // The kernel answers EINVAL for a resource it does not know or whose capacity is 0.
-            return Err(HostError::UnknownResource(resource.to_owned()));
+            return Err(if st.capacity.contains_key(resource) {
+                HostError::Invalid {
+                    what: "misc.max",
+                    cgroup: cgroup.to_owned(),
+                    resource: resource.to_owned(),
+                }
+            } else {
+                HostError::UnknownResource(resource.to_owned())
+            });
         }
         node.res.entry(resource.to_owned()).or_default().max = max;
         st.dirty.insert(cgroup.to_owned());
@@ -1484,6 +1557,14 @@ impl SimHost {
             .get(resource)
             .ok_or_else(|| HostError::UnknownResource(resource.to_owned()))?;
         let at = self.effective(st, rel)?;
+        if capacity == 0 {
+            // The kernel refuses before walking the cgroups: nothing is counted anywhere.
+            return Err(HostError::Invalid {
+                what: "charge",
+                cgroup: rel.to_owned(),
+                resource: resource.to_owned(),
+            });
+        }
         let chain = Self::chain(&at);
         // The limits that decide this charge are those of the levels it walks: take in what other
         // processes wrote there first.

@@ -17,3 +17,5 @@ pub mod nri;
 pub mod realcluster;
 pub mod standalone;
 pub mod structure;
+/// A real Linux misc cgroup controller: Debian's kernels under QEMU with the `../shared/tee-vm` kit.
+pub mod teevm;

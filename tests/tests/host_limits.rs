@@ -381,3 +381,85 @@ fn without_the_misc_controller_there_is_no_misc_max_to_open() {
     );
     assert_eq!(host.events_local("kubepods.slice", TDX), 1);
 }
+
+/// What Linux 6.1 and 6.12 did with `fake_tee` (`tests/tests/kernel_capacity.rs`,
+/// `kernel_enforce.rs`), the simulator does too: the capacity lowered below the usage takes nothing
+/// back; at 0 the resource leaves `misc.capacity` and `misc.max` (usage and events still show), a
+/// charge and a `misc.max` write are `EINVAL` and counted nowhere; a limit set before comes back with
+/// the capacity; a refusal because the pods together fill the node is counted in kubepods, not in the
+/// refused pod.
+#[test]
+fn capacity_zero_is_einval_counted_nowhere_and_a_full_node_counts_in_kubepods_as_on_linux_6_1_and_6_12()
+ {
+    for kernel in [
+        teeguard_tests::host::KernelFeatures::old(),
+        teeguard_tests::host::KernelFeatures::modern(),
+    ] {
+        let ctx = format!("{kernel:?}");
+        let host = SimHost::builder()
+            .kernel(kernel)
+            .driver(CgroupDriver::Cgroupfs)
+            .capacity(SEV, 4)
+            .capacity(SEV_ES, 2)
+            .build()
+            .expect("host");
+        for uid in [A, B] {
+            host.add_pod(uid, QosClass::Burstable, &["compute"])
+                .expect("pod");
+        }
+        let pod_a = host.pod_cgroup_rel(A).expect("pod a");
+        let pod_b = host.pod_cgroup_rel(B).expect("pod b");
+        write_max_ok(&host.path(&pod_a).join("misc.max"), "sev 1");
+        host.start_vm(A, "compute", SEV).expect("a's key");
+
+        host.set_capacity(SEV, 0).expect("capacity 0");
+        assert_eq!(
+            read(&host.misc_root().join("misc.capacity")),
+            "sev_es 2\n",
+            "{ctx}"
+        );
+        assert_eq!(
+            read(&host.path(&pod_a).join("misc.max")),
+            "sev_es max\n",
+            "{ctx}"
+        );
+        assert_eq!(
+            read(&host.path(&pod_a).join("misc.current")),
+            "sev 1\nsev_es 0\n",
+            "{ctx}: the key stays"
+        );
+        let err = host.start_vm(B, "compute", SEV).expect_err("no capacity");
+        assert!(matches!(err, HostError::Invalid { .. }), "{ctx}: {err}");
+        let err = host.set_max(&pod_b, SEV, Some(1)).expect_err("no capacity");
+        assert!(matches!(err, HostError::Invalid { .. }), "{ctx}: {err}");
+        assert_eq!(
+            host.events("kubepods", SEV),
+            0,
+            "{ctx}: EINVAL is counted nowhere"
+        );
+
+        host.set_capacity(SEV, 2).expect("capacity back");
+        assert_eq!(
+            read(&host.path(&pod_a).join("misc.max")),
+            "sev 1\nsev_es max\n",
+            "{ctx}: the limit comes back"
+        );
+        host.start_vm(B, "compute", SEV).expect("b's key");
+        // The node is full of pods' keys: a third pod's charge is refused at burstable, counted there
+        // and in kubepods, not in the pod.
+        const C: &str = "0c0c0c0c-1111-4222-8333-444455556666";
+        host.add_pod(C, QosClass::Burstable, &["compute"])
+            .expect("pod c");
+        let err = host.start_vm(C, "compute", SEV).expect_err("full");
+        assert!(
+            matches!(&err, HostError::ChargeRefused { failed_at, .. } if failed_at == "kubepods/burstable"),
+            "{ctx}: {err}"
+        );
+        assert_eq!(
+            host.events(&host.pod_cgroup_rel(C).expect("c"), SEV),
+            0,
+            "{ctx}"
+        );
+        assert_eq!(host.events("kubepods", SEV), 1, "{ctx}");
+    }
+}

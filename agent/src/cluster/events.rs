@@ -1,5 +1,6 @@
-//! Warning Events on pods whose key limit was not what teeguard's annotation said, or could not be
-//! applied, so `kubectl describe pod` says why. Off the hot path: callers put the Event on a bounded
+//! Warning Events on pods whose key limit was not what teeguard's annotation said, could not be
+//! applied or was not set (a kind without capacity here), and on pods whose cgroup the kernel refused
+//! a key in, so `kubectl describe pod` says why. Off the hot path: callers put the Event on a bounded
 //! queue (never blocking; a full queue drops it, logged); one task writes them with kube's
 //! [`Recorder`]. At most one Event per pod and reason.
 
@@ -18,6 +19,11 @@ pub const QUEUE: usize = 64;
 pub const REASON_MISMATCH: &str = "TEEKeyLimitMismatch";
 /// Event reason: the limit could not be applied.
 pub const REASON_FAILED: &str = "TEEKeyLimitFailed";
+/// Event reason: the kernel refused a key charged in the pod's cgroup (its `misc.events` rose).
+pub const REASON_REFUSED: &str = "TEEKeyRefused";
+/// Event reason: the pod requests a kind of key this host has no capacity for, so no `misc.max` is
+/// set for it (the kernel would refuse the line, and the runtime the container).
+pub const REASON_KIND_UNAVAILABLE: &str = "TEEKeyKindUnavailable";
 
 /// The pod an Event is about.
 #[derive(Clone, Debug, PartialEq, Eq)]

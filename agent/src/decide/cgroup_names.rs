@@ -170,6 +170,15 @@ pub fn parse_counts(path: &Path, text: &str) -> Result<KindCounts> {
     }
 }
 
+/// Parse a `misc.events` file (`<name>.max <count>` per line) into failed charges per TEE kind
+/// (other resources ignored).
+pub fn parse_event_counts(path: &Path, text: &str) -> Result<KindCounts> {
+    let events = teeguard_shared::misc::parse_events(path, text)?;
+    Ok(KindCounts::from_pairs(events.iter().filter_map(
+        |(name, n)| TeeKind::from_kernel_name(name).map(|k| (k, *n)),
+    )))
+}
+
 fn parse_counts_fast(text: &str) -> Option<KindCounts> {
     let mut out = KindCounts::ZERO;
     for line in text.lines() {

@@ -139,17 +139,58 @@ pub struct EnforcingInput<'a> {
     pub nri: Option<&'a NriState>,
     /// The cgroup writer's status (cgroup only).
     pub writer: Option<&'a WriterStatus>,
+    /// The last pod given no `misc.max` line for a kind it asks for because the host has no capacity
+    /// of that kind ([`unavailable_note`]).
+    pub unavailable: Option<&'a str>,
+}
+
+/// What the `Enforcing` condition says about a pod (or container) asking for kinds the host has no
+/// capacity for: `pod` is `namespace/name`, `container` `None` for the whole pod (cgroup writer).
+pub fn unavailable_note(
+    pod: &str,
+    container: Option<&str>,
+    kinds: &[TeeKind],
+    host_kinds: &[TeeKind],
+) -> String {
+    let names = |ks: &[TeeKind]| {
+        if ks.is_empty() {
+            "none".to_string()
+        } else {
+            ks.iter()
+                .map(|k| k.kernel_name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let who = match container {
+        Some(c) => format!("{pod} (container {c})"),
+        None => pod.to_string(),
+    };
+    format!(
+        "{who} asks for {} keys, which this host has no capacity for (misc.capacity: {}): no misc.max \
+         line is set for them, since the kernel refuses it (EINVAL) and the runtime would not start \
+         the container",
+        names(kinds),
+        names(host_kinds)
+    )
 }
 
 /// The `Enforcing` condition (pure).
 pub fn condition(input: &EnforcingInput<'_>) -> ConditionSpec {
     let m = input.mechanism;
     let strict = if input.strict { "on" } else { "off" };
+    let unavailable = input
+        .unavailable
+        .map(|u| format!("; {u}"))
+        .unwrap_or_default();
     let spec = |ok: bool, reason: &'static str, detail: String| ConditionSpec {
         type_: ct::ENFORCING,
         status: if ok { "True" } else { "False" },
         reason,
-        message: format!("mechanism {}; strict {strict}; {detail}", m.name()),
+        message: format!(
+            "mechanism {}; strict {strict}; {detail}{unavailable}",
+            m.name()
+        ),
     };
     if m == Mechanism::Off {
         return spec(
@@ -247,7 +288,30 @@ mod tests {
             host,
             nri,
             writer,
+            unavailable: None,
         })
+    }
+
+    #[test]
+    fn enforcing_names_a_pod_given_no_line_for_a_kind_without_capacity_and_stays_true() {
+        let ok = host(&[TeeKind::Sev], true);
+        let note = unavailable_note("vms/snp", Some("compute"), &[TeeKind::SevEs], &ok.kinds);
+        assert_eq!(
+            note,
+            "vms/snp (container compute) asks for sev_es keys, which this host has no capacity for \
+             (misc.capacity: sev): no misc.max line is set for them, since the kernel refuses it (EINVAL) \
+             and the runtime would not start the container"
+        );
+        let c = condition(&EnforcingInput {
+            mechanism: Mechanism::Cgroup,
+            strict: true,
+            host: Some(&ok),
+            nri: None,
+            writer: Some(&WriterStatus::default()),
+            unavailable: Some(&note),
+        });
+        assert_eq!((c.status, c.reason), ("True", reasons::CGROUP));
+        assert!(c.message.ends_with(&note), "{}", c.message);
     }
 
     #[test]

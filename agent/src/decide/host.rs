@@ -1,7 +1,7 @@
 //! What one scan of the host's misc cgroup found: plain data the kernel adapter fills in
 //! (`kernel::scanner`) and attribution, the report and the enforcers read. Pure.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 
 use serde::Serialize;
@@ -71,8 +71,64 @@ pub struct HostScan {
     pub capacity: KindCounts,
     /// Root `misc.current` (or the sum of the top-level children on kernels without one).
     pub kernel_used: KindCounts,
+    /// Where [`HostScan::kernel_used`] comes from, and so what it cannot see.
+    pub usage_source: UsageSource,
     /// The pod cgroups, when the host has TEE capacity (otherwise they are not looked at).
     pub pods: Option<PodScan>,
+    /// Failed charges counted in `misc.events` (empty when the host has no TEE capacity).
+    pub refusals: Refusals,
+}
+
+/// Where the kernel's usage was read. Checked on the real kernels (`tests/tests/kernel_scan.rs`):
+/// Linux 6.1 (like RHEL 9's 5.14) has no root `misc.current`, the 6.12 line has one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum UsageSource {
+    /// The root's `misc.current`: every key the kernel handed out.
+    #[default]
+    Root,
+    /// No root `misc.current`: the sum of the top-level cgroups' `misc.current`. Keys charged to the
+    /// root cgroup itself (a VM process in it) are in no file.
+    TopLevel,
+    /// No root `misc.current`, and the root's `cgroup.subtree_control` does not enable the misc
+    /// controller: every key is charged to the root cgroup, so the kernel shows no usage at all.
+    Hidden,
+}
+
+/// Failed charges the kernel counted in `misc.events` files: kubepods', each pod cgroup's that counted
+/// any, and each other top-level cgroup's that counted any. Each file counts the refusals stopped in
+/// that cgroup or below it (`misc.events` is hierarchical).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Refusals {
+    /// kubepods' `misc.events`: every refusal at kubepods or below, its pods' included.
+    pub kubepods: KindCounts,
+    /// Each pod cgroup's `misc.events` that counted any, by pod UID.
+    pub pods: HashMap<String, KindCounts>,
+    /// Each top-level cgroup outside kubepods whose `misc.events` counted any, by directory name.
+    pub outside: BTreeMap<String, KindCounts>,
+    /// The top-level cgroups whose `misc.events` was read (kubepods included), sorted: the files
+    /// the agent watches with inotify.
+    pub dirs: Vec<PathBuf>,
+}
+
+impl Refusals {
+    /// The refusals counted in the pods' cgroups together.
+    pub fn in_pods(&self) -> KindCounts {
+        let mut total = KindCounts::ZERO;
+        for c in self.pods.values() {
+            total.add(c);
+        }
+        total
+    }
+
+    /// The refusals counted outside kubepods together.
+    pub fn outside_total(&self) -> KindCounts {
+        let mut total = KindCounts::ZERO;
+        for c in self.outside.values() {
+            total.add(c);
+        }
+        total
+    }
 }
 
 /// What the walk of the kubepods subtree found.

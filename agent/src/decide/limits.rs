@@ -15,6 +15,10 @@
 //! - DRA mode: the keys a container or pod holds through claims the agent prepared count too, and an
 //!   extended-resource request a claim serves is counted through the claim's devices
 //!   ([`super::claimed`]): the allocation, not the request, sets the limit.
+//! - Never a kind the host has no capacity for (`misc.capacity` lacks it): the kernel refuses such a
+//!   `misc.max` line (`EINVAL`) and runc then refuses to start the container (seen on Linux 6.1 and
+//!   6.12, `tests/tests/kernel_runc.rs`). [`unavailable_kinds`] / [`pod_unavailable_kinds`] name what
+//!   was left out, for the `Enforcing` condition and an Event.
 //! - Strict mode: a pod that holds no key of a kind the host has (no request, no prepared claim) gets
 //!   `<kind> 0` for it, so an unaccounted KVM user fails at the kernel instead of taking a key the
 //!   scheduler gave to someone else. Exempt pods (label `teeguard.dev/exempt: "true"` on the pod or
@@ -160,32 +164,34 @@ pub fn is_exempt(pod: &Pod, namespace_exempt: bool) -> bool {
             .is_some_and(|v| v == "true")
 }
 
-/// The container's limit: see the module documentation.
+/// The container's limit: see the module documentation. Never a kind the host has no capacity for
+/// (not in `policy.host_kinds`): the kernel answers `EINVAL` to such a `misc.max` line, and runc then
+/// refuses to start the container ([`unavailable_kinds`] says which kinds were left out).
 pub fn container_limit(facts: PodFacts<'_>, container: &str, policy: Policy<'_>) -> ContainerLimit {
+    let on_host = |kind: &TeeKind| policy.host_kinds.contains(kind);
     let annotated = facts.annotations.get(&misc_max_annotation(container));
     let Some(pod) = facts.pod else {
         // Unknown pod (not cached, lookup failed): the annotation, checked at admission, is all there is.
         return match annotated.map(|a| (a, Limit::parse(a))) {
-            Some((_, Some(limit))) => ContainerLimit::Set {
+            Some((_, Some(limit))) if on_host(&limit.kind) => ContainerLimit::Set {
                 limit,
                 mismatch: None,
             },
             _ => ContainerLimit::Unlimited,
         };
     };
-    let held = claimed::container_claimed(pod, container, facts.claimed, policy.resources);
-    let requested: BTreeMap<TeeKind, u64> = container_requests(pod, container, policy.resources)
-        .into_iter()
-        .map(|(k, n)| (k, held.total(k, n)))
-        .collect();
-    let mut kinds = requested.iter().filter(|(_, n)| **n > 0);
+    let requested = requested_keys(pod, container, facts, policy);
+    let mut kinds = requested.iter().filter(|(k, n)| **n > 0 && on_host(k));
     let first = kinds.next().map(|(k, n)| Limit { kind: *k, keys: *n });
     let unapplied: Vec<TeeKind> = kinds.map(|(k, _)| *k).collect();
 
+    let requests_elsewhere = requested.values().any(|n| *n > 0);
     let derived = match (first, annotated) {
         (Some(limit), _) => Some(limit),
+        // Only kinds this host lacks: no line at all.
+        (None, _) if requests_elsewhere => return ContainerLimit::Unlimited,
         // The annotation names a kind the container does not request: its request of that kind is 0.
-        (None, Some(a)) => Limit::parse(a).map(|l| Limit {
+        (None, Some(a)) => Limit::parse(a).filter(|l| on_host(&l.kind)).map(|l| Limit {
             kind: l.kind,
             keys: 0,
         }),
@@ -209,6 +215,56 @@ pub fn container_limit(facts: PodFacts<'_>, container: &str, policy: Policy<'_>)
     let mismatch = mismatch
         .or_else(|| (!unapplied.is_empty()).then_some(Mismatch::SeveralKinds { unapplied }));
     ContainerLimit::Set { limit, mismatch }
+}
+
+/// The keys of each kind the container requests or holds through a prepared claim (kernel order).
+fn requested_keys(
+    pod: &Pod,
+    container: &str,
+    facts: PodFacts<'_>,
+    policy: Policy<'_>,
+) -> BTreeMap<TeeKind, u64> {
+    let held = claimed::container_claimed(pod, container, facts.claimed, policy.resources);
+    container_requests(pod, container, policy.resources)
+        .into_iter()
+        .map(|(k, n)| (k, held.total(k, n)))
+        .collect()
+}
+
+/// The kinds a container asks for (its requests and prepared claims, or, for a pod the agent does not
+/// know, teeguard's annotation) that this host has no capacity for: [`container_limit`] sets no line
+/// for them, and the report and an Event say so.
+pub fn unavailable_kinds(facts: PodFacts<'_>, container: &str, policy: Policy<'_>) -> Vec<TeeKind> {
+    let missing = |kind: &TeeKind| !policy.host_kinds.contains(kind);
+    match facts.pod {
+        None => facts
+            .annotations
+            .get(&misc_max_annotation(container))
+            .and_then(|a| Limit::parse(a))
+            .filter(|l| l.keys > 0 && missing(&l.kind))
+            .map(|l| vec![l.kind])
+            .unwrap_or_default(),
+        Some(pod) => requested_keys(pod, container, facts, policy)
+            .into_iter()
+            .filter(|(k, n)| *n > 0 && missing(k))
+            .map(|(k, _)| k)
+            .collect(),
+    }
+}
+
+/// The kinds a pod requests (with overhead) or holds through prepared claims that this host has no
+/// capacity for: [`pod_limits`] sets no line for them (the cgroup writer), and the report and an Event
+/// say so.
+pub fn pod_unavailable_kinds(pod: &Pod, claims: &ClaimedKeys, policy: Policy<'_>) -> Vec<TeeKind> {
+    let Ok(requests) = key_requests(pod, policy.resources) else {
+        return Vec::new();
+    };
+    let held = claimed::pod_claimed(pod, claims, policy.resources);
+    TeeKind::ALL
+        .into_iter()
+        .filter(|k| !policy.host_kinds.contains(k))
+        .filter(|k| held.total(*k, requests.get(k).copied().unwrap_or(0)) > 0)
+        .collect()
 }
 
 /// Strict mode for a container of a pod holding no key (no request, no prepared claim): `<kind> 0`
@@ -324,3 +380,6 @@ mod tests;
 
 #[cfg(test)]
 mod claimed_tests;
+
+#[cfg(test)]
+mod unavailable_tests;

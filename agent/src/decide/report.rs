@@ -20,7 +20,9 @@ use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use teeguard_shared::TeeKind;
 use teeguard_shared::config::ResourcesConfig;
-use teeguard_shared::crd::{DeviceCounts, KindStatus, MAX_COUNTED_PODS, TeeCapacityStatus};
+use teeguard_shared::crd::{
+    DeviceCounts, KindStatus, MAX_COUNTED_PODS, RefusedCharges, TeeCapacityStatus,
+};
 
 pub mod conditions;
 
@@ -33,7 +35,7 @@ use super::attribution::{
     Accounting, AttributionInput, CountedPod, KindFigures, PodSummary, attribute, counted,
 };
 use super::counts::KindCounts;
-use super::host::HostState;
+use super::host::{HostState, UsageSource};
 use crate::error::Error;
 
 /// The agent's version, reported as `agentVersion`.
@@ -65,6 +67,22 @@ impl KernelView {
         self.with_input(pods, attribute).unwrap_or_default()
     }
 
+    /// The failed charges of `kind` the last good scan found, where they were counted; `None` when
+    /// none was.
+    pub fn refused(&self, kind: TeeKind) -> Option<RefusedCharges> {
+        let Some(HostState::Scanned(scan)) = &self.last_good else {
+            return None;
+        };
+        let r = &scan.refusals;
+        let pods = r.in_pods().get(kind);
+        let refused = RefusedCharges {
+            pods,
+            kubepods: r.kubepods.get(kind).saturating_sub(pods),
+            outside: r.outside_total().get(kind),
+        };
+        (refused != RefusedCharges::default()).then_some(refused)
+    }
+
     /// The pods whose keys [`KernelView::figures`] counts (see [`counted`]).
     pub fn counted(&self, pods: &[PodSummary]) -> Vec<CountedPod> {
         self.with_input(pods, counted).unwrap_or_default()
@@ -83,9 +101,31 @@ impl KernelView {
             Some(p) => (&p.accounting, &p.usage),
             None => (&Accounting::PerPod, &empty),
         };
+        let kernel_used = match scan.usage_source {
+            // The kernel shows no usage at all: the keys of running pods that request them are held
+            // for certain (a floor; keys held outside Kubernetes cannot be seen).
+            UsageSource::Hidden => {
+                let mut floor = scan.kernel_used;
+                let mut running = KindCounts::ZERO;
+                for p in pods.iter().filter(|p| {
+                    matches!(
+                        p.phase,
+                        super::attribution::PodPhase::Running
+                            | super::attribution::PodPhase::Unknown
+                    )
+                }) {
+                    running.add(&p.requests);
+                }
+                for kind in TeeKind::ALL {
+                    floor.set(kind, floor.get(kind).max(running.get(kind)));
+                }
+                floor
+            }
+            UsageSource::Root | UsageSource::TopLevel => scan.kernel_used,
+        };
         Some(f(&AttributionInput {
             capacity: &scan.capacity,
-            kernel_used: &scan.kernel_used,
+            kernel_used: &kernel_used,
             accounting,
             pod_usage: usage,
             pods,
@@ -176,6 +216,7 @@ pub fn build_status(input: &StatusInput<'_>) -> TeeCapacityStatus {
                     allocated: d.allocated,
                     withheld: d.withheld,
                 }),
+            refused: input.kernel.refused(*kind),
         });
     }
     status.accounting = Some(

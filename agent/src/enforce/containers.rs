@@ -16,10 +16,10 @@ use teeguard_shared::config::ResourcesConfig;
 use tokio::sync::watch;
 
 use crate::cluster::cached::CachedPod;
-use crate::cluster::events::{EventSink, PodRef, REASON_MISMATCH};
+use crate::cluster::events::{EventSink, PodRef, REASON_KIND_UNAVAILABLE, REASON_MISMATCH};
 use crate::cluster::watch::ExemptNamespaces;
 use crate::decide::claimed::ClaimedKeys;
-use crate::decide::enforcing::HostFacts;
+use crate::decide::enforcing::{HostFacts, unavailable_note};
 use crate::decide::limits::{self, ContainerLimit, PodFacts, Policy};
 use crate::metrics::Metrics;
 use crate::runtime::plugin::{Answer, Containers};
@@ -49,6 +49,8 @@ pub struct NriContainers {
     pub metrics: Metrics,
     /// Warning Events.
     pub events: EventSink,
+    /// The last container given no line for a kind without capacity here (the `Enforcing` condition).
+    pub unavailable: watch::Sender<Option<String>>,
 }
 
 impl std::fmt::Debug for NriContainers {
@@ -74,24 +76,38 @@ impl NriContainers {
             return None;
         }
         let claims = self.claims.borrow().clone();
-        let decision = limits::container_limit(
-            PodFacts {
-                pod,
-                annotations: &req.annotations,
-                namespace_exempt: self.exempt_namespaces.contains(&req.pod_namespace),
-                claimed: &claims,
-            },
-            &req.container_name,
-            Policy {
-                resources: &self.resources,
-                host_kinds: &host.kinds,
-                strict: self.strict,
-            },
-        );
+        let facts = PodFacts {
+            pod,
+            annotations: &req.annotations,
+            namespace_exempt: self.exempt_namespaces.contains(&req.pod_namespace),
+            claimed: &claims,
+        };
+        let policy = Policy {
+            resources: &self.resources,
+            host_kinds: &host.kinds,
+            strict: self.strict,
+        };
+        let decision = limits::container_limit(facts, &req.container_name, policy);
+        let pod_name = format!("{}/{}", req.pod_namespace, req.pod_name);
+        let missing = limits::unavailable_kinds(facts, &req.container_name, policy);
+        if !missing.is_empty() {
+            let note =
+                unavailable_note(&pod_name, Some(&req.container_name), &missing, &host.kinds);
+            tracing::warn!(pod = %pod_name, container = %req.container_name, "{note}");
+            self.events.warn(
+                PodRef {
+                    namespace: req.pod_namespace.clone(),
+                    name: req.pod_name.clone(),
+                    uid: req.pod_uid.clone(),
+                },
+                REASON_KIND_UNAVAILABLE,
+                note.clone(),
+            );
+            self.unavailable.send_replace(Some(format!("last: {note}")));
+        }
         let ContainerLimit::Set { limit, mismatch } = decision else {
             return None;
         };
-        let pod_name = format!("{}/{}", req.pod_namespace, req.pod_name);
         if let Some(m) = mismatch {
             self.metrics.limit_mismatch(MECHANISM);
             tracing::warn!(pod = %pod_name, container = %req.container_name, applied = %limit, "{m}");

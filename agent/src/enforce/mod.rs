@@ -18,15 +18,18 @@ pub mod containers;
 
 use std::path::Path;
 
+use teeguard_shared::TeeKind;
 use teeguard_shared::config::EnforcementMode;
 
 use crate::cluster::events;
 use crate::cluster::watch::ExemptNamespaces;
+use crate::decide::attribution::PodsView;
 use crate::decide::claimed::ClaimedKeys;
+use crate::decide::counts::KindCounts;
 use crate::decide::enforcing::{
-    EnforcingInput, HostFacts, Mechanism, NriState, WriterStatus, condition,
+    EnforcingInput, HostFacts, Mechanism, NriState, WriterStatus, condition, unavailable_note,
 };
-use crate::decide::host::HostState;
+use crate::decide::host::{HostState, Refusals};
 use crate::decide::limits;
 use crate::decide::report::ConditionSpec;
 use crate::runtime::plugin as nri_plugin;
@@ -63,6 +66,12 @@ pub struct Enforcement {
     nri: tokio::sync::watch::Receiver<NriState>,
     writer: tokio::sync::watch::Receiver<WriterStatus>,
     claims: tokio::sync::watch::Receiver<std::sync::Arc<ClaimedKeys>>,
+    events: events::EventSink,
+    /// The last pod or container given no line for a kind without capacity here.
+    unavailable: tokio::sync::watch::Sender<Option<String>>,
+    /// Failed charges counted per pod cgroup and in kubepods at the previous scan (`None` before the
+    /// first: what was counted before the agent started is not news).
+    refused_seen: Option<(KindCounts, std::collections::HashMap<String, KindCounts>)>,
 }
 
 /// What [`Enforcement::start`] needs.
@@ -117,6 +126,8 @@ impl Enforcement {
             Some(c) => events::EventSink::start(c.clone(), &opts.node_name, shutdown.clone()),
             None => events::EventSink::disabled(),
         };
+        let refusal_events = events.clone();
+        let (unavailable, _) = watch::channel(None);
         tracing::info!(
             mechanism = mechanism.name(),
             mode = ?opts.config.mode,
@@ -136,6 +147,7 @@ impl Enforcement {
                     claims: opts.claims.clone(),
                     metrics: opts.metrics.clone(),
                     events,
+                    unavailable: unavailable.clone(),
                 };
                 let config = nri_plugin::PluginConfig {
                     socket: opts.config.nri_socket.clone(),
@@ -186,6 +198,63 @@ impl Enforcement {
             nri,
             writer,
             claims: opts.claims,
+            events: refusal_events,
+            unavailable,
+            refused_seen: None,
+        }
+    }
+
+    /// After every scan: failed charges counted since the previous scan. A pod cgroup whose
+    /// `misc.events` rose gets a `TEEKeyRefused` Event; a rise in kubepods that no pod's explains
+    /// (the pods together reached the capacity: the node is full) is logged.
+    pub fn observe_refusals(&mut self, refusals: &Refusals, pods: &PodsView) {
+        let previous = self
+            .refused_seen
+            .replace((refusals.kubepods, refusals.pods.clone()));
+        let Some((kubepods_before, pods_before)) = previous else {
+            return;
+        };
+        let mut in_pods = KindCounts::ZERO;
+        for (uid, now) in &refusals.pods {
+            let before = pods_before.get(uid).copied().unwrap_or_default();
+            for kind in TeeKind::ALL {
+                let rose = now.get(kind).saturating_sub(before.get(kind));
+                if rose == 0 {
+                    continue;
+                }
+                in_pods.set(kind, in_pods.get(kind) + rose);
+                let Some(pod) = pods.pods.iter().find(|p| p.uid == *uid) else {
+                    tracing::warn!(uid = %uid, kind = %kind, refused = rose, "the kernel refused keys in the cgroup of a pod not bound to this node");
+                    continue;
+                };
+                let (namespace, name) = pod.name.split_once('/').unwrap_or(("", &pod.name));
+                let note = format!(
+                    "the kernel refused {rose} {} key(s) charged in this pod's cgroup (its misc.events counts {}): \
+                     a VM asked for more keys than the pod's misc.max allows, or none was left on the node",
+                    kind.kernel_name(),
+                    now.get(kind)
+                );
+                tracing::warn!(pod = %pod.name, kind = %kind, refused = rose, "{note}");
+                self.events.warn(
+                    events::PodRef {
+                        namespace: namespace.to_string(),
+                        name: name.to_string(),
+                        uid: uid.clone(),
+                    },
+                    events::REASON_REFUSED,
+                    note,
+                );
+            }
+        }
+        for kind in TeeKind::ALL {
+            let rose = refusals
+                .kubepods
+                .get(kind)
+                .saturating_sub(kubepods_before.get(kind));
+            let unexplained = rose.saturating_sub(in_pods.get(kind));
+            if unexplained > 0 {
+                tracing::warn!(kind = %kind, refused = unexplained, "the kernel refused keys in kubepods outside any pod's limit: the pods together hold the whole capacity (the node is full)");
+            }
         }
     }
 
@@ -225,6 +294,7 @@ impl Enforcement {
         };
         let claims = self.claims.borrow().clone();
         let mut desired = std::collections::BTreeMap::new();
+        let mut note = None;
         for pod in pods {
             let terminated = pod
                 .status
@@ -242,6 +312,20 @@ impl Enforcement {
                 continue;
             }
             let namespace_exempt = self.exempt_namespaces.contains(&ns);
+            let missing = limits::pod_unavailable_kinds(pod, &claims, policy);
+            if !missing.is_empty() && host.limits_possible() {
+                let text = unavailable_note(&format!("{ns}/{name}"), None, &missing, &host.kinds);
+                self.events.warn(
+                    events::PodRef {
+                        namespace: ns.clone(),
+                        name: name.clone(),
+                        uid: uid.clone(),
+                    },
+                    events::REASON_KIND_UNAVAILABLE,
+                    text.clone(),
+                );
+                note = Some(text);
+            }
             let pod_limits = limits::pod_limits(pod, namespace_exempt, &claims, policy);
             if !pod_limits.is_empty() {
                 desired.insert(
@@ -257,6 +341,14 @@ impl Enforcement {
                 );
             }
         }
+        let changed = self.unavailable.send_if_modified(|n| {
+            let changed = *n != note;
+            *n = note.clone();
+            changed
+        });
+        if changed && let Some(n) = &note {
+            tracing::warn!("{n}");
+        }
         self.desired_tx.send_if_modified(|d| {
             let changed = **d != desired;
             if changed {
@@ -271,12 +363,14 @@ impl Enforcement {
         let host = self.host_tx.borrow().clone();
         let nri = self.nri.borrow().clone();
         let writer = self.writer.borrow().clone();
+        let unavailable = self.unavailable.borrow().clone();
         condition(&EnforcingInput {
             mechanism: self.mechanism,
             strict: self.strict,
             host: self.host_seen.then_some(&host),
             nri: (self.mechanism == Mechanism::Nri).then_some(&nri),
             writer: (self.mechanism == Mechanism::Cgroup).then_some(&writer),
+            unavailable: unavailable.as_deref(),
         })
     }
 }

@@ -29,6 +29,7 @@
 //! only for pods that hold keys.
 
 mod interest;
+mod refusals;
 
 use std::collections::HashMap;
 use std::io::ErrorKind;
@@ -37,11 +38,12 @@ use std::path::{Path, PathBuf};
 use teeguard_shared::misc::MiscController;
 
 use self::interest::{KnownPod, Kubepods};
+use self::refusals::RefusalReader;
 use super::files::{list_dirs, read_text};
 use crate::decide::attribution::Accounting;
 use crate::decide::cgroup_names::{CgroupName, classify, normalize_uid, parse_counts};
 use crate::decide::counts::KindCounts;
-use crate::decide::host::{Driver, HostScan, HostState, Interest, PodScan};
+use crate::decide::host::{Driver, HostScan, HostState, Interest, PodScan, Refusals, UsageSource};
 use crate::decide::reuse::{FULL_READ_EVERY, Reuse};
 use crate::error::{Error, Result};
 
@@ -60,6 +62,8 @@ pub struct Scanner {
     known: HashMap<String, KnownPod>,
     /// Agent mode: whether the pods' last readings may be reused (see [`crate::decide::reuse`]).
     reuse: Reuse,
+    /// The `misc.events` files (failed charges).
+    refusals: RefusalReader,
 }
 
 impl Scanner {
@@ -72,6 +76,7 @@ impl Scanner {
             uid: String::with_capacity(40),
             known: HashMap::new(),
             reuse: Reuse::new(FULL_READ_EVERY),
+            refusals: RefusalReader::default(),
         }
     }
 
@@ -113,13 +118,16 @@ impl Scanner {
             Err(e) => return Err(e.into()),
         };
         let capacity = KindCounts::from_misc(&controller.capacity()?);
+        let usage_source = self.usage_source(controller.dir());
         if capacity.is_zero() {
             return Ok(HostState::Scanned(HostScan {
                 misc_dir: controller.dir().to_path_buf(),
                 layout: controller.layout(),
                 capacity,
                 kernel_used: KindCounts::ZERO,
+                usage_source,
                 pods: None,
+                refusals: Refusals::default(),
             }));
         }
         // The pod files and the root file are read at different instants. Read the root before and
@@ -136,13 +144,36 @@ impl Scanner {
             before = after;
             attempts += 1;
         };
+        let kubepods = pods
+            .as_ref()
+            .and_then(|p| p.kubepods.as_ref())
+            .and_then(|k| k.file_name())
+            .and_then(|n| n.to_str())
+            .map(str::to_string);
+        let refusals = self.refusals.read(controller.dir(), kubepods.as_deref());
         Ok(HostState::Scanned(HostScan {
             misc_dir: controller.dir().to_path_buf(),
             layout: controller.layout(),
             capacity,
             kernel_used,
+            usage_source,
             pods,
+            refusals,
         }))
+    }
+
+    /// Where the kernel's usage can be read: the root's `misc.current`, else the top-level cgroups'
+    /// (which miss keys charged to the root cgroup itself), else nowhere (cgroup v2 with the misc
+    /// controller not enabled below the root).
+    fn usage_source(&mut self, misc_dir: &Path) -> UsageSource {
+        if misc_dir.join("misc.current").is_file() {
+            return UsageSource::Root;
+        }
+        if self.file_lacks_misc(misc_dir, "cgroup.subtree_control") {
+            UsageSource::Hidden
+        } else {
+            UsageSource::TopLevel
+        }
     }
 
     /// Top-level cgroup directories under the misc controller whose `misc.events` exists (these count

@@ -136,7 +136,12 @@ impl Agent {
             let started = Instant::now();
             let result = scanner.scan(Interest::Only(&interest));
             let took = started.elapsed();
-            let dirs = refresh_events.then(|| scanner.events_dirs());
+            // A scan of a host with TEE capacity read every top-level misc.events: watch those
+            // (a cgroup created since, kubepods after a kubelet restart, is watched at once).
+            let dirs = match &result {
+                Ok(HostState::Scanned(s)) if !s.capacity.is_zero() => Some(s.refusals.dirs.clone()),
+                _ => refresh_events.then(|| scanner.events_dirs()),
+            };
             (scanner, result, took, dirs)
         })
         .await;
@@ -185,6 +190,10 @@ impl Agent {
         }
         if let Ok(state) = &result {
             self.enforcement.observe_scan(state);
+            if let HostState::Scanned(s) = state {
+                self.enforcement
+                    .observe_refusals(&s.refusals, &self.pods_view);
+            }
             self.update_limits();
         }
         self.kernel.record(result);

@@ -38,6 +38,8 @@ pub struct Recorded {
     pub annotations: BTreeMap<String, String>,
     /// When it was recorded (the file's modification time).
     pub at: SystemTime,
+    /// The whole OCI config as the runtime wrote it (the kernel tests run it with runc in a guest).
+    pub config: Value,
 }
 
 impl Recorded {
@@ -91,6 +93,7 @@ impl Recorded {
             unified,
             annotations,
             at,
+            config: config.clone(),
         })
     }
 }

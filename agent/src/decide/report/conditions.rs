@@ -13,7 +13,7 @@ use teeguard_shared::names::{conditions as ct, reasons};
 use super::KernelView;
 use crate::decide::advertise::{AdvertiseOutcome, KindAdvert, Manager};
 use crate::decide::attribution::{Accounting, KindFigures};
-use crate::decide::host::HostState;
+use crate::decide::host::{HostState, UsageSource};
 
 /// A condition before timestamps are applied.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,7 +75,29 @@ pub fn conditions(
                     p.problems.first().map(String::as_str).unwrap_or("")
                 ));
             }
-            cond(ct::KERNEL_READABLE, true, reasons::SCANNED, msg)
+            let reason = match scan.usage_source {
+                UsageSource::Root => reasons::SCANNED,
+                UsageSource::TopLevel => {
+                    msg.push_str(
+                        "; this kernel has no root misc.current (Linux 6.1, RHEL 9): kernelUsed is \
+                         the sum of the top-level cgroups, so keys held by processes in the root \
+                         cgroup itself are not counted (a refusal they cause is counted in no file \
+                         either; the refused pod stays pending)",
+                    );
+                    reasons::ROOT_USAGE_NOT_SHOWN
+                }
+                UsageSource::Hidden => {
+                    msg.push_str(
+                        "; this kernel has no root misc.current and the root's \
+                         cgroup.subtree_control does not enable the misc controller, so every key \
+                         is charged to the root cgroup and no file shows the usage: kernelUsed \
+                         counts the keys of Running pods that request them, keys held outside \
+                         Kubernetes are not seen",
+                    );
+                    reasons::USAGE_NOT_SHOWN
+                }
+            };
+            cond(ct::KERNEL_READABLE, true, reason, msg)
         }
         (None, None) => ConditionSpec {
             type_: ct::KERNEL_READABLE,

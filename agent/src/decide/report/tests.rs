@@ -3,7 +3,7 @@
 use super::*;
 use crate::decide::advertise::{KindAdvert, Manager};
 use crate::decide::attribution::PodPhase;
-use crate::decide::host::{Driver, HostScan, PodScan};
+use crate::decide::host::{Driver, HostScan, PodScan, Refusals};
 use pretty_assertions::assert_eq;
 use std::path::PathBuf;
 use teeguard_shared::misc::CgroupLayout;
@@ -19,6 +19,8 @@ pub(super) fn scan(
         layout: CgroupLayout::V2,
         capacity: KindCounts::from_pairs(capacity.iter().copied()),
         kernel_used: KindCounts::from_pairs(kernel.iter().copied()),
+        usage_source: UsageSource::Root,
+        refusals: Refusals::default(),
         pods: Some(PodScan {
             kubepods: Some(PathBuf::from("/host/sys/fs/cgroup/kubepods.slice")),
             driver: Some(Driver::Systemd),
@@ -122,6 +124,8 @@ fn conditions_table() {
                     layout: CgroupLayout::V1,
                     capacity: KindCounts::ZERO,
                     kernel_used: KindCounts::ZERO,
+                    usage_source: UsageSource::Root,
+                    refusals: Refusals::default(),
                     pods: None,
                 })),
                 error: None,
@@ -277,6 +281,7 @@ fn status_figures_and_transition_times() {
             free: 13,
             advertised: Some(14),
             devices: None,
+            refused: None,
         }
     );
     assert_eq!(s1.heartbeat_time, Some(Time(ts(100))));
