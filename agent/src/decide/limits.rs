@@ -341,7 +341,7 @@ fn container_requests(
     // A virt-launcher pod whose RuntimeClass puts the key in `overhead.podFixed` (KubeVirt's
     // `defaultRuntimeClass`) has it counted for the pod, not a container: its VM runs in `compute`.
     let overhead = (container == COMPUTE_CONTAINER && is_virt_launcher(pod))
-        .then(|| spec.overhead.as_ref())
+        .then_some(spec.overhead.as_ref())
         .flatten();
     TeeKind::ALL
         .iter()

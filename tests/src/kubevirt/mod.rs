@@ -292,8 +292,7 @@ impl KubeVirt {
             }
         })?;
         loop {
-            let last;
-            match client.get("/leader").await {
+            let last = match client.get("/leader").await {
                 Ok((status, body)) => {
                     let body = String::from_utf8_lossy(&body).into_owned();
                     let leads = serde_json::from_str::<Value>(&body)
@@ -302,10 +301,10 @@ impl KubeVirt {
                     if status.is_success() && leads {
                         return Ok(());
                     }
-                    last = format!("{status} {body}");
+                    format!("{status} {body}")
                 }
-                Err(e) => last = e.to_string(),
-            }
+                Err(e) => e.to_string(),
+            };
             if Instant::now() >= deadline {
                 let log = self.log();
                 let tail: Vec<&str> = log.lines().rev().take(10).collect();

@@ -4,10 +4,14 @@
 //! Patch that makes the stored VMI what kvtool printed (spec, labels, annotations, finalizers), or
 //! refuses the VMI with kvtool's causes, as virt-api would.
 //!
+//! kvtool is a process, and each run spends about 4 s of CPU on KubeVirt's package initialisation (virt-api,
+//! a server, pays it once): the stand-in remembers its answer per VMI shape ([`State::defaulted`]).
+//!
 //! It serves HTTPS on 127.0.0.1 from its own thread (it outlives every test's runtime), is registered
 //! as the MutatingWebhookConfiguration `teeguard-tests-virt-api` for `kubevirt.io/v1`
 //! `virtualmachineinstances` CREATE, and logs one line per review to `log/virt-api.log`.
 
+use std::collections::HashMap;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -59,6 +63,8 @@ struct State {
     cr_file: PathBuf,
     log: Mutex<std::fs::File>,
     counts: Arc<Counts>,
+    /// kvtool's answers by VMI shape ([`State::defaulted`]).
+    remembered: Mutex<HashMap<String, Value>>,
 }
 
 impl VirtApi {
@@ -94,6 +100,7 @@ impl VirtApi {
             cr_file: cr_file.to_path_buf(),
             log: Mutex::new(log),
             counts: counts.clone(),
+            remembered: Mutex::new(HashMap::new()),
         });
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
         std::thread::Builder::new()
@@ -276,11 +283,12 @@ fn answer(state: &State, review: &Value) -> Value {
             .or_else(|| object["metadata"]["generateName"].as_str())
             .unwrap_or("")
     );
-    let response = match default_vmi(&state.kvtool, &state.cr_file, object) {
-        Ok(defaulted) => {
+    let response = match state.defaulted(object) {
+        Ok((defaulted, remembered)) => {
             state.counts.defaulted.fetch_add(1, Ordering::Relaxed);
             let ops = patch(object, &defaulted);
-            state.log(&format!("defaulted {name}"));
+            let how = if remembered { " (remembered)" } else { "" };
+            state.log(&format!("defaulted {name}{how}"));
             json!({
                 "uid": uid, "allowed": true, "patchType": "JSONPatch",
                 "patch": base64::engine::general_purpose::STANDARD
@@ -301,6 +309,39 @@ fn answer(state: &State, review: &Value) -> Value {
 }
 
 impl State {
+    /// kvtool's answer for `vmi`: remembered per VMI shape (spec, labels, annotations) and KubeVirt CR,
+    /// since each kvtool run spends about 4 s of CPU on KubeVirt's package initialisation where virt-api,
+    /// a long-running server, pays it once. The firmware UUID, which virt-api draws at random for each
+    /// VMI, is drawn again for a remembered answer. Whether the answer was remembered.
+    fn defaulted(&self, vmi: &Value) -> Result<(Value, bool)> {
+        let cr = std::fs::read_to_string(&self.cr_file).unwrap_or_default();
+        let key = serde_json::to_string(&json!([
+            cr,
+            vmi["spec"],
+            vmi["metadata"]["labels"],
+            vmi["metadata"]["annotations"]
+        ]))
+        .unwrap_or_default();
+        let known = self
+            .remembered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            .cloned();
+        if let Some(mut defaulted) = known {
+            if let Some(uuid) = defaulted.pointer_mut("/spec/domain/firmware/uuid") {
+                *uuid = Value::String(random_uuid());
+            }
+            return Ok((defaulted, true));
+        }
+        let defaulted = default_vmi(&self.kvtool, &self.cr_file, vmi)?;
+        self.remembered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, defaulted.clone());
+        Ok((defaulted, false))
+    }
+
     fn log(&self, line: &str) {
         let mut f = self.log.lock().unwrap_or_else(|e| e.into_inner());
         let _ = writeln!(f, "{} {line}", jiff::Timestamp::now());
@@ -364,4 +405,31 @@ async fn handle(state: Arc<State>, req: Request<hyper::body::Incoming>) -> Respo
         Ok(v) => reply(StatusCode::OK, serde_json::to_vec(&v).unwrap_or_default()),
         Err(_) => reply(StatusCode::INTERNAL_SERVER_ERROR, b"{}".to_vec()),
     }
+}
+
+/// A random (version 4) UUID, as virt-api draws for a VMI's firmware.
+fn random_uuid() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut bytes = [0u8; 16];
+    for chunk in bytes.chunks_mut(8) {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0),
+        );
+        chunk.copy_from_slice(&h.finish().to_le_bytes());
+    }
+    bytes[6] = (bytes[6] & 0x0f) | 0x40;
+    bytes[8] = (bytes[8] & 0x3f) | 0x80;
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
 }

@@ -35,7 +35,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub use images::built_images;
-pub use records::{ContainerKind, Recorded, RecordedUpdate};
+pub use records::{ContainerKind, Recorded, RecordedUpdate, limits};
 pub use start::CRIO_UNIFIED_HANDLER;
 
 use crate::controlplane::{ControlPlane, ci};

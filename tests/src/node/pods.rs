@@ -1,6 +1,6 @@
 //! Pods that can run on a [`super::RealNode`]: the test kit's realistic pods (virt-launcher, Kata, ...)
-//! made runnable here, everything else about them unchanged. No registry is reachable and the CNI
-//! network is loopback only, so every container runs the busybox image ([`super::BUSYBOX`], never
+//! made runnable here, everything else about them unchanged. No registry is reachable and the node's
+//! pod network routes nowhere, so every container runs the busybox image ([`super::BUSYBOX`], never
 //! pulled) with `sleep` (init containers `true`) on the host network; the machine has 2 cores and no
 //! local storage isolation, so CPU requests become 100m and `ephemeral-storage` requests go; PIDs 1
 //! that ignore SIGTERM make a grace period of 1 s.
@@ -88,4 +88,17 @@ pub fn plain(
     });
     make_runnable(&mut v);
     serde_json::from_value(v).unwrap_or_default()
+}
+
+/// Whether the pod runs with every container started.
+pub fn running(p: &Pod) -> bool {
+    let Some(status) = &p.status else {
+        return false;
+    };
+    status.phase.as_deref() == Some("Running")
+        && status
+            .container_statuses
+            .iter()
+            .flatten()
+            .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
 }

@@ -166,3 +166,22 @@ pub(super) fn read_all(dir: &Path) -> Vec<Recorded> {
     out.sort_by_key(|r| r.at);
     out
 }
+
+/// `container name -> misc.max` of a pod's recorded containers (`-` for none); panics when its sandbox
+/// (if the runtime ran one: CRI-O drops the infra container of pods that need none) carries anything.
+pub fn limits(records: &[Recorded]) -> BTreeMap<String, String> {
+    for r in records.iter().filter(|r| r.kind == ContainerKind::Sandbox) {
+        assert!(
+            r.unified.is_empty(),
+            "sandbox {} of {}: {:?}",
+            r.id,
+            r.pod,
+            r.unified
+        );
+    }
+    records
+        .iter()
+        .filter(|r| r.kind == ContainerKind::Container)
+        .map(|r| (r.container.clone(), r.misc_max().unwrap_or("-").to_string()))
+        .collect()
+}

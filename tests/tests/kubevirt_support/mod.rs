@@ -562,7 +562,7 @@ fn stand_in_images(turn: &NodeTurn) {
         return;
     }
     let dir: PathBuf = turn.dir().join("kubevirt-images");
-    kubevirt::images::import_stand_ins(&turn, &dir).expect("stand-in KubeVirt images");
+    kubevirt::images::import_stand_ins(turn, &dir).expect("stand-in KubeVirt images");
     done.push(turn.name.clone());
 }
 
@@ -691,18 +691,7 @@ pub(crate) async fn remove_vmis(cluster: &Cluster, ns: &str) {
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
-/// Whether the pod runs with every container started.
-pub fn running(p: &Pod) -> bool {
-    let Some(status) = &p.status else {
-        return false;
-    };
-    status.phase.as_deref() == Some("Running")
-        && status
-            .container_statuses
-            .iter()
-            .flatten()
-            .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
-}
+pub use teeguard_tests::node::pods::running;
 
 pub mod dra;
 pub mod full;

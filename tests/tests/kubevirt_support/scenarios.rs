@@ -7,7 +7,6 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::kubevirt::vmis::Size;
-use teeguard_tests::node::{ContainerKind, Recorded};
 
 use super::{KubeVirtWorld, Options, TeeNode};
 
@@ -23,23 +22,7 @@ pub fn key_of(tee: Tee) -> (&'static str, &'static str) {
     }
 }
 
-/// `container name -> misc.max` of a pod's recorded containers (`-` for none); asserts that the
-/// sandbox carries nothing.
-pub fn limits(records: &[Recorded]) -> BTreeMap<String, String> {
-    for r in records.iter().filter(|r| r.kind == ContainerKind::Sandbox) {
-        assert!(
-            r.unified.is_empty(),
-            "sandbox of {}: {:?}",
-            r.pod,
-            r.unified
-        );
-    }
-    records
-        .iter()
-        .filter(|r| r.kind == ContainerKind::Container)
-        .map(|r| (r.container.clone(), r.misc_max().unwrap_or("-").to_string()))
-        .collect()
-}
+pub use teeguard_tests::node::limits;
 
 /// The amount of `resource` the pod's `compute` container requests.
 pub fn compute_request(pod: &Pod, resource: &str) -> Option<String> {

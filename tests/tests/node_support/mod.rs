@@ -472,18 +472,7 @@ pub async fn unguarded_namespace(cluster: &Cluster, prefix: &str) -> String {
     name
 }
 
-/// Whether the pod runs with every container started.
-pub fn running(p: &Pod) -> bool {
-    let Some(status) = &p.status else {
-        return false;
-    };
-    status.phase.as_deref() == Some("Running")
-        && status
-            .container_statuses
-            .iter()
-            .flatten()
-            .all(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
-}
+pub use teeguard_tests::node::pods::running;
 
 /// `(namespace, name)` of a pod.
 pub fn ns_name(pod: &Pod) -> (String, String) {

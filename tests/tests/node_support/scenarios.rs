@@ -7,7 +7,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
-use teeguard_tests::node::{ContainerKind, Recorded, Runtime, pods};
+use teeguard_tests::node::{Runtime, pods};
 
 use super::{AgentHost, NodeWorld, Options, unguarded_namespace};
 
@@ -18,24 +18,7 @@ pub const ESIDS: &str = "sev-snp.amd.com/esids";
 /// The longest a scenario may take.
 pub const DEADLINE: Duration = Duration::from_secs(240);
 
-/// `container name -> misc.max` of a pod's recorded configs (`-` for none); asserts that its sandbox,
-/// if the runtime ran one, carries nothing.
-pub fn limits(records: &[Recorded]) -> BTreeMap<String, String> {
-    for r in records.iter().filter(|r| r.kind == ContainerKind::Sandbox) {
-        assert!(
-            r.unified.is_empty(),
-            "sandbox {} of {}: {:?}",
-            r.id,
-            r.pod,
-            r.unified
-        );
-    }
-    records
-        .iter()
-        .filter(|r| r.kind == ContainerKind::Container)
-        .map(|r| (r.container.clone(), r.misc_max().unwrap_or("-").to_string()))
-        .collect()
-}
+pub use teeguard_tests::node::limits;
 
 fn expected(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs
