@@ -295,3 +295,179 @@ async fn switched_back_the_driver_drains_unprepares_what_it_prepared_prepares_no
         "nothing left to drain"
     );
 }
+
+/// A FIFO at `path` opened read-write and filled until the kernel refuses more: whoever opens it
+/// next to write blocks in `write` until the FIFO is read, as a write to a hung disk blocks.
+struct HungDisk {
+    path: PathBuf,
+    fifo: std::fs::File,
+}
+
+impl HungDisk {
+    fn at(path: &Path) -> HungDisk {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let made = std::process::Command::new("mkfifo")
+            .arg(path)
+            .status()
+            .expect("run mkfifo");
+        assert!(made.success(), "mkfifo {path:?}");
+        let mut fifo = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .expect("open the FIFO");
+        let chunk = [b'x'; 4096];
+        // Full when the kernel answers EAGAIN (WouldBlock).
+        while fifo.write(&chunk).is_ok() {}
+        HungDisk {
+            path: path.to_path_buf(),
+            fifo,
+        }
+    }
+
+    /// How many open files of this process are the FIFO (1: only ours).
+    fn openers(&self) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .expect("/proc/self/fd")
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|target| *target == self.path)
+            .count()
+    }
+
+    /// Read whatever is written (returns at once when nothing is there).
+    fn drain(&mut self) {
+        use std::io::Read;
+        let mut buf = [0u8; 65536];
+        while matches!(self.fifo.read(&mut buf), Ok(n) if n > 0) {}
+    }
+}
+
+/// The agent runs on one thread (main.rs: a current-thread runtime), so a checkpoint write stuck on
+/// the disk must stay off it: while one prepare's write hangs, the registration, a repeated prepare, an
+/// unprepare and a prepare of the held device are answered; a prepare that needs its own write waits
+/// for it; the hung write's claim is refused (the kubelet retries) and nothing else is lost.
+#[tokio::test(flavor = "current_thread")]
+async fn a_checkpoint_write_hung_on_the_disk_stalls_no_other_call() {
+    let api = FakeApiServer::new();
+    for (uid, name, device, pod) in [
+        ("u1", "c1", "tdx-0", "pod-1"),
+        ("u2", "c2", "tdx-1", "pod-2"),
+        ("u3", "c3", "tdx-1", "pod-3"),
+        ("u4", "c4", "tdx-2", "pod-4"),
+    ] {
+        api.create(&claim_object(uid, name, device, pod))
+            .expect("claim");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = PluginPaths::under(dir.path());
+    // The driver on a thread and runtime of its own, as in the agent: when that thread is stuck, the
+    // calls below time out instead of hanging the test.
+    let stop = CancellationToken::new();
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let driver = std::thread::spawn({
+        let (api, dir, stop) = (api.clone(), dir.path().to_path_buf(), stop.clone());
+        move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async {
+                let mut registry = prometheus_client::registry::Registry::default();
+                let dra = start(&api, &dir, &stop, &Metrics::new(&mut registry));
+                dra.observe(&tdx(4, 0), &BTreeMap::new());
+                ready_tx.send(()).expect("test waits");
+                stop.cancelled().await;
+            })
+        }
+    });
+    ready_rx.await.expect("the driver started");
+    // Answered in milliseconds when nothing stalls; 20 s is slack for a loaded machine, and only a
+    // stuck driver thread runs into it.
+    async fn answered<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(20), call)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: no answer in 20 s while a checkpoint write hangs"))
+    }
+
+    let r = answered("prepare c1", prepare(&paths.dra, vec![claim("u1", "c1")])).await;
+    assert_eq!(r.claims["u1"].error, "");
+
+    let mut disk = HungDisk::at(&paths.checkpoint.with_extension("json.tmp"));
+    let hung = tokio::spawn({
+        let socket = paths.dra.clone();
+        async move { prepare(&socket, vec![claim("u2", "c2")]).await }
+    });
+    // The driver opened the checkpoint's temporary file: its write is under way, and stuck.
+    while disk.openers() < 2 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let info: PluginInfo = answered(
+        "GetInfo",
+        call(
+            &paths.registration,
+            "/pluginregistration.Registration/GetInfo",
+            InfoRequest {},
+        ),
+    )
+    .await;
+    assert_eq!(info.name, "tee.teeguard.dev");
+    let r = answered(
+        "prepare c1 again",
+        prepare(&paths.dra, vec![claim("u1", "c1")]),
+    )
+    .await;
+    assert_eq!(r.claims["u1"].error, "", "on disk already: answered");
+    let r = answered(
+        "unprepare",
+        unprepare(&paths.dra, vec![claim("u9", "gone")]),
+    )
+    .await;
+    assert_eq!(r.claims["u9"].error, "");
+    let r = answered("prepare c3", prepare(&paths.dra, vec![claim("u3", "c3")])).await;
+    assert!(
+        r.claims["u3"].error.contains("already prepared"),
+        "c2, still being written, holds tdx-1: {r:?}"
+    );
+    let queued = tokio::spawn({
+        let socket = paths.dra.clone();
+        async move { prepare(&socket, vec![claim("u4", "c4")]).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !queued.is_finished() && !hung.is_finished(),
+        "a prepare is answered only once its claim is on disk"
+    );
+
+    // The disk comes back, the hung write fails (a FIFO cannot be synced): c2 is refused and
+    // forgotten, c4 written, c2's retry prepared.
+    std::fs::remove_file(&disk.path).expect("unlink the FIFO");
+    while !hung.is_finished() {
+        disk.drain();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let r = hung.await.expect("c2 answered");
+    assert!(
+        r.claims["u2"].error.contains("checkpoint"),
+        "the write that failed refuses its claim: {r:?}"
+    );
+    let r = answered("prepare c4", queued).await.expect("c4 answered");
+    assert_eq!(r.claims["u4"].error, "");
+    let r = answered(
+        "prepare c2 again",
+        prepare(&paths.dra, vec![claim("u2", "c2")]),
+    )
+    .await;
+    assert_eq!(r.claims["u2"].error, "", "the kubelet's retry: {r:?}");
+    let saved = teeguard_agent::kubelet::checkpoint::Checkpoint::new(&paths.checkpoint)
+        .load()
+        .expect("the checkpoint");
+    assert_eq!(
+        saved.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["u1", "u2", "u4"]
+    );
+    stop.cancel();
+    driver.join().expect("the driver's thread");
+}

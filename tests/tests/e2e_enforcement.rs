@@ -145,6 +145,7 @@ async fn nri_plugin_registers_and_sets_misc_max_for_tee_compute_containers_only(
         let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
         let (NriWorld { agent, runtime, env, _host, _sock_dir }, reg) = nri_world(host).await;
         assert_eq!((reg.plugin_name.as_str(), reg.plugin_idx.as_str()), ("teeguard", "50"));
+        assert_eq!(reg.nri_version, "v0.12.2", "the NRI release of the api.proto the plugin follows");
         assert!(reg.subscribes(4), "subscribed to CREATE_CONTAINER: events {:#b}", reg.events);
         assert!(!reg.subscribes(1), "not to RUN_POD_SANDBOX: events {:#b}", reg.events);
 

@@ -7,6 +7,12 @@
 //! (`decide::dra::prepare_check`), record the claim in the checkpoint, answer with the devices. Asked
 //! again for a claim it already prepared (kubelet retries, agent restarts), it answers the same without
 //! reading anything. Unpreparing forgets the claim; an unknown or deleted claim is already unprepared.
+//!
+//! The checkpoint is written on the blocking pool, never on the runtime's thread (the agent runs on
+//! one: a write waiting on a slow disk would stall the NRI plugin, the loop and every other call), one
+//! write at a time, each carrying every change made before it: a claim's devices are taken in memory
+//! first, so concurrent prepares see them, and the answer waits until a checkpoint holding the claim
+//! is on disk (N concurrent prepares cost a few writes, not N).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,7 +30,7 @@ use crate::decide::claimed::ClaimedKeys;
 use crate::decide::dra::{
     AllocatedDevice, PrepareInput, PreparedClaim, allocated_devices, prepare_check,
 };
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kubelet::PluginPaths;
 use crate::kubelet::checkpoint::Checkpoint;
 use crate::kubelet::grpc::{self, DraHandler, DraService, Listening, RegistrationService};
@@ -69,7 +75,10 @@ struct Shared {
     checkpoint: Checkpoint,
     api_timeout: Duration,
     metrics: Metrics,
-    state: Mutex<State>,
+    state: Arc<Mutex<State>>,
+    /// The generation of the claims last written to the checkpoint; held while writing, so writes
+    /// happen one at a time, on the blocking pool.
+    written: Arc<Mutex<u64>>,
     /// Notified when a claim is prepared or unprepared (the loop re-publishes).
     changed: Arc<Notify>,
     /// The prepared claims' keys, for enforcement (sent before the kubelet hears back, so the
@@ -84,6 +93,10 @@ struct Shared {
 #[derive(Default)]
 struct State {
     claims: BTreeMap<String, PreparedClaim>,
+    /// Bumped on every change to `claims`.
+    generation: u64,
+    /// Claims prepared but not on disk yet, with the generation that added them.
+    unsaved: BTreeMap<String, u64>,
     /// Prepared claims none of whose pods is bound to the node, since when.
     orphan_since: BTreeMap<String, Instant>,
     figures: Option<BTreeMap<TeeKind, KindFigures>>,
@@ -141,10 +154,11 @@ impl Dra {
             checkpoint,
             api_timeout: opts.api_timeout,
             metrics,
-            state: Mutex::new(State {
+            state: Arc::new(Mutex::new(State {
                 claims,
                 ..State::default()
-            }),
+            })),
+            written: Arc::new(Mutex::new(0)),
             changed: Arc::new(Notify::new()),
             claimed,
             draining,
@@ -251,35 +265,39 @@ impl Dra {
     /// Forget the prepared claims none of whose pods has been bound to the node for `grace` (the
     /// kubelet unprepares a claim when its pod ends; a pod force-deleted while the driver was away
     /// leaves its claim behind, which would hold its devices forever). Returns the claims forgotten.
-    pub fn forget_orphans(
+    pub async fn forget_orphans(
         &self,
         pods_on_node: &std::collections::HashSet<&str>,
         now: Instant,
         grace: Duration,
     ) -> Vec<String> {
-        let mut s = self.shared.lock();
-        let orphans: Vec<String> = s
-            .claims
-            .iter()
-            .filter(|(_, c)| !c.pods.iter().any(|p| pods_on_node.contains(p.as_str())))
-            .map(|(uid, _)| uid.clone())
-            .collect();
-        s.orphan_since.retain(|uid, _| orphans.contains(uid));
-        let mut forget = Vec::new();
-        for uid in orphans {
-            let since = *s.orphan_since.entry(uid.clone()).or_insert(now);
-            if now.duration_since(since) >= grace {
-                forget.push(uid);
+        let forget = {
+            let mut s = self.shared.lock();
+            let orphans: Vec<String> = s
+                .claims
+                .iter()
+                .filter(|(_, c)| !c.pods.iter().any(|p| pods_on_node.contains(p.as_str())))
+                .map(|(uid, _)| uid.clone())
+                .collect();
+            s.orphan_since.retain(|uid, _| orphans.contains(uid));
+            let mut forget = Vec::new();
+            for uid in orphans {
+                let since = *s.orphan_since.entry(uid.clone()).or_insert(now);
+                if now.duration_since(since) >= grace {
+                    forget.push(uid);
+                }
             }
-        }
+            forget
+        };
         if forget.is_empty() {
             return forget;
         }
-        let (removed, saved) = self.shared.forget(&mut s, &forget);
+        let (removed, saved) = self.shared.forget(&forget).await;
         if let Err(e) = saved {
             tracing::warn!(error = %e, "cannot forget prepared claims whose pods are gone");
             return Vec::new();
         }
+        let mut s = self.shared.lock();
         for (u, c) in &removed {
             s.orphan_since.remove(u);
             tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), pods = ?c.pods, "forgot a prepared claim: none of its pods is on the node any more");
@@ -297,23 +315,73 @@ impl Shared {
     /// Forget the claims `uids` (those recorded) and save the checkpoint; when it cannot be saved they
     /// stay recorded, so the checkpoint stays the truth. Returns the claims removed and the save's
     /// outcome.
-    fn forget(&self, s: &mut State, uids: &[String]) -> (Vec<(String, PreparedClaim)>, Result<()>) {
-        let removed: Vec<(String, PreparedClaim)> = uids
-            .iter()
-            .filter_map(|u| s.claims.remove(u).map(|c| (u.clone(), c)))
-            .collect();
-        if removed.is_empty() {
-            return (removed, Ok(()));
-        }
-        let saved = self.checkpoint.save(&s.claims);
-        if saved.is_err() {
-            for (u, c) in removed.iter().cloned() {
-                s.claims.insert(u, c);
+    async fn forget(&self, uids: &[String]) -> (Vec<(String, PreparedClaim)>, Result<()>) {
+        let (removed, generation) = {
+            let mut s = self.lock();
+            let removed: Vec<(String, PreparedClaim)> = uids
+                .iter()
+                .filter_map(|u| s.claims.remove(u).map(|c| (u.clone(), c)))
+                .collect();
+            if removed.is_empty() {
+                return (removed, Ok(()));
             }
-        } else {
-            self.publish_claims(s);
+            s.generation += 1;
+            (removed, s.generation)
+        };
+        let undo = {
+            let removed = removed.clone();
+            move |s: &mut State| {
+                for (u, c) in removed {
+                    s.claims.entry(u).or_insert(c);
+                }
+            }
+        };
+        let saved = self.persist(generation, undo).await;
+        if saved.is_ok() {
+            self.publish_claims(&self.lock());
         }
         (removed, saved)
+    }
+
+    /// Return once a checkpoint holding the claims as they were at `generation` (or later) is on
+    /// disk, writing it when no write since did. When this call's own write fails, `undo` takes the
+    /// change back before any other write starts, so no later checkpoint holds it either. The write
+    /// runs on the blocking pool to its end even when the caller goes away (a gRPC call cancelled),
+    /// so two writes never overlap.
+    async fn persist(
+        &self,
+        generation: u64,
+        undo: impl FnOnce(&mut State) + Send + 'static,
+    ) -> Result<()> {
+        let state = self.state.clone();
+        let written = self.written.clone();
+        let checkpoint = self.checkpoint.clone();
+        let write = tokio::task::spawn_blocking(move || {
+            let mut written = written.lock().unwrap_or_else(|e| e.into_inner());
+            if *written >= generation {
+                return Ok(());
+            }
+            let (claims, at) = {
+                let s = state.lock().unwrap_or_else(|e| e.into_inner());
+                (s.claims.clone(), s.generation)
+            };
+            let saved = checkpoint.save(&claims);
+            let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+            match saved {
+                Ok(()) => {
+                    *written = at;
+                    s.unsaved.retain(|_, g| *g > at);
+                }
+                Err(_) => {
+                    undo(&mut s);
+                    s.generation += 1;
+                }
+            }
+            saved
+        });
+        write
+            .await
+            .map_err(|e| Error::Task(format!("writing the DRA checkpoint: {e}")))?
     }
 
     /// Tell enforcement the claims recorded now.
@@ -342,8 +410,27 @@ impl Shared {
         &self,
         claim: &Claim,
     ) -> std::result::Result<(Vec<Device>, &'static str), String> {
-        if let Some(p) = self.lock().claims.get(&claim.uid) {
-            return Ok((Self::devices_of(p), "already"));
+        let known = {
+            let s = self.lock();
+            s.claims
+                .get(&claim.uid)
+                .map(|p| (Self::devices_of(p), s.unsaved.get(&claim.uid).copied()))
+        };
+        if let Some((devices, unsaved)) = known {
+            // Asked again while the first answer waits for its write: answer once it is on disk.
+            if let Some(generation) = unsaved {
+                // Its own write undoes it when it fails; nothing to undo here.
+                self.persist(generation, |_| ())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if !self.lock().claims.contains_key(&claim.uid) {
+                    return Err(format!(
+                        "ResourceClaim {}/{}: the checkpoint could not record it",
+                        claim.namespace, claim.name
+                    ));
+                }
+            }
+            return Ok((devices, "already"));
         }
         if self.draining {
             return Err(format!(
@@ -392,30 +479,40 @@ impl Shared {
             .filter(|c| c.resource == "pods")
             .map(|c| c.uid)
             .collect();
-        let mut s = self.lock();
-        let others = allocated_devices(s.claims.values());
-        prepare_check(
-            &devices,
-            PrepareInput {
-                node: &self.node,
-                figures: s.figures.as_ref(),
-                claimless_keys: &s.claimless,
-                others: &others,
-            },
-        )?;
         let prepared = PreparedClaim {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
             pods,
             devices,
         };
-        s.claims.insert(claim.uid.clone(), prepared.clone());
-        if let Err(e) = self.checkpoint.save(&s.claims) {
-            s.claims.remove(&claim.uid);
-            return Err(e.to_string());
-        }
-        self.publish_claims(&s);
-        drop(s);
+        let generation = {
+            let mut s = self.lock();
+            let others = allocated_devices(s.claims.values());
+            prepare_check(
+                &prepared.devices,
+                PrepareInput {
+                    node: &self.node,
+                    figures: s.figures.as_ref(),
+                    claimless_keys: &s.claimless,
+                    others: &others,
+                },
+            )?;
+            // Taken now, so the prepares that run while this one is written see the devices held.
+            s.claims.insert(claim.uid.clone(), prepared.clone());
+            s.generation += 1;
+            let generation = s.generation;
+            s.unsaved.insert(claim.uid.clone(), generation);
+            generation
+        };
+        let uid = claim.uid.clone();
+        let undo = move |s: &mut State| {
+            s.claims.remove(&uid);
+            s.unsaved.remove(&uid);
+        };
+        self.persist(generation, undo)
+            .await
+            .map_err(|e| e.to_string())?;
+        self.publish_claims(&self.lock());
         self.changed.notify_one();
         tracing::info!(claim = %what, devices = ?prepared.devices.iter().map(|d| &d.device).collect::<Vec<_>>(), pods = ?prepared.pods, "prepared");
         Ok((Self::devices_of(&prepared), "prepared"))
@@ -457,10 +554,7 @@ impl DraHandler for Shared {
         request: NodeUnprepareResourcesRequest,
     ) -> NodeUnprepareResourcesResponse {
         let uids: Vec<String> = request.claims.iter().map(|c| c.uid.clone()).collect();
-        let (removed, saved) = {
-            let mut s = self.lock();
-            self.forget(&mut s, &uids)
-        };
+        let (removed, saved) = self.forget(&uids).await;
         if let Err(e) = &saved {
             tracing::warn!(error = %e, "cannot record unprepared claims; the kubelet retries");
         }

@@ -68,7 +68,8 @@ impl Agent {
         };
         if pods_synced {
             mode.driver
-                .forget_orphans(&pods_on_node, Instant::now(), ORPHAN_GRACE);
+                .forget_orphans(&pods_on_node, Instant::now(), ORPHAN_GRACE)
+                .await;
         }
         mode.driver.observe(figures, &claimless);
         let plan = dra::plan(figures, &claimless, &mode.driver.allocated());
@@ -159,14 +160,16 @@ impl Agent {
 
     /// Extended-resource accounting with claims left from DRA mode: forget those whose pods are
     /// gone, and stop serving the kubelet plugin once none is left.
-    pub(super) fn drain_dra(&mut self) {
+    pub(super) async fn drain_dra(&mut self) {
         let Some(driver) = self.draining.as_ref() else {
             return;
         };
         if self.pods_view_synced {
             let pods_on_node: std::collections::HashSet<&str> =
                 self.pods_view.pods.iter().map(|p| p.uid.as_str()).collect();
-            driver.forget_orphans(&pods_on_node, Instant::now(), ORPHAN_GRACE);
+            driver
+                .forget_orphans(&pods_on_node, Instant::now(), ORPHAN_GRACE)
+                .await;
         }
         if driver.is_empty()
             && let Some(driver) = self.draining.take()

@@ -88,7 +88,7 @@ impl Agent {
             }
         }
         outcome.error = self.advertise_error.clone();
-        self.drain_dra();
+        self.drain_dra().await;
         if self.dra.is_some() {
             self.reconcile_dra(node.as_ref(), &figures, ready_to_write)
                 .await;

@@ -137,6 +137,7 @@ async fn session(
         containers,
         writer,
         runtime: String::new(),
+        runtime_nri: String::new(),
         lookup_timeout: MAX_LOOKUP,
         registered: false,
         synchronized: false,
@@ -220,6 +221,8 @@ struct Session {
     containers: Arc<dyn Containers>,
     writer: Writer,
     runtime: String,
+    /// The NRI release the runtime was built with, as `Configure` said (`unknown` when not said).
+    runtime_nri: String,
     lookup_timeout: Duration,
     registered: bool,
     synchronized: bool,
@@ -283,6 +286,11 @@ impl Session {
                 self.runtime = format!("{} {}", req.runtime_name, req.runtime_version)
                     .trim()
                     .to_string();
+                self.runtime_nri = if req.nri_version.is_empty() {
+                    "unknown".to_string()
+                } else {
+                    req.nri_version
+                };
                 if req.request_timeout_ms > 0 {
                     let half = Duration::from_millis(req.request_timeout_ms as u64) / 2;
                     self.lookup_timeout = half.min(MAX_LOOKUP);
@@ -303,7 +311,13 @@ impl Session {
                     return ok(synchronize_response(true, &[]));
                 }
                 self.synchronized = true;
-                tracing::info!(runtime = %self.runtime, registered = self.registered, "NRI plugin registered");
+                tracing::info!(
+                    runtime = %self.runtime,
+                    runtime_nri_version = %self.runtime_nri,
+                    plugin_nri_version = wire::NRI_VERSION,
+                    registered = self.registered,
+                    "NRI plugin registered"
+                );
                 state.send_replace(NriState::Registered {
                     runtime: self.runtime.clone(),
                 });

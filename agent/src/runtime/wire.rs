@@ -46,6 +46,8 @@ pub mod register_plugin_request {
     pub const PLUGIN_NAME: Field = field("plugin_name", 1, "string");
     /// `string plugin_idx = 2`.
     pub const PLUGIN_IDX: Field = field("plugin_idx", 2, "string");
+    /// `string NRI_version = 3`.
+    pub const NRI_VERSION: Field = field("NRI_version", 3, "string");
 }
 
 /// `ConfigureRequest` (runtime → plugin).
@@ -57,6 +59,8 @@ pub mod configure_request {
     pub const RUNTIME_VERSION: Field = field("runtime_version", 3, "string");
     /// `int64 request_timeout = 5` (milliseconds).
     pub const REQUEST_TIMEOUT: Field = field("request_timeout", 5, "int64");
+    /// `string NRI_version = 6`.
+    pub const NRI_VERSION: Field = field("NRI_version", 6, "string");
 }
 
 /// `ConfigureResponse` (plugin → runtime).
@@ -142,6 +146,7 @@ pub const MESSAGES: &[MessageSpec] = &[
         fields: &[
             register_plugin_request::PLUGIN_NAME,
             register_plugin_request::PLUGIN_IDX,
+            register_plugin_request::NRI_VERSION,
         ],
     },
     MessageSpec {
@@ -150,6 +155,7 @@ pub const MESSAGES: &[MessageSpec] = &[
             configure_request::RUNTIME_NAME,
             configure_request::RUNTIME_VERSION,
             configure_request::REQUEST_TIMEOUT,
+            configure_request::NRI_VERSION,
         ],
     },
     MessageSpec {
@@ -473,6 +479,8 @@ pub struct ConfigureRequest {
     pub runtime_version: String,
     /// How long the runtime waits for a plugin's answer (milliseconds; 0 = not said).
     pub request_timeout_ms: i64,
+    /// The NRI release the runtime was built with (empty before NRI v0.10).
+    pub nri_version: String,
 }
 
 impl ConfigureRequest {
@@ -486,6 +494,7 @@ impl ConfigureRequest {
                 _ if n == f::RUNTIME_NAME.number => out.runtime_name = v.str()?.to_owned(),
                 _ if n == f::RUNTIME_VERSION.number => out.runtime_version = v.str()?.to_owned(),
                 _ if n == f::REQUEST_TIMEOUT.number => out.request_timeout_ms = v.int()?,
+                _ if n == f::NRI_VERSION.number => out.nri_version = v.str()?.to_owned(),
                 _ => {}
             }
         }
@@ -564,11 +573,17 @@ impl CreateContainer {
     }
 }
 
-/// `RegisterPluginRequest`.
+/// The NRI release whose `api.proto` this wire format follows (the one in
+/// `../shared/reference/nri/`, byte for byte v0.12.2's `pkg/api/api.proto`); sent at registration, so
+/// the runtime logs it instead of "unknown".
+pub const NRI_VERSION: &str = "v0.12.2";
+
+/// `RegisterPluginRequest`, with [`NRI_VERSION`].
 pub fn register_plugin_request(name: &str, index: &str) -> Vec<u8> {
     let mut w = Writer::new();
     w.string(register_plugin_request::PLUGIN_NAME, name)
-        .string(register_plugin_request::PLUGIN_IDX, index);
+        .string(register_plugin_request::PLUGIN_IDX, index)
+        .string(register_plugin_request::NRI_VERSION, NRI_VERSION);
     w.finish()
 }
 

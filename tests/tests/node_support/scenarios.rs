@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
+use teeguard_tests::e2e::json_log_line;
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
 use teeguard_tests::node::{Runtime, pods};
 
@@ -31,6 +32,47 @@ fn expected(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 /// container's OCI config carries `tdx 1` / `sev_es 1`, the sidecar, the init container and the
 /// sandbox nothing; a pod whose annotation disagrees with its request (created past the webhook) gets
 /// the request, the mismatch metric and the Event.
+/// At registration each side told the other its NRI release: the runtime logs the plugin's (not
+/// "unknown"), the agent logs the runtime's.
+fn nri_versions_exchanged(w: &NodeWorld, runtime: Runtime) {
+    let said = format!(
+        "(with NRI version {})",
+        teeguard_agent::runtime::wire::NRI_VERSION
+    );
+    let log = w.turn.log(runtime.name());
+    assert!(
+        log.lines()
+            .any(|l| l.contains("teeguard") && l.contains(&said)),
+        "{}'s log says the plugin registered {said}:\n{}",
+        runtime.name(),
+        log.lines()
+            .filter(|l| l.contains("registered as"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let registered = w
+        .agent
+        .proc
+        .log()
+        .lines()
+        .find_map(|l| json_log_line(l, "NRI plugin registered"))
+        .expect("the agent logged its registration");
+    let theirs = registered
+        .pointer("/fields/runtime_nri_version")
+        .or_else(|| registered.get("runtime_nri_version"))
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or_default();
+    assert!(
+        theirs.starts_with("v0."),
+        "the agent logs the runtime's NRI release: {registered}"
+    );
+    eprintln!(
+        "{}: the runtime logged the plugin's NRI {}, the agent the runtime's {theirs}",
+        runtime.name(),
+        teeguard_agent::runtime::wire::NRI_VERSION
+    );
+}
+
 pub async fn launchers(runtime: Runtime) {
     let Some(w) = NodeWorld::start(runtime, "launchers", Options::simulated()).await else {
         return;
@@ -39,6 +81,7 @@ pub async fn launchers(runtime: Runtime) {
         .await;
     w.wait_allocatable(ESIDS, "4", Duration::from_secs(20))
         .await;
+    nri_versions_exchanged(&w, runtime);
     for (vm, tee, resource, want) in [
         ("tdx-vm", Tee::Tdx, TDX_KEYS, "tdx 1"),
         ("snp-vm", Tee::Snp, ESIDS, "sev_es 1"),

@@ -4,10 +4,13 @@ use super::*;
 
 #[test]
 fn register_request_encodes_as_protobuf_does() {
-    // Hand-computed: field 1 (key 0x0a), length 8, "teeguard"; field 2 (key 0x12), length 2, "50".
+    // Hand-computed: field 1 (key 0x0a), length 8, "teeguard"; field 2 (key 0x12), length 2, "50";
+    // field 3 (key 0x1a), length 7, "v0.12.2".
     let mut want = vec![0x0a, 8];
     want.extend_from_slice(b"teeguard");
     want.extend_from_slice(&[0x12, 2, b'5', b'0']);
+    want.extend_from_slice(&[0x1a, 7]);
+    want.extend_from_slice(b"v0.12.2");
     assert_eq!(register_plugin_request("teeguard", "50"), want);
 }
 
