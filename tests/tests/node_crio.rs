@@ -170,3 +170,13 @@ async fn across_a_kubelet_restart_the_node_keeps_the_key_resource() {
 async fn a_node_deleted_and_registered_again_gets_the_key_resource_within_one_poll() {
     within(DEADLINE, faults::node_deleted(RUNTIME)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_mode_gives_keyless_pods_tdx_0_and_exempt_pods_nothing() {
+    within(DEADLINE, scenarios::strict(RUNTIME)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_keys_than_advertised_are_refused_by_the_scheduler_and_the_kubelets_admission() {
+    within(DEADLINE, scenarios::kubelet_admission(RUNTIME)).await;
+}
