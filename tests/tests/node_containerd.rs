@@ -29,6 +29,15 @@ async fn a_tee_vm_running_before_the_agent_registers_gets_its_limit_through_sync
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tee_container_created_while_the_agent_was_away_gets_its_limit_when_it_starts() {
+    within(
+        DEADLINE,
+        scenarios::created_while_away_started_after(RUNTIME),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_stopped_while_containers_are_created_delays_none_past_the_request_timeout() {
     within(DEADLINE, faults::agent_stopped(RUNTIME)).await;
 }

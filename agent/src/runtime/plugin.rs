@@ -5,7 +5,14 @@
 //! the read loop from memory ([`Containers::decide`], no I/O); only a pod carrying teeguard's
 //! annotation that the agent's pod cache does not know yet is looked up, in its own task, bounded by
 //! half the runtime's request timeout (at most [`MAX_LOOKUP`]).
+//!
+//! A container the runtime *created* while the plugin was away but had not started when it registered
+//! is listed in `Synchronize` and answered with its update like the others, but containerd does not
+//! apply an update to a container that is not running (its created task keeps the old resources). So
+//! the plugin also subscribes to `POST_START_CONTAINER` and, when such a container starts, asks the
+//! runtime to update it (`UpdateContainers`, `ignore_failure`).
 
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,13 +26,18 @@ use tokio_util::sync::CancellationToken;
 
 use super::sync::{ExistingContainer, SynchronizeRequest, live_containers, synchronize_response};
 use super::transport::{self as t, Demux, FrameError};
-use super::wire::{self, CreateContainer, EVENT_CREATE_CONTAINER};
+use super::wire::{
+    self, CONTAINER_CREATED, CreateContainer, EVENT_CREATE_CONTAINER, EVENT_POST_START_CONTAINER,
+};
 use crate::decide::enforcing::NriState;
 
 /// The plugin's registered name.
 pub const PLUGIN_NAME: &str = "teeguard";
 /// The longest a lookup of an unknown pod may delay a container's creation.
 pub const MAX_LOOKUP: Duration = Duration::from_secs(1);
+/// The ttrpc stream of the plugin's `RegisterPlugin` call; its later calls (`UpdateContainers`) take
+/// the next odd numbers, as a ttrpc client's streams do.
+const REGISTER_STREAM: u32 = 1;
 /// Registration must complete (RegisterPlugin answered, Configure and Synchronize received) within this.
 pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
 /// First reconnect delay; doubles up to [`RECONNECT_MAX`].
@@ -128,7 +140,7 @@ async fn session(
     );
     send(
         &writer,
-        &t::encode_message(t::RUNTIME_CONN, 1, t::TYPE_REQUEST, &register),
+        &t::encode_message(t::RUNTIME_CONN, REGISTER_STREAM, t::TYPE_REQUEST, &register),
     )
     .await
     .map_err(|e| format!("cannot send RegisterPlugin: {e}"))?;
@@ -143,6 +155,9 @@ async fn session(
         synchronized: false,
         sync_pods: Vec::new(),
         sync_containers: Vec::new(),
+        update_at_start: Arc::default(),
+        update_now: None,
+        next_stream: REGISTER_STREAM + 2,
     };
     let mut demux = Demux::default();
     let mut header = [0u8; t::MUX_HEADER_LEN];
@@ -210,6 +225,25 @@ async fn existing_limits(
         .collect()
 }
 
+/// Log the runtime's answer to an `UpdateContainers` call.
+fn updated(payload: &[u8]) {
+    let failed = t::decode_response(payload)
+        .map_err(|e| e.to_string())
+        .and_then(|r| match r.code {
+            0 => wire::failed_updates(r.payload).map_err(|e| e.to_string()),
+            code => Err(format!("code {code}: {}", r.message)),
+        });
+    match failed {
+        Ok(failed) if failed.is_empty() => tracing::debug!("the runtime applied the update"),
+        Ok(failed) => {
+            tracing::warn!(containers = ?failed, "the runtime could not apply misc.max to these containers; they run without a limit")
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "UpdateContainers failed; the container runs without a limit")
+        }
+    }
+}
+
 async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d.into()).await,
@@ -229,6 +263,13 @@ struct Session {
     /// The parts of `Synchronize` received so far.
     sync_pods: Vec<CreateContainer>,
     sync_containers: Vec<ExistingContainer>,
+    /// Containers `Synchronize` listed as created, not started, that need a limit: container ID →
+    /// `misc.max`, asked for again when they start (see the module documentation).
+    update_at_start: Arc<std::sync::Mutex<HashMap<String, String>>>,
+    /// An update to ask for once the current call is answered.
+    update_now: Option<(String, String)>,
+    /// The stream of the plugin's next call to the runtime.
+    next_stream: u32,
 }
 
 impl Session {
@@ -239,6 +280,10 @@ impl Session {
         state: &watch::Sender<NriState>,
     ) -> Result<bool, String> {
         match (m.conn, m.kind) {
+            (t::RUNTIME_CONN, t::TYPE_RESPONSE) if m.stream != REGISTER_STREAM => {
+                updated(&m.payload);
+                Ok(false)
+            }
             (t::RUNTIME_CONN, t::TYPE_RESPONSE) => {
                 let resp = t::decode_response(&m.payload)
                     .map_err(|e| format!("bad RegisterPlugin response: {e}"))?;
@@ -258,6 +303,9 @@ impl Session {
                     self.serve(req.method, req.payload, m.stream, state)?;
                 if let Some(body) = body {
                     self.reply(m.stream, code, &message, &body).await?;
+                }
+                if let Some((id, value)) = self.update_now.take() {
+                    self.update_container(&id, &value).await?;
                 }
                 Ok(end)
             }
@@ -297,6 +345,7 @@ impl Session {
                 }
                 ok(wire::configure_response(wire::event_mask(&[
                     EVENT_CREATE_CONTAINER,
+                    EVENT_POST_START_CONTAINER,
                 ])))
             }
             "Synchronize" => {
@@ -321,12 +370,19 @@ impl Session {
                 state.send_replace(NriState::Registered {
                     runtime: self.runtime.clone(),
                 });
+                let created: HashSet<String> = self
+                    .sync_containers
+                    .iter()
+                    .filter(|c| c.state == CONTAINER_CREATED)
+                    .map(|c| c.id.clone())
+                    .collect();
                 let existing = live_containers(
                     &std::mem::take(&mut self.sync_pods),
                     &std::mem::take(&mut self.sync_containers),
                 );
                 let (containers, writer) = (self.containers.clone(), self.writer.clone());
                 let timeout = self.lookup_timeout;
+                let update_at_start = self.update_at_start.clone();
                 tokio::spawn(async move {
                     let updates = existing_limits(containers, existing, timeout).await;
                     if !updates.is_empty() {
@@ -334,6 +390,15 @@ impl Session {
                             containers = updates.len(),
                             "misc.max asked for containers that already run (NRI Synchronize)"
                         );
+                    }
+                    // Recorded before the answer: the runtime starts none of them before it has it.
+                    {
+                        let mut at_start =
+                            update_at_start.lock().unwrap_or_else(|e| e.into_inner());
+                        for (id, value) in updates.iter().filter(|(id, _)| created.contains(id)) {
+                            tracing::info!(container = %id, misc_max = %value, "created but not started: misc.max asked for again when it starts");
+                            at_start.insert(id.clone(), value.clone());
+                        }
                     }
                     let body = synchronize_response(false, &updates);
                     let resp = t::encode_response(0, "", &body);
@@ -381,6 +446,21 @@ impl Session {
                     }
                 }
             }
+            "PostStartContainer" | "StateChange" => {
+                match wire::started_container(method, payload) {
+                    Ok(Some(id)) => {
+                        let pending = self
+                            .update_at_start
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .remove(&id);
+                        self.update_now = pending.map(|value| (id, value));
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(method, error = %e, "NRI event not understood"),
+                }
+                ok(Vec::new())
+            }
             "Shutdown" => Ok((0, String::new(), Some(Vec::new()), true)),
             // Events the plugin did not subscribe to; answer them empty.
             "RunPodSandbox"
@@ -388,12 +468,10 @@ impl Session {
             | "RemovePodSandbox"
             | "PostCreateContainer"
             | "StartContainer"
-            | "PostStartContainer"
             | "UpdateContainer"
             | "PostUpdateContainer"
             | "StopContainer"
             | "RemoveContainer"
-            | "StateChange"
             | "UpdatePodSandbox"
             | "PostUpdatePodSandbox" => ok(Vec::new()),
             other => Ok((
@@ -403,6 +481,26 @@ impl Session {
                 false,
             )),
         }
+    }
+
+    /// Ask the runtime to set `misc.max` of the running container `id` (its answer is logged by
+    /// [`updated`]).
+    async fn update_container(&mut self, id: &str, value: &str) -> Result<(), String> {
+        tracing::info!(container = %id, misc_max = %value, "started after Synchronize: misc.max asked for (NRI UpdateContainers)");
+        let req = t::encode_request(
+            t::RUNTIME_SERVICE,
+            "UpdateContainers",
+            &wire::update_containers_request(id, value),
+            REGISTER_TIMEOUT.as_nanos() as i64,
+        );
+        let stream = self.next_stream;
+        self.next_stream += 2;
+        send(
+            &self.writer,
+            &t::encode_message(t::RUNTIME_CONN, stream, t::TYPE_REQUEST, &req),
+        )
+        .await
+        .map_err(|e| format!("cannot send UpdateContainers: {e}"))
     }
 
     async fn reply(

@@ -4,8 +4,8 @@
 //! restarted, or was closed by the runtime for a late answer) get their limit this way.
 
 use super::wire::{
-    CreateContainer, DecodeError, Reader, Writer, create_container as cc, synchronize as f,
-    unified_misc_max,
+    CreateContainer, DecodeError, Reader, Writer, container_update, create_container as cc,
+    synchronize as f,
 };
 
 /// `ContainerState` values of containers that still run (`CONTAINER_CREATED`, `_PAUSED`, `_RUNNING`).
@@ -105,15 +105,7 @@ pub fn live_containers(
 pub fn synchronize_response(more: bool, updates: &[(String, String)]) -> Vec<u8> {
     let mut w = Writer::new();
     for (id, value) in updates {
-        w.message(f::RESP_UPDATE, |u| {
-            u.string(f::UPDATE_CONTAINER_ID, id);
-            u.message(f::UPDATE_LINUX, |linux| {
-                linux.message(f::LINUX_UPDATE_RESOURCES, |res| {
-                    unified_misc_max(res, value)
-                });
-            });
-            u.bool(f::UPDATE_IGNORE_FAILURE, true);
-        });
+        w.message(f::RESP_UPDATE, |u| container_update(u, id, value));
     }
     w.bool(f::RESP_MORE, more);
     w.finish()

@@ -250,6 +250,13 @@ impl RealNode {
         records::read_all(&self.dir.join("record"))
     }
 
+    /// The OCI config of container `id` as the runtime handed it to runc, whatever its annotations
+    /// (a container made through `crictl` has none of the kubelet's).
+    pub fn recorded_config(&self, id: &str) -> Option<serde_json::Value> {
+        let bytes = std::fs::read(self.dir.join("record").join(format!("{id}.json"))).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
     /// The recorded configs of the pod with UID `pod_uid` (sandbox and containers), oldest first.
     pub fn records_of(&self, pod_uid: &str) -> Vec<Recorded> {
         self.records()
@@ -264,11 +271,12 @@ impl RealNode {
         records::read_updates(&self.dir.join("record"))
     }
 
-    /// Run `crictl` against the runtime; its standard output.
+    /// Run `crictl` against the runtime (each call bounded by 60 s: a test may hold one, e.g. a start in
+    /// [`RealNode::hold_create`], for a while); its standard output.
     pub fn crictl(&self, args: &[&str]) -> Result<String> {
         let sock = format!("unix://{}", self.cri_socket().display());
         let mut cmd = Command::new(self.bin.join("crictl"));
-        cmd.args(["-r", &sock, "-i", &sock, "-t", "10s"]).args(args);
+        cmd.args(["-r", &sock, "-i", &sock, "-t", "60s"]).args(args);
         run(cmd, &format!("crictl {}", args.join(" ")))
     }
 
@@ -286,6 +294,36 @@ impl RealNode {
     /// returns once its `/healthz` answers.
     pub async fn restart_kubelet(&self) -> Result<()> {
         self.stop("kubelet", Duration::from_secs(10)).await;
+        start::start_kubelet(self)?;
+        start::wait_kubelet(self).await
+    }
+
+    /// Make `runc create` wait for a container whose OCI config contains `marker` (e.g. an environment
+    /// variable of its own), until [`RealNode::release_create`]: the runtime's call stays in progress
+    /// meanwhile. [`RealNode::create_held`] says when one waits.
+    pub fn hold_create(&self, marker: &str) -> Result<()> {
+        let _ = std::fs::remove_file(self.dir.join("hold-create.waiting"));
+        std::fs::write(self.dir.join("hold-create"), marker).map_err(io("write hold-create"))
+    }
+
+    /// Whether a `runc create` waits because of [`RealNode::hold_create`].
+    pub fn create_held(&self) -> bool {
+        self.dir.join("hold-create.waiting").exists()
+    }
+
+    /// Let the `runc create` held by [`RealNode::hold_create`] go on.
+    pub fn release_create(&self) {
+        let _ = std::fs::remove_file(self.dir.join("hold-create"));
+    }
+
+    /// Stop the kubelet (SIGTERM, SIGKILL after 10 s); its pods keep running. [`RealNode::start_kubelet`]
+    /// brings it back.
+    pub async fn stop_kubelet(&self) {
+        self.stop("kubelet", Duration::from_secs(10)).await;
+    }
+
+    /// Start the kubelet stopped by [`RealNode::stop_kubelet`]; returns once its `/healthz` answers.
+    pub async fn start_kubelet(&self) -> Result<()> {
         start::start_kubelet(self)?;
         start::wait_kubelet(self).await
     }

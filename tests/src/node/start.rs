@@ -208,18 +208,26 @@ fn write(path: &Path, body: &str) -> Result<()> {
 
 /// `<state>/runc`: runc through `runc-record` (configs saved to `record/`, `unified` dropped); an
 /// `update` (the resources runc is asked to change in a running container) is saved too, with runc's
-/// answer: `record/update-<container id>-<ns>.{json,rc,err}`.
+/// answer: `record/update-<container id>-<ns>.{json,rc,err}`. While `<state>/hold-create` exists, a
+/// `create` whose `config.json` contains the file's text waits (it touches `hold-create.waiting`
+/// first): [`RealNode::hold_create`].
 fn write_runc_wrapper(node: &RealNode) -> Result<()> {
     let runc = which("runc").ok_or_else(|| NodeError::Missing("runc".into()))?;
     let wrapper = node.dir.join("runc");
     let script = r#"#!/bin/sh
 export RUNC_RECORD_DIR=@RECORD@ RUNC_REAL=@RUNC@
-upd=""; res=""; prev=""; id=""
+upd=""; res=""; prev=""; id=""; create=""; bundle=""
 for a in "$@"; do
   [ "$a" = update ] && upd=1
-  case "$prev" in -r|--resources) res="$a";; esac
+  [ "$a" = create ] && create=1
+  case "$prev" in -r|--resources) res="$a";; -b|--bundle) bundle="$a";; esac
   prev="$a"; id="$a"
 done
+hold=@DIR@/hold-create
+if [ -n "$create" ] && [ -f "$hold" ] && grep -qF "$(cat "$hold")" "$bundle/config.json" 2>/dev/null; then
+  touch "$hold.waiting"
+  while [ -f "$hold" ]; do sleep 0.05; done
+fi
 [ -n "$upd" ] || exec @RECORDER@ "$@"
 base="$RUNC_RECORD_DIR/update-$id-$(date +%s%N)"
 if [ "$res" = - ] || [ -z "$res" ]; then cat > "$base.json"; else cp "$res" "$base.json"; fi
@@ -233,6 +241,7 @@ exit "$rc"
         &wrapper,
         &script
             .replace("@RECORD@", &node.dir.join("record").display().to_string())
+            .replace("@DIR@", &node.dir.display().to_string())
             .replace("@RUNC@", &runc.display().to_string())
             .replace(
                 "@RECORDER@",

@@ -306,6 +306,155 @@ pub async fn synchronize(runtime: Runtime) {
     );
 }
 
+/// A TEE `compute` container the runtime created while the agent was away and started after the agent
+/// registered again: `Synchronize` lists it as created, not running. containerd applies the agent's
+/// update to the container's stored spec only, which its start uses unless `runc create` is already
+/// under way, as it is when the registration falls inside the start (held here: the runc wrapper waits
+/// in that container's `runc create` while the agent registers); CRI-O runs `runc update` on the created
+/// container. Either way the agent asks again once the container runs (NRI `PostStartContainer` →
+/// `UpdateContainers`), and runc is asked for `tdx 1` after the start. Driven through `crictl` with the
+/// kubelet stopped: the kubelet starts a container right after creating it and kills a pod it does not
+/// know.
+pub async fn created_while_away_started_after(runtime: Runtime) {
+    let Some(mut w) = NodeWorld::start(runtime, "created-then-started", Options::simulated()).await
+    else {
+        return;
+    };
+    w.wait_allocatable(TDX_KEYS, "4", Duration::from_secs(20))
+        .await;
+    w.turn.stop_kubelet().await;
+    w.agent.proc.kill();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let uid = format!("created-then-started-{}", std::process::id());
+    let marker = format!("TEEGUARD_HOLD={uid}");
+    let sandbox = dir.path().join("sandbox.json");
+    let container = dir.path().join("container.json");
+    std::fs::write(
+        &sandbox,
+        serde_json::json!({
+            "metadata": {"name": "early-start", "namespace": w.ns, "uid": uid, "attempt": 0},
+            "annotations": {ANNOTATION: "tdx 1"},
+            "log_directory": dir.path().join("logs"),
+            "linux": {}
+        })
+        .to_string(),
+    )
+    .expect("write the sandbox config");
+    std::fs::write(
+        &container,
+        serde_json::json!({
+            "metadata": {"name": "compute"},
+            "image": {"image": teeguard_tests::node::BUSYBOX},
+            "command": ["/bin/sleep", "3600"],
+            "envs": [{"key": "TEEGUARD_HOLD", "value": uid}],
+            "log_path": "compute.log",
+            "linux": {}
+        })
+        .to_string(),
+    )
+    .expect("write the container config");
+    let path = |p: &std::path::Path| p.display().to_string();
+    fn crictl(w: &NodeWorld, args: &[&str]) -> String {
+        w.turn
+            .crictl(args)
+            .map(|out| out.trim().to_string())
+            .unwrap_or_else(|e| panic!("crictl {args:?}: {e}\n{}", w.diagnostics()))
+    }
+    let pod_id = crictl(&w, &["runp", &path(&sandbox)]);
+    let id = crictl(&w, &["create", &pod_id, &path(&container), &path(&sandbox)]);
+
+    let since = match runtime {
+        Runtime::Containerd => {
+            // containerd runs `runc create` at the start: hold it there while the agent registers.
+            w.turn.hold_create(&marker).expect("hold runc create");
+            let start = std::thread::spawn({
+                let node = w.turn.node();
+                let id = id.clone();
+                move || node.crictl(&["start", &id])
+            });
+            w.cluster
+                .wait_for("containerd's runc create of compute to be held", || async {
+                    w.turn.create_held().then_some(())
+                })
+                .await
+                .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+            w.restart_agent().await;
+            // The agent answers Synchronize with compute's update (it logs that just before).
+            w.agent
+                .proc
+                .wait_for_log("its Synchronize answer", Duration::from_secs(15), |l| {
+                    json_log_line(
+                        l,
+                        "misc.max asked for containers that already run (NRI Synchronize)",
+                    )
+                    .map(|_| ())
+                })
+                .await
+                .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+            let since = std::time::SystemTime::now();
+            w.turn.release_create();
+            start
+                .join()
+                .expect("crictl start")
+                .unwrap_or_else(|e| panic!("crictl start: {e}\n{}", w.diagnostics()));
+            since
+        }
+        Runtime::Crio => {
+            // CRI-O ran `runc create` at the creation, and updates the created container itself.
+            w.restart_agent().await;
+            w.cluster
+                .wait_for("CRI-O's runc update of the created compute", || async {
+                    w.turn
+                        .updates()
+                        .into_iter()
+                        .find(|u| u.container_id == id && u.exit_code.is_some())
+                })
+                .await
+                .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+            let since = std::time::SystemTime::now();
+            crictl(&w, &["start", &id]);
+            since
+        }
+    };
+    let update = w
+        .cluster
+        .wait_for(
+            "runc asked to update compute's misc.max after its start",
+            || async {
+                w.turn
+                    .updates()
+                    .into_iter()
+                    .find(|u| u.container_id == id && u.at >= since && u.exit_code.is_some())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    assert_eq!(update.misc_max(), Some("tdx 1"), "{update:?}");
+    let config = w
+        .turn
+        .recorded_config(&id)
+        .expect("compute's OCI config recorded");
+    assert_eq!(
+        config.pointer("/linux/resources/unified/misc.max"),
+        None,
+        "compute's OCI config, written before the agent's answer could reach it, has no limit"
+    );
+    eprintln!(
+        "{}: compute created while the agent was away, started after it registered: runc asked for {} \
+         after the start (runc answered {:?}: {})",
+        runtime.name(),
+        update.resources,
+        update.exit_code,
+        update.stderr.trim()
+    );
+    crictl(&w, &["stopp", &pod_id]);
+    crictl(&w, &["rmp", &pod_id]);
+    w.turn
+        .start_kubelet()
+        .await
+        .expect("the kubelet starts again");
+}
+
 /// Scenario 2: strict mode on a host with one kind (TDX): a pod that requested no key gets `tdx 0` on
 /// each of its containers; a pod labelled exempt, and a pod in a namespace labelled exempt, get nothing;
 /// a TDX VM gets `tdx 1` on compute and nothing elsewhere.

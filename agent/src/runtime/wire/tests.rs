@@ -95,3 +95,57 @@ fn malformed_messages_are_errors_not_panics() {
     // A string field carrying invalid UTF-8.
     assert!(ConfigureRequest::decode(&[0x12, 1, 0xff]).is_err());
 }
+
+fn container(id: &str) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.string(cc::CONTAINER_ID, id)
+        .string(cc::CONTAINER_NAME, "compute");
+    w.finish()
+}
+
+#[test]
+fn a_started_container_is_read_from_post_start_and_from_a_post_start_state_change_only() {
+    use post_start_container as f;
+    let mut post_start = Writer::new();
+    post_start.message(f::REQ_CONTAINER, |c| {
+        c.raw(&container("c1"));
+    });
+    let post_start = post_start.finish();
+    assert_eq!(
+        started_container("PostStartContainer", &post_start),
+        Ok(Some("c1".into()))
+    );
+    let event = |number: u32| {
+        let mut w = Writer::new();
+        w.int(f::EVENT, i64::from(number))
+            .message(f::EVENT_CONTAINER, |c| {
+                c.raw(&container("c2"));
+            });
+        w.finish()
+    };
+    assert_eq!(
+        started_container("StateChange", &event(EVENT_POST_START_CONTAINER)),
+        Ok(Some("c2".into())),
+        "runtimes before NRI v0.12 send the event as a StateChange"
+    );
+    assert_eq!(started_container("StateChange", &event(6)), Ok(None));
+    assert_eq!(started_container("StopContainer", &post_start), Ok(None));
+    assert!(started_container("PostStartContainer", &[0x12, 5, 1]).is_err());
+}
+
+#[test]
+fn an_update_request_carries_misc_max_and_ignore_failure_and_failures_are_read_back() {
+    let bytes = update_containers_request("c1", "tdx 1");
+    // The response lists failed updates in the same ContainerUpdate shape: read the request as one.
+    assert_eq!(failed_updates(&bytes), Ok(vec!["c1".to_string()]));
+    let mut r = Reader::new(&bytes);
+    let (n, v) = r.next_field().expect("ok").expect("update");
+    assert_eq!(n, update_containers::REQ_UPDATE.number);
+    let mut u = Reader::new(v.message().expect("msg"));
+    let mut fields = Vec::new();
+    while let Some((n, _)) = u.next_field().expect("ok") {
+        fields.push(n);
+    }
+    assert_eq!(fields, [1, 2, 3], "container_id, linux, ignore_failure");
+    assert_eq!(failed_updates(&[]), Ok(Vec::new()));
+}
