@@ -441,9 +441,10 @@ pub async fn created_while_away_started_after(runtime: Runtime) {
     );
     eprintln!(
         "{}: compute created while the agent was away, started after it registered: runc asked for {} \
-         after the start (runc answered {:?}: {})",
+         {:?} after the start began (runc answered {:?}: {})",
         runtime.name(),
         update.resources,
+        update.at.duration_since(since).unwrap_or_default(),
         update.exit_code,
         update.stderr.trim()
     );
