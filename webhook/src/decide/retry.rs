@@ -21,6 +21,14 @@
 //! VMI's retry may land first and take it. A retried VMI therefore holds a [`Promises`] entry on the
 //! node for [`PROMISE_TTL`]: the validating webhook counts the promised key as taken for every other
 //! VMI's pod, until the promised VMI's pod is admitted and the node's report counts it.
+//!
+//! The same entry covers the moment between a launcher pod's admission and its binding: a pod CREATE
+//! carries no node, so the webhook admits it against the first node with a free key without reserving
+//! it (the binding does). Two VMIs' pods created together could both be admitted for the last key,
+//! and one would then wait in the scheduler's queue (`Insufficient …`) instead of with teeguard's
+//! refusal and retry. So an admitted launcher pod's VMI is promised the key on the node that fitted
+//! ([`Promises::promise_admitted`]) until its binding is reviewed ([`Promises::bound`]; the ledger then
+//! holds the key on the node the scheduler chose), the report counts the pod, or [`PROMISE_TTL`].
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -263,6 +271,27 @@ impl Promises {
             pod_uid: None,
             at: now,
         });
+    }
+
+    /// The pod `pod_uid` of VMI `vmi_uid` was admitted on its CREATE, against a free `kind` key on
+    /// `node`: that key is promised to the VMI (replacing its earlier promise) until the pod's binding.
+    pub fn promise_admitted(
+        &self,
+        node: &str,
+        kind: TeeKind,
+        vmi_uid: &str,
+        pod_uid: &str,
+        now: Instant,
+    ) {
+        self.promise(node, kind, vmi_uid, now);
+        self.admitted(vmi_uid, pod_uid);
+    }
+
+    /// The binding of pod `pod_uid` was reviewed: the ledger holds its key from now on (when the
+    /// binding was admitted), so its VMI's promise ends.
+    pub fn bound(&self, pod_uid: &str) {
+        self.lock()
+            .retain(|p| p.pod_uid.as_deref() != Some(pod_uid));
     }
 
     /// Drop the promise to VMI `vmi_uid` (its retry could not be written).

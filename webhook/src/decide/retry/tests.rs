@@ -371,3 +371,26 @@ fn a_promised_key_is_held_for_other_vmis_until_the_promised_vmis_pod_is_counted_
     Promises::add_held(Some(&p), &mut into, "node-a", &[], "vmi-b", t1);
     assert_eq!(into.get(&TeeKind::Tdx), Some(&4), "added to the ledger's");
 }
+
+#[test]
+fn an_admitted_launcher_pod_holds_its_key_for_other_vmis_until_its_binding_is_reviewed() {
+    let p = Promises::default();
+    let t0 = Instant::now();
+    p.promise_admitted("node-a", TeeKind::Sev, "vmi-a", "pod-a", t0);
+    assert_eq!(
+        p.held("node-a", &[], "vmi-b", t0).get(&TeeKind::Sev),
+        Some(&1),
+        "a second VMI's pod, created before the first is bound, sees the key taken"
+    );
+    p.bound("pod-other");
+    assert_eq!(
+        p.held("node-a", &[], "vmi-b", t0).len(),
+        1,
+        "another pod's binding"
+    );
+    p.bound("pod-a");
+    assert!(
+        p.held("node-a", &[], "vmi-b", t0).is_empty(),
+        "bound: the ledger holds the key on the node the scheduler chose"
+    );
+}

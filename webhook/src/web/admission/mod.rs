@@ -15,6 +15,21 @@ use serde_json::value::RawValue;
 
 use crate::error::{Error, Result};
 
+/// Audit annotation keys of the validating webhook's answers (the API server prefixes them with the
+/// webhook's name).
+pub mod audit {
+    /// `admitted`, `warned`, `denied` or `skipped`.
+    pub const DECISION: &str = "decision";
+    /// Why (a reason code).
+    pub const REASON: &str = "reason";
+    /// The TEE kind requested (`tdx`, `sev`, `sev_es`).
+    pub const TEE_KIND: &str = "tee-kind";
+    /// The node checked (bindings and pods created with `spec.nodeName`).
+    pub const NODE: &str = "node";
+    /// The mode applied (`enforce` or `warn`).
+    pub const MODE: &str = "mode";
+}
+
 #[cfg(test)]
 mod tests;
 

@@ -57,26 +57,12 @@ use crate::decide::validation::{
 };
 use crate::error::Result;
 use crate::metrics::{Metrics, Outcome, ValidationOutcome};
-use crate::web::admission::{Operation, ReviewResponse};
+use crate::web::admission::{Operation, ReviewResponse, audit};
 use crate::web::admitted::AdmittedReview;
 use crate::web::state::AppState;
 
 /// Endpoint name in metrics and logs.
 pub const ENDPOINT: &str = crate::metrics::endpoint::VALIDATE;
-
-/// Audit annotation keys (the API server prefixes them with the webhook's name).
-pub mod audit {
-    /// `admitted`, `warned`, `denied` or `skipped`.
-    pub const DECISION: &str = "decision";
-    /// Why (a reason code).
-    pub const REASON: &str = "reason";
-    /// The TEE kind requested (`tdx`, `sev`, `sev_es`).
-    pub const TEE_KIND: &str = "tee-kind";
-    /// The node checked (bindings and pods created with `spec.nodeName`).
-    pub const NODE: &str = "node";
-    /// The mode applied (`enforce` or `warn`).
-    pub const MODE: &str = "mode";
-}
 
 /// Everything a validating review uses besides the lookups.
 #[derive(Clone, Copy, Debug)]
@@ -354,6 +340,7 @@ async fn pod_create<L: Lookups>(
             let primary = requests.keys().next().copied();
             let hint = primary.and_then(|k| ctx.ledger.fit_hint(k));
             let mut fitted = None;
+            let mut fit_node = None;
             lookups.scan_nodes(&filter, hint.as_deref(), &mut |node| {
                 let cap = lookups.tee_capacity(node);
                 let report = Report {
@@ -371,8 +358,11 @@ async fn pod_create<L: Lookups>(
                     now,
                     config.admission.stale_report_after,
                 );
-                if flow.is_break() && hint.as_deref() != Some(node) {
-                    fitted = Some(node.to_string());
+                if flow.is_break() {
+                    if hint.as_deref() != Some(node) {
+                        fitted = Some(node.to_string());
+                    }
+                    fit_node = Some(node.to_string());
                 }
                 flow
             });
@@ -380,7 +370,15 @@ async fn pod_create<L: Lookups>(
                 ctx.ledger.remember_fit(kind, &node);
             }
             let d = apply_mode(scan.verdict(policy), mode);
-            Answer::from_decision(REQ, kind, d, None, mode)
+            let answer = Answer::from_decision(REQ, kind, d, None, mode);
+            // Admitted against a free key: promised to its VMI until the binding (decide::retry).
+            let admitted = answer.message.is_none() && !req.dry_run;
+            if let (Some(p), Some(v), Some(node), Some(kind), true) =
+                (ctx.promises, &vmi_ref, &fit_node, primary, admitted)
+            {
+                p.promise_admitted(node, kind, &v.uid, &uid, mono);
+            }
+            answer
         }
     };
     if let (Some(p), Some(v), None) = (ctx.promises, &vmi_ref, &answer.message) {
@@ -617,6 +615,10 @@ async fn binding<L: Lookups>(
         Some(node.to_string()),
         mode,
     );
+    // The ledger holds the key from now on: the promise made at the pod's CREATE ends.
+    if let (Some(p), false) = (ctx.promises, req.dry_run) {
+        p.bound(&uid);
+    }
     record_event(&answer, Some(&vmi_ref), req.dry_run, ctx);
     log_decision(&answer, &pod_name);
     Ok(answer.with_warnings(warnings))
