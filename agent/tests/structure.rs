@@ -28,6 +28,7 @@ const fn layer(modules: &'static [&'static str]) -> Layer {
 
 const AGENT: Layers = Layers {
     name: "agent/src",
+    crate_name: "teeguard_agent",
     layers: &[
         layer(&["error"]),
         layer(&["decide"]),
