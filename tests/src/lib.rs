@@ -19,3 +19,4 @@ pub mod standalone;
 pub mod structure;
 /// A real Linux misc cgroup controller: Debian's kernels under QEMU with the `../shared/tee-vm` kit.
 pub mod teevm;
+pub mod wait;
