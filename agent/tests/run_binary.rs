@@ -10,6 +10,7 @@ use teeguard_shared::TeeCapacity;
 use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::{TDX_KEYS, tdx_node};
 use teeguard_tests::host::{SimHost, TDX};
+use teeguard_tests::ports::free_ports;
 use teeguard_tests::wait::{PATIENCE, until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -54,10 +55,8 @@ async fn run_serves_admin_endpoints_publishes_and_stops_on_sigterm() {
     served.write_kubeconfig(&kubeconfig).expect("kubeconfig");
     let config = dir.path().join("teeguard.yaml");
     std::fs::write(&config, "agent:\n  pollInterval: 100ms\n").expect("config");
-    let admin = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
-        l.local_addr().expect("addr").to_string()
-    };
+    let [admin_port] = free_ports().expect("a free port");
+    let admin = format!("127.0.0.1:{admin_port}");
     let log = dir.path().join("agent.log");
     let child = Command::new(BIN)
         .args([

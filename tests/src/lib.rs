@@ -14,6 +14,7 @@ pub mod kubevirt;
 pub mod node;
 /// A fake container runtime speaking NRI (multiplexed ttrpc over a Unix socket), for NRI plugin tests.
 pub mod nri;
+pub mod ports;
 pub mod realcluster;
 pub mod standalone;
 pub mod structure;
