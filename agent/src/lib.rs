@@ -21,8 +21,8 @@
 //!   file or metric: tested without any.
 //! - [`error`]: the error enum.
 //!
-//! On top: [`cli`] parses the command line and runs `run`, `scan` (one scan, printed, with the same
-//! code) and `cleanup`.
+//! On top: [`cli`] parses the command line and runs `run` and `cleanup`; [`scan`] is the `scan` command
+//! (one scan with the same code as `run`, printed).
 
 pub mod cli;
 pub mod cluster;
@@ -35,5 +35,6 @@ pub mod kubelet;
 pub mod metrics;
 pub mod run;
 pub mod runtime;
+pub mod scan;
 
 pub use error::{Error, Result};

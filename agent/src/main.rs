@@ -3,7 +3,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use teeguard_agent::cli::{Cli, Command, cleanup_command, run_command, scan_command};
+use teeguard_agent::cli::{Cli, Command, cleanup_command, run_command};
+use teeguard_agent::scan::scan_command;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

@@ -14,6 +14,7 @@ use teeguard_shared::{TeeCapacity, TeeCapacityStatus};
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, RequestFilter, Verb};
 use teeguard_tests::fixtures::{TDX_KEYS, tdx_node};
 use teeguard_tests::host::{MiscDelegation, QosClass, SimHost, TDX};
+use teeguard_tests::wait::eventually;
 
 fn cond<'a>(s: &'a TeeCapacityStatus, t: &str) -> (&'a str, &'a str, &'a str) {
     let c = s
@@ -380,14 +381,10 @@ async fn api_outage_keeps_scanning_and_publishes_when_back() {
     let scans = agent.metric("teeguard_agent_scan_duration_seconds_count");
     host.stop_vm(&uids[0], "compute", TDX).expect("stop");
     // Scanning goes on during the outage.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while agent.metric("teeguard_agent_scan_duration_seconds_count") < scans + 5.0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no scans during the outage"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("five scans during the outage", async || {
+        agent.metric("teeguard_agent_scan_duration_seconds_count") >= scans + 5.0
+    })
+    .await;
     assert!(
         tdx_is(&agent.status().expect("status"), |t| t.kernel_used == 6),
         "nothing published while down"

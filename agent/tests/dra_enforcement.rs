@@ -5,10 +5,8 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::kubelet::{PREPARE, call};
-use common::{Agent, NODE, WAIT, config, create_pod, options};
+use common::{Agent, NODE, config, create_pod, options};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 use teeguard_agent::kubelet::PluginPaths;
@@ -18,25 +16,7 @@ use teeguard_agent::kubelet::proto::{
 use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::tdx_node;
 use teeguard_tests::host::{QosClass, SimHost, TDX};
-
-/// Poll `check` every 20 ms until it gives a value, for at most [`WAIT`].
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+use teeguard_tests::wait::eventually;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cgroup_writer_limits_a_pod_holding_a_key_through_its_own_claim_to_the_allocation() {
@@ -82,34 +62,31 @@ async fn the_cgroup_writer_limits_a_pod_holding_a_key_through_its_own_claim_to_t
     // The kubelet prepares the claim before it creates the pod's sandbox (the driver refuses until
     // the agent has read the kernel's keys; the kubelet retries).
     let socket = PluginPaths::under(kubelet.path()).dra;
-    eventually("the claim prepared", || {
-        let socket = socket.clone();
-        async move {
-            if !socket.exists() {
-                return None;
-            }
-            let r: NodePrepareResourcesResponse = call(
-                &socket,
-                PREPARE,
-                NodePrepareResourcesRequest {
-                    claims: vec![Claim {
-                        namespace: "vms".into(),
-                        uid: "claim-1".into(),
-                        name: "vm-tee-x7".into(),
-                    }],
-                },
-            )
-            .await;
-            r.claims["claim-1"].error.is_empty().then_some(())
+    eventually("the claim prepared", async || {
+        if !socket.exists() {
+            return false;
         }
+        let r: NodePrepareResourcesResponse = call(
+            &socket,
+            PREPARE,
+            NodePrepareResourcesRequest {
+                claims: vec![Claim {
+                    namespace: "vms".into(),
+                    uid: "claim-1".into(),
+                    name: "vm-tee-x7".into(),
+                }],
+            },
+        )
+        .await;
+        r.claims["claim-1"].error.is_empty()
     })
     .await;
 
     // The kubelet creates the pod cgroup; the agent writes the claim's one key into it.
     host.add_pod(&uid, QosClass::Burstable, &["compute"])
         .expect("pod cgroup");
-    eventually("misc.max tdx 1 in the pod cgroup", || async {
-        (host.pod_max(&uid, TDX) == Some(Some(1))).then_some(())
+    eventually("misc.max tdx 1 in the pod cgroup", async || {
+        host.pod_max(&uid, TDX) == Some(Some(1))
     })
     .await;
     host.start_vm(&uid, "compute", TDX).expect("the first key");

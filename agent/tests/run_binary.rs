@@ -4,13 +4,14 @@
 mod common;
 
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
 use common::{NODE, WAIT, node_capacity, tdx_vm};
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::{TDX_KEYS, tdx_node};
 use teeguard_tests::host::{SimHost, TDX};
+use teeguard_tests::ports::free_ports;
+use teeguard_tests::wait::{PATIENCE, until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_teeguard-agent");
@@ -54,10 +55,8 @@ async fn run_serves_admin_endpoints_publishes_and_stops_on_sigterm() {
     served.write_kubeconfig(&kubeconfig).expect("kubeconfig");
     let config = dir.path().join("teeguard.yaml");
     std::fs::write(&config, "agent:\n  pollInterval: 100ms\n").expect("config");
-    let admin = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
-        l.local_addr().expect("addr").to_string()
-    };
+    let [admin_port] = free_ports().expect("a free port");
+    let admin = format!("127.0.0.1:{admin_port}");
     let log = dir.path().join("agent.log");
     let child = Command::new(BIN)
         .args([
@@ -85,25 +84,19 @@ async fn run_serves_admin_endpoints_publishes_and_stops_on_sigterm() {
     let logs = || std::fs::read_to_string(&log).unwrap_or_default();
 
     // Ready once scanned and the pod cache is synced.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Some(r) = http_get(&admin, "/readyz").await
-            && r.starts_with("HTTP/1.1 200")
-        {
-            break;
-        }
+    until("/readyz to answer 200", PATIENCE, async || {
+        let ready = http_get(&admin, "/readyz")
+            .await
+            .is_some_and(|r| r.starts_with("HTTP/1.1 200"));
         assert!(
-            child.0.try_wait().expect("try_wait").is_none(),
+            ready || child.0.try_wait().expect("try_wait").is_none(),
             "agent exited early:\n{}",
             logs()
         );
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never ready:\n{}",
-            logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        ready
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}:\n{}", logs()));
     let livez = http_get(&admin, "/livez").await.expect("livez");
     assert!(livez.starts_with("HTTP/1.1 200"), "{livez}");
 
@@ -140,25 +133,18 @@ async fn run_serves_admin_endpoints_publishes_and_stops_on_sigterm() {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
 
-    // SIGTERM: a clean, prompt exit.
+    // SIGTERM: a clean, prompt exit (within WAIT).
     let pid = child.0.id().to_string();
     let killed = Command::new("kill")
         .args(["-TERM", &pid])
         .status()
         .expect("kill");
     assert!(killed.success());
-    let deadline = tokio::time::Instant::now() + WAIT;
-    let exit = loop {
-        if let Some(s) = child.0.try_wait().expect("try_wait") {
-            break s;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no exit after SIGTERM:\n{}",
-            logs()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let exit = until("an exit after SIGTERM", WAIT, async || {
+        child.0.try_wait().expect("try_wait")
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}:\n{}", logs()));
     assert!(exit.success(), "{exit:?}\n{}", logs());
     let logs = logs();
     assert!(logs.contains("shutdown requested"), "{logs}");

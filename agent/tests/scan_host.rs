@@ -1,15 +1,15 @@
-//! The scanner and the attribution pipeline (`cli::scan_report`, the code `run` uses too) against the
+//! The scanner and the attribution pipeline (`scan::scan_report`, the code `run` uses too) against the
 //! simulated host: every cgroup layout, delegation mode and broken file.
 
 use std::collections::HashSet;
 
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
-use teeguard_agent::cli::scan_report;
 use teeguard_agent::decide::attribution::Accounting;
 use teeguard_agent::decide::counts::KindCounts;
 use teeguard_agent::decide::host::{Driver, HostScan, HostState, Interest};
 use teeguard_agent::kernel::Scanner;
+use teeguard_agent::scan::scan_report;
 use teeguard_shared::names::{conditions as ct, reasons};
 use teeguard_shared::{Config, KindStatus, TeeKind};
 use teeguard_tests::host::{
@@ -50,12 +50,12 @@ fn scanned(state: HostState) -> HostScan {
     }
 }
 
-fn tdx(report: &teeguard_agent::cli::ScanReport) -> KindStatus {
+fn tdx(report: &teeguard_agent::scan::ScanReport) -> KindStatus {
     report.status.tdx.clone().expect("tdx figures")
 }
 
 fn condition<'a>(
-    report: &'a teeguard_agent::cli::ScanReport,
+    report: &'a teeguard_agent::scan::ScanReport,
     t: &str,
 ) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
     report.status.condition(t).expect("condition")

@@ -4,7 +4,7 @@
 
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
-use teeguard_agent::cli::scan_report;
+use teeguard_agent::scan::scan_report;
 use teeguard_shared::Config;
 use teeguard_shared::crd::RefusedCharges;
 use teeguard_shared::names::conditions as ct;

@@ -12,7 +12,7 @@
 //! | 3 | `kernel`, `cluster`, `runtime`, `kubelet` | what the agent talks to: the host's cgroup files, the API server, the container runtime (NRI), the kubelet's plugin sockets (DRA); apart: none imports another |
 //! | 4 | `enforce`, `dra` | kernel enforcement, and the DRA driver, wired from the layer below |
 //! | 5 | `run` | the agent's loop: scan, reconcile, publish |
-//! | 6 | `cli`, `lib`, `main` | the command line (`run`, `scan`, `cleanup`) |
+//! | 6 | `cli`, `scan`, `lib`, `main` | the command line (`run`, `scan`, `cleanup`); `scan` prints one scan |
 //!
 //! `decide/` may import nothing of the crate but itself and `error`, and no runtime, client, file,
 //! watch or metrics crate.
@@ -28,6 +28,7 @@ const fn layer(modules: &'static [&'static str]) -> Layer {
 
 const AGENT: Layers = Layers {
     name: "agent/src",
+    crate_name: "teeguard_agent",
     layers: &[
         layer(&["error"]),
         layer(&["decide"]),
@@ -41,7 +42,7 @@ const AGENT: Layers = Layers {
             siblings_share: false,
         },
         layer(&["run"]),
-        layer(&["cli", "lib", "main"]),
+        layer(&["cli", "scan", "lib", "main"]),
     ],
     core: "decide",
     core_may_import: &["error"],

@@ -40,6 +40,7 @@
 
 mod bundle;
 mod ca;
+pub mod cli;
 mod error;
 mod names;
 mod pem;

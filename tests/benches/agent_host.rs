@@ -20,15 +20,9 @@ use support::{fmt_dur, proc_cpu, proc_status_kib, release_binary, section};
 use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer};
 use teeguard_tests::fixtures::{self, KataTee, NodeBuilder, Tee, VirtLauncherPod};
 use teeguard_tests::host::{CgroupDriver, CgroupVersion, QosClass, SimHost, TDX};
+use teeguard_tests::ports::free_ports;
 
 const NODE: &str = "node01";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
 
 /// GET `path` on the admin endpoint: the body when the answer is 2xx.
 async fn admin_get(admin: SocketAddr, path: &str) -> Option<String> {
@@ -158,7 +152,7 @@ fn main() {
     host.add_external("outside", TDX, 2).expect("external");
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let admin_port = free_port();
+    let [admin_port] = free_ports().expect("a free port");
     let admin: SocketAddr = ([127, 0, 0, 1], admin_port).into();
     let (ready, samples, hwm, published) = rt.block_on(async {
         let served = api.serve().await.expect("serve");

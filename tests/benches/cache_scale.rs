@@ -30,6 +30,7 @@ use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer};
 use teeguard_tests::fixtures::{
     self, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
 };
+use teeguard_tests::ports::free_ports;
 use webhook_support::{
     Expected, H1, SecretDir, admin_get, ca_and_leaf, check_mutate, client_config,
 };
@@ -39,13 +40,6 @@ struct Scale {
     other_pods: usize,
     nodes: usize,
     namespaces: usize,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
 }
 
 fn report(node: &str, free: u64) -> Value {
@@ -184,7 +178,7 @@ async fn wait_ready(admin: SocketAddr, child: &mut Child) -> Duration {
 
 /// Spawn `teeguard-webhook serve` against `kubeconfig` and wait until it is ready.
 async fn start_webhook(binary: &Path, kubeconfig: &Path, certs: &SecretDir) -> Webhook {
-    let (https, admin) = (free_port(), free_port());
+    let [https, admin] = free_ports().expect("free ports");
     let spawned = Instant::now();
     let mut child = Command::new(binary)
         .args([

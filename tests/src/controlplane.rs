@@ -16,7 +16,6 @@
 //! - Without binaries the tests skip with one line saying how to provide them; with `CI=true` a missing
 //!   or broken control plane fails the run instead.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -26,6 +25,8 @@ use std::time::{Duration, Instant};
 use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use teeguard_certs::{CertificateAuthority, ServingCertRequest};
+
+use crate::ports::free_ports;
 
 /// The environment variable naming the directory with the binaries.
 pub const ENV: &str = "TEEGUARD_CONTROL_PLANE";
@@ -175,7 +176,8 @@ impl ControlPlane {
             ),
         )?;
 
-        let [etcd_port, peer_port, metrics_port, api_port] = free_ports()?;
+        let [etcd_port, peer_port, metrics_port, api_port] =
+            free_ports().map_err(io("find free ports"))?;
         let url = format!("https://127.0.0.1:{api_port}");
         let kubeconfig = |name: &str, tok: &str| -> Result<PathBuf> {
             write(
@@ -416,18 +418,6 @@ fn make_executable(p: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
         .map_err(io(format!("chmod {}", p.display())))
-}
-
-/// Four distinct free ports on 127.0.0.1 (held together while chosen, then released).
-fn free_ports() -> Result<[u16; 4]> {
-    let listeners: Vec<TcpListener> = (0..4)
-        .map(|_| TcpListener::bind("127.0.0.1:0").map_err(io("find a free port")))
-        .collect::<Result<_>>()?;
-    let mut ports = [0u16; 4];
-    for (slot, l) in ports.iter_mut().zip(&listeners) {
-        *slot = l.local_addr().map_err(io("read a port"))?.port();
-    }
-    Ok(ports)
 }
 
 fn rand_u64() -> u64 {

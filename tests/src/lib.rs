@@ -14,8 +14,10 @@ pub mod kubevirt;
 pub mod node;
 /// A fake container runtime speaking NRI (multiplexed ttrpc over a Unix socket), for NRI plugin tests.
 pub mod nri;
+pub mod ports;
 pub mod realcluster;
 pub mod standalone;
 pub mod structure;
 /// A real Linux misc cgroup controller: Debian's kernels under QEMU with the `../shared/tee-vm` kit.
 pub mod teevm;
+pub mod wait;

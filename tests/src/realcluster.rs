@@ -22,6 +22,7 @@ use crate::controlplane::{ControlPlane, unique_name};
 use crate::e2e::{E2eError, ProcessEnv};
 use crate::fixtures::{NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi};
 use crate::standalone::driver::{own_by, strip_server_fields};
+use crate::wait;
 
 /// Run a test body, failing the test when it takes longer than `deadline`.
 pub async fn within(deadline: Duration, body: impl std::future::Future<Output = ()>) {
@@ -190,40 +191,28 @@ impl Cluster {
         Ok(())
     }
 
-    /// Poll `check` every 50 ms until it returns `Some`, for at most 30 s.
-    pub async fn wait_for<T, F, Fut>(&self, what: &str, check: F) -> Result<T>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Option<T>>,
-    {
-        self.wait_for_within(what, Duration::from_secs(30), check)
-            .await
+    /// Poll `check` until it returns `Some`, for at most [`wait::PATIENCE`] (30 s).
+    pub async fn wait_for<T>(
+        &self,
+        what: &str,
+        check: impl AsyncFnMut() -> Option<T>,
+    ) -> Result<T> {
+        self.wait_for_within(what, wait::PATIENCE, check).await
     }
 
-    /// [`Cluster::wait_for`] with a deadline of `timeout`.
-    pub async fn wait_for_within<T, F, Fut>(
+    /// [`Cluster::wait_for`] with a deadline of `timeout` (the polling is [`wait::until`]'s).
+    pub async fn wait_for_within<T>(
         &self,
         what: &str,
         timeout: Duration,
-        mut check: F,
-    ) -> Result<T>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Option<T>>,
-    {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            if let Some(v) = check().await {
-                return Ok(v);
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(fail(
-                    format!("waiting for {what}"),
-                    format!("not within {timeout:?}"),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        check: impl AsyncFnMut() -> Option<T>,
+    ) -> Result<T> {
+        wait::until(what, timeout, check).await.map_err(|_| {
+            fail(
+                format!("waiting for {what}"),
+                format!("not within {timeout:?}"),
+            )
+        })
     }
 
     /// A new namespace `<prefix>-<pid>-<n>` labelled [`TEST_LABEL`]`=<test>` (plus `labels`), once

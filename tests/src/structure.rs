@@ -4,7 +4,8 @@
 //! nothing.
 //!
 //! The checks read the source as text: [`references`] understands `crate::a::b`, `crate::{a, b::c}`
-//! and `super::` paths (comments are skipped), which is how both crates spell their imports.
+//! and `super::` paths, and paths that start with the crate's own name (`teeguard_agent::a`, as its
+//! binary's `main.rs` spells them); comments are skipped.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -27,6 +28,9 @@ pub struct Layer {
 pub struct Layers {
     /// For messages: `webhook/src`.
     pub name: &'static str,
+    /// The crate's name as paths spell it (`teeguard_webhook`): a path starting with it (in
+    /// `main.rs`, a binary that uses the library) is read like one starting with `crate::`.
+    pub crate_name: &'static str,
     /// Bottom to top; a module may import its own layer (see [`Layer::siblings_share`]) and those below.
     pub layers: &'static [Layer],
     /// The pure core's top-level module.
@@ -84,19 +88,29 @@ fn sources(root: &Path) -> Vec<Source> {
 }
 
 /// Every crate-internal path a file refers to, as module paths (`crate::decide::ledger::Ledger` ->
-/// `["decide", "ledger", "Ledger"]`; `super::x` resolved against `module`). Comments are skipped.
-pub fn references(text: &str, module: &[String]) -> BTreeSet<Vec<String>> {
+/// `["decide", "ledger", "Ledger"]`; `super::x` resolved against `module`; `<crate_name>::x` read as
+/// `crate::x`). Comments are skipped.
+pub fn references(text: &str, module: &[String], crate_name: &str) -> BTreeSet<Vec<String>> {
+    let by_name = format!("{crate_name}::");
     let mut out = BTreeSet::new();
     for line in text.lines() {
         let code = line.split("//").next().unwrap_or("");
         for (prefix, base) in [
             ("crate::", Vec::new()),
+            (by_name.as_str(), Vec::new()),
             ("super::", module[..module.len().saturating_sub(1)].to_vec()),
         ] {
             let mut rest = code;
             while let Some(at) = rest.find(prefix) {
                 // `super::` inside `crate::...::super::` does not occur; a `self::super::` neither.
                 let after = &rest[at + prefix.len()..];
+                // Only the whole name: `teeguard_agent::` is not the end of `my_teeguard_agent::`.
+                let starts_a_word =
+                    !rest[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_');
+                rest = after;
+                if !starts_a_word {
+                    continue;
+                }
                 for path in expand(after) {
                     let mut full = base.clone();
                     full.extend(path);
@@ -104,7 +118,6 @@ pub fn references(text: &str, module: &[String]) -> BTreeSet<Vec<String>> {
                         out.insert(full);
                     }
                 }
-                rest = after;
             }
         }
     }
@@ -184,7 +197,7 @@ pub fn problems(root: &Path, layers: &Layers) -> Vec<String> {
                 "{name}: no opening //! comment saying what it holds"
             ));
         }
-        for r in references(&f.text, &f.module) {
+        for r in references(&f.text, &f.module, layers.crate_name) {
             let target_top = r[0].as_str();
             let Some(theirs) = layers.rank(target_top) else {
                 continue; // a re-export or item of lib.rs, or a local path
@@ -284,6 +297,7 @@ mod tests {
 
     const LAYERS: Layers = Layers {
         name: "example/src",
+        crate_name: "example",
         layers: &[
             Layer {
                 modules: &["decide"],
@@ -374,5 +388,47 @@ mod tests {
         assert!(has("stray: module outside the layers"), "{got:#?}");
         assert!(!has("web: imports"), "web may import cluster: {got:#?}");
         assert!(!has("lib: imports"), "lib and cli share a layer: {got:#?}");
+    }
+
+    /// A binary uses its library by the crate's name (`use example::web::Server`), not `crate::`:
+    /// the checker reads those paths too, and only the whole name.
+    #[test]
+    fn the_checker_reads_paths_that_start_with_the_crate_name() {
+        // A small binary meant to use nothing but the core, in the core's layer.
+        const TOOL: Layers = Layers {
+            name: "tool/src",
+            crate_name: "tool",
+            layers: &[
+                Layer {
+                    modules: &["decide", "main"],
+                    siblings_share: true,
+                },
+                Layer {
+                    modules: &["web", "lib"],
+                    siblings_share: true,
+                },
+            ],
+            core: "decide",
+            core_may_import: &[],
+            impure: &[],
+        };
+        let dir = tempfile::tempdir().expect("tmp");
+        let write = |rel: &str, body: &str| {
+            let p = dir.path().join(rel);
+            std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+            std::fs::write(p, body).expect("write");
+        };
+        write("lib.rs", "//! root\npub mod decide;\npub mod web;\n");
+        write("decide/mod.rs", "//! core\n");
+        write("web/mod.rs", "//! web\n");
+        write(
+            "main.rs",
+            "//! the binary\nuse tool::decide::Decision;\nuse tool::{web::Server};\n\
+             use toolkit::web::Other;\nuse my_tool::web::Other;\n",
+        );
+        assert_eq!(
+            problems(dir.path(), &TOOL),
+            ["main: imports web::Server from a layer above it"]
+        );
     }
 }

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use chart_support::helm_on;
 use kube::Api;
 use kube::api::DynamicObject;
 use kube::core::{ApiResource, GroupVersionKind};
@@ -30,13 +31,6 @@ const DEADLINE: Duration = Duration::from_secs(120);
 struct Installed {
     stdout: String,
     stderr: String,
-}
-
-fn helm(cp: &ControlPlane, args: &[&str]) -> chart_support::Run {
-    let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    all.push("--kubeconfig".into());
-    all.push(cp.kubeconfig.display().to_string());
-    chart_support::run(&chart_support::helm(), &all)
 }
 
 fn kubectl(cp: &ControlPlane, args: &[&str], extra_env: &[(&str, &str)]) -> chart_support::Run {
@@ -62,7 +56,7 @@ fn installed(cp: &'static ControlPlane) -> &'static Installed {
     static ONCE: OnceLock<Installed> = OnceLock::new();
     ONCE.get_or_init(|| {
         let chart = chart_support::chart_dir().display().to_string();
-        let out = helm(
+        let out = helm_on(
             cp,
             &[
                 "install",
@@ -399,7 +393,7 @@ async fn helm_uninstall_removes_everything_but_the_crd() {
         installed(c.cp); // the CRD, from the first release
         let (release, ns) = ("tg-uninstall", "tg-uninstall");
         let chart = chart_support::chart_dir().display().to_string();
-        let out = helm(
+        let out = helm_on(
             c.cp,
             &[
                 "install",
@@ -411,11 +405,11 @@ async fn helm_uninstall_removes_everything_but_the_crd() {
             ],
         );
         assert!(out.success, "{}", out.stderr);
-        let manifest = helm(c.cp, &["get", "manifest", release, "--namespace", ns]);
+        let manifest = helm_on(c.cp, &["get", "manifest", release, "--namespace", ns]);
         assert!(manifest.success, "{}", manifest.stderr);
         let objects = chart_support::parse_documents(&manifest.stdout);
         assert!(objects.len() > 10, "{} objects", objects.len());
-        let out = helm(c.cp, &["uninstall", release, "--namespace", ns, "--wait"]);
+        let out = helm_on(c.cp, &["uninstall", release, "--namespace", ns, "--wait"]);
         assert!(out.success, "{}", out.stderr);
         // Every object of the release is gone (namespaced ones: deleted, or going with finalizers).
         for obj in &objects {
@@ -561,7 +555,7 @@ async fn dra_mode_installs_and_holds_the_agent_to_its_own_nodes_slices() {
         let (release, ns) = ("tg-dra", "tg-dra");
         let chart = chart_support::chart_dir().display().to_string();
         let values = chart_support::values_file("dra").display().to_string();
-        let out = helm(
+        let out = helm_on(
             c.cp,
             &[
                 "install",

@@ -458,15 +458,11 @@ fn mentions_flag(text: &str, flag: &str) -> bool {
     })
 }
 
-#[test]
-fn cli_reference_lists_every_flag_of_both_binaries() {
-    let cli_md = read("docs/cli.md");
-    let mut missing = Vec::new();
-    for (binary, command) in [
-        ("teeguard-webhook", teeguard_webhook::cli::Cli::command()),
-        ("teeguard-agent", teeguard_agent::cli::Cli::command()),
-    ] {
-        let named = |arg: &clap::Arg| -> Option<(String, Option<String>)> {
+/// The long flags of `command` (without `--help` and `--version`), each with its short form if any.
+fn flags(command: &clap::Command) -> Vec<(String, Option<String>)> {
+    command
+        .get_arguments()
+        .filter_map(|arg| {
             let long = arg.get_long()?;
             (long != "help" && long != "version").then(|| {
                 (
@@ -474,9 +470,51 @@ fn cli_reference_lists_every_flag_of_both_binaries() {
                     arg.get_short().map(|s| format!("-{s}")),
                 )
             })
-        };
+        })
+        .collect()
+}
+
+/// What docs/cli.md lacks for `command` (`name`: `teeguard-agent scan`, `teeguard-certs`): a row of
+/// the table starting with its name, and each of its flags in that row.
+fn missing_from_row(cli_md: &str, name: &str, command: &clap::Command) -> Vec<String> {
+    let start = format!("| `{name}");
+    let Some(row) = cli_md.lines().find(|line| {
+        line.strip_prefix(&start)
+            .is_some_and(|rest| rest.starts_with([' ', '`']))
+    }) else {
+        return vec![format!(
+            "{name}: docs/cli.md has no row starting with `{start}`"
+        )];
+    };
+    flags(command)
+        .into_iter()
+        .filter(|(long, short)| {
+            !mentions_flag(row, long) && !short.as_ref().is_some_and(|s| mentions_flag(row, s))
+        })
+        .map(|(long, _)| {
+            format!(
+                "{name} {long}: missing from its row in docs/cli.md; add it with its default and \
+                 what it does"
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn cli_reference_lists_every_flag_of_every_binary() {
+    let cli_md = read("docs/cli.md");
+    let mut missing = Vec::new();
+    for (binary, command) in [
+        ("teeguard-webhook", teeguard_webhook::cli::Cli::command()),
+        ("teeguard-agent", teeguard_agent::cli::Cli::command()),
+        ("teeguard-certs", teeguard_certs::cli::Cli::command()),
+    ] {
+        if !command.has_subcommands() {
+            missing.extend(missing_from_row(&cli_md, binary, &command));
+            continue;
+        }
         // Flags of the binary itself (`--log-format` before the subcommand): anywhere in the file.
-        for (long, _) in command.get_arguments().filter_map(named) {
+        for (long, _) in flags(&command) {
             if !mentions_flag(&cli_md, &long) {
                 missing.push(format!(
                     "{binary} {long}: not mentioned anywhere in docs/cli.md"
@@ -485,25 +523,8 @@ fn cli_reference_lists_every_flag_of_both_binaries() {
         }
         // A subcommand's flags: in its row of the table.
         for sub in command.get_subcommands() {
-            let start = format!("| `{binary} {}", sub.get_name());
-            let Some(row) = cli_md.lines().find(|line| line.starts_with(&start)) else {
-                missing.push(format!(
-                    "{binary} {}: docs/cli.md has no row starting with `{start}`",
-                    sub.get_name()
-                ));
-                continue;
-            };
-            for (long, short) in sub.get_arguments().filter_map(named) {
-                let mentioned =
-                    mentions_flag(row, &long) || short.is_some_and(|s| mentions_flag(row, &s));
-                if !mentioned {
-                    missing.push(format!(
-                        "{binary} {} {long}: missing from its row in docs/cli.md; add it with its \
-                         default and what it does",
-                        sub.get_name()
-                    ));
-                }
-            }
+            let name = format!("{binary} {}", sub.get_name());
+            missing.extend(missing_from_row(&cli_md, &name, sub));
         }
     }
     assert!(missing.is_empty(), "{}", missing.join("\n"));

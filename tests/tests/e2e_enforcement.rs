@@ -10,6 +10,7 @@ use teeguard_tests::fixtures::{self, TDX_KEYS, Tee, VirtLauncherPod};
 use teeguard_tests::host::{MiscDelegation, QosClass, SEV, SEV_ES, SimHost, TDX};
 use teeguard_tests::nri::{NriRuntime, Registration, misc_max};
 use teeguard_tests::standalone::VmiSpec;
+use teeguard_tests::wait::eventually;
 
 const TEST_DEADLINE: Duration = Duration::from_secs(120);
 const ANNOTATION: &str = "misc-max.teeguard.dev/compute";
@@ -19,21 +20,6 @@ async fn bounded<F: Future<Output = ()>>(f: F) {
     tokio::time::timeout(TEST_DEADLINE, f)
         .await
         .expect("the scenario finished within its deadline");
-}
-
-/// Poll `f` every 10 ms until it is `Some`, or fail after `timeout` naming `what`.
-async fn eventually<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 fn enforcing(env: &E2eEnv, node: &str) -> Option<(String, String, String)> {
@@ -167,7 +153,7 @@ async fn nri_plugin_registers_and_sets_misc_max_for_tee_compute_containers_only(
         assert!(started.elapsed() < Duration::from_millis(200), "{:?}", started.elapsed());
 
         // The condition says NRI, and the counter moved.
-        let (status, reason, message) = eventually("Enforcing=True", Duration::from_secs(10), || {
+        let (status, reason, message) = eventually("Enforcing=True", async || {
             enforcing(&env, NODE).filter(|c| c.0 == "True")
         })
         .await;
@@ -364,11 +350,9 @@ async fn cgroup_writer_limits_a_tdx_vm_so_the_kernel_refuses_its_second_key() {
         w.host
             .add_pod(&uid, QosClass::Burstable, &["compute"])
             .expect("pod cgroup");
-        eventually(
-            "misc.max tdx 1 in the pod cgroup",
-            Duration::from_secs(5),
-            || (w.host.pod_max(&uid, TDX) == Some(Some(1))).then_some(()),
-        )
+        eventually("misc.max tdx 1 in the pod cgroup", async || {
+            w.host.pod_max(&uid, TDX) == Some(Some(1))
+        })
         .await;
         let took = created.elapsed();
         eprintln!("pod cgroup limited {took:?} after it appeared");
@@ -386,11 +370,10 @@ async fn cgroup_writer_limits_a_tdx_vm_so_the_kernel_refuses_its_second_key() {
         );
         assert_eq!(w.host.usage(TDX), 1);
 
-        let (status, reason, message) =
-            eventually("Enforcing=True", Duration::from_secs(10), || {
-                enforcing(&w.env, NODE).filter(|c| c.0 == "True" && c.2.contains("1 pods limited"))
-            })
-            .await;
+        let (status, reason, message) = eventually("Enforcing=True", async || {
+            enforcing(&w.env, NODE).filter(|c| c.0 == "True" && c.2.contains("1 pods limited"))
+        })
+        .await;
         assert_eq!(
             (status.as_str(), reason.as_str()),
             ("True", "CgroupWriter"),
@@ -417,11 +400,9 @@ async fn strict_mode_makes_a_charge_by_a_pod_that_requested_no_key_fail() {
         w.host
             .add_pod(&uid, QosClass::Burstable, &["compute"])
             .expect("pod cgroup");
-        eventually(
-            "misc.max tdx 0 in the pod cgroup",
-            Duration::from_secs(5),
-            || (w.host.pod_max(&uid, TDX) == Some(Some(0))).then_some(()),
-        )
+        eventually("misc.max tdx 0 in the pod cgroup", async || {
+            w.host.pod_max(&uid, TDX) == Some(Some(0))
+        })
         .await;
         assert!(
             w.host.start_vm(&uid, "compute", TDX).is_err(),
@@ -433,14 +414,14 @@ async fn strict_mode_makes_a_charge_by_a_pod_that_requested_no_key_fail() {
         w.host
             .add_pod(&tee, QosClass::Burstable, &["compute"])
             .expect("pod cgroup");
-        eventually("misc.max tdx 1", Duration::from_secs(5), || {
-            (w.host.pod_max(&tee, TDX) == Some(Some(1))).then_some(())
+        eventually("misc.max tdx 1", async || {
+            w.host.pod_max(&tee, TDX) == Some(Some(1))
         })
         .await;
         w.host
             .start_vm(&tee, "compute", TDX)
             .expect("the TEE VM starts");
-        let (_, _, message) = eventually("Enforcing=True", Duration::from_secs(10), || {
+        let (_, _, message) = eventually("Enforcing=True", async || {
             enforcing(&w.env, NODE).filter(|c| c.0 == "True")
         })
         .await;
@@ -465,10 +446,7 @@ async fn a_host_without_misc_delegation_reports_enforcing_false_and_writes_nothi
         host.add_pod(&uid, QosClass::Burstable, &["compute"])
             .expect("pod cgroup");
         let (status, reason, message) =
-            eventually("Enforcing=False", Duration::from_secs(10), || {
-                enforcing(&env, NODE)
-            })
-            .await;
+            eventually("Enforcing=False", async || enforcing(&env, NODE)).await;
         assert_eq!(
             (status.as_str(), reason.as_str()),
             ("False", "MiscControllerNotDelegated"),
@@ -520,8 +498,7 @@ async fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
         }
         eventually(
             "misc.max tdx 0 for the pod outside the exempt namespace",
-            Duration::from_secs(5),
-            || (w.host.pod_max(&strict, TDX) == Some(Some(0))).then_some(()),
+            async || w.host.pod_max(&strict, TDX) == Some(Some(0)),
         )
         .await;
         // Both pods were known when the first was limited; give the writer a few more sweeps.

@@ -12,6 +12,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Config};
 use serde_json::json;
 use teeguard_tests::fakeapi::{FakeApiServer, RequestFilter, Verb};
+use teeguard_tests::wait::eventually;
 
 const T: Duration = Duration::from_secs(10);
 
@@ -21,17 +22,6 @@ fn pod(name: &str) -> Pod {
         "spec": {"containers": [{"name": "compute", "image": "x"}]}
     }))
     .expect("valid pod")
-}
-
-async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + T;
-    while !f() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 fn names(store: &Store<Pod>) -> Vec<String> {
@@ -78,9 +68,9 @@ async fn kubeconfig_client_over_tcp_survives_a_restart() {
         let mut s = std::pin::pin!(stream);
         while s.next().await.is_some() {}
     });
-    eventually("initial list over TCP", || names(&store) == ["a"]).await;
+    eventually("initial list over TCP", async || names(&store) == ["a"]).await;
     server.create(&pod("b")).expect("programmatic create");
-    eventually("watch event over TCP", || names(&store) == ["a", "b"]).await;
+    eventually("watch event over TCP", async || names(&store) == ["a", "b"]).await;
 
     // Stop: connections (including the watch) are cut and new ones are refused.
     served.stop().await;
@@ -95,7 +85,7 @@ async fn kubeconfig_client_over_tcp_survives_a_restart() {
         .create(&pod("c"))
         .expect("state changes while the server is down");
     served.restart().await.expect("restart on the same port");
-    eventually("reflector recovers after the restart", || {
+    eventually("reflector recovers after the restart", async || {
         names(&store) == ["a", "b", "c"]
     })
     .await;

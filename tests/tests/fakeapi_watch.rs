@@ -12,6 +12,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher::{self, Event, watcher};
 use serde_json::json;
 use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer, FaultRule, RequestFilter, Verb};
+use teeguard_tests::wait::eventually;
 
 const T: Duration = Duration::from_secs(10);
 
@@ -55,17 +56,6 @@ fn names(store: &Store<Pod>) -> Vec<String> {
         .collect();
     v.sort();
     v
-}
-
-async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + T;
-    while !f() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Runs a reflector in the background; returns its store.
@@ -156,11 +146,14 @@ async fn watcher_sees_creates_updates_deletes_in_order() {
     server
         .create(&pod("b", json!({})))
         .expect("programmatic create");
-    eventually("reflector has pre and b", || names(&store) == ["b", "pre"]).await;
+    eventually("reflector has pre and b", async || {
+        names(&store) == ["b", "pre"]
+    })
+    .await;
     server
         .delete("pods", Some("ns"), "pre")
         .expect("programmatic delete");
-    eventually("reflector dropped pre", || names(&store) == ["b"]).await;
+    eventually("reflector dropped pre", async || names(&store) == ["b"]).await;
     task.abort();
 }
 
@@ -206,7 +199,7 @@ async fn too_old_resource_version_is_410_and_reflector_relists() {
 
     // A reflector that misses more than the history while its watch is down must re-list.
     let (store, task) = spawn_reflector(api.clone(), watcher::Config::default());
-    eventually("initial list", || names(&store).len() == 10).await;
+    eventually("initial list", async || names(&store).len() == 10).await;
     let lists_before = server
         .requests_matching(&RequestFilter::new().verb(Verb::List).resource("pods"))
         .len();
@@ -223,7 +216,7 @@ async fn too_old_resource_version_is_410_and_reflector_relists() {
             .expect("create");
     }
     server.remove_fault(refuse);
-    eventually("reflector consistent with the server", || {
+    eventually("reflector consistent with the server", async || {
         names(&store) == server_names(&server)
     })
     .await;
@@ -246,7 +239,7 @@ async fn expired_watches_make_the_reflector_relist() {
     let api: Api<Pod> = Api::namespaced(server.client(), "ns");
     server.create(&pod("a", json!({}))).expect("seed");
     let (store, task) = spawn_reflector(api, watcher::Config::default());
-    eventually("initial list", || names(&store) == ["a"]).await;
+    eventually("initial list", async || names(&store) == ["a"]).await;
     server
         .wait_for(T, "the watch to be open", |s| {
             (s.open_watches() == 1).then_some(())
@@ -261,7 +254,7 @@ async fn expired_watches_make_the_reflector_relist() {
     let before = lists();
     server.expire_watches();
     server.create(&pod("b", json!({}))).expect("create");
-    eventually("re-list after 410", || {
+    eventually("re-list after 410", async || {
         lists() > before && names(&store) == ["a", "b"]
     })
     .await;
@@ -290,8 +283,11 @@ async fn dropped_watch_resumes_without_losing_events() {
             })
             .expect("modify");
     }
-    eventually("all objects seen", || names(&store) == ["d0", "d1", "d2"]).await;
-    eventually("labels seen", || {
+    eventually("all objects seen", async || {
+        names(&store) == ["d0", "d1", "d2"]
+    })
+    .await;
+    eventually("labels seen", async || {
         store.state().iter().all(|p| {
             p.metadata
                 .labels

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use chart_support::helm_on;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
@@ -33,25 +34,13 @@ use teeguard_tests::controlplane::{ControlPlane, unique_name};
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
 use teeguard_tests::host::{SimHost, TDX};
 use teeguard_tests::node::{ContainerKind, NodeTurn, RealNode, Runtime, built_images, pods};
+use teeguard_tests::ports::free_ports;
 use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
 
 const DEADLINE: Duration = Duration::from_secs(420);
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const WEBHOOK_IMAGE: &str = "ghcr.io/teeguard/teeguard-webhook";
 const AGENT_IMAGE: &str = "ghcr.io/teeguard/teeguard-agent";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-fn helm(cp: &ControlPlane, args: &[String]) -> chart_support::Run {
-    let mut all = args.to_vec();
-    all.extend(["--kubeconfig".into(), cp.kubeconfig.display().to_string()]);
-    chart_support::run(&chart_support::helm(), &all)
-}
 
 fn set(pairs: &[(&str, String)]) -> Vec<String> {
     pairs
@@ -307,7 +296,7 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
             "--reuse-values".into(),
         ];
         up.extend(set(&[("agent.image.tag", format!("{VERSION}-upgrade"))]));
-        let out = helm(cp, &up);
+        let out = helm_on(cp, &up);
         assert!(out.success, "helm upgrade failed:\n{}", out.stderr);
         let upgraded = ready_pod(
             &cluster,
@@ -504,7 +493,7 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
             ("config.agent.accounting", "extendedResource".into()),
             ("dra.drain", "true".into()),
         ]));
-        let out = helm(cp, &back);
+        let out = helm_on(cp, &back);
         assert!(
             out.success,
             "helm upgrade (switch back) failed:\n{}",
@@ -590,16 +579,7 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
 
 /// `helm uninstall --wait` of the release, then `teeguard-agent cleanup` for the node.
 fn uninstall_and_clean_up(cp: &ControlPlane, turn: &NodeTurn, release: &str, ns: &str) {
-    let out = helm(
-        cp,
-        &[
-            "uninstall".into(),
-            release.into(),
-            "--namespace".into(),
-            ns.into(),
-            "--wait".into(),
-        ],
-    );
+    let out = helm_on(cp, &["uninstall", release, "--namespace", ns, "--wait"]);
     assert!(out.success, "helm uninstall failed:\n{}", out.stderr);
     let bins = teeguard_tests::e2e::binaries().expect("teeguard binaries");
     let cleanup = std::process::Command::new(&bins.agent)
@@ -648,7 +628,7 @@ fn install(
     import_images(turn, images);
     let release = unique_name("tg");
     let ns = release.clone();
-    let (webhook_port, webhook_admin, agent_admin) = (free_port(), free_port(), free_port());
+    let [webhook_port, webhook_admin, agent_admin] = free_ports().expect("free ports");
     let ca = CertificateAuthority::generate("teeguard-node-chart-ca", 2).expect("CA");
     let leaf = ca
         .issue(&ServingCertRequest::localhost())
@@ -701,7 +681,7 @@ fn install(
     ] {
         args.extend(["--set-file".into(), format!("{k}={}", f.display())]);
     }
-    let out = helm(cp, &args);
+    let out = helm_on(cp, &args);
     assert!(out.success, "helm install failed:\n{}", out.stderr);
     Release { name: release, ns }
 }

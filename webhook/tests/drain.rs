@@ -11,6 +11,7 @@ use common::{Harness, bounded, client_config, tls_connect};
 use http::StatusCode;
 use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::{self, AdmissionReviewBuilder};
+use teeguard_tests::wait::eventually;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn review_body() -> Vec<u8> {
@@ -43,18 +44,13 @@ async fn start_request(
 }
 
 async fn wait_refused(addr: std::net::SocketAddr) {
-    let deadline = tokio::time::Instant::now() + common::WAIT;
-    loop {
-        match tokio::net::TcpStream::connect(addr).await {
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return,
-            _ => {}
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "new connections are still accepted after shutdown"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("new connections refused after shutdown", async || {
+        matches!(
+            tokio::net::TcpStream::connect(addr).await,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
+        )
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,6 +17,7 @@ use teeguard_tests::fixtures::{
     self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, DEFAULT_NODE, Tee, VirtLauncherPod, Vmi,
     owned_by, seed_vmi,
 };
+use teeguard_tests::wait::eventually;
 
 fn create_review(pod: Value) -> Value {
     AdmissionReviewBuilder::create(pod).build()
@@ -372,7 +373,7 @@ async fn exemptions_by_namespace_vmi_and_pod_label() {
         .caches
         .namespaces
         .clone();
-    common::eventually("namespaces cached", || namespaces.len() == 2).await;
+    eventually("namespaces cached", async || namespaces.len() == 2).await;
     h.api.clear_requests();
 
     let review = create_review(owned_by(
@@ -422,7 +423,7 @@ async fn cache_miss_is_served_by_one_get() {
     h.api.drop_watches();
     // Wait until the reflector's old watch has ended and its new one was refused.
     let api = h.api.clone();
-    common::eventually("VMI watch refused", || {
+    eventually("VMI watch refused", async || {
         !api.requests_where(|r| {
             r.is(Verb::Watch, "virtualmachineinstances") && r.response_code == Some(503)
         })

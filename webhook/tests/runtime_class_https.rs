@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Harness, apply_to_object, eventually, response_patch};
+use common::{Harness, apply_to_object, response_patch};
 use http::StatusCode;
 use serde_json::{Value, json};
 use teeguard_shared::TeeKind;
@@ -16,6 +16,7 @@ use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::{
     self, AdmissionReviewBuilder, KataTee, NodeBuilder, ReportBuilder, TDX_KEYS, kata_pod,
 };
+use teeguard_tests::wait::eventually;
 
 const CONFIG: &str =
     "admission:\n  teeRuntimeClasses:\n    kata-qemu-tdx: tdx\n    kata-qemu-snp: sevEs\n";
@@ -80,7 +81,7 @@ async fn tee_runtime_class_pods_get_a_container_key_request() {
         .expect("namespace");
     let h = Harness::start_with(api, Some(CONFIG), &[]).await;
     let c = h.caches();
-    eventually("namespace cached", move || c.namespaces.len() == 1).await;
+    eventually("namespace cached", async move || c.namespaces.len() == 1).await;
 
     // A TDX pod of the listed class: the key in requests and limits of its first container, its own
     // requests and limits kept.
@@ -188,7 +189,7 @@ async fn validation_refuses_the_mutated_pod_on_a_full_node() {
     }
     let h = Harness::start_with(api, Some(CONFIG), &[]).await;
     let c = h.caches();
-    eventually("reports and nodes cached", move || {
+    eventually("reports and nodes cached", async move || {
         c.tee_capacities.len() == 2 && c.nodes.len() == 2
     })
     .await;

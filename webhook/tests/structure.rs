@@ -28,6 +28,7 @@ const fn layer(modules: &'static [&'static str]) -> Layer {
 
 const WEBHOOK: Layers = Layers {
     name: "webhook/src",
+    crate_name: "teeguard_webhook",
     layers: &[
         layer(&["error"]),
         layer(&["pods"]),

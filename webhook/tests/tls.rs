@@ -7,7 +7,6 @@ mod common;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Router;
 use axum::routing::get;
@@ -20,6 +19,7 @@ use rcgen::{
 use rustls::pki_types::CertificateDer;
 use teeguard_certs::ServingCertRequest;
 use teeguard_tests::fixtures::{self, AdmissionReviewBuilder};
+use teeguard_tests::wait::{PATIENCE, eventually, until};
 use teeguard_webhook::metrics::Metrics;
 use teeguard_webhook::web::server::{ServerSettings, serve_https};
 use teeguard_webhook::web::tls::{CertReloader, install_crypto_provider, server_config};
@@ -43,31 +43,21 @@ async fn served_cert(addr: SocketAddr, ca: CertificateDer<'static>) -> Certifica
 }
 
 async fn wait_for_served(addr: SocketAddr, ca: CertificateDer<'static>, want: &CertificateDer<'_>) {
-    let deadline = tokio::time::Instant::now() + common::WAIT;
-    loop {
-        if served_cert(addr, ca.clone()).await == *want {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the new certificate was not picked up"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the new certificate served", async || {
+        served_cert(addr, ca.clone()).await == *want
+    })
+    .await;
 }
 
 async fn wait_for_metric(h: &Harness, line: &str) {
-    let deadline = tokio::time::Instant::now() + common::WAIT;
-    loop {
-        let (_, metrics) = h.admin_get("/metrics").await;
-        if metrics.lines().any(|l| l == line) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{line} never appeared in\n{metrics}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut metrics = String::new();
+    let seen = until(&format!("{line} in /metrics"), PATIENCE, async || {
+        metrics = h.admin_get("/metrics").await.1;
+        metrics.lines().any(|l| l == line)
+    })
+    .await;
+    if let Err(e) = seen {
+        panic!("{e}; the last /metrics:\n{metrics}");
     }
 }
 

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Harness, WAIT, eventually};
+use common::{Harness, WAIT};
 use http::StatusCode;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
@@ -18,6 +18,7 @@ use teeguard_tests::fixtures::{
     self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, NodeBuilder, ReportBuilder, TDX_KEYS, Tee,
     VirtLauncherPod, Vmi, owned_by, seed_vmi,
 };
+use teeguard_tests::wait::eventually;
 
 const HINT: &str =
     "free a key or add capacity; `kubectl get teecapacities` shows free keys per node";
@@ -98,7 +99,7 @@ fn warnings(r: &Value) -> Vec<String> {
 async fn wait_free(h: &Harness, node: &str, free: u64) {
     let caches = h.caches();
     let node = node.to_string();
-    eventually("report cached", move || {
+    eventually("report cached", async move || {
         caches
             .tee_capacities
             .get(&node)
@@ -111,7 +112,7 @@ async fn wait_free(h: &Harness, node: &str, free: u64) {
 
 async fn wait_cached(h: &Harness, reports: usize, nodes: usize, pods: usize, vmis: usize) {
     let c = h.caches();
-    eventually("caches filled", move || {
+    eventually("caches filled", async move || {
         c.tee_capacities.len() == reports
             && c.nodes.len() == nodes
             && c.launcher_pods.len() == pods
@@ -409,7 +410,7 @@ async fn warn_mode_and_namespace_override() {
     let h = Harness::start_with(api, Some("admission:\n  mode: warn\n"), &[]).await;
     wait_cached(&h, 1, 0, 2, 2).await;
     let c = h.caches();
-    eventually("namespaces cached", move || c.namespaces.len() == 2).await;
+    eventually("namespaces cached", async move || c.namespaces.len() == 2).await;
 
     // Global warn: allowed, with the denial message as the warning.
     let expected = format!("node node01 cannot host this TDX VM: 0/31 free; {HINT}");
@@ -454,7 +455,7 @@ async fn warn_mode_and_namespace_override() {
     let h = Harness::start_with(api, None, &[]).await;
     wait_cached(&h, 1, 0, 3, 3).await;
     let c = h.caches();
-    eventually("namespaces cached", move || c.namespaces.len() == 2).await;
+    eventually("namespaces cached", async move || c.namespaces.len() == 2).await;
     let (status, resp) = h.validate(&binding(&warned_pod, "node01")).await;
     assert_eq!(warnings(allowed(status, &resp)), vec![expected.clone()]);
     let (status, resp) = h.validate(&binding(&default_pod, "node01")).await;
@@ -602,7 +603,7 @@ async fn binding_of_an_uncached_pod_is_decided_from_one_get() {
     h.api.clear_requests();
     h.api.drop_watches();
     let api = h.api.clone();
-    eventually("pod watch refused", move || {
+    eventually("pod watch refused", async move || {
         !api.requests_where(|r| r.is(Verb::Watch, "pods") && r.response_code == Some(503))
             .is_empty()
     })
@@ -892,7 +893,7 @@ async fn exemptions_skip_the_capacity_check() {
     let h = Harness::start_with(api, None, &[]).await;
     wait_cached(&h, 1, 0, 2, 2).await;
     let c = h.caches();
-    eventually("namespace cached", move || c.namespaces.len() == 1).await;
+    eventually("namespace cached", async move || c.namespaces.len() == 1).await;
     for (pod, reason) in [
         (&in_ns, "exempt-namespace"),
         (&exempt_vmi_pod, "exempt-vmi"),

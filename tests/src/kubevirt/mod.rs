@@ -41,6 +41,7 @@ use serde_json::{Value, json};
 use teeguard_certs::{CertificateAuthority, ServingCertRequest};
 
 use crate::controlplane::{self, ControlPlane, ci};
+use crate::ports::free_ports;
 use crate::standalone::client::WebhookClient;
 
 /// The environment variable naming the kit's directory.
@@ -227,7 +228,7 @@ impl KubeVirt {
             virt_api.register(&client).await
         })?;
 
-        let port = free_port()?;
+        let [port] = free_ports().map_err(io("find a free port"))?;
         let etc_certs = etc.join("certificates");
         let controller_args: Vec<String> = vec![
             "--kubeconfig".into(),
@@ -569,10 +570,4 @@ fn write_cr(path: &Path, stored: &DynamicObject) -> Result<()> {
     let tmp = path.with_extension("json.new");
     std::fs::write(&tmp, text).map_err(io(format!("write {}", tmp.display())))?;
     std::fs::rename(&tmp, path).map_err(io(format!("rename {}", tmp.display())))
-}
-
-/// A free port on 127.0.0.1.
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io("find a free port"))?;
-    Ok(l.local_addr().map_err(io("read a port"))?.port())
 }

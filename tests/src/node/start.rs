@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -16,6 +15,7 @@ use super::{
     io, kube_node, run, teardown,
 };
 use crate::controlplane::ControlPlane;
+use crate::ports::free_ports;
 
 /// The kubelet's binaries and the helpers, besides the runtime's.
 const COMMON: [&str; 3] = ["kubelet", "crictl", "pause"];
@@ -114,7 +114,7 @@ pub(super) fn start(runtime: Runtime, n: usize, cp: &'static ControlPlane) -> Re
     let bin = binaries(&source, runtime, &dir.join("bin"))?;
     let network = Network::of(runtime, n);
     teardown::install(&dir, &bin, runtime, &name, &network.bridge)?;
-    let [kubelet_port, kubelet_healthz] = free_ports()?;
+    let [kubelet_port, kubelet_healthz] = free_ports().map_err(io("find free ports"))?;
     let node = RealNode {
         runtime,
         name,
@@ -655,12 +655,4 @@ fn make_cgroup_root(name: &str) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Two distinct free ports on 127.0.0.1.
-fn free_ports() -> Result<[u16; 2]> {
-    let a = TcpListener::bind("127.0.0.1:0").map_err(io("find a free port"))?;
-    let b = TcpListener::bind("127.0.0.1:0").map_err(io("find a free port"))?;
-    let port = |l: &TcpListener| l.local_addr().map(|a| a.port()).map_err(io("read a port"));
-    Ok([port(&a)?, port(&b)?])
 }

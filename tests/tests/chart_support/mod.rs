@@ -9,6 +9,7 @@ use std::process::Command;
 
 use serde::Deserialize;
 use serde_json::Value;
+use teeguard_tests::controlplane::ControlPlane;
 
 /// Release name every test renders with.
 pub const RELEASE: &str = "teeguard";
@@ -102,6 +103,14 @@ pub fn run(program: &Path, args: &[String]) -> Run {
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
+}
+
+/// `helm ARGS --kubeconfig` against the real control plane `cp` (`install`, `upgrade`, `uninstall`,
+/// `get manifest`): the one way the tests run helm on a cluster.
+pub fn helm_on(cp: &ControlPlane, args: &[impl AsRef<str>]) -> Run {
+    let mut all: Vec<String> = args.iter().map(|a| a.as_ref().to_string()).collect();
+    all.extend(["--kubeconfig".into(), cp.kubeconfig.display().to_string()]);
+    run(&helm(), &all)
 }
 
 /// `helm template` of the chart with the given values files and extra arguments.

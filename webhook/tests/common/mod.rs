@@ -18,6 +18,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::Value;
 use teeguard_certs::{CertificateAuthority, ServingCert, ServingCertRequest};
 use teeguard_tests::fakeapi::FakeApiServer;
+use teeguard_tests::wait::eventually;
 use teeguard_webhook::app::{Running, start};
 use teeguard_webhook::cli::{Cli, Command, ServeArgs};
 use tokio_util::sync::CancellationToken;
@@ -30,18 +31,6 @@ pub async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
     tokio::time::timeout(WAIT, fut)
         .await
         .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-}
-
-/// Poll `check` until it is true or [`WAIT`] passes.
-pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// The kubelet-style Secret volume layout (`..data` symlink swaps) from the test kit.
@@ -117,7 +106,7 @@ impl Harness {
             .await
             .expect("webhook starts");
         let readiness = running.readiness.clone();
-        eventually("webhook ready", || readiness.is_ready()).await;
+        eventually("webhook ready", async || readiness.is_ready()).await;
         Harness {
             api,
             ca,
@@ -180,7 +169,7 @@ impl Harness {
     /// Wait until the VMI cache holds `n` objects.
     pub async fn wait_vmis(&self, n: usize) {
         let caches = self.running.as_ref().expect("running").caches.clone();
-        eventually("VMI cache", || caches.vmis.len() == n).await;
+        eventually("VMI cache", async || caches.vmis.len() == n).await;
     }
 
     /// Shut down and wait for the drain.
