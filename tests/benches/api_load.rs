@@ -436,12 +436,20 @@ async fn churn(c: Arc<Cluster>, t: &Timing) {
                 && r.resource.as_deref() == Some("virtualmachineinstances")
         })
         .count();
+    // The bindings' launcher pod lookups that missed the cache and its brief wait for the watch.
+    let pod_gets = reqs
+        .iter()
+        .filter(|r| {
+            who(r) == "webhooks" && r.verb == Verb::Get && r.resource.as_deref() == Some("pods")
+        })
+        .count();
     let failed = failures.lock().expect("failures");
     println!(
-        "  per VM start and stop: {:.2} agent writes, {:.2} webhook writes, {:.2} webhook VMI GETs; {} of {} cycles failed{}",
+        "  per VM start and stop: {:.2} agent writes, {:.2} webhook writes, {:.2} webhook VMI GETs, {:.2} webhook pod GETs; {} of {} cycles failed{}",
         agent_writes as f64 / cycles as f64,
         webhook_writes as f64 / cycles as f64,
         vmi_gets as f64 / cycles as f64,
+        pod_gets as f64 / cycles as f64,
         failed.len(),
         total,
         failed
