@@ -27,7 +27,7 @@
 //! it (the binding does). Two VMIs' pods created together could both be admitted for the last key,
 //! and one would then wait in the scheduler's queue (`Insufficient …`) instead of with teeguard's
 //! refusal and retry. So an admitted launcher pod's VMI is promised the key on the node that fitted
-//! ([`Promises::promise_admitted`]) until its binding is reviewed ([`Promises::bound`]; the ledger then
+//! ([`Promises::promise`], then [`Promises::admitted`]) until its binding is reviewed ([`Promises::bound`]; the ledger then
 //! holds the key on the node the scheduler chose), the report counts the pod, or [`PROMISE_TTL`].
 
 use std::collections::BTreeMap;
@@ -271,20 +271,6 @@ impl Promises {
             pod_uid: None,
             at: now,
         });
-    }
-
-    /// The pod `pod_uid` of VMI `vmi_uid` was admitted on its CREATE, against a free `kind` key on
-    /// `node`: that key is promised to the VMI (replacing its earlier promise) until the pod's binding.
-    pub fn promise_admitted(
-        &self,
-        node: &str,
-        kind: TeeKind,
-        vmi_uid: &str,
-        pod_uid: &str,
-        now: Instant,
-    ) {
-        self.promise(node, kind, vmi_uid, now);
-        self.admitted(vmi_uid, pod_uid);
     }
 
     /// The binding of pod `pod_uid` was reviewed: the ledger holds its key from now on (when the

@@ -376,7 +376,8 @@ fn a_promised_key_is_held_for_other_vmis_until_the_promised_vmis_pod_is_counted_
 fn an_admitted_launcher_pod_holds_its_key_for_other_vmis_until_its_binding_is_reviewed() {
     let p = Promises::default();
     let t0 = Instant::now();
-    p.promise_admitted("node-a", TeeKind::Sev, "vmi-a", "pod-a", t0);
+    p.promise("node-a", TeeKind::Sev, "vmi-a", t0);
+    p.admitted("vmi-a", "pod-a");
     assert_eq!(
         p.held("node-a", &[], "vmi-b", t0).get(&TeeKind::Sev),
         Some(&1),

@@ -371,12 +371,12 @@ async fn pod_create<L: Lookups>(
             }
             let d = apply_mode(scan.verdict(policy), mode);
             let answer = Answer::from_decision(REQ, kind, d, None, mode);
-            // Admitted against a free key: promised to its VMI until the binding (decide::retry).
+            // Admitted: the key is promised to its VMI until the binding (`admitted` below: this pod).
             let admitted = answer.message.is_none() && !req.dry_run;
             if let (Some(p), Some(v), Some(node), Some(kind), true) =
                 (ctx.promises, &vmi_ref, &fit_node, primary, admitted)
             {
-                p.promise_admitted(node, kind, &v.uid, &uid, mono);
+                p.promise(node, kind, &v.uid, mono);
             }
             answer
         }
