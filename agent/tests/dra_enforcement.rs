@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::kubelet::{PREPARE, call};
+use common::kubelet::call;
 use common::{Agent, NODE, config, create_pod, options};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
@@ -13,6 +13,7 @@ use teeguard_agent::kubelet::PluginPaths;
 use teeguard_agent::kubelet::proto::{
     Claim, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
 };
+use teeguard_tests::dra::PREPARE;
 use teeguard_tests::fakeapi::FakeApiServer;
 use teeguard_tests::fixtures::tdx_node;
 use teeguard_tests::host::{QosClass, SimHost, TDX};

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::kubelet::{PREPARE, UNPREPARE, call};
+use common::kubelet::call;
 use serde_json::json;
 use teeguard_agent::decide::attribution::KindFigures;
 use teeguard_agent::decide::claimed::ClaimedKeys;
@@ -19,6 +19,7 @@ use teeguard_agent::kubelet::PluginPaths;
 use teeguard_agent::kubelet::proto::*;
 use teeguard_agent::metrics::Metrics;
 use teeguard_shared::TeeKind;
+use teeguard_tests::dra::{PREPARE, UNPREPARE};
 use teeguard_tests::fakeapi::FakeApiServer;
 use tokio_util::sync::CancellationToken;
 

@@ -97,6 +97,13 @@ pub struct ControlPlane {
     pub ca_pem: String,
     /// The admin's bearer token.
     pub admin_token: String,
+    /// kube-scheduler's secure port on 127.0.0.1 (its `/metrics`, `/readyz`; the API server's CA
+    /// signed its certificate).
+    pub scheduler_port: u16,
+    /// kube-scheduler's arguments before any [`ControlPlane::restart_scheduler`] extras.
+    scheduler_args: Vec<String>,
+    /// Where the binaries are.
+    bin: PathBuf,
     /// How long start-up took (binaries unpacked, certificates made, `/readyz` ok).
     pub started_in: Duration,
 }
@@ -176,7 +183,7 @@ impl ControlPlane {
             ),
         )?;
 
-        let [etcd_port, peer_port, metrics_port, api_port] =
+        let [etcd_port, peer_port, metrics_port, api_port, scheduler_port] =
             free_ports().map_err(io("find free ports"))?;
         let url = format!("https://127.0.0.1:{api_port}");
         let kubeconfig = |name: &str, tok: &str| -> Result<PathBuf> {
@@ -236,37 +243,39 @@ impl ControlPlane {
                 "--allow-privileged=true".into(),
             ],
         )?;
+        let scheduler_args: Vec<String> = [
+            format!("--kubeconfig={}", p(&sched_kc)),
+            format!("--authentication-kubeconfig={}", p(&sched_kc)),
+            format!("--authorization-kubeconfig={}", p(&sched_kc)),
+            "--bind-address=127.0.0.1".into(),
+            // Served so that benches can read its metrics (`ControlPlane::scheduler_metrics`).
+            format!("--secure-port={scheduler_port}"),
+            format!("--tls-cert-file={}", p(&cert_file)),
+            format!("--tls-private-key-file={}", p(&key_file)),
+            "--leader-elect=false".into(),
+        ]
+        .into_iter()
+        // Benches compare scheduler settings (`--kube-api-qps=500 --kube-api-burst=1000`).
+        .chain(
+            std::env::var("TEEGUARD_SCHEDULER_ARGS")
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(String::from),
+        )
+        .collect();
         let cp = ControlPlane {
             dir: dir.clone(),
             url,
             kubeconfig: admin_kc,
             ca_pem: ca.cert_pem().to_string(),
             admin_token: admin,
+            scheduler_port,
+            scheduler_args,
+            bin: bin.clone(),
             started_in: Duration::ZERO,
         };
         cp.wait_ready(started + READY_DEADLINE)?;
-        spawn(
-            &dir,
-            &bin,
-            "kube-scheduler",
-            &[
-                format!("--kubeconfig={}", p(&sched_kc)),
-                format!("--authentication-kubeconfig={}", p(&sched_kc)),
-                format!("--authorization-kubeconfig={}", p(&sched_kc)),
-                "--bind-address=127.0.0.1".into(),
-                "--secure-port=0".into(),
-                "--leader-elect=false".into(),
-            ]
-            .into_iter()
-            // Benches compare scheduler settings (`--kube-api-qps=500 --kube-api-burst=1000`).
-            .chain(
-                std::env::var("TEEGUARD_SCHEDULER_ARGS")
-                    .unwrap_or_default()
-                    .split_whitespace()
-                    .map(String::from),
-            )
-            .collect::<Vec<String>>(),
-        )?;
+        spawn(&dir, &bin, "kube-scheduler", &cp.scheduler_args)?;
         // As the admin: with its own identity and no per-controller credentials, controllers such
         // as the ValidatingAdmissionPolicy type checker lack the rights to write their status.
         spawn(
@@ -302,6 +311,65 @@ impl ControlPlane {
     pub fn log(&self, component: &str) -> String {
         std::fs::read_to_string(self.dir.join("log").join(format!("{component}.log")))
             .unwrap_or_default()
+    }
+
+    /// Stop kube-scheduler and start it again with its arguments plus `extra` (a later flag wins:
+    /// `--kube-api-qps=5000`), then wait until its `/readyz` answers `ok` (its informers synced).
+    /// Its metrics start from zero again.
+    pub async fn restart_scheduler(&self, extra: &[String]) -> Result<()> {
+        let pid_file = self.dir.join("log").join("kube-scheduler.log.pid");
+        let pid = std::fs::read_to_string(&pid_file)
+            .map_err(io(format!("read {}", pid_file.display())))?;
+        let proc_dir = PathBuf::from(format!("/proc/{}", pid.trim()));
+        let _ = Command::new("kill").arg(pid.trim()).status();
+        let deadline = Instant::now() + READY_DEADLINE;
+        while proc_dir.exists() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let args: Vec<String> = self.scheduler_args.iter().chain(extra).cloned().collect();
+        spawn(&self.dir, &self.bin, "kube-scheduler", &args)?;
+        let client = self.scheduler_client().await?;
+        let mut last = String::new();
+        while Instant::now() < deadline {
+            let req = http::Request::get("/readyz")
+                .body(Vec::new())
+                .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+            match client.request_text(req).await {
+                Ok(body) if body.trim() == "ok" => return Ok(()),
+                Ok(body) => last = body,
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(ControlPlaneError::NotReady {
+            what: format!("kube-scheduler (restarted with {extra:?}) is not ready: {last}"),
+            logs: self.dir.join("log"),
+        })
+    }
+
+    /// kube-scheduler's own metrics (Prometheus text), read as the admin.
+    pub async fn scheduler_metrics(&self) -> Result<String> {
+        let req = http::Request::get("/metrics")
+            .body(Vec::new())
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        self.scheduler_client()
+            .await?
+            .request_text(req)
+            .await
+            .map_err(|e| ControlPlaneError::Client(format!("kube-scheduler /metrics: {e}")))
+    }
+
+    /// An admin client for kube-scheduler's secure port.
+    async fn scheduler_client(&self) -> Result<Client> {
+        let kc = Kubeconfig::read_from(&self.kubeconfig)
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        let mut config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        config.cluster_url = format!("https://127.0.0.1:{}", self.scheduler_port)
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| ControlPlaneError::Client(e.to_string()))?;
+        Client::try_from(config).map_err(|e| ControlPlaneError::Client(e.to_string()))
     }
 
     /// A new admin client (a client belongs to the tokio runtime it is made in: one per test).
@@ -438,6 +506,7 @@ const WATCHDOG: &str = r#"
 parent=$1; log=$2; shift 2
 "$@" >"$log" 2>&1 </dev/null &
 child=$!
+echo "$child" >"$log.pid"
 trap 'kill "$child" 2>/dev/null; exit 0' TERM INT
 while kill -0 "$parent" 2>/dev/null && kill -0 "$child" 2>/dev/null; do sleep 0.2; done
 kill "$child" 2>/dev/null

@@ -3,6 +3,7 @@
 //! that kube clients, watches, patches and file reads run through the real protocol.
 
 pub mod controlplane;
+pub mod dra;
 pub mod e2e;
 pub mod fakeapi;
 pub mod fixtures;
@@ -15,6 +16,7 @@ pub mod node;
 /// A fake container runtime speaking NRI (multiplexed ttrpc over a Unix socket), for NRI plugin tests.
 pub mod nri;
 pub mod ports;
+pub mod prom;
 pub mod realcluster;
 pub mod standalone;
 pub mod structure;

@@ -392,3 +392,49 @@ async fn a_vm_deleted_and_recreated_at_once_on_a_full_node_is_admitted_when_the_
     })
     .await;
 }
+
+// The benches read kube-scheduler's own metrics (`ControlPlane::scheduler_metrics`): its secure port
+// answers the admin with the scheduler's count of pods scheduled, which a binding raises.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_schedulers_own_metrics_count_a_pod_it_bound() {
+    let Some(cluster) = Cluster::connect().await else {
+        return;
+    };
+    let scheduled = |text: &str| {
+        teeguard_tests::prom::Scrape::parse(text).sum(
+            "scheduler_schedule_attempts_total",
+            &[("result", "scheduled")],
+        )
+    };
+    let before = scheduled(&cluster.cp.scheduler_metrics().await.expect("metrics"));
+    let node = teeguard_tests::controlplane::unique_name("metrics");
+    cluster
+        .node(&NodeBuilder::new(&node).label(TEST_LABEL, &node))
+        .await
+        .expect("node");
+    let ns = cluster
+        .namespace(&node, &node, &[])
+        .await
+        .expect("namespace");
+    let pod = teeguard_tests::node::pods::plain(&ns, "p", &[("c", &[])], &[(TEST_LABEL, &node)]);
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), &ns);
+    pods.create(&PostParams::default(), &pod)
+        .await
+        .expect("pod");
+    cluster
+        .wait_for("the pod bound", || async {
+            pods.get("p").await.ok()?.spec?.node_name.map(|_| ())
+        })
+        .await
+        .expect("bound");
+    let counted = cluster
+        .wait_for("the scheduler counting it", || async {
+            let now = scheduled(&cluster.cp.scheduler_metrics().await.ok()?);
+            (now > before).then_some(now)
+        })
+        .await;
+    assert!(counted.is_ok(), "{counted:?}");
+    let _ = pods
+        .delete("p", &DeleteParams::default().grace_period(0))
+        .await;
+}

@@ -16,6 +16,7 @@ use teeguard_tests::node::pods;
 
 use super::scenarios::limits;
 use super::{NodeWorld, unguarded_namespace};
+use teeguard_tests::realcluster::Cluster;
 
 /// The TDX key resource.
 pub const TDX_KEYS: &str = "tdx.intel.com/keys";
@@ -66,7 +67,7 @@ pub async fn end(w: &NodeWorld) {
 }
 
 /// Create (or keep) the TDX DeviceClass exactly as the chart renders it in DRA mode.
-pub async fn ensure_device_class(w: &NodeWorld) {
+pub async fn ensure_device_class(cluster: &Cluster) {
     let rendered =
         crate::chart_support::render_for(crate::chart_support::DRA_KUBE_VERSION, "dra", &[]);
     let class: k8s_openapi::api::resource::v1::DeviceClass = serde_json::from_value(
@@ -74,7 +75,7 @@ pub async fn ensure_device_class(w: &NodeWorld) {
     )
     .expect("the chart's DeviceClass");
     let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> =
-        Api::all(w.cluster.client.clone());
+        Api::all(cluster.client.clone());
     match classes.create(&PostParams::default(), &class).await {
         Ok(_) => {}
         Err(kube::Error::Api(s)) if s.code == 409 => {}
@@ -84,10 +85,14 @@ pub async fn ensure_device_class(w: &NodeWorld) {
 
 /// The devices of teeguard's slices for this node, sorted.
 pub async fn published(w: &NodeWorld) -> Vec<String> {
-    let api: Api<ResourceSlice> = Api::all(w.cluster.client.clone());
+    published_on(&w.cluster, &w.turn.name).await
+}
+
+/// The devices of teeguard's slices for Node `node`, sorted.
+pub async fn published_on(cluster: &Cluster, node: &str) -> Vec<String> {
+    let api: Api<ResourceSlice> = Api::all(cluster.client.clone());
     let lp = ListParams::default().fields(&format!(
-        "spec.nodeName={},spec.driver=tee.teeguard.dev",
-        w.turn.name
+        "spec.nodeName={node},spec.driver=tee.teeguard.dev"
     ));
     let mut names: Vec<String> = api
         .list(&lp)
@@ -280,7 +285,7 @@ pub async fn wait_placed(
 /// the kubelet has the agent prepare it, the pod runs, its compute container gets `tdx 1`; the report
 /// shows the device allocated.
 pub async fn launcher_allocated_prepared_limited(w: &NodeWorld) {
-    ensure_device_class(w).await;
+    ensure_device_class(&w.cluster).await;
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
     assert_eq!(
@@ -318,7 +323,7 @@ pub async fn launcher_allocated_prepared_limited(w: &NodeWorld) {
 /// is no key request to take it from); `sidecar` gets none (not even strict mode's zero: the pod
 /// holds a key).
 pub async fn own_claim_limited_by_its_allocation(w: &NodeWorld) {
-    ensure_device_class(w).await;
+    ensure_device_class(&w.cluster).await;
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
     let templates: Api<k8s_openapi::api::resource::v1::ResourceClaimTemplate> =
@@ -385,7 +390,7 @@ pub async fn own_claim_limited_by_its_allocation(w: &NodeWorld) {
 /// one free key: the scheduler allocates exactly one, which runs; 49 stay Pending with the scheduler's
 /// message.
 pub async fn fifty_pods_one_key(w: &NodeWorld) {
-    ensure_device_class(w).await;
+    ensure_device_class(&w.cluster).await;
     wait_published(w, 1, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
     let ns = unguarded_namespace(&w.cluster, "dra-fifty").await;
@@ -417,7 +422,7 @@ pub async fn fifty_pods_one_key(w: &NodeWorld) {
 /// the scheduler allocates one and the others wait with its message; the webhook refuses nothing (the
 /// scheduler's allocation decides, not the webhook's reservations).
 pub async fn fifty_vms_one_key(w: &NodeWorld) {
-    ensure_device_class(w).await;
+    ensure_device_class(&w.cluster).await;
     wait_published(w, 1, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
     let creates = (0..50).map(|i| async move { w.create_vm(&format!("vm{i:02}"), Tee::Tdx).await });
@@ -452,7 +457,7 @@ pub async fn fifty_vms_one_key(w: &NodeWorld) {
 /// Scenario: a key held outside Kubernetes shrinks the slice and no new pod gets it; when it goes
 /// away the key comes back and a waiting pod runs.
 pub async fn outside_key_withheld(w: &NodeWorld) {
-    ensure_device_class(w).await;
+    ensure_device_class(&w.cluster).await;
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
     let host = w.host.as_ref().expect("simulated host");
@@ -480,7 +485,7 @@ pub async fn outside_key_withheld(w: &NodeWorld) {
 /// Scenario: a Kata-style pod (a TEE RuntimeClass, whose key the webhook turns into a container
 /// request) and a KubeVirt launcher draw from the same pool of 2; a third TEE pod waits.
 pub async fn kata_and_launcher_share_the_pool(w: &NodeWorld) {
-    ensure_device_class(w).await;
+    ensure_device_class(&w.cluster).await;
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
     let rcs: Api<k8s_openapi::api::node::v1::RuntimeClass> = Api::all(w.cluster.client.clone());
@@ -528,7 +533,7 @@ pub async fn kata_and_launcher_share_the_pool(w: &NodeWorld) {
 /// claims are still known (the report's allocated count, the checkpoint), and the next pod gets the
 /// other key, never the one already held.
 pub async fn restarts(w: &mut NodeWorld) {
-    ensure_device_class(w).await;
+    ensure_device_class(&w.cluster).await;
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
     let ns = unguarded_namespace(&w.cluster, "dra-restarts").await;
@@ -657,7 +662,7 @@ fn still_running(p: &Pod) -> Result<(), String> {
 /// the agent, back in extended-resource accounting, still serves (draining) until no claim is left;
 /// then it stops serving the plugin and the kubelet deletes the driver's slices.
 pub async fn switch_and_back(w: &mut NodeWorld) {
-    ensure_device_class(w).await;
+    ensure_device_class(&w.cluster).await;
     w.wait_allocatable(TDX_KEYS, "2", Duration::from_secs(20))
         .await;
     let ns = unguarded_namespace(&w.cluster, "dra-switch").await;
