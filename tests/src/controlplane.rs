@@ -8,7 +8,8 @@
 //! - Set-up is in Rust: certificates from `teeguard-certs`, static token authentication, RBAC
 //!   authorization, `--enable-aggregator-routing` (a service-based webhook has no endpoints without a
 //!   kubelet, so such a call fails locally instead of leaving the machine), and no node-lifecycle
-//!   controller (Nodes without a kubelet would be tainted).
+//!   controller (Nodes without a kubelet would be tainted). kube-scheduler serves its secure port (its
+//!   metrics, for benches) and can be restarted with other flags ([`ControlPlane::restart_scheduler`]).
 //! - Stopping: statics are never dropped, so each component runs under a small `bash` watchdog that
 //!   stops it when the test process exits (or the component dies); a janitor then removes the state
 //!   directory, unless a test of the binary panicked: then the logs are kept and the panic message says
@@ -243,7 +244,7 @@ impl ControlPlane {
                 "--allow-privileged=true".into(),
             ],
         )?;
-        let scheduler_args: Vec<String> = [
+        let scheduler_args: Vec<String> = vec![
             format!("--kubeconfig={}", p(&sched_kc)),
             format!("--authentication-kubeconfig={}", p(&sched_kc)),
             format!("--authorization-kubeconfig={}", p(&sched_kc)),
@@ -253,16 +254,7 @@ impl ControlPlane {
             format!("--tls-cert-file={}", p(&cert_file)),
             format!("--tls-private-key-file={}", p(&key_file)),
             "--leader-elect=false".into(),
-        ]
-        .into_iter()
-        // Benches compare scheduler settings (`--kube-api-qps=500 --kube-api-burst=1000`).
-        .chain(
-            std::env::var("TEEGUARD_SCHEDULER_ARGS")
-                .unwrap_or_default()
-                .split_whitespace()
-                .map(String::from),
-        )
-        .collect();
+        ];
         let cp = ControlPlane {
             dir: dir.clone(),
             url,
