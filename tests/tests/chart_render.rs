@@ -366,8 +366,9 @@ fn webhook_configurations_match_the_webhook_service() {
     );
 }
 
-/// Forged cgroup-limit annotations are checked on any pod, CREATE and UPDATE, but only pods that carry
-/// one reach the webhook, and virt-launcher CREATEs are left to validate.pods (no double call).
+/// Forged cgroup-limit annotations are checked on any pod, CREATE and UPDATE, but only a CREATE that
+/// carries one or an UPDATE that changes them reaches the webhook (a label patch does not, so it does
+/// not fail while the webhook is down), and virt-launcher CREATEs are left to validate.pods.
 #[test]
 fn limit_annotation_webhook_covers_every_pod_with_a_limit_annotation() {
     let docs = render("default", &[]);
@@ -397,6 +398,12 @@ fn limit_annotation_webhook_covers_every_pod_with_a_limit_annotation() {
             exprs[0]
         );
     }
+    assert!(
+        exprs[0].contains("oldObject.metadata.annotations[k] != object.metadata.annotations[k]")
+            && exprs[0].contains("!(k in object.metadata.annotations)"),
+        "an UPDATE reaches the webhook only when a limit annotation changed or went: {}",
+        exprs[0]
+    );
     assert!(
         exprs[1].contains("request.operation == 'UPDATE'"),
         "{}",

@@ -23,7 +23,7 @@ const DEADLINE: Duration = Duration::from_secs(120);
 struct World {
     cluster: Cluster,
     ns: String,
-    _webhook: WebhookProcess,
+    webhook: WebhookProcess,
     _env: ProcessEnv,
 }
 
@@ -49,7 +49,7 @@ async fn world(test: &str, labels: &[(&str, &str)]) -> Option<World> {
     Some(World {
         cluster,
         ns,
-        _webhook: webhook,
+        webhook,
         _env: env,
     })
 }
@@ -271,6 +271,65 @@ async fn forged_or_changed_limit_annotations_are_denied_by_the_api_server() {
             matches!(&refused, kube::Error::Api(s) if s.code == 403),
             "{refused}"
         );
+        let now = pods.get(&name).await.expect("pod");
+        assert_eq!(
+            annotations(&now).get(&key).map(String::as_str),
+            Some("tdx 1")
+        );
+    })
+    .await;
+}
+
+// virt-controller patches launcher pods' labels as their VMIs change. With every webhook replica down
+// those patches must still go through (the limits webhook's failurePolicy is Fail), while a limit
+// annotation removed or changed is refused: by the webhook when it is up, by the Fail policy when not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launcher_update_leaving_its_limits_alone_needs_no_webhook_and_a_removed_limit_is_refused()
+ {
+    within(DEADLINE, async {
+        let Some(mut w) = world("limits-update", &[]).await else {
+            return;
+        };
+        let c = &w.cluster;
+        let node = c
+            .node(&NodeBuilder::new(&format!("{}-tdx", w.ns)).tdx(4))
+            .await
+            .expect("node");
+        let node = node.metadata.name.expect("name");
+        c.report(&ReportBuilder::new(&node).kind(TeeKind::Tdx, 4, 4))
+            .await
+            .expect("report");
+        let pods = Api::<Pod>::namespaced(c.client.clone(), &w.ns);
+        let (_, created) = c
+            .create_vm(&w.ns, "vm-tdx", Tee::Tdx, &[])
+            .await
+            .expect("VMI");
+        let name = created
+            .expect("TDX pod admitted")
+            .metadata
+            .name
+            .expect("name");
+        let key = names::misc_max_annotation("compute");
+        let remove = json!({"metadata": {"annotations": {key.clone(): null}}});
+        let refused = pods
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&remove))
+            .await
+            .expect_err("a removed limit annotation is refused");
+        assert!(
+            matches!(&refused, kube::Error::Api(s) if s.code == 403),
+            "{refused}"
+        );
+
+        w.webhook.proc.kill();
+        let relabel =
+            json!({"metadata": {"labels": {"kubevirt.io/created-by-test": "relabelled"}}});
+        pods.patch(&name, &PatchParams::default(), &Patch::Merge(&relabel))
+            .await
+            .expect("a label patch needs no webhook");
+        let change = json!({"metadata": {"annotations": {key.clone(): "tdx 9"}}});
+        pods.patch(&name, &PatchParams::default(), &Patch::Merge(&change))
+            .await
+            .expect_err("with the webhook down, a changed limit is still refused");
         let now = pods.get(&name).await.expect("pod");
         assert_eq!(
             annotations(&now).get(&key).map(String::as_str),
