@@ -317,6 +317,75 @@ async fn nri_plugin_gives_running_tee_containers_their_limit_at_synchronize() {
     .await;
 }
 
+// The fast layer of the real-node test ..._created_while_the_agent_was_away_gets_its_limit_when_it_starts
+// (which shows why: containerd keeps a Synchronize update of a container it created but did not start
+// in the stored spec, unused when the start is under way): the agent answers Synchronize with the
+// created TEE container's update and, when the runtime says it started, asks for it again through
+// UpdateContainers; a container that ran at Synchronize gets no second update when it is named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_plugin_updates_a_tee_container_created_before_it_registered_once_it_starts() {
+    bounded(async {
+        let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
+        let sock_dir = tempfile::tempdir().expect("socket dir");
+        let socket = sock_dir.path().join("nri.sock");
+        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
+        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
+        seed_node(&env, NODE);
+        let vm = store_pod(&env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
+        let (sandbox, compute) = nri_request(&vm, "compute");
+        let (_, console) = nri_request(&vm, "guest-console-log");
+        let in_state = |mut c: Value, state: i64| {
+            c["state"] = json!(state);
+            c
+        };
+        // CONTAINER_CREATED = 1, CONTAINER_RUNNING = 3.
+        runtime.set_existing(
+            vec![sandbox.clone()],
+            vec![in_state(compute.clone(), 1), in_state(console.clone(), 3)],
+        );
+        let agent = env.start_agent(NODE, &host).await.expect("agent starts");
+        let reg = runtime
+            .wait_registered(Duration::from_secs(10))
+            .await
+            .expect("the agent registers");
+        let at_sync = reg.synchronize["update"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(at_sync.len(), 1, "{}", reg.synchronize);
+        assert_eq!(
+            at_sync[0]["container_id"], compute["id"],
+            "{}",
+            reg.synchronize
+        );
+
+        let subscribed = runtime
+            .start_container(sandbox.clone(), in_state(console, 3))
+            .await
+            .expect("the post-start event is answered");
+        assert!(subscribed, "the agent subscribes to POST_START_CONTAINER");
+        runtime
+            .start_container(sandbox, in_state(compute.clone(), 3))
+            .await
+            .expect("the post-start event is answered");
+        let updates = runtime
+            .wait_updates(1, Duration::from_secs(10))
+            .await
+            .expect("an UpdateContainers call after the TEE container started");
+        assert_eq!(updates.len(), 1, "{updates:?}");
+        let update = &updates[0]["update"][0];
+        assert_eq!(update["container_id"], compute["id"], "{updates:?}");
+        assert_eq!(
+            update.pointer("/linux/resources/unified/misc.max"),
+            Some(&json!("tdx 1")),
+            "{updates:?}"
+        );
+        assert_eq!(update["ignore_failure"], json!(true), "{updates:?}");
+        drop(agent);
+    })
+    .await;
+}
+
 const CGROUP_CONFIG: &str =
     "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nenforcement:\n  mode: cgroup\n";
 

@@ -7,7 +7,9 @@
 //! means every event; unknown bits are refused); calls `Synchronize` with the pods and containers set by
 //! [`NriRuntime::set_existing`]; only then is the plugin registered ([`NriRuntime::wait_registered`]).
 //! The test then drives calls: [`NriRuntime::create_container`] (skipped, answering `{}`, when the plugin
-//! did not subscribe to `CREATE_CONTAINER`) and [`NriRuntime::call`]. A call not answered within the
+//! did not subscribe to `CREATE_CONTAINER`), [`NriRuntime::start_container`] (the post-start event) and
+//! [`NriRuntime::call`]; the plugin's `UpdateContainers` calls are recorded and answered with success
+//! ([`NriRuntime::wait_updates`]). A call not answered within the
 //! request timeout fails with [`NriError::Timeout`] and, as containerd does, closes the plugin;
 //! [`NriRuntime::create_container_as_runtime`] gives what the container then gets (no adjustment).
 //!
@@ -168,6 +170,9 @@ pub(super) struct Inner {
     pub(super) socket: PathBuf,
     pub(super) schema: Schema,
     pub(super) create_event: i32,
+    pub(super) post_start_event: i32,
+    /// How many `UpdateContainersRequest`s were received.
+    pub(super) update_count: watch::Sender<usize>,
     pub(super) valid_events: i32,
     pub(super) state: Mutex<State>,
     pub(super) registered: watch::Sender<Option<Registration>>,
@@ -204,11 +209,17 @@ impl NriRuntime {
                 .value(name)
                 .ok_or_else(|| NriError::Schema(format!("Event value {name}")))
         };
-        let (create_event, last) = (value("CREATE_CONTAINER")?, value("LAST")?);
+        let (create_event, post_start_event, last) = (
+            value("CREATE_CONTAINER")?,
+            value("POST_START_CONTAINER")?,
+            value("LAST")?,
+        );
         let inner = Arc::new(Inner {
             socket: socket.into(),
             valid_events: event_bit(last) - 1,
             create_event,
+            post_start_event,
+            update_count: watch::Sender::new(0),
             schema,
             state: Mutex::new(State::default()),
             registered: watch::Sender::new(None),
@@ -314,6 +325,34 @@ impl NriRuntime {
             ) => Ok(json!({})),
             other => other,
         }
+    }
+
+    /// Relays that `container` of `pod` started, as the runtime does once it started it: the
+    /// post-start event, sent the way NRI's adaptation sends it to a plugin (`StateChange` with
+    /// `POST_START_CONTAINER`), only when the plugin subscribed to it. `false`: not subscribed, nothing
+    /// sent.
+    pub async fn start_container(&self, pod: Value, container: Value) -> Result<bool, NriError> {
+        let (conn, reg) = self.inner.current()?;
+        if !reg.subscribes(self.inner.post_start_event) {
+            return Ok(false);
+        }
+        let body =
+            json!({"event": self.inner.post_start_event, "pod": pod, "container": container});
+        self.inner
+            .request(&conn, "StateChange", "StateChangeEvent", "Empty", &body)
+            .await?;
+        Ok(true)
+    }
+
+    /// Waits until the plugins sent at least `count` `UpdateContainers` calls in all; returns them all.
+    /// `None` when they did not within `timeout`.
+    pub async fn wait_updates(&self, count: usize, timeout: Duration) -> Option<Vec<Value>> {
+        let mut rx = self.inner.update_count.subscribe();
+        tokio::time::timeout(timeout, rx.wait_for(|n| *n >= count))
+            .await
+            .ok()?
+            .ok()?;
+        Some(self.container_updates())
     }
 
     /// Calls any `Plugin` method on the registered plugin, whatever it subscribed to.

@@ -130,7 +130,12 @@ impl Inner {
         };
         if req.method == "UpdateContainers" {
             tracing::info!(request = %body, "NRI plugin requested container updates");
-            lock(&self.state).updates.push(body);
+            let count = {
+                let mut st = lock(&self.state);
+                st.updates.push(body);
+                st.updates.len()
+            };
+            self.update_count.send_replace(count);
             answer(Response::ok(Vec::new()));
             return Ok(());
         }
