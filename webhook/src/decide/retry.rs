@@ -8,7 +8,10 @@
 //! - [`waiting`]: a VMI waits on teeguard when virt-controller's `Synchronized` condition is `False`
 //!   with reason `FailedCreate` and quotes a teeguard webhook (`admission webhook "….teeguard.dev" denied
 //!   the request`, or `failed calling webhook "….teeguard.dev"` while the webhook was down), the VMI is
-//!   `Pending` (no pod yet) and is a TEE VM.
+//!   `Pending` (no pod yet) and is a TEE VM. A denial counts only when a free key ends it (the webhook
+//!   ends those with [`REFUSAL_NOTE`]): one for anything else (forged limit annotations, a VMI asking
+//!   for another number of keys) stays until the VMI changes, and retrying it would hold a key from
+//!   every other VMI, again and again.
 //! - [`plan`]: per free key, the VMI that has waited longest among those whose launcher pod could go to
 //!   the node (KubeVirt's node selector for its kind, its own node selector and required affinity). A VMI
 //!   retried within [`MIN_RETRY_INTERVAL`] is not retried again but keeps its key in the plan (its pod is
@@ -86,16 +89,29 @@ pub struct Waiting {
 /// Whether an API server answer quoted in a condition comes from a teeguard webhook: a denial or a
 /// failed call of a webhook whose name ends in [`names::WEBHOOK_NAME_SUFFIX`].
 pub fn refused_by_teeguard(message: &str) -> bool {
-    ["admission webhook \"", "failed calling webhook \""]
-        .iter()
-        .any(|lead| {
-            message.match_indices(lead).any(|(at, _)| {
-                let rest = &message[at + lead.len()..];
-                rest.split('"')
-                    .next()
-                    .is_some_and(|name| name.ends_with(names::WEBHOOK_NAME_SUFFIX))
-            })
-        })
+    quotes_teeguard(message, DENIED_BY) || quotes_teeguard(message, FAILED_CALL)
+}
+
+/// How the API server quotes a webhook's denial, and a call to it that failed.
+const DENIED_BY: &str = "admission webhook \"";
+const FAILED_CALL: &str = "failed calling webhook \"";
+
+/// Whether `message` has `lead` followed by the name of a teeguard webhook.
+fn quotes_teeguard(message: &str, lead: &str) -> bool {
+    message.match_indices(lead).any(|(at, _)| {
+        let rest = &message[at + lead.len()..];
+        rest.split('"')
+            .next()
+            .is_some_and(|name| name.ends_with(names::WEBHOOK_NAME_SUFFIX))
+    })
+}
+
+/// Whether a teeguard refusal quoted in a condition ends by itself: a call that failed (it ends when a
+/// replica answers again), or a denial a free key ends (it carries [`REFUSAL_NOTE`]).
+pub fn ends_by_itself(message: &str) -> bool {
+    quotes_teeguard(message, FAILED_CALL)
+        || (quotes_teeguard(message, DENIED_BY)
+            && message.contains(REFUSAL_NOTE.trim_start_matches("; ")))
 }
 
 /// The labels KubeVirt v1.9 puts in a launcher pod's node selector for a launchSecurity (virt-handler
@@ -122,13 +138,14 @@ fn kind_labels(ls: &LaunchSecurity) -> Vec<&'static str> {
     labels
 }
 
-/// The condition saying teeguard refused the VMI's pod, if any.
+/// The condition saying teeguard refused the VMI's pod until a key frees (or could not be called), if
+/// any.
 fn teeguard_refusal(vmi: &VirtualMachineInstance) -> Option<&teeguard_shared::vmi::VmiCondition> {
     vmi.status.as_ref()?.conditions.iter().find(|c| {
         c.type_ == SYNCHRONIZED
             && c.status == "False"
             && c.reason.as_deref() == Some(FAILED_CREATE)
-            && c.message.as_deref().is_some_and(refused_by_teeguard)
+            && c.message.as_deref().is_some_and(ends_by_itself)
     })
 }
 

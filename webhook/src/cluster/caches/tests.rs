@@ -289,7 +289,7 @@ fn vmi(name: &str, phase: &str, refused: bool) -> VirtualMachineInstance {
         conditions.push(serde_json::json!({
             "type": "Synchronized", "status": "False", "reason": "FailedCreate",
             "lastTransitionTime": "2026-11-26T10:00:00Z",
-            "message": "failed to create virtual machine pod: admission webhook \"validate.pods.teeguard.dev\" denied the request: no node can host this TDX VM"
+            "message": "failed to create virtual machine pod: admission webhook \"validate.pods.teeguard.dev\" denied the request: no node can host this TDX VM; teeguard starts this VM by itself as soon as a key is free for it"
         }));
     }
     VirtualMachineInstance::from_json(serde_json::json!({

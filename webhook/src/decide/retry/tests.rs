@@ -10,7 +10,8 @@ use teeguard_shared::{TeeKind, VirtualMachineInstance, names};
 use super::*;
 
 const DENIED: &str = "failed to create virtual machine pod: admission webhook \
-    \"validate.pods.teeguard.dev\" denied the request: no node can host this TDX VM: node-a 0/1 free";
+    \"validate.pods.teeguard.dev\" denied the request: no node can host this TDX VM: node-a 0/1 free; \
+    teeguard starts this VM by itself as soon as a key is free for it";
 
 fn t(s: &str) -> Timestamp {
     s.parse().expect("timestamp")
@@ -134,6 +135,34 @@ fn each_kind_gets_kubevirts_node_labels() {
             .collect();
         assert_eq!(got, labels, "{ls}");
     }
+}
+
+// A VMI whose pod teeguard refuses for something a free key does not end (here a limit annotation of
+// its own, which KubeVirt copies to the pod) would be retried at every pass and hold a promised key
+// from every other VMI: it does not wait on teeguard. A failed call does (it ends with the webhook).
+#[test]
+fn only_refusals_a_free_key_or_the_webhooks_return_ends_make_a_vmi_wait() {
+    let since = "2026-11-26T10:00:00Z";
+    let forged = "failed to create virtual machine pod: admission webhook \"validate.pods.teeguard.dev\" \
+        denied the request: pod vms/virt-launcher-a-x: annotation misc-max.teeguard.dev/compute=\"tdx 5\" \
+        is not one teeguard writes for it; cgroup-limit annotations are written only by teeguard's \
+        mutating webhook";
+    let down = "failed to create virtual machine pod: Internal error occurred: failed calling webhook \
+        \"mutate.pods.teeguard.dev\": failed to call webhook: connection refused";
+    let waits = |m: &str| {
+        waiting(&parse(vmi(
+            "a",
+            json!({"tdx": {}}),
+            "Pending",
+            Some(m),
+            since,
+        )))
+        .is_some()
+    };
+    assert!(!waits(forged), "a permanent denial");
+    assert!(waits(down), "the webhook could not be called");
+    assert!(waits(DENIED), "no key free");
+    assert!(ends_by_itself(DENIED) && ends_by_itself(down) && !ends_by_itself(forged));
 }
 
 #[test]
