@@ -320,19 +320,10 @@ impl ControlPlane {
         }
         let args: Vec<String> = self.scheduler_args.iter().chain(extra).cloned().collect();
         spawn(&self.dir, &self.bin, "kube-scheduler", &args)?;
-        let client = self.scheduler_client().await?;
-        let mut last = String::new();
-        while Instant::now() < deadline {
-            let req = http::Request::get("/readyz")
-                .body(Vec::new())
-                .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
-            match client.request_text(req).await {
-                Ok(body) if body.trim() == "ok" => return Ok(()),
-                Ok(body) => last = body,
-                Err(e) => last = e.to_string(),
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let last = match ready(&self.scheduler_client().await?, deadline).await? {
+            None => return Ok(()),
+            Some(last) => last,
+        };
         Err(ControlPlaneError::NotReady {
             what: format!("kube-scheduler (restarted with {extra:?}) is not ready: {last}"),
             logs: self.dir.join("log"),
@@ -380,19 +371,10 @@ impl ControlPlane {
             .build()
             .map_err(io("start a runtime"))?;
         rt.block_on(async {
-            let client = self.client().await?;
-            let mut last = String::new();
-            while Instant::now() < deadline {
-                let req = http::Request::get("/readyz")
-                    .body(Vec::new())
-                    .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
-                match client.request_text(req).await {
-                    Ok(body) if body.trim() == "ok" => return Ok(()),
-                    Ok(body) => last = body,
-                    Err(e) => last = e.to_string(),
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            let last = match ready(&self.client().await?, deadline).await? {
+                None => return Ok(()),
+                Some(last) => last,
+            };
             let log = self.log("kube-apiserver");
             let tail: Vec<&str> = log.lines().rev().take(5).collect();
             Err(ControlPlaneError::NotReady {
@@ -404,6 +386,24 @@ impl ControlPlane {
             })
         })
     }
+}
+
+/// Poll `/readyz` through `client` until it answers `ok` (`None`) or `deadline` passes (`Some`: the last
+/// answer or error).
+async fn ready(client: &Client, deadline: Instant) -> Result<Option<String>> {
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        let req = http::Request::get("/readyz")
+            .body(Vec::new())
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        match client.request_text(req).await {
+            Ok(body) if body.trim() == "ok" => return Ok(None),
+            Ok(body) => last = body,
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(Some(last))
 }
 
 /// `CI=true`: the real-cluster tests must run.

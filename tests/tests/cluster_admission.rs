@@ -54,6 +54,19 @@ async fn world(test: &str, labels: &[(&str, &str)]) -> Option<World> {
     })
 }
 
+/// A TDX Node of the test's own whose report has 4 free keys.
+async fn tdx_node(w: &World) {
+    let c = &w.cluster;
+    let node = c
+        .node(&NodeBuilder::new(&format!("{}-tdx", w.ns)).tdx(4))
+        .await
+        .expect("node");
+    let node = node.metadata.name.expect("name");
+    c.report(&ReportBuilder::new(&node).kind(TeeKind::Tdx, 4, 4))
+        .await
+        .expect("report");
+}
+
 fn annotations(p: &Pod) -> std::collections::BTreeMap<String, String> {
     p.metadata.annotations.clone().unwrap_or_default()
 }
@@ -223,14 +236,7 @@ async fn forged_or_changed_limit_annotations_are_denied_by_the_api_server() {
             return;
         };
         let c = &w.cluster;
-        let node = c
-            .node(&NodeBuilder::new(&format!("{}-tdx", w.ns)).tdx(4))
-            .await
-            .expect("node");
-        let node = node.metadata.name.expect("name");
-        c.report(&ReportBuilder::new(&node).kind(TeeKind::Tdx, 4, 4))
-            .await
-            .expect("report");
+        tdx_node(&w).await;
         let pods = Api::<Pod>::namespaced(c.client.clone(), &w.ns);
 
         // A non-TEE VM's pod that carries a limit annotation of its own.
@@ -291,14 +297,7 @@ async fn a_launcher_update_leaving_its_limits_alone_needs_no_webhook_and_a_remov
             return;
         };
         let c = &w.cluster;
-        let node = c
-            .node(&NodeBuilder::new(&format!("{}-tdx", w.ns)).tdx(4))
-            .await
-            .expect("node");
-        let node = node.metadata.name.expect("name");
-        c.report(&ReportBuilder::new(&node).kind(TeeKind::Tdx, 4, 4))
-            .await
-            .expect("report");
+        tdx_node(&w).await;
         let pods = Api::<Pod>::namespaced(c.client.clone(), &w.ns);
         let (_, created) = c
             .create_vm(&w.ns, "vm-tdx", Tee::Tdx, &[])

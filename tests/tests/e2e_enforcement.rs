@@ -104,11 +104,22 @@ struct NriWorld {
 }
 
 async fn nri_world(host: SimHost) -> (NriWorld, Registration) {
+    nri_world_with(host, |_| (Vec::new(), Vec::new())).await
+}
+
+/// [`nri_world`] where the runtime already has the pods and containers `existing` makes (once the API
+/// server is up) when the agent registers: Synchronize lists them.
+async fn nri_world_with(
+    host: SimHost,
+    existing: impl FnOnce(&E2eEnv) -> (Vec<Value>, Vec<Value>),
+) -> (NriWorld, Registration) {
     let sock_dir = tempfile::tempdir().expect("socket dir");
     let socket = sock_dir.path().join("nri.sock");
     let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
     let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
     seed_node(&env, NODE);
+    let (pods, containers) = existing(&env);
+    runtime.set_existing(pods, containers);
     let agent = env.start_agent(NODE, &host).await.expect("agent starts");
     let reg = runtime
         .wait_registered(Duration::from_secs(10))
@@ -267,29 +278,21 @@ async fn nri_plugin_registers_again_within_two_seconds_of_a_runtime_restart() {
 async fn nri_plugin_gives_running_tee_containers_their_limit_at_synchronize() {
     bounded(async {
         let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
-        let sock_dir = tempfile::tempdir().expect("socket dir");
-        let socket = sock_dir.path().join("nri.sock");
-        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
-        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
-        seed_node(&env, NODE);
-        let vm = store_pod(&env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
-        let (sandbox, compute) = nri_request(&vm, "compute");
-        let (_, console) = nri_request(&vm, "guest-console-log");
-        let (_, mut init) = nri_request(&vm, "container-disk-binary");
-        init["state"] = json!(4); // CONTAINER_STOPPED
-        let running = |mut c: Value| {
-            c["state"] = json!(3); // CONTAINER_RUNNING
-            c
-        };
-        runtime.set_existing(
-            vec![sandbox],
-            vec![running(compute.clone()), running(console), init],
-        );
-        let agent = env.start_agent(NODE, &host).await.expect("agent starts");
-        let reg = runtime
-            .wait_registered(Duration::from_secs(10))
-            .await
-            .expect("the agent registers");
+        let mut compute = Value::Null;
+        let (_w, reg) = nri_world_with(host, |env| {
+            let vm = store_pod(env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
+            let (sandbox, c) = nri_request(&vm, "compute");
+            let (_, console) = nri_request(&vm, "guest-console-log");
+            let (_, mut init) = nri_request(&vm, "container-disk-binary");
+            init["state"] = json!(4); // CONTAINER_STOPPED
+            let running = |mut c: Value| {
+                c["state"] = json!(3); // CONTAINER_RUNNING
+                c
+            };
+            compute = c.clone();
+            (vec![sandbox], vec![running(c), running(console), init])
+        })
+        .await;
         let updates = reg.synchronize["update"]
             .as_array()
             .cloned()
@@ -312,7 +315,6 @@ async fn nri_plugin_gives_running_tee_containers_their_limit_at_synchronize() {
             "{}",
             reg.synchronize
         );
-        drop(agent);
     })
     .await;
 }
@@ -326,28 +328,23 @@ async fn nri_plugin_gives_running_tee_containers_their_limit_at_synchronize() {
 async fn nri_plugin_updates_a_tee_container_created_before_it_registered_once_it_starts() {
     bounded(async {
         let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
-        let sock_dir = tempfile::tempdir().expect("socket dir");
-        let socket = sock_dir.path().join("nri.sock");
-        let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
-        let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
-        seed_node(&env, NODE);
-        let vm = store_pod(&env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
-        let (sandbox, compute) = nri_request(&vm, "compute");
-        let (_, console) = nri_request(&vm, "guest-console-log");
         let in_state = |mut c: Value, state: i64| {
             c["state"] = json!(state);
             c
         };
-        // CONTAINER_CREATED = 1, CONTAINER_RUNNING = 3.
-        runtime.set_existing(
-            vec![sandbox.clone()],
-            vec![in_state(compute.clone(), 1), in_state(console.clone(), 3)],
-        );
-        let agent = env.start_agent(NODE, &host).await.expect("agent starts");
-        let reg = runtime
-            .wait_registered(Duration::from_secs(10))
-            .await
-            .expect("the agent registers");
+        let (mut sandbox, mut compute, mut console) = (Value::Null, Value::Null, Value::Null);
+        let (w, reg) = nri_world_with(host, |env| {
+            let vm = store_pod(env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
+            (sandbox, compute) = nri_request(&vm, "compute");
+            console = nri_request(&vm, "guest-console-log").1;
+            // CONTAINER_CREATED = 1, CONTAINER_RUNNING = 3.
+            (
+                vec![sandbox.clone()],
+                vec![in_state(compute.clone(), 1), in_state(console.clone(), 3)],
+            )
+        })
+        .await;
+        let runtime = &w.runtime;
         let at_sync = reg.synchronize["update"]
             .as_array()
             .cloned()
@@ -381,7 +378,6 @@ async fn nri_plugin_updates_a_tee_container_created_before_it_registered_once_it
             "{updates:?}"
         );
         assert_eq!(update["ignore_failure"], json!(true), "{updates:?}");
-        drop(agent);
     })
     .await;
 }
