@@ -49,7 +49,7 @@ use teeguard_tests::e2e::{AgentProcess, ProcessEnv};
 use teeguard_tests::fixtures::NodeBuilder;
 use teeguard_tests::host::{SimHost, TDX};
 use teeguard_tests::node::{Runtime, pods};
-use teeguard_tests::prom::{Scrape, delta_by};
+use teeguard_tests::prom::{Scrape, delta_by, mean_delta};
 use teeguard_tests::realcluster::Cluster;
 
 /// The scheduler's client limits measured: its defaults, then ten and a hundred times more.
@@ -191,22 +191,11 @@ impl Alone {
         );
         for point in ["PreBind", "Bind"] {
             let filter = [("extension_point", point), ("status", "Success")];
-            let sum = delta(
-                sb,
-                sa,
-                "scheduler_framework_extension_point_duration_seconds_sum",
-                &filter,
-            );
-            let n = delta(
-                sb,
-                sa,
-                "scheduler_framework_extension_point_duration_seconds_count",
-                &filter,
-            );
-            if n > 0.0 {
+            let name = "scheduler_framework_extension_point_duration_seconds";
+            if let Some((mean, n)) = mean_delta(sb, sa, name, &filter) {
                 println!(
                     "    extension point {point}: mean {} over {n} pods",
-                    fmt_dur(Duration::from_secs_f64(sum / n))
+                    fmt_dur(mean)
                 );
             }
         }
@@ -214,22 +203,11 @@ impl Alone {
             ("extension_point", "PreBind"),
             ("plugin", "DynamicResources"),
         ];
-        let sum = delta(
-            sb,
-            sa,
-            "scheduler_plugin_execution_duration_seconds_sum",
-            &filter,
-        );
-        let n = delta(
-            sb,
-            sa,
-            "scheduler_plugin_execution_duration_seconds_count",
-            &filter,
-        );
-        if n > 0.0 {
+        let name = "scheduler_plugin_execution_duration_seconds";
+        if let Some((mean, n)) = mean_delta(sb, sa, name, &filter) {
             println!(
                 "    DynamicResources PreBind: mean {} ({n} sampled calls)",
-                fmt_dur(Duration::from_secs_f64(sum / n))
+                fmt_dur(mean)
             );
         }
         let (ab, aa) = &self.apiserver;
@@ -243,10 +221,6 @@ impl Alone {
             }
         }
     }
-}
-
-fn delta(before: &Scrape, after: &Scrape, name: &str, filter: &[(&str, &str)]) -> f64 {
-    after.sum(name, filter) - before.sum(name, filter)
 }
 
 /// `apiserver_request_total` for `resource` by `verb` and subresource (`POST binding`).

@@ -344,11 +344,7 @@ impl ControlPlane {
 
     /// An admin client for kube-scheduler's secure port.
     async fn scheduler_client(&self) -> Result<Client> {
-        let kc = Kubeconfig::read_from(&self.kubeconfig)
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
-        let mut config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-            .await
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        let mut config = self.admin_config().await?;
         config.cluster_url = format!("https://127.0.0.1:{}", self.scheduler_port)
             .parse()
             .map_err(|e: http::uri::InvalidUri| ControlPlaneError::Client(e.to_string()))?;
@@ -357,12 +353,17 @@ impl ControlPlane {
 
     /// A new admin client (a client belongs to the tokio runtime it is made in: one per test).
     pub async fn client(&self) -> Result<Client> {
+        Client::try_from(self.admin_config().await?)
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))
+    }
+
+    /// The admin kubeconfig as a client configuration.
+    async fn admin_config(&self) -> Result<kube::Config> {
         let kc = Kubeconfig::read_from(&self.kubeconfig)
             .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
-        let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
             .await
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
-        Client::try_from(config).map_err(|e| ControlPlaneError::Client(e.to_string()))
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))
     }
 
     fn wait_ready(&self, deadline: Instant) -> Result<()> {

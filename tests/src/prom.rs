@@ -73,6 +73,24 @@ pub fn delta_by(
         .collect()
 }
 
+/// `after - before` of [`Scrape::sum`].
+pub fn delta(before: &Scrape, after: &Scrape, name: &str, filter: &[(&str, &str)]) -> f64 {
+    after.sum(name, filter) - before.sum(name, filter)
+}
+
+/// The mean of histogram `name`'s observations between two scrapes (`_sum` over `_count`), with the
+/// count; `None` when nothing was observed.
+pub fn mean_delta(
+    before: &Scrape,
+    after: &Scrape,
+    name: &str,
+    filter: &[(&str, &str)],
+) -> Option<(std::time::Duration, f64)> {
+    let n = delta(before, after, &format!("{name}_count"), filter);
+    let sum = delta(before, after, &format!("{name}_sum"), filter);
+    (n > 0.0).then(|| (std::time::Duration::from_secs_f64((sum / n).max(0.0)), n))
+}
+
 /// `name{k="v",...} value [timestamp]`.
 fn sample(line: &str) -> Option<Sample> {
     let line = line.trim();
@@ -141,5 +159,18 @@ mod tests {
         );
         assert_eq!(s.sum("odd", &[("msg", "say \"hi\"")]), 1.0);
         assert_eq!(s.sum("plain", &[]), 2.5);
+    }
+
+    #[test]
+    fn a_histograms_mean_between_two_scrapes_counts_only_what_was_observed_between_them() {
+        let before = Scrape::parse("h_sum{p=\"a\"} 1.0\nh_count{p=\"a\"} 2\n");
+        let after = Scrape::parse(
+            "h_sum{p=\"a\"} 4.0\nh_count{p=\"a\"} 5\nh_sum{p=\"b\"} 9\nh_count{p=\"b\"} 1\n",
+        );
+        assert_eq!(
+            mean_delta(&before, &after, "h", &[("p", "a")]),
+            Some((std::time::Duration::from_secs(1), 3.0))
+        );
+        assert_eq!(mean_delta(&after, &after, "h", &[]), None);
     }
 }

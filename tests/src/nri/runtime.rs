@@ -171,8 +171,8 @@ pub(super) struct Inner {
     pub(super) schema: Schema,
     pub(super) create_event: i32,
     pub(super) post_start_event: i32,
-    /// How many `UpdateContainersRequest`s were received.
-    pub(super) update_count: watch::Sender<usize>,
+    /// The `UpdateContainersRequest`s (JSON) received, in order.
+    pub(super) updates: watch::Sender<Vec<Value>>,
     pub(super) valid_events: i32,
     pub(super) state: Mutex<State>,
     pub(super) registered: watch::Sender<Option<Registration>>,
@@ -188,8 +188,6 @@ pub(super) struct State {
     pub(super) plugin: Option<Arc<PluginConn>>,
     /// Registrations completed so far.
     pub(super) count: u64,
-    /// `UpdateContainersRequest`s received.
-    pub(super) updates: Vec<Value>,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -219,7 +217,7 @@ impl NriRuntime {
             valid_events: event_bit(last) - 1,
             create_event,
             post_start_event,
-            update_count: watch::Sender::new(0),
+            updates: watch::Sender::new(Vec::new()),
             schema,
             state: Mutex::new(State::default()),
             registered: watch::Sender::new(None),
@@ -253,7 +251,7 @@ impl NriRuntime {
 
     /// The `UpdateContainersRequest`s (JSON) plugins sent so far.
     pub fn container_updates(&self) -> Vec<Value> {
-        lock(&self.inner.state).updates.clone()
+        self.inner.updates.borrow().clone()
     }
 
     /// Waits until a plugin has registered (register, configure, synchronize) since the last start or
@@ -347,12 +345,13 @@ impl NriRuntime {
     /// Waits until the plugins sent at least `count` `UpdateContainers` calls in all; returns them all.
     /// `None` when they did not within `timeout`.
     pub async fn wait_updates(&self, count: usize, timeout: Duration) -> Option<Vec<Value>> {
-        let mut rx = self.inner.update_count.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|n| *n >= count))
+        let mut rx = self.inner.updates.subscribe();
+        let got = tokio::time::timeout(timeout, rx.wait_for(|u| u.len() >= count))
             .await
             .ok()?
-            .ok()?;
-        Some(self.container_updates())
+            .ok()?
+            .clone();
+        Some(got)
     }
 
     /// Calls any `Plugin` method on the registered plugin, whatever it subscribed to.

@@ -130,12 +130,7 @@ impl Inner {
         };
         if req.method == "UpdateContainers" {
             tracing::info!(request = %body, "NRI plugin requested container updates");
-            let count = {
-                let mut st = lock(&self.state);
-                st.updates.push(body);
-                st.updates.len()
-            };
-            self.update_count.send_replace(count);
+            self.updates.send_modify(|u| u.push(body));
             answer(Response::ok(Vec::new()));
             return Ok(());
         }

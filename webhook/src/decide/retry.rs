@@ -86,17 +86,12 @@ pub struct Waiting {
     pub placement: PodSpec,
 }
 
-/// Whether an API server answer quoted in a condition comes from a teeguard webhook: a denial or a
-/// failed call of a webhook whose name ends in [`names::WEBHOOK_NAME_SUFFIX`].
-pub fn refused_by_teeguard(message: &str) -> bool {
-    quotes_teeguard(message, DENIED_BY) || quotes_teeguard(message, FAILED_CALL)
-}
-
 /// How the API server quotes a webhook's denial, and a call to it that failed.
 const DENIED_BY: &str = "admission webhook \"";
 const FAILED_CALL: &str = "failed calling webhook \"";
 
-/// Whether `message` has `lead` followed by the name of a teeguard webhook.
+/// Whether `message` has `lead` followed by the name of a teeguard webhook (one whose name ends in
+/// [`names::WEBHOOK_NAME_SUFFIX`]).
 fn quotes_teeguard(message: &str, lead: &str) -> bool {
     message.match_indices(lead).any(|(at, _)| {
         let rest = &message[at + lead.len()..];

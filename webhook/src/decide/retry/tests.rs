@@ -53,6 +53,11 @@ fn tdx_waiting(name: &str, since: &str) -> Waiting {
     .expect("waiting")
 }
 
+/// A denial or a failed call of a teeguard webhook.
+fn refused_by_teeguard(message: &str) -> bool {
+    quotes_teeguard(message, DENIED_BY) || quotes_teeguard(message, FAILED_CALL)
+}
+
 #[test]
 fn a_denial_or_a_failed_call_of_a_teeguard_webhook_is_teeguards_and_nothing_else_is() {
     let ours = [
