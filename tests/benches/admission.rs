@@ -213,6 +213,7 @@ fn main() {
             metrics.clone(),
             Duration::from_secs(2),
             ledger.clone(),
+            Arc::default(),
             token.clone(),
         );
         tokio::time::timeout(Duration::from_secs(60), caches.wait_synced())

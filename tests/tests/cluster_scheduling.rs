@@ -438,3 +438,81 @@ async fn the_schedulers_own_metrics_count_a_pod_it_bound() {
         .delete("p", &DeleteParams::default().grace_period(0))
         .await;
 }
+
+// A launcher pod admitted at its CREATE holds its key for other VMIs' pods until its binding is
+// reviewed (two pods created together cannot both be admitted for a last key). Deleted before any
+// binding, it holds nothing: the pod cache's delete event ends the promise. Before, the key stayed
+// promised for PROMISE_TTL (10 s) and the next VM was refused as "1 just admitted, not in the report
+// yet" (a KubeVirt test's probe VMI, deleted at once, gave the next test's first refusal that note).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launcher_pod_deleted_before_its_binding_leaves_its_key_to_the_next_vm_at_once() {
+    within(DEADLINE, async {
+        let Some(w) = World::start("unbound", &[("a", 1)], "").await else {
+            return;
+        };
+        let node = w.node(0);
+        w.wait_report(&node, 0, 1).await;
+        let selector = [(TEST_LABEL, w.test.as_str())];
+        // Pods no scheduler binds: they stay between their CREATE and a binding.
+        let unbound = |vmi: &str, uid: &str| {
+            let mut pod =
+                Cluster::launcher_pod(&w.ns, vmi, uid, Tee::Tdx, &selector).expect("launcher pod");
+            if let Some(spec) = pod.spec.as_mut() {
+                spec.scheduler_name = Some("no-such-scheduler".into());
+            }
+            pod
+        };
+        let uid_a = w
+            .cluster
+            .create_vmi(&w.ns, "vm-a", Tee::Tdx)
+            .await
+            .expect("VMI");
+        let pod_a = w
+            .pods()
+            .create(&PostParams::default(), &unbound("vm-a", &uid_a))
+            .await
+            .expect("vm-a's pod admitted: the node's key is free");
+        let uid_b = w
+            .cluster
+            .create_vmi(&w.ns, "vm-b", Tee::Tdx)
+            .await
+            .expect("VMI");
+        let pod_b = unbound("vm-b", &uid_b);
+        let refused = w
+            .pods()
+            .create(&PostParams::default(), &pod_b)
+            .await
+            .expect_err("vm-b refused while vm-a's pod, not bound yet, holds the only key");
+        assert!(
+            refused.to_string().contains("0/1 free (1 just admitted"),
+            "{refused}"
+        );
+
+        delete_now(&w, &pod_a).await;
+        let deleted = Instant::now();
+        // The webhook sees the deletion through its pod watch, within milliseconds; 5 s of slack for
+        // a loaded machine still tells it from the 10 s the promise lasted before.
+        let mut refusals = 0;
+        loop {
+            match w.pods().create(&PostParams::default(), &pod_b).await {
+                Ok(_) => break,
+                Err(e) => {
+                    refusals += 1;
+                    assert!(
+                        deleted.elapsed() < Duration::from_secs(5),
+                        "vm-b still refused {:?} after vm-a's pod was deleted ({refusals} tries): \
+                         {e}; logs:\n{}",
+                        deleted.elapsed(),
+                        w.env.all_logs()
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        eprintln!(
+            "vm-b admitted {:?} after vm-a's pod was deleted ({refusals} refusals)",
+            deleted.elapsed()
+        );
+    })
+    .await;
+}

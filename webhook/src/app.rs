@@ -108,11 +108,13 @@ pub async fn start(
     // Stopped once the HTTPS server has drained, not at SIGTERM: requests are still answered until then.
     let background = CancellationToken::new();
     let ledger = Arc::new(Ledger::new(config.admission.ledger_ttl));
+    let promises = Arc::new(crate::decide::retry::Promises::default());
     let (caches, cache_tasks) = Caches::start(
         client.clone(),
         metrics.clone(),
         args.api_timeout,
         ledger.clone(),
+        promises.clone(),
         background.clone(),
     );
     let (events, events_task) = EventSink::start(
@@ -177,7 +179,6 @@ pub async fn start(
         )
     });
     let config = Arc::new(config);
-    let promises = Arc::new(crate::decide::retry::Promises::default());
     // Retries the VMIs whose pods were refused as soon as a key is free for them
     // (crate::cluster::retry); stopped with the caches.
     let retry_task = config.admission.retry_refused_vmis.then(|| {

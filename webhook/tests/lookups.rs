@@ -32,6 +32,7 @@ async fn a_launcher_pod_bound_a_moment_after_its_creation_is_found_through_the_w
         metrics,
         Duration::from_secs(5),
         ledger,
+        Arc::default(),
         shutdown.clone(),
     );
     caches.wait_synced().await;

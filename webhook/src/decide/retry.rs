@@ -30,8 +30,9 @@
 //! it (the binding does). Two VMIs' pods created together could both be admitted for the last key,
 //! and one would then wait in the scheduler's queue (`Insufficient …`) instead of with teeguard's
 //! refusal and retry. So an admitted launcher pod's VMI is promised the key on the node that fitted
-//! ([`Promises::promise`], then [`Promises::admitted`]) until its binding is reviewed ([`Promises::bound`]; the ledger then
-//! holds the key on the node the scheduler chose), the report counts the pod, or [`PROMISE_TTL`].
+//! ([`Promises::promise`], then [`Promises::admitted`]) until its binding is reviewed
+//! ([`Promises::pod_ended`]; the ledger then holds the key on the node the scheduler chose), the report
+//! counts the pod, the pod or the VMI is deleted (the caches' delete events), or [`PROMISE_TTL`].
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -285,14 +286,14 @@ impl Promises {
         });
     }
 
-    /// The binding of pod `pod_uid` was reviewed: the ledger holds its key from now on (when the
-    /// binding was admitted), so its VMI's promise ends.
-    pub fn bound(&self, pod_uid: &str) {
+    /// The promise made for pod `pod_uid` ends: its binding was reviewed (the ledger holds its key from
+    /// then on, when the binding was admitted), or the pod was deleted.
+    pub fn pod_ended(&self, pod_uid: &str) {
         self.lock()
             .retain(|p| p.pod_uid.as_deref() != Some(pod_uid));
     }
 
-    /// Drop the promise to VMI `vmi_uid` (its retry could not be written).
+    /// Drop the promise to VMI `vmi_uid` (its retry could not be written, or the VMI was deleted).
     pub fn forget(&self, vmi_uid: &str) {
         self.lock().retain(|p| p.vmi_uid != vmi_uid);
     }

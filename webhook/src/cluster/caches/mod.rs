@@ -7,7 +7,8 @@
 //! lookups and allocation-free scans).
 //!
 //! The report and virt-launcher pod caches also tell the admission ledger what they see (a report
-//! counting a pod, a pod deleted), so reservations end at once, not at the next check.
+//! counting a pod, a pod deleted), so reservations end at once, not at the next check; a deleted pod
+//! or VMI also ends the key promised to its VMI ([`Promises`]).
 //!
 //! Caches: VMIs and Namespace labels (mutation and validation), TeeCapacity reports and the agents'
 //! heartbeat Leases (in the webhook's namespace: a report's age is that of the newer of its heartbeat
@@ -38,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::decide::ledger::Ledger;
 use crate::decide::mutation::{VmiLookup, VmiRef};
-use crate::decide::retry;
+use crate::decide::retry::{self, Promises};
 use crate::metrics::{Cache, LookupResult, Metrics};
 use crate::pods::{CachedLauncherPod, LauncherPod, slim_meta};
 
@@ -67,13 +68,39 @@ impl Observer<TeeCapacity> for ReportsArrived {
     }
 }
 
-/// Ends the ledger's reservation of a virt-launcher pod the moment its deletion is seen.
-struct DeletedPodsEndReservations(Arc<Ledger>);
+/// Ends the ledger's reservation of a virt-launcher pod, and the key promised to its VMI, the moment
+/// its deletion is seen (a pod deleted before its binding would otherwise hold the promised key for
+/// [`retry::PROMISE_TTL`]).
+struct DeletedPodsEndReservations {
+    ledger: Arc<Ledger>,
+    promises: Arc<Promises>,
+}
 
 impl Observer<CachedLauncherPod> for DeletedPodsEndReservations {
     fn removed(&self, pod: &CachedLauncherPod) {
         if let Some(uid) = pod.uid.as_deref() {
-            self.0.pod_deleted(uid, std::time::Instant::now());
+            self.ledger.pod_deleted(uid, std::time::Instant::now());
+            self.promises.pod_ended(uid);
+        }
+    }
+}
+
+/// Keeps the waiting VMIs up to date, and ends the key promised to a VMI the moment its deletion is
+/// seen.
+struct VmiChanges {
+    waiting: Arc<WaitingVmis>,
+    promises: Arc<Promises>,
+}
+
+impl Observer<VirtualMachineInstance> for VmiChanges {
+    fn stored(&self, vmi: &VirtualMachineInstance) {
+        self.waiting.stored(vmi);
+    }
+
+    fn removed(&self, vmi: &VirtualMachineInstance) {
+        self.waiting.removed(vmi);
+        if let Some(uid) = vmi.metadata.uid.as_deref() {
+            self.promises.forget(uid);
         }
     }
 }
@@ -255,12 +282,13 @@ impl Debug for Caches {
 impl Caches {
     /// Start every reflector. `api_timeout` bounds the GET made on a cache miss. The report and
     /// virt-launcher pod caches end `ledger`'s reservations as reports count their pods and pods are
-    /// deleted.
+    /// deleted; the virt-launcher pod and VMI caches end `promises` as pods and VMIs are deleted.
     pub fn start(
         client: Client,
         metrics: Arc<Metrics>,
         api_timeout: Duration,
         ledger: Arc<Ledger>,
+        promises: Arc<Promises>,
         shutdown: CancellationToken,
     ) -> (Caches, CacheTasks) {
         let mut b = CacheBuilder::new(metrics.clone(), shutdown);
@@ -273,7 +301,10 @@ impl Caches {
                 slim_vmi(&mut v);
                 v
             },
-            Some(waiting.clone()),
+            Some(Arc::new(VmiChanges {
+                waiting: waiting.clone(),
+                promises: promises.clone(),
+            })),
         );
         let namespaces = b.watch(
             Cache::Namespaces.as_str(),
@@ -308,7 +339,7 @@ impl Caches {
                 ))
                 .any_semantic(),
             CachedLauncherPod::from,
-            Some(Arc::new(DeletedPodsEndReservations(ledger))),
+            Some(Arc::new(DeletedPodsEndReservations { ledger, promises })),
         );
         let reservations = b.watch(
             Cache::Reservations.as_str(),

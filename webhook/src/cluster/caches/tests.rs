@@ -214,9 +214,10 @@ fn report(node: &str, counted: &[&str]) -> TeeCapacity {
 }
 
 /// Issue #28: the reservation ends when the report counting its pod arrives, with no check on the
-/// node in between; and when the pod's deletion arrives.
+/// node in between; and when the pod's deletion arrives, which also ends the key promised at its
+/// CREATE (a pod deleted before its binding held it for the promise's TTL: a KubeVirt test flaked).
 #[test]
-fn the_caches_end_ledger_reservations_as_reports_and_deletions_arrive() {
+fn the_caches_end_ledger_reservations_and_promises_as_reports_and_deletions_arrive() {
     use crate::decide::ledger::{ReportMark, Reservation};
     use std::time::Instant;
     use teeguard_shared::TeeKind;
@@ -246,12 +247,26 @@ fn the_caches_end_ledger_reservations_as_reports_and_deletions_arrive() {
         }))
         .expect("pod")
     };
+    // Pod uid-b was also admitted at its CREATE: its VMI holds a promised key until the binding.
+    let promises = Arc::new(Promises::default());
+    promises.promise("n1", TeeKind::Tdx, "vmi-b", t0);
+    promises.admitted("vmi-b", "uid-b");
+    let promised = || promises.held("n1", &[], "vmi-other", t0).len();
     let (_pods, mut w) = NamedStore::new(CachedLauncherPod::from);
-    w.observer = Some(Arc::new(DeletedPodsEndReservations(ledger.clone())));
+    w.observer = Some(Arc::new(DeletedPodsEndReservations {
+        ledger: ledger.clone(),
+        promises: promises.clone(),
+    }));
     w.apply(watcher::Event::Apply(pod("uid-b")));
     assert_eq!(ledger.len(), 1, "a stored pod ends nothing");
+    assert_eq!(promised(), 1, "a stored pod ends no promise");
     w.apply(watcher::Event::Delete(pod("uid-b")));
     assert!(ledger.is_empty(), "b's ended at its deletion");
+    assert_eq!(
+        promised(),
+        0,
+        "the promise made at b's CREATE ended at its deletion, before its binding"
+    );
 }
 
 #[tokio::test]
@@ -344,13 +359,18 @@ fn a_waiting_vmi_keeps_what_its_retry_needs_and_any_other_vmi_drops_it() {
 }
 
 #[tokio::test]
-async fn the_vmi_cache_keeps_the_waiting_vmis_and_wakes_the_retry_task_when_one_starts_waiting() {
+async fn the_vmi_cache_keeps_the_waiting_vmis_wakes_the_retry_task_and_ends_a_deleted_vmis_promise()
+{
     let waiting = Arc::new(WaitingVmis::default());
+    let promises = Arc::new(Promises::default());
     let (_vmis, mut w) = NamedStore::new(|mut v: VirtualMachineInstance| {
         slim_vmi(&mut v);
         v
     });
-    w.observer = Some(waiting.clone());
+    w.observer = Some(Arc::new(VmiChanges {
+        waiting: waiting.clone(),
+        promises: promises.clone(),
+    }));
     w.apply(watcher::Event::Apply(vmi("other", "Pending", false)));
     assert!(waiting.snapshot().is_empty(), "not refused by teeguard");
     w.apply(watcher::Event::Apply(vmi("a", "Pending", true)));
@@ -376,6 +396,13 @@ async fn the_vmi_cache_keeps_the_waiting_vmis_and_wakes_the_retry_task_when_one_
     w.apply(watcher::Event::Apply(vmi("a", "Scheduling", false)));
     assert!(waiting.snapshot().is_empty(), "its pod was created");
     w.apply(watcher::Event::Apply(vmi("b", "Pending", true)));
+    // The retry task promised b a key; b is deleted before its pod is created.
+    let now = std::time::Instant::now();
+    promises.promise("n1", teeguard_shared::TeeKind::Tdx, "uid-b", now);
     w.apply(watcher::Event::Delete(vmi("b", "Pending", true)));
     assert!(waiting.snapshot().is_empty(), "deleted");
+    assert!(
+        promises.held("n1", &[], "uid-other", now).is_empty(),
+        "a deleted VMI's promise ends with it"
+    );
 }

@@ -417,13 +417,13 @@ fn an_admitted_launcher_pod_holds_its_key_for_other_vmis_until_its_binding_is_re
         Some(&1),
         "a second VMI's pod, created before the first is bound, sees the key taken"
     );
-    p.bound("pod-other");
+    p.pod_ended("pod-other");
     assert_eq!(
         p.held("node-a", &[], "vmi-b", t0).len(),
         1,
         "another pod's binding"
     );
-    p.bound("pod-a");
+    p.pod_ended("pod-a");
     assert!(
         p.held("node-a", &[], "vmi-b", t0).is_empty(),
         "bound: the ledger holds the key on the node the scheduler chose"

@@ -617,7 +617,7 @@ async fn binding<L: Lookups>(
     );
     // The ledger holds the key from now on: the promise made at the pod's CREATE ends.
     if let (Some(p), false) = (ctx.promises, req.dry_run) {
-        p.bound(&uid);
+        p.pod_ended(&uid);
     }
     record_event(&answer, Some(&vmi_ref), req.dry_run, ctx);
     log_decision(&answer, &pod_name);
