@@ -229,6 +229,7 @@ fn main() {
         metrics: Some(&metrics),
         shared: None,
         promises: None,
+        waiting: None,
     };
 
     // The mutating reviews: one per kind and size, each checked to be a patch from a cache hit (or the

@@ -32,10 +32,10 @@ async fn a_vmi_on_a_full_node_says_why_and_starts_by_itself_soon_after_a_key_fre
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn thirty_vmis_for_four_keys_run_by_kind_and_the_waiting_take_freed_places() {
+async fn thirty_vmis_for_four_keys_run_by_kind_and_the_longest_waiting_take_freed_places() {
     within(
         DEADLINE,
-        full::thirty_vmis_for_four_keys_run_by_kind_and_the_waiting_take_freed_places(),
+        full::thirty_vmis_for_four_keys_run_by_kind_and_the_longest_waiting_take_freed_places(),
     )
     .await;
 }

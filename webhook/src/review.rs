@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use teeguard_shared::{Config, TeeCapacity, VirtualMachineInstance};
 
 use crate::cli::{OutputFormat, ReviewArgs};
-use crate::cluster::caches::{Lookups, NodeFilter, PodLookup};
+use crate::cluster::caches::{Labels, Lookups, NodeFilter, PodLookup};
 use crate::decide::ledger::Ledger;
 use crate::decide::mutation::{VmiLookup, VmiRef};
 use crate::error::{Error, Result};
@@ -221,7 +221,7 @@ impl Lookups for FileLookups {
         &self,
         filter: NodeFilter<'_>,
         first: Option<&str>,
-        visit: &mut dyn FnMut(&str) -> ControlFlow<()>,
+        visit: &mut dyn FnMut(&str, &Labels) -> ControlFlow<()>,
     ) {
         // No node files: every reported node is a candidate (labels unknown, no filter).
         let unlabelled = self.nodes.is_empty();
@@ -241,7 +241,7 @@ impl Lookups for FileLookups {
         });
         let rest = candidates.filter(|(n, _)| Some(*n) != first.map(|(f, _)| f));
         for (name, labels) in first.into_iter().chain(rest) {
-            if (unlabelled || filter(name, labels)) && visit(name).is_break() {
+            if (unlabelled || filter(name, labels)) && visit(name, labels).is_break() {
                 return;
             }
         }
@@ -466,6 +466,7 @@ pub async fn review_document(
                 metrics: None,
                 shared: None,
                 promises: None,
+                waiting: None,
             };
             let validated = review_validation(&vbody, lookups, &ctx)
                 .await
@@ -556,7 +557,7 @@ mod tests {
             labels.get("pick").map(String::as_str) == Some("yes")
         };
         let mut seen = Vec::new();
-        l.scan_nodes(&filter, first, &mut |n| {
+        l.scan_nodes(&filter, first, &mut |n, _| {
             seen.push(n.to_string());
             ControlFlow::Continue(())
         });

@@ -16,7 +16,7 @@ use teeguard_tests::fixtures::{
     AdmissionReviewBuilder, NodeBuilder, ReportBuilder, TDX_KEYS, Tee, VirtLauncherPod, Vmi,
     owned_by,
 };
-use teeguard_webhook::cluster::caches::{Lookups, NodeFilter, PodLookup};
+use teeguard_webhook::cluster::caches::{Labels, Lookups, NodeFilter, PodLookup};
 use teeguard_webhook::decide::ledger::Ledger;
 use teeguard_webhook::decide::mutation::{VmiLookup, VmiRef};
 use teeguard_webhook::review::FileLookups;
@@ -66,7 +66,7 @@ impl Lookups for Counting {
         &self,
         filter: NodeFilter<'_>,
         first: Option<&str>,
-        visit: &mut dyn FnMut(&str) -> ControlFlow<()>,
+        visit: &mut dyn FnMut(&str, &Labels) -> ControlFlow<()>,
     ) {
         self.inner.scan_nodes(filter, first, visit)
     }
@@ -113,6 +113,7 @@ async fn review(lookups: &Counting, ledger: &Ledger) -> (String, usize) {
         metrics: None,
         shared: None,
         promises: None,
+        waiting: None,
     };
     let reviewed = review_validation(&create_review(), lookups, &ctx)
         .await

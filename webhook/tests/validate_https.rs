@@ -12,7 +12,7 @@ use common::{Harness, WAIT};
 use http::StatusCode;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
-use teeguard_shared::TeeKind;
+use teeguard_shared::{TeeKind, names};
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, Verb};
 use teeguard_tests::fixtures::{
     self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, NodeBuilder, ReportBuilder, TDX_KEYS, Tee,
@@ -905,5 +905,110 @@ async fn exemptions_skip_the_capacity_check() {
             .await;
         assert_eq!(allowed(status, &resp)["auditAnnotations"]["reason"], reason);
     }
+    h.stop().await;
+}
+
+/// A VMI whose launcher pod teeguard refused at `since` (RFC 3339): `Pending`, virt-controller's
+/// `Synchronized` condition quoting the refusal. Returns its UID.
+fn seed_waiting_vmi(api: &FakeApiServer, name: &str, since: &str) -> String {
+    seed_waiting(api, Vmi::new(name), since)
+}
+
+fn seed_waiting(api: &FakeApiServer, vmi: Vmi, since: &str) -> String {
+    let mut vmi = vmi.tee(Tee::Tdx).scheduling().build();
+    vmi["status"]["phase"] = json!("Pending");
+    vmi["status"]["conditions"] = json!([{
+        "type": "Synchronized", "status": "False", "reason": "FailedCreate",
+        "lastTransitionTime": since,
+        "message": format!("failed to create virtual machine pod: admission webhook \
+            \"validate.pods.teeguard.dev\" denied the request: no node can host this TDX VM: node-a \
+            0/31 free; {HINT}{RETRY}")
+    }]);
+    let stored = api.create(&vmi).expect("create VMI");
+    stored["metadata"]["uid"].as_str().expect("uid").to_string()
+}
+
+// Under a burst, virt-controller's own retry of a VMI that waited less could land between the report
+// showing a key free and the retry task's promise to the VMI that waited longest, and take the key.
+// A launcher pod CREATE counts the keys of the VMIs waiting ahead of its own (without a promise) as
+// taken: the newer VMI is refused and waits its turn, the older one is admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launcher_pod_waits_its_turn_behind_the_vmis_refused_before_its_own() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node-a", 31, 1, 0, FRESH))
+        .expect("report");
+    api.create(&NodeBuilder::new("node-a").tdx(31).build())
+        .expect("node");
+    // The retry task hands the key to `older` but does not retry it again: teeguard retried it
+    // moments ago (a time ahead of this clock counts as recent), its pod is on its way, and virt-
+    // controller's retry of a VMI that waited less lands first.
+    let older = seed_waiting(
+        &api,
+        Vmi::new("older").annotation(names::RETRIED_ANNOTATION, "2099-01-01T00:00:00Z"),
+        "2026-11-26T10:00:00Z",
+    );
+    let newer = seed_waiting_vmi(&api, "newer", "2026-11-26T10:05:00Z");
+    let fresh = seed_vmi(&api, &Vmi::new("fresh").tee(Tee::Tdx).scheduling());
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 1, 0, 3).await;
+    let c = h.caches();
+    eventually("both VMIs waiting", async move || {
+        c.waiting.snapshot().len() == 2
+    })
+    .await;
+    let pod = |vmi: &str, uid: &str| owned_by(&mutated(vmi), uid);
+
+    // `newer` waits behind `older`; `fresh`, not refused yet, behind both (the one free key is kept).
+    for (vmi, uid) in [("newer", &newer), ("fresh", &fresh)] {
+        let (status, resp) = h
+            .validate(&AdmissionReviewBuilder::create(pod(vmi, uid)).build())
+            .await;
+        let msg = denied(status, &resp, "insufficient-keys");
+        assert_eq!(
+            msg,
+            format!(
+                "no node can host this TDX VM: node-a 0/31 free (1 kept for VMs waiting longer); {HINT}{RETRY}"
+            ),
+            "{vmi}"
+        );
+    }
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(pod("older", &older)).build())
+        .await;
+    allowed(status, &resp);
+    // `older` now holds the key through its promise, not through the queue.
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(pod("newer", &newer)).build())
+        .await;
+    let msg = denied(status, &resp, "insufficient-keys");
+    assert!(
+        msg.contains("node-a 0/31 free (1 just admitted, not in the report yet);"),
+        "{msg}"
+    );
+    h.stop().await;
+}
+
+// Without the retry task nothing serves the VMIs ahead promptly: no queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_refused_vmis_not_retried_a_launcher_pod_does_not_wait_behind_them() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node-a", 31, 1, 0, FRESH))
+        .expect("report");
+    api.create(&NodeBuilder::new("node-a").tdx(31).build())
+        .expect("node");
+    seed_waiting_vmi(&api, "older", "2026-11-26T10:00:00Z");
+    let newer = seed_waiting_vmi(&api, "newer", "2026-11-26T10:05:00Z");
+    let config = "admission:\n  retryRefusedVmis: false\n";
+    let h = Harness::start_with(api, Some(config), &[]).await;
+    wait_cached(&h, 1, 1, 0, 2).await;
+    let c = h.caches();
+    eventually("both VMIs waiting", async move || {
+        c.waiting.snapshot().len() == 2
+    })
+    .await;
+    let (status, resp) = h
+        .validate(&AdmissionReviewBuilder::create(owned_by(&mutated("newer"), &newer)).build())
+        .await;
+    allowed(status, &resp);
     h.stop().await;
 }

@@ -161,6 +161,7 @@ pub fn validate(data: &[u8]) -> Seen {
         metrics: None,
         shared: None,
         promises: None,
+        waiting: None,
     };
     let result = run_now(
         teeguard_webhook::web::handlers::validate::review_validation(data, lookups(), &ctx),

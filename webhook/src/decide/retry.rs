@@ -33,6 +33,12 @@
 //! ([`Promises::promise`], then [`Promises::admitted`]) until its binding is reviewed
 //! ([`Promises::pod_ended`]; the ledger then holds the key on the node the scheduler chose), the report
 //! counts the pod, the pod or the VMI is deleted (the caches' delete events), or [`PROMISE_TTL`].
+//!
+//! A promise is made only once the planner has run, about 100 ms after the report showing a key free;
+//! a natural retry landing in between would take the key from a VMI that waited longer. So a launcher
+//! pod CREATE also counts as taken, on each node, one key per VMI of the kind that waits ahead of the
+//! pod's own VMI without a promise ([`ahead_of`], [`queued_on`]): the freed keys go to the VMIs that
+//! waited longest, whichever retry lands first.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -207,6 +213,46 @@ pub struct Retry<'w> {
     pub node: String,
 }
 
+/// A waiting VMI's place in the queue: oldest refusal first; a VMI whose refusal time is unknown goes
+/// last; then by name, so every replica orders the VMIs alike.
+fn turn(w: &Waiting) -> (bool, Option<Timestamp>, &str, &str) {
+    (w.since.is_none(), w.since, &w.vmi.namespace, &w.vmi.name)
+}
+
+/// The waiting VMIs of `kind` whose turn comes before the VMI `vmi_uid`'s, in [`plan`]'s order (every
+/// one of them when that VMI does not wait), leaving out those `promised` a key (their keys are held
+/// already): the VMIs a freed key goes to first. A launcher pod CREATE counts them as taking the keys
+/// on the nodes their pods may go to ([`queued_on`]), so a VMI that waited less, retried by
+/// virt-controller's own backoff, does not take a key the retry task is about to hand to one that
+/// waited longer.
+pub fn ahead_of<'w>(
+    waiting: &'w [Waiting],
+    kind: TeeKind,
+    vmi_uid: &str,
+    promised: impl Fn(&str) -> bool,
+) -> Vec<&'w Waiting> {
+    let own = waiting.iter().find(|w| w.vmi.uid == vmi_uid).map(turn);
+    waiting
+        .iter()
+        .filter(|w| {
+            w.kind == kind
+                && w.vmi.uid != vmi_uid
+                && own.is_none_or(|own| turn(w) < own)
+                && !promised(&w.vmi.uid)
+        })
+        .collect()
+}
+
+/// How many of `ahead` may take a key on node `name` with `labels`. A VMI whose pod may go to several
+/// nodes counts on each: a newcomer may be refused on a node the VMI ahead will not take, and then
+/// waits for the next pass of the retry task, which hands the keys out exactly.
+pub fn queued_on(ahead: &[&Waiting], name: &str, labels: &BTreeMap<String, String>) -> u64 {
+    ahead
+        .iter()
+        .filter(|w| node_matches(&w.placement, name, labels))
+        .count() as u64
+}
+
 /// Which of `waiting` to retry at `now` (see the module): oldest first, one per available key of its
 /// kind on a node its pod may go to. `nodes` is used up as keys are handed out.
 pub fn plan<'w>(
@@ -215,16 +261,7 @@ pub fn plan<'w>(
     now: Timestamp,
 ) -> Vec<Retry<'w>> {
     let mut order: Vec<&Waiting> = waiting.iter().collect();
-    // Oldest refusal first; a VMI whose refusal time is unknown goes last; then by name, so every
-    // replica picks the same VMIs.
-    order.sort_by(|a, b| {
-        (a.since.is_none(), a.since, &a.vmi.namespace, &a.vmi.name).cmp(&(
-            b.since.is_none(),
-            b.since,
-            &b.vmi.namespace,
-            &b.vmi.name,
-        ))
-    });
+    order.sort_by_key(|w| turn(w));
     let mut out = Vec::new();
     for w in order {
         let Some(node) = nodes.iter_mut().find(|n| {
@@ -303,6 +340,13 @@ impl Promises {
         for p in self.lock().iter_mut().filter(|p| p.vmi_uid == vmi_uid) {
             p.pod_uid = Some(pod_uid.to_string());
         }
+    }
+
+    /// Whether the VMI `vmi_uid` holds a promise at `now`.
+    pub fn is_promised(&self, vmi_uid: &str, now: Instant) -> bool {
+        self.lock()
+            .iter()
+            .any(|p| p.vmi_uid == vmi_uid && now.saturating_duration_since(p.at) < PROMISE_TTL)
     }
 
     /// Add to `held` the keys `promises` (when given) holds on `node` for VMIs other than `except_vmi`

@@ -154,14 +154,14 @@ pub trait Lookups: Send + Sync {
         None
     }
 
-    /// Call `visit` with the name of each known node for which `filter(name, labels)` holds, until
+    /// Call `visit` with the name and labels of each known node for which `filter(name, labels)` holds, until
     /// `visit` breaks: `first` (when it is a known node) before the others, then in no particular order,
     /// each node once. Allocates nothing per node.
     fn scan_nodes(
         &self,
         filter: NodeFilter<'_>,
         first: Option<&str>,
-        visit: &mut dyn FnMut(&str) -> ControlFlow<()>,
+        visit: &mut dyn FnMut(&str, &Labels) -> ControlFlow<()>,
     );
 }
 
@@ -577,11 +577,11 @@ impl Lookups for Caches {
         &self,
         filter: NodeFilter<'_>,
         first: Option<&str>,
-        visit: &mut dyn FnMut(&str) -> ControlFlow<()>,
+        visit: &mut dyn FnMut(&str, &Labels) -> ControlFlow<()>,
     ) {
         self.nodes.scan_from(first, |name, labels| {
             if filter(name, labels) {
-                visit(name)
+                visit(name, labels)
             } else {
                 ControlFlow::Continue(())
             }

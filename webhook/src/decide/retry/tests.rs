@@ -429,3 +429,84 @@ fn an_admitted_launcher_pod_holds_its_key_for_other_vmis_until_its_binding_is_re
         "bound: the ledger holds the key on the node the scheduler chose"
     );
 }
+
+fn uids(ahead: &[&Waiting]) -> Vec<String> {
+    let mut u: Vec<String> = ahead.iter().map(|w| w.vmi.uid.clone()).collect();
+    u.sort();
+    u
+}
+
+#[test]
+fn the_vmis_ahead_of_a_pod_are_those_of_its_kind_that_waited_longer_without_a_promise() {
+    let snp = waiting(&parse(vmi(
+        "snp-vm",
+        json!({"snp": {}}),
+        "Pending",
+        Some(DENIED),
+        "2026-11-26T09:00:00Z",
+    )))
+    .expect("waiting");
+    let waiting = [
+        tdx_waiting("a", "2026-11-26T10:01:00Z"),
+        tdx_waiting("b", "2026-11-26T10:02:00Z"),
+        tdx_waiting("b2", "2026-11-26T10:02:00Z"),
+        tdx_waiting("c", "2026-11-26T10:03:00Z"),
+        snp,
+    ];
+    let none = |_: &str| false;
+    assert_eq!(
+        uids(&ahead_of(&waiting, TeeKind::Tdx, "uid-new", none)),
+        ["uid-a", "uid-b", "uid-b2", "uid-c"],
+        "a VMI that does not wait comes after every waiting VMI of its kind"
+    );
+    assert_eq!(
+        uids(&ahead_of(&waiting, TeeKind::Tdx, "uid-c", none)),
+        ["uid-a", "uid-b", "uid-b2"]
+    );
+    assert_eq!(
+        uids(&ahead_of(&waiting, TeeKind::Tdx, "uid-b2", none)),
+        ["uid-a", "uid-b"],
+        "refused in the same second: by name, as the planner orders them"
+    );
+    assert!(ahead_of(&waiting, TeeKind::Tdx, "uid-a", none).is_empty());
+    assert_eq!(
+        uids(&ahead_of(&waiting, TeeKind::Tdx, "uid-c", |u| u == "uid-a")),
+        ["uid-b", "uid-b2"],
+        "a promised VMI's key is held already"
+    );
+    assert_eq!(
+        uids(&ahead_of(&waiting, TeeKind::SevEs, "uid-new", none)),
+        ["uid-snp-vm"]
+    );
+}
+
+#[test]
+fn a_vmi_ahead_counts_on_each_node_its_pod_may_go_to() {
+    let tdx = labels(&[("kubevirt.io/tdx", "true")]);
+    let tdx_rack1 = labels(&[("kubevirt.io/tdx", "true"), ("rack", "r1")]);
+    let mut rack1 = tdx_waiting("rack1-vm", "2026-11-26T10:00:00Z");
+    rack1
+        .placement
+        .node_selector
+        .as_mut()
+        .expect("selector")
+        .insert("rack".into(), "r1".into());
+    let waiting = [rack1, tdx_waiting("any", "2026-11-26T10:01:00Z")];
+    let ahead = ahead_of(&waiting, TeeKind::Tdx, "uid-new", |_| false);
+    assert_eq!(queued_on(&ahead, "in-rack1", &tdx_rack1), 2);
+    assert_eq!(queued_on(&ahead, "elsewhere", &tdx), 1);
+    assert_eq!(queued_on(&ahead, "no-tdx", &labels(&[])), 0);
+}
+
+#[test]
+fn a_promise_is_held_until_it_expires_or_is_forgotten() {
+    let p = Promises::default();
+    let t0 = Instant::now();
+    assert!(!p.is_promised("vmi-a", t0));
+    p.promise("node-a", TeeKind::Tdx, "vmi-a", t0);
+    assert!(p.is_promised("vmi-a", t0 + Duration::from_secs(1)));
+    assert!(!p.is_promised("vmi-b", t0));
+    assert!(!p.is_promised("vmi-a", t0 + PROMISE_TTL), "expired");
+    p.forget("vmi-a");
+    assert!(!p.is_promised("vmi-a", t0));
+}

@@ -45,33 +45,35 @@ impl<'r> CandidateScan<'r> {
         }
     }
 
-    /// Offer the candidate `node` with its report (`None`: no report) and the keys `reserved` there by
-    /// other pods (see [`NodeAssessment::new`]). Allocates only when the node joins the listed few.
-    pub fn offer<'a>(
+    /// Offer the candidate `node` with its report (`None`: no report) and the keys `held` there for
+    /// other pods and VMIs (see [`NodeAssessment::new`]). Allocates only when the node joins the listed
+    /// few.
+    pub fn offer<'a, 'h>(
         &mut self,
         node: &str,
         report: impl Into<Report<'a>>,
-        reserved: &KeyRequests,
+        held: impl Into<Held<'h>>,
         now: Timestamp,
         stale_after: Duration,
     ) -> ControlFlow<()> {
         let given = report.into();
+        let held = held.into();
         let report = current_report(given, now, stale_after);
         let requests = self.requests;
         if scheduler_allocates(requests, &report) {
             // DRA mode: the scheduler allocates this node's keys; the pod may wait there (Pending).
             self.dra = true;
             return self.add(Fit::Fits, u64::MAX, node, || {
-                NodeAssessment::new(node, requests, given, reserved, now, stale_after)
+                NodeAssessment::new(node, requests, given, held, now, stale_after)
             });
         }
         let (fit, rank) = fit_and_rank(
             requests
                 .iter()
-                .map(|(kind, n)| (*n, kind_figures(*kind, &report, reserved))),
+                .map(|(kind, n)| (*n, kind_figures(*kind, &report, held))),
         );
         self.add(fit, rank, node, || {
-            NodeAssessment::new(node, requests, given, reserved, now, stale_after)
+            NodeAssessment::new(node, requests, given, held, now, stale_after)
         })
     }
 

@@ -3,7 +3,8 @@
 //! teeguard did not write. No I/O: the handler passes the reports, ledger figures and lookups in.
 //!
 //! Free keys of a node = the report's `free` − keys this replica reserved there for pods the report does
-//! not show yet (see [`crate::decide::ledger`]). A report is unknown when it is missing, has no heartbeat, or its
+//! not show yet (see [`crate::decide::ledger`]) − for a launcher pod not bound yet, keys kept for VMIs
+//! that waited longer (see [`crate::decide::retry::ahead_of`]). A report is unknown when it is missing, has no heartbeat, or its
 //! heartbeat is older than `admission.staleReportAfter`, its heartbeat being the newer of its own
 //! `heartbeatTime` and its agent's Lease renewal ([`Report`]); `admission.staleReportPolicy` says whether an
 //! unknown report refuses (`deny`) or admits with a warning (`allow`). A report without figures for a
@@ -27,6 +28,8 @@ use teeguard_shared::{TeeKind, names};
 pub mod candidates;
 #[cfg(test)]
 mod dra_tests;
+#[cfg(test)]
+mod held_tests;
 pub mod limits;
 #[cfg(test)]
 mod tests;
@@ -180,6 +183,9 @@ pub enum KindFigures {
         external: u64,
         /// Keys this replica admitted that the report does not show yet.
         reserved: u64,
+        /// Of the keys left after `reserved`, those kept for VMIs that have waited longer than the
+        /// pod's own.
+        queued: u64,
     },
     /// The current report has no figures for the kind: the host has none of these keys.
     NoKeys,
@@ -188,10 +194,15 @@ pub enum KindFigures {
 }
 
 impl KindFigures {
-    /// Keys a new pod can get: `free − reserved`; 0 without keys; `None` when unknown.
+    /// Keys a new pod can get: `free − reserved − queued`; 0 without keys; `None` when unknown.
     pub fn available(&self) -> Option<u64> {
         match self {
-            KindFigures::Known { free, reserved, .. } => Some(free.saturating_sub(*reserved)),
+            KindFigures::Known {
+                free,
+                reserved,
+                queued,
+                ..
+            } => Some(free.saturating_sub(*reserved).saturating_sub(*queued)),
             KindFigures::NoKeys => Some(0),
             KindFigures::Unknown(_) => None,
         }
@@ -226,21 +237,45 @@ fn scheduler_allocates(
     }
 }
 
+/// Keys a node's report does not show as taken but a pod cannot have there.
+#[derive(Clone, Copy, Debug)]
+pub struct Held<'h> {
+    /// Reserved by other pods this replica admitted (and keys promised to other VMIs).
+    pub reserved: &'h KeyRequests,
+    /// Kept for VMIs that have waited longer than the pod's own (`None`: none).
+    pub queued: Option<&'h KeyRequests>,
+}
+
+impl<'h> From<&'h KeyRequests> for Held<'h> {
+    fn from(reserved: &'h KeyRequests) -> Self {
+        Held {
+            reserved,
+            queued: None,
+        }
+    }
+}
+
 fn kind_figures(
     kind: TeeKind,
     report: &Result<&TeeCapacityStatus, Unknown>,
-    reserved: &KeyRequests,
+    held: Held<'_>,
 ) -> KindFigures {
     match report {
         Err(u) => KindFigures::Unknown(u.clone()),
         Ok(s) => match s.kind(kind) {
             None => KindFigures::NoKeys,
-            Some(k) => KindFigures::Known {
-                free: k.free,
-                capacity: k.capacity,
-                external: k.external,
-                reserved: reserved.get(&kind).copied().unwrap_or(0),
-            },
+            Some(k) => {
+                let reserved = held.reserved.get(&kind).copied().unwrap_or(0);
+                let queued = held.queued.and_then(|q| q.get(&kind).copied()).unwrap_or(0);
+                KindFigures::Known {
+                    free: k.free,
+                    capacity: k.capacity,
+                    external: k.external,
+                    reserved,
+                    // Of the keys left, those the VMIs ahead take (the message counts no more).
+                    queued: queued.min(k.free.saturating_sub(reserved)),
+                }
+            }
         },
     }
 }
@@ -286,20 +321,21 @@ pub struct NodeAssessment {
 }
 
 impl NodeAssessment {
-    /// Assess `node` for `requests` from its report (`None`: no report) and the keys `reserved` there by
-    /// other pods.
-    pub fn new<'a>(
+    /// Assess `node` for `requests` from its report (`None`: no report) and the keys `held` there for
+    /// other pods and VMIs (a `&KeyRequests`: those reserved by other pods).
+    pub fn new<'a, 'h>(
         node: &str,
         requests: &KeyRequests,
         report: impl Into<Report<'a>>,
-        reserved: &KeyRequests,
+        held: impl Into<Held<'h>>,
         now: Timestamp,
         stale_after: Duration,
     ) -> Self {
         let report = current_report(report, now, stale_after);
+        let held = held.into();
         let kinds = requests
             .iter()
-            .map(|(kind, n)| (*kind, *n, kind_figures(*kind, &report, reserved)))
+            .map(|(kind, n)| (*kind, *n, kind_figures(*kind, &report, held)))
             .collect();
         NodeAssessment {
             node: node.to_string(),
@@ -335,6 +371,7 @@ impl NodeAssessment {
                     capacity,
                     external,
                     reserved,
+                    queued,
                     ..
                 } => {
                     let mut notes = Vec::new();
@@ -343,6 +380,9 @@ impl NodeAssessment {
                     }
                     if *reserved > 0 {
                         notes.push(format!("{reserved} just admitted, not in the report yet"));
+                    }
+                    if *queued > 0 {
+                        notes.push(format!("{queued} kept for VMs waiting longer"));
                     }
                     let avail = f.available().unwrap_or(0);
                     let notes = if notes.is_empty() {

@@ -32,34 +32,35 @@ use axum::extract::{Request, State};
 use axum::response::Response;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::PodSpec;
-use teeguard_shared::config::{Mode, StalePolicy};
+use teeguard_shared::config::Mode;
 use teeguard_shared::pod::{KeyRequests, PodName, key_requests};
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
-use crate::cluster::caches::{Lookups, PodLookup};
+use crate::cluster::caches::{Lookups, PodLookup, WaitingVmis};
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
-use crate::cluster::reservations::{
-    Outcome as SharedOutcome, Request as SharedRequest, SharedReservations,
-};
+use crate::cluster::reservations::SharedReservations;
 use crate::decide::affinity::node_matches;
-use crate::decide::ledger::{Ledger, ReportMark, Reservation};
+use crate::decide::ledger::{Ledger, ReportMark};
 use crate::decide::mutation::{
     MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation,
     namespace_exempt, runtime_class::tee_runtime_class,
 };
-use crate::decide::reservations;
 use crate::decide::retry::{self, Promises};
 use crate::decide::validation::{
-    CandidateScan, Decision, NodeAssessment, Report, Trigger, apply_mode, check_created_limits,
-    check_updated_limits, decide_on_node, expected_limits, has_limit_annotations, mode_name,
-    namespace_mode, reason,
+    CandidateScan, Decision, Held, Report, Trigger, apply_mode, check_created_limits,
+    check_updated_limits, expected_limits, has_limit_annotations, mode_name, namespace_mode,
+    reason,
 };
 use crate::error::Result;
 use crate::metrics::{Metrics, Outcome, ValidationOutcome};
 use crate::web::admission::{Operation, ReviewResponse, audit};
 use crate::web::admitted::AdmittedReview;
 use crate::web::state::AppState;
+
+mod node;
+
+use node::{NodeCheck, check_node};
 
 /// Endpoint name in metrics and logs.
 pub const ENDPOINT: &str = crate::metrics::endpoint::VALIDATE;
@@ -79,6 +80,9 @@ pub struct ValidationContext<'a> {
     pub shared: Option<&'a SharedReservations>,
     /// Keys promised to retried VMIs (`None` offline).
     pub promises: Option<&'a Promises>,
+    /// The VMIs waiting on teeguard, whose turn comes before a newer VMI's (`None` offline, or with
+    /// `admission.retryRefusedVmis` off: nothing would then serve them promptly).
+    pub waiting: Option<&'a WaitingVmis>,
 }
 
 /// The axum handler.
@@ -92,6 +96,11 @@ pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Respons
             metrics: Some(&s.metrics),
             shared: s.validation.shared.as_ref(),
             promises: Some(&s.validation.promises),
+            waiting: s
+                .config
+                .admission
+                .retry_refused_vmis
+                .then_some(&*s.caches.waiting),
         };
         review_validation(&body, &s.caches, &ctx).await
     })
@@ -341,7 +350,21 @@ async fn pod_create<L: Lookups>(
             let hint = primary.and_then(|k| ctx.ledger.fit_hint(k));
             let mut fitted = None;
             let mut fit_node = None;
-            lookups.scan_nodes(&filter, hint.as_deref(), &mut |node| {
+            // A launcher pod waits its turn behind the VMIs of its kind that waited longer.
+            let waiting = match (ctx.waiting, &vmi_ref) {
+                (Some(w), Some(_)) => w.snapshot(),
+                _ => Vec::new(),
+            };
+            let ahead = match (&vmi_ref, primary) {
+                (Some(v), Some(kind)) if !waiting.is_empty() => {
+                    retry::ahead_of(&waiting, kind, &v.uid, |uid| {
+                        ctx.promises.is_some_and(|p| p.is_promised(uid, mono))
+                    })
+                }
+                _ => Vec::new(),
+            };
+            let mut queued = KeyRequests::new();
+            lookups.scan_nodes(&filter, hint.as_deref(), &mut |node, labels| {
                 let cap = lookups.tee_capacity(node);
                 let report = Report {
                     status: cap.as_ref().and_then(|c| c.status.as_ref()),
@@ -351,13 +374,14 @@ async fn pod_create<L: Lookups>(
                 let mut held = ctx.ledger.held(node, m, mono, &uid);
                 let vmi = vmi_ref.as_ref().map_or("", |v| v.uid.as_str());
                 Promises::add_held(ctx.promises, &mut held, node, m.counted_pods, vmi, mono);
-                let flow = scan.offer(
-                    node,
-                    report,
-                    &held,
-                    now,
-                    config.admission.stale_report_after,
-                );
+                if let (Some(kind), false) = (primary, ahead.is_empty()) {
+                    queued.insert(kind, retry::queued_on(&ahead, node, labels));
+                }
+                let held = Held {
+                    reserved: &held,
+                    queued: Some(&queued),
+                };
+                let flow = scan.offer(node, report, held, now, config.admission.stale_report_after);
                 if flow.is_break() {
                     if hint.as_deref() != Some(node) {
                         fitted = Some(node.to_string());
@@ -393,91 +417,6 @@ async fn pod_create<L: Lookups>(
     record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
     log_decision(&answer, pod_name);
     Ok(answer.with_warnings(warnings))
-}
-
-/// The pod-specific inputs of [`check_node`].
-#[derive(Clone, Copy, Debug)]
-struct NodeCheck<'a> {
-    uid: &'a str,
-    pod: &'a str,
-    mode: Mode,
-    policy: StalePolicy,
-    dry_run: bool,
-}
-
-/// Check one node for the pod and, when admitted (and not a dry run), reserve its keys: one atomic
-/// ledger step, then (with shared reservations) the same decision against every replica's
-/// reservations, recorded in the node's `TeeReservation`.
-async fn check_node<L: Lookups>(
-    trigger: Trigger,
-    node: &str,
-    requests: &KeyRequests,
-    p: NodeCheck<'_>,
-    lookups: &L,
-    ctx: &ValidationContext<'_>,
-) -> Decision {
-    let now = Timestamp::now();
-    let mono = Instant::now();
-    let cap = lookups.tee_capacity(node);
-    let report = Report {
-        status: cap.as_ref().and_then(|c| c.status.as_ref()),
-        lease_renewed: lookups.agent_lease(node),
-    };
-    let m = ReportMark::of(cap.as_deref());
-    let candidate = Reservation {
-        pod_uid: p.uid.to_string(),
-        pod: p.pod.to_string(),
-        keys: requests.clone(),
-        admitted: mono,
-    };
-    let stale_after = ctx.config.admission.stale_report_after;
-    let decide = |held: &KeyRequests| {
-        let a = NodeAssessment::new(node, requests, report, held, now, stale_after);
-        apply_mode(decide_on_node(trigger, requests, &a, p.policy), p.mode)
-    };
-    let (decision, reserved) = ctx
-        .ledger
-        .check_and_reserve(node, m, mono, candidate, |held| {
-            let d = decide(held);
-            let reserve = d.reserve && !p.dry_run;
-            (d, reserve)
-        });
-    if let Some(metrics) = ctx.metrics {
-        metrics.set_ledger_reservations(ctx.ledger.len());
-    }
-    tracing::debug!(pod = p.pod, node, ?reserved, "ledger");
-    let Some(shared) = ctx.shared.filter(|_| decision.reserve && !p.dry_run) else {
-        return decision;
-    };
-    let request = SharedRequest {
-        node,
-        candidate: reservations::entry(p.uid, p.pod, requests, now, shared.replica()),
-        counted_pods: m.counted_pods,
-        local: ctx.ledger.held_entries(node, m, mono, p.uid),
-    };
-    let decision = match shared.reserve(request, decide).await {
-        SharedOutcome::Reserved | SharedOutcome::AlreadyHeld => decision,
-        SharedOutcome::Refused(d) => {
-            ctx.ledger.release(p.uid);
-            tracing::info!(
-                pod = p.pod,
-                node,
-                "another replica's reservations took the keys"
-            );
-            d
-        }
-        SharedOutcome::Unavailable(why) => {
-            tracing::warn!(pod = p.pod, node, error = %why, "shared reservations unavailable; deciding with this replica's ledger and the stale-report policy");
-            if p.policy == StalePolicy::Deny {
-                ctx.ledger.release(p.uid);
-            }
-            reservations::fallback(decision, &why, node, p.policy, p.mode)
-        }
-    };
-    if let Some(metrics) = ctx.metrics {
-        metrics.set_ledger_reservations(ctx.ledger.len());
-    }
-    decision
 }
 
 /// In enforce mode, a refusal for lack of keys (not a dry run) puts an Event on the VMI.
