@@ -1012,3 +1012,56 @@ async fn with_refused_vmis_not_retried_a_launcher_pod_does_not_wait_behind_them(
     allowed(status, &resp);
     h.stop().await;
 }
+
+/// The node's report status with `free` of one TDX key and `counted` pods in `countedPods`.
+fn one_key_status(free: u64, counted: &[&str]) -> Value {
+    let mut status = tdx_status(1, free, 0, FRESH);
+    status["countedPods"] = json!(counted);
+    json!({ "status": status })
+}
+
+// A pod's entry in the shared TeeReservation ends for good once a report counted the pod: when its
+// containers stop before its object is deleted, the report no longer lists it, and the entry held the
+// key again for the rest of ledgerTtl ("another replica's reservations took the keys", with one
+// replica: a KubeVirt VMI retried for a freed key was refused at its binding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_reservation_counted_by_a_report_does_not_hold_the_key_again_after_the_pod_stops()
+{
+    let api = FakeApiServer::new();
+    api.create(&tdx_report("node01", 1, 1, 0, FRESH))
+        .expect("report");
+    api.create(&NodeBuilder::new("node01").tdx(1).build())
+        .expect("node");
+    let first = seed_vm(&api, "first", DEFAULT_NAMESPACE);
+    let second = seed_vm(&api, "second", DEFAULT_NAMESPACE);
+    let h = Harness::start_with(api, None, &[]).await;
+    wait_cached(&h, 1, 1, 2, 2).await;
+    let (status, resp) = h.validate(&binding(&first, "node01")).await;
+    allowed(status, &resp);
+    assert_eq!(
+        h.api.list("teereservations", None).len(),
+        1,
+        "the binding is recorded in the node's shared reservations"
+    );
+
+    // The agent counts the first pod, then its containers stop: the key is free again, the pod's
+    // object still there.
+    let first_uid = first.metadata.uid.clone().expect("uid");
+    h.api
+        .patch_status(
+            "teecapacities",
+            None,
+            "node01",
+            &one_key_status(0, &[&first_uid]),
+        )
+        .expect("counted");
+    wait_free(&h, "node01", 0).await;
+    h.api
+        .patch_status("teecapacities", None, "node01", &one_key_status(1, &[]))
+        .expect("stopped");
+    wait_free(&h, "node01", 1).await;
+
+    let (status, resp) = h.validate(&binding(&second, "node01")).await;
+    allowed(status, &resp);
+    h.stop().await;
+}

@@ -20,7 +20,7 @@ use teeguard_shared::pod::KeyRequests;
 use teeguard_shared::reservation::{KeyReservation, TeeReservation, TeeReservationSpec};
 
 use super::caches::Caches;
-use crate::decide::ledger::ReportMark;
+use crate::decide::ledger::{Ledger, ReportMark};
 use crate::decide::reservations::{Liveness, Step, held, live, step};
 use crate::decide::validation::Decision;
 use crate::metrics::{Metrics, SharedResult};
@@ -53,6 +53,9 @@ pub struct Request<'a> {
     pub counted_pods: &'a [String],
     /// This replica's ledger entries on the node (others than the pod).
     pub local: Vec<(String, KeyRequests)>,
+    /// This replica's ledger: an entry of a pod whose reservations ended (a report counted it, or it
+    /// was deleted) holds nothing, whichever replica wrote it.
+    pub ledger: &'a Ledger,
 }
 
 /// The shared reservations of every replica. Cheap to clone.
@@ -150,7 +153,9 @@ impl SharedReservations {
             let entries = current
                 .as_ref()
                 .map_or(&[][..], |o| o.spec.reservations.as_slice());
-            let gone = |e: &KeyReservation| self.pod_gone(e);
+            let mono = Instant::now();
+            let gone =
+                |e: &KeyReservation| req.ledger.has_ended(&e.pod_uid, mono) || self.pod_gone(e);
             let live_entries = live(entries, liveness, &gone);
             let held_keys = held(&live_entries, &req.local, &req.candidate.pod_uid);
             let decision = decide(&held_keys);

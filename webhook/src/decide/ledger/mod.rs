@@ -25,7 +25,8 @@
 //!
 //! An ended reservation never comes back: its pod's UID is remembered for the TTL, and a later
 //! binding of the same pod (a retry) is decided but reserves nothing; neither does a binding of a pod
-//! the node's current report already counts.
+//! the node's current report already counts. Every pod a report counts is remembered so, whichever
+//! replica reserved it: the shared reservations' entries of such pods hold nothing either.
 //!
 //! Reservations are keyed by pod UID: a retried binding of the same pod does not reserve twice; a
 //! binding of the same pod to another node moves the reservation.
@@ -372,13 +373,27 @@ impl Ledger {
             .collect()
     }
 
-    /// A report of `node` arrived listing `counted_pods`: their reservations there end now, for good.
+    /// A report of `node` arrived listing `counted_pods`: their reservations there end now, for good,
+    /// and so does every other reservation of those pods (another replica's entries in the node's
+    /// shared `TeeReservation`: [`Ledger::has_ended`]). Once a report counted a pod, its keys are in
+    /// the report's figures for as long as it holds them, and free after: a report that stops listing
+    /// it (the pod stopped, its object not deleted yet) must not make its reservation hold again.
     pub fn report_arrived(&self, node: &str, counted_pods: &[String], now: Instant) {
-        if self.reserved.load(Ordering::Acquire) == 0 || counted_pods.is_empty() {
+        if counted_pods.is_empty() {
             return;
         }
         let mark = ReportMark { counted_pods };
-        self.lock().settle(node, mark, now, self.ttl);
+        let mut st = self.lock();
+        st.settle(node, mark, now, self.ttl);
+        for uid in counted_pods {
+            st.end(uid, now, self.ttl);
+        }
+    }
+
+    /// Whether pod `pod_uid`'s reservations ended within the TTL: a report counted it, or it was
+    /// deleted.
+    pub fn has_ended(&self, pod_uid: &str, now: Instant) -> bool {
+        self.lock().has_ended(pod_uid, now, self.ttl)
     }
 
     /// The pod `pod_uid` was deleted: its reservation ends now, and none is made for it again.

@@ -334,3 +334,22 @@ fn ended_pods_are_forgotten_after_the_ttl() {
         ledger.check_and_reserve("n1", m, t0 + TTL, res("a", 1, t0 + TTL), admit_if_free(1));
     assert_eq!(r, Reserved::Added);
 }
+
+/// The shared reservations ask the ledger whether an entry still holds: a pod another replica
+/// reserved, once a report counted it, holds nothing there either, after the report stops listing it
+/// (its containers stopped before its object was deleted) as before. (A KubeVirt test's freed keys
+/// were refused to the VMI retried for them: "another replica's reservations took the keys", with one
+/// replica, for the rest of the TTL.)
+#[test]
+fn every_pod_a_report_counted_has_ended_whichever_replica_reserved_it() {
+    let ledger = Ledger::new(TTL);
+    let t0 = Instant::now();
+    assert!(!ledger.has_ended("elsewhere", t0));
+    ledger.report_arrived("n1", &uids(&["elsewhere"]), t0);
+    assert!(ledger.has_ended("elsewhere", t0 + Duration::from_secs(1)));
+    assert!(!ledger.has_ended("other", t0));
+    assert!(
+        !ledger.has_ended("elsewhere", t0 + TTL),
+        "remembered for the TTL"
+    );
+}

@@ -75,6 +75,7 @@ pub(super) async fn check_node<L: Lookups>(
         candidate: reservations::entry(p.uid, p.pod, requests, now, shared.replica()),
         counted_pods: m.counted_pods,
         local: ctx.ledger.held_entries(node, m, mono, p.uid),
+        ledger: ctx.ledger,
     };
     let decision = match shared.reserve(request, decide).await {
         SharedOutcome::Reserved | SharedOutcome::AlreadyHeld => decision,
