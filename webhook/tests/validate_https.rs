@@ -972,6 +972,18 @@ async fn a_launcher_pod_waits_its_turn_behind_the_vmis_refused_before_its_own() 
             "{vmi}"
         );
     }
+    // From its refused pod on, `newer` goes where that pod could go (virt-controller's full selector).
+    let selector: BTreeMap<String, String> =
+        serde_json::from_value(pod("newer", &newer)["spec"]["nodeSelector"].clone())
+            .expect("the pod's nodeSelector");
+    let learned = h
+        .caches()
+        .waiting
+        .snapshot()
+        .into_iter()
+        .find(|w| w.vmi.name == "newer")
+        .and_then(|w| w.placement.node_selector);
+    assert_eq!(learned, Some(selector));
     let (status, resp) = h
         .validate(&AdmissionReviewBuilder::create(pod("older", &older)).build())
         .await;

@@ -1,6 +1,7 @@
 //! Tests of the caches' stores and reductions.
 
 use super::*;
+use k8s_openapi::api::core::v1::PodSpec;
 use kube::api::ObjectMeta;
 
 fn node(name: &str, zone: &str) -> PartialObjectMeta<Node> {
@@ -405,4 +406,52 @@ async fn the_vmi_cache_keeps_the_waiting_vmis_wakes_the_retry_task_and_ends_a_de
         promises.held("n1", &[], "uid-other", now).is_empty(),
         "a deleted VMI's promise ends with it"
     );
+}
+
+/// A refused launcher pod's own node selector (virt-controller adds labels the VMI does not carry)
+/// replaces the one read from the VMI, whether the refusal comes before the VMI's status says it
+/// waits (as usual) or after; it is forgotten once the VMI's pod is created.
+#[test]
+fn a_waiting_vmi_goes_where_its_refused_pod_could_go() {
+    let waiting = Arc::new(WaitingVmis::default());
+    let (_vmis, mut w) = NamedStore::new(|mut v: VirtualMachineInstance| {
+        slim_vmi(&mut v);
+        v
+    });
+    w.observer = Some(waiting.clone());
+    let pod = PodSpec {
+        node_selector: Some(BTreeMap::from([
+            ("kubevirt.io/tdx".to_string(), "true".to_string()),
+            ("kubevirt.io/schedulable".to_string(), "true".to_string()),
+        ])),
+        ..PodSpec::default()
+    };
+    let selector_of = |name: &str| {
+        waiting
+            .snapshot()
+            .into_iter()
+            .find(|x| x.vmi.name == name)
+            .and_then(|x| x.placement.node_selector)
+    };
+    let vmi_ref = |name: &str| VmiRef {
+        namespace: "vms".into(),
+        name: name.into(),
+        uid: format!("uid-{name}"),
+    };
+    // Refused first, then the VMI's status says so.
+    waiting.refused(&vmi_ref("a"), &pod);
+    w.apply(watcher::Event::Apply(vmi("a", "Pending", true)));
+    assert_eq!(selector_of("a"), pod.node_selector);
+    // Waiting first (read from the VMI: its own selector and its kind's label), then refused again.
+    w.apply(watcher::Event::Apply(vmi("b", "Pending", true)));
+    assert_eq!(
+        selector_of("b").map(|s| s.keys().cloned().collect::<Vec<_>>()),
+        Some(vec!["kubevirt.io/tdx".to_string(), "rack".to_string()])
+    );
+    waiting.refused(&vmi_ref("b"), &pod);
+    assert_eq!(selector_of("b"), pod.node_selector);
+    // a's pod is created: a no longer waits, and waits again later with the VMI's selector only.
+    w.apply(watcher::Event::Apply(vmi("a", "Scheduling", false)));
+    w.apply(watcher::Event::Apply(vmi("a", "Pending", true)));
+    assert_ne!(selector_of("a"), pod.node_selector);
 }

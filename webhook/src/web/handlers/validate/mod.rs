@@ -414,6 +414,16 @@ async fn pod_create<L: Lookups>(
     if vmi_ref.is_some() && unbound && config.admission.retry_refused_vmis {
         retry::note_refusal(answer.reason, answer.message.as_mut());
     }
+    // Where this VMI's pods may go, exactly, for the retry task and the queue.
+    if let (Some(w), Some(v), Some(_), false, true) = (
+        ctx.waiting,
+        &vmi_ref,
+        &answer.message,
+        req.dry_run,
+        unbound && reason::ends_when_a_key_frees(answer.reason),
+    ) {
+        w.refused(v, spec);
+    }
     record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
     log_decision(&answer, pod_name);
     Ok(answer.with_warnings(warnings))
