@@ -89,7 +89,10 @@ impl Retrier {
             self.metrics
                 .set_waiting_vmis(kind.kernel_name(), counts.get(&kind).copied().unwrap_or(0));
         }
-        let waiting = self.caches.waiting.snapshot();
+        let mut waiting = self.caches.waiting.snapshot();
+        // A VMI holding a promise has its key (counted in `available` below): nothing to retry.
+        let mono = Instant::now();
+        waiting.retain(|w| !self.promises.is_promised(&w.vmi.uid, mono));
         if waiting.is_empty() {
             return;
         }
@@ -121,7 +124,7 @@ impl Retrier {
     }
 
     /// Keys available to new pods per node (current reports only): the report's `free` less the keys
-    /// this replica admitted there that the report does not count yet.
+    /// this replica admitted there that the report does not count yet, and those it promised.
     fn available(&self, now: Timestamp) -> BTreeMap<String, KeyRequests> {
         let stale_after = self.config.admission.stale_report_after;
         let mono = Instant::now();
@@ -141,7 +144,15 @@ impl Retrier {
             let mark = ReportMark {
                 counted_pods: &status.counted_pods,
             };
-            let held = self.ledger.held(node, mark, mono, "");
+            let mut held = self.ledger.held(node, mark, mono, "");
+            Promises::add_held(
+                Some(&self.promises),
+                &mut held,
+                node,
+                &status.counted_pods,
+                "",
+                mono,
+            );
             let free: KeyRequests = TeeKind::ALL
                 .into_iter()
                 .filter_map(|kind| {

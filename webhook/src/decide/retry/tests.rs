@@ -264,10 +264,8 @@ fn one_free_key_retries_the_vmi_that_waited_longest_and_no_other() {
     );
 }
 
-#[test]
-fn keys_go_only_to_vmis_of_their_kind_whose_pods_may_go_to_the_node() {
-    let tdx = labels(&[("kubevirt.io/tdx", "true")]);
-    let tdx_rack2 = labels(&[("kubevirt.io/tdx", "true"), ("rack", "r2")]);
+/// A TDX VMI waiting since 10:00 whose pod must go to rack r1.
+fn rack1_waiting() -> Waiting {
     let mut rack1 = tdx_waiting("rack1-vm", "2026-11-26T10:00:00Z");
     rack1
         .placement
@@ -275,6 +273,14 @@ fn keys_go_only_to_vmis_of_their_kind_whose_pods_may_go_to_the_node() {
         .as_mut()
         .expect("selector")
         .insert("rack".into(), "r1".into());
+    rack1
+}
+
+#[test]
+fn keys_go_only_to_vmis_of_their_kind_whose_pods_may_go_to_the_node() {
+    let tdx = labels(&[("kubevirt.io/tdx", "true")]);
+    let tdx_rack2 = labels(&[("kubevirt.io/tdx", "true"), ("rack", "r2")]);
+    let rack1 = rack1_waiting();
     let snp = waiting(&parse(vmi(
         "snp-vm",
         json!({"snp": {}}),
@@ -484,13 +490,7 @@ fn the_vmis_ahead_of_a_pod_are_those_of_its_kind_that_waited_longer_without_a_pr
 fn a_vmi_ahead_counts_on_each_node_its_pod_may_go_to() {
     let tdx = labels(&[("kubevirt.io/tdx", "true")]);
     let tdx_rack1 = labels(&[("kubevirt.io/tdx", "true"), ("rack", "r1")]);
-    let mut rack1 = tdx_waiting("rack1-vm", "2026-11-26T10:00:00Z");
-    rack1
-        .placement
-        .node_selector
-        .as_mut()
-        .expect("selector")
-        .insert("rack".into(), "r1".into());
+    let rack1 = rack1_waiting();
     let waiting = [rack1, tdx_waiting("any", "2026-11-26T10:01:00Z")];
     let ahead = ahead_of(&waiting, TeeKind::Tdx, "uid-new", |_| false);
     assert_eq!(queued_on(&ahead, "in-rack1", &tdx_rack1), 2);

@@ -356,11 +356,9 @@ async fn pod_create<L: Lookups>(
                 _ => Vec::new(),
             };
             let ahead = match (&vmi_ref, primary) {
-                (Some(v), Some(kind)) if !waiting.is_empty() => {
-                    retry::ahead_of(&waiting, kind, &v.uid, |uid| {
-                        ctx.promises.is_some_and(|p| p.is_promised(uid, mono))
-                    })
-                }
+                (Some(v), Some(kind)) => retry::ahead_of(&waiting, kind, &v.uid, |uid| {
+                    ctx.promises.is_some_and(|p| p.is_promised(uid, mono))
+                }),
                 _ => Vec::new(),
             };
             let mut queued = KeyRequests::new();
