@@ -10,6 +10,10 @@
 //! [`read_annotation`] and [`read_resource`] keys are kept, and the others are skipped without being
 //! allocated.
 //!
+//! [`read_label`]: super::decode::read_label
+//! [`read_annotation`]: super::decode::read_annotation
+//! [`read_resource`]: super::decode::read_resource
+//!
 //! A field not listed here reads as absent in the decisions. Adding logic that reads another pod field
 //! means adding that field here; the equivalence test at the bottom compares every decision on the
 //! committed fixtures decoded both ways, and fails when the two disagree.
@@ -51,11 +55,12 @@ pub struct AdmittedMeta {
     /// `uid`.
     #[serde(default)]
     pub uid: Option<String>,
-    /// `labels`, only those the decisions read ([`read_label`]).
+    /// `labels`, only those the decisions read ([`read_label`](super::decode::read_label)).
     #[serde(default, deserialize_with = "decode_labels")]
     pub labels: Option<BTreeMap<String, String>>,
-    /// `annotations`, only those the decisions read ([`read_annotation`]); present (possibly
-    /// empty) exactly when the pod has an annotations map, which decides the shape of the patch.
+    /// `annotations`, only those the decisions read
+    /// ([`read_annotation`](super::decode::read_annotation)); present (possibly empty) exactly
+    /// when the pod has an annotations map, which decides the shape of the patch.
     #[serde(default, deserialize_with = "decode_annotations")]
     pub annotations: Option<BTreeMap<String, String>>,
     /// `ownerReferences`.
@@ -83,7 +88,7 @@ pub struct AdmittedSpec {
     /// `initContainers`, reduced.
     #[serde(default)]
     pub init_containers: Option<Vec<ContainerResources>>,
-    /// `overhead`, extended resources only ([`read_resource`]).
+    /// `overhead`, extended resources only ([`read_resource`](super::decode::read_resource)).
     #[serde(default, deserialize_with = "decode_resource_list")]
     pub overhead: Option<BTreeMap<String, Quantity>>,
     /// `runtimeClassName` (a TEE RuntimeClass's pods get a container key request).

@@ -264,6 +264,18 @@ fn one_free_key_retries_the_vmi_that_waited_longest_and_no_other() {
     );
 }
 
+/// An SNP VMI waiting since 09:00.
+fn snp_waiting() -> Waiting {
+    waiting(&parse(vmi(
+        "snp-vm",
+        json!({"snp": {}}),
+        "Pending",
+        Some(DENIED),
+        "2026-11-26T09:00:00Z",
+    )))
+    .expect("waiting")
+}
+
 /// A TDX VMI waiting since 10:00 whose pod must go to rack r1.
 fn rack1_waiting() -> Waiting {
     let mut rack1 = tdx_waiting("rack1-vm", "2026-11-26T10:00:00Z");
@@ -281,14 +293,7 @@ fn keys_go_only_to_vmis_of_their_kind_whose_pods_may_go_to_the_node() {
     let tdx = labels(&[("kubevirt.io/tdx", "true")]);
     let tdx_rack2 = labels(&[("kubevirt.io/tdx", "true"), ("rack", "r2")]);
     let rack1 = rack1_waiting();
-    let snp = waiting(&parse(vmi(
-        "snp-vm",
-        json!({"snp": {}}),
-        "Pending",
-        Some(DENIED),
-        "2026-11-26T09:00:00Z",
-    )))
-    .expect("waiting");
+    let snp = snp_waiting();
     let waiting = [rack1, snp, tdx_waiting("any", "2026-11-26T10:30:00Z")];
     let mut nodes = [
         free("plain-tdx", &tdx, TeeKind::Tdx, 0),
@@ -444,14 +449,7 @@ fn uids(ahead: &[&Waiting]) -> Vec<String> {
 
 #[test]
 fn the_vmis_ahead_of_a_pod_are_those_of_its_kind_that_waited_longer_without_a_promise() {
-    let snp = waiting(&parse(vmi(
-        "snp-vm",
-        json!({"snp": {}}),
-        "Pending",
-        Some(DENIED),
-        "2026-11-26T09:00:00Z",
-    )))
-    .expect("waiting");
+    let snp = snp_waiting();
     let waiting = [
         tdx_waiting("a", "2026-11-26T10:01:00Z"),
         tdx_waiting("b", "2026-11-26T10:02:00Z"),

@@ -12,8 +12,10 @@
 //! - **pod CREATE**: first the cgroup-limit annotations (only exactly what the mutating webhook writes
 //!   is accepted; denied in every mode). Then, for a virt-launcher pod or a TEE RuntimeClass pod (no
 //!   Event) requesting keys as mutated: with `spec.nodeName` the same check and reservation as a
-//!   binding; otherwise a node matching its node selector and required affinity must have the keys
-//!   (no reservation: no node is chosen yet; the last fit is looked at first, [`Ledger::fit_hint`]).
+//!   binding (`node`); otherwise a node matching its node selector and required affinity must have the
+//!   keys (no reservation: no node is chosen yet; the last fit is looked at first,
+//!   [`Ledger::fit_hint`]), less, for a virt-launcher pod, those kept for VMIs that waited longer
+//!   ([`retry::ahead_of`]).
 //! - **pod UPDATE**: cgroup-limit annotations must not change. Everything else, DELETE, other kinds and
 //!   subresources are allowed untouched.
 //!
