@@ -21,6 +21,7 @@ use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer};
 use teeguard_tests::fixtures::{self, KataTee, NodeBuilder, Tee, VirtLauncherPod};
 use teeguard_tests::host::{CgroupDriver, CgroupVersion, QosClass, SimHost, TDX};
 use teeguard_tests::ports::free_ports;
+use teeguard_tests::prom::Scrape;
 
 const NODE: &str = "node01";
 
@@ -63,15 +64,10 @@ async fn readyz(admin: SocketAddr) -> bool {
 
 /// `(sum in seconds, count)` of the agent's scan-duration histogram.
 async fn scan_histogram(admin: SocketAddr) -> Option<(f64, u64)> {
-    let text = admin_get(admin, "/metrics").await?;
-    let value = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-    };
+    let scrape = Scrape::parse(&admin_get(admin, "/metrics").await?);
     Some((
-        value("teeguard_agent_scan_duration_seconds_sum")?,
-        value("teeguard_agent_scan_duration_seconds_count")? as u64,
+        scrape.get("teeguard_agent_scan_duration_seconds_sum", &[])?,
+        scrape.get("teeguard_agent_scan_duration_seconds_count", &[])? as u64,
     ))
 }
 

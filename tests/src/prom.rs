@@ -29,6 +29,15 @@ impl Scrape {
         self.matching(name, filter).map(|s| s.value).sum()
     }
 
+    /// Like [`Scrape::sum`], but `None` when no sample matches (the series is not exported).
+    pub fn get(&self, name: &str, filter: &[(&str, &str)]) -> Option<f64> {
+        let mut found = None;
+        for s in self.matching(name, filter) {
+            *found.get_or_insert(0.0) += s.value;
+        }
+        found
+    }
+
     /// [`Scrape::sum`] grouped by the value of label `by`.
     pub fn by(&self, name: &str, by: &str, filter: &[(&str, &str)]) -> BTreeMap<String, f64> {
         let mut out = BTreeMap::new();
@@ -159,6 +168,12 @@ mod tests {
         );
         assert_eq!(s.sum("odd", &[("msg", "say \"hi\"")]), 1.0);
         assert_eq!(s.sum("plain", &[]), 2.5);
+        assert_eq!(s.get("plain", &[]), Some(2.5));
+        assert_eq!(s.get("absent", &[]), None, "a series not exported is not 0");
+        assert_eq!(
+            s.get("rest_client_requests_total", &[("method", "PUT")]),
+            None
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 use teeguard_shared::TeeKind;
 use teeguard_tests::e2e::{ProcessEnv, WebhookProcess};
 use teeguard_tests::fixtures::{NodeBuilder, ReportBuilder, TDX_KEYS};
+use teeguard_tests::prom::Scrape;
 use teeguard_tests::realcluster::{Cluster, Created, TEST_LABEL, within};
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -170,14 +171,10 @@ async fn node(w: &World, suffix: &str, capacity: u64, free: u64) -> String {
 
 /// `teeguard_webhook_admission_requests_total` of `endpoint` in a `/metrics` text, every outcome.
 fn reviews(metrics: &str, endpoint: &str) -> u64 {
-    let label = format!(r#"endpoint="{endpoint}""#);
-    metrics
-        .lines()
-        .filter(|l| {
-            l.starts_with("teeguard_webhook_admission_requests_total{") && l.contains(&label)
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum()
+    Scrape::parse(metrics).sum(
+        "teeguard_webhook_admission_requests_total",
+        &[("endpoint", endpoint)],
+    ) as u64
 }
 
 /// The webhook's `/mutate` reviews so far.

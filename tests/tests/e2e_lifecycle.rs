@@ -23,6 +23,7 @@ use teeguard_shared::crd::TeeCapacity;
 use teeguard_tests::e2e::{E2eEnv, NODE, WebhookProcess, World};
 use teeguard_tests::fixtures::{self, AdmissionReviewBuilder, TDX_KEYS, Tee};
 use teeguard_tests::host::{SimHost, TDX};
+use teeguard_tests::prom::Scrape;
 use teeguard_tests::standalone::client::client_config;
 use teeguard_tests::standalone::cluster::{KATA_NODE_LABEL, http_get};
 use teeguard_tests::standalone::{ApiServerDriver, Decision, ReviewReply, VmiSpec};
@@ -539,31 +540,9 @@ const OUTAGE_CONFIG: &str = concat!(
 const STALE_AFTER: Duration = Duration::from_secs(20);
 const OUTAGE: Duration = Duration::from_secs(60);
 
-/// A gauge or counter of an OpenMetrics text (`name{labels} value`), summed over matching lines.
-fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        let (l, v) = match rest.strip_prefix('{') {
-            Some(r) => match r.split_once("} ") {
-                Some((l, v)) => (l, v),
-                None => continue,
-            },
-            None => match rest.strip_prefix(' ') {
-                Some(v) => ("", v),
-                None => continue,
-            },
-        };
-        if !l.contains(labels) {
-            continue;
-        }
-        if let Ok(v) = v.trim().parse::<f64>() {
-            *found.get_or_insert(0.0) += v;
-        }
-    }
-    found
+/// A gauge or counter of a `/metrics` text, summed over the series with `labels`.
+fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    Scrape::parse(text).get(name, labels)
 }
 
 fn node_resource(n: &Node, field: &str) -> Option<String> {
@@ -632,7 +611,7 @@ async fn api_outage_of_a_minute_then_stale_policy_and_recovery() {
         let scans_before = metric(
             &w.agent.as_ref().expect("agent").metrics().await,
             "teeguard_agent_scan_duration_seconds_count",
-            "",
+            &[],
         )
         .expect("scan count");
         w.env.served.stop().await;
@@ -764,14 +743,15 @@ async fn api_outage_of_a_minute_then_stale_policy_and_recovery() {
         // The agent kept scanning the host: its metrics show vm-2's key although nothing was published.
         let agent = w.agent.as_ref().expect("agent");
         let text = agent.metrics().await;
-        let scans = metric(&text, "teeguard_agent_scan_duration_seconds_count", "").expect("scans");
+        let scans =
+            metric(&text, "teeguard_agent_scan_duration_seconds_count", &[]).expect("scans");
         assert!(
             scans >= scans_before + 100.0,
             "the agent scanned {} times in a minute",
             scans - scans_before
         );
         assert_eq!(
-            metric(&text, "teeguard_agent_used_keys", "kind=\"tdx\""),
+            metric(&text, "teeguard_agent_used_keys", &[("kind", "tdx")]),
             Some(2.0),
             "the kernel's usage as the agent last read it:\n{text}"
         );

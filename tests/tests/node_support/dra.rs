@@ -13,6 +13,7 @@ use serde_json::json;
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::node::pods;
+use teeguard_tests::prom::Scrape;
 
 use super::scenarios::limits;
 use super::{NodeWorld, unguarded_namespace};
@@ -440,13 +441,10 @@ pub async fn fifty_vms_one_key(w: &NodeWorld) {
             !metrics.contains("outcome=\"denied\""),
             "replica {i} refused nothing: {metrics}"
         );
-        validated += metrics
-            .lines()
-            .filter(|l| {
-                l.starts_with("teeguard_webhook_admission_requests_total{endpoint=\"validate\"")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>();
+        validated += Scrape::parse(&metrics).sum(
+            "teeguard_webhook_admission_requests_total",
+            &[("endpoint", "validate")],
+        );
     }
     assert!(
         validated >= 50.0,
