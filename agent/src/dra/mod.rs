@@ -189,7 +189,7 @@ impl Dra {
 
     /// In extended-resource accounting: when the checkpoint still holds claims prepared in DRA mode
     /// (the node was switched back with pods allocated a device still running), serve the kubelet
-    /// plugin to unprepare them, draining (see [`Shared::draining`]); otherwise `None`, nothing is
+    /// plugin to unprepare them, draining (see `Shared::draining`); otherwise `None`, nothing is
     /// served. A plugin that cannot be served is logged, not fatal: the agent's work in
     /// extended-resource accounting does not depend on it.
     pub fn start_draining(
