@@ -110,6 +110,15 @@ async fn wait_free(h: &Harness, node: &str, free: u64) {
     .await;
 }
 
+/// Wait until the webhook's VMI cache holds `n` VMIs waiting on teeguard.
+async fn wait_waiting(h: &Harness, n: usize) {
+    let c = h.caches();
+    eventually("VMIs waiting", async move || {
+        c.waiting.snapshot().len() == n
+    })
+    .await;
+}
+
 async fn wait_cached(h: &Harness, reports: usize, nodes: usize, pods: usize, vmis: usize) {
     let c = h.caches();
     eventually("caches filled", async move || {
@@ -951,11 +960,7 @@ async fn a_launcher_pod_waits_its_turn_behind_the_vmis_refused_before_its_own() 
     let fresh = seed_vmi(&api, &Vmi::new("fresh").tee(Tee::Tdx).scheduling());
     let h = Harness::start_with(api, None, &[]).await;
     wait_cached(&h, 1, 1, 0, 3).await;
-    let c = h.caches();
-    eventually("both VMIs waiting", async move || {
-        c.waiting.snapshot().len() == 2
-    })
-    .await;
+    wait_waiting(&h, 2).await;
     let pod = |vmi: &str, uid: &str| owned_by(&mutated(vmi), uid);
 
     // `newer` waits behind `older`; `fresh`, not refused yet, behind both (the one free key is kept).
@@ -1013,11 +1018,7 @@ async fn with_refused_vmis_not_retried_a_launcher_pod_does_not_wait_behind_them(
     let config = "admission:\n  retryRefusedVmis: false\n";
     let h = Harness::start_with(api, Some(config), &[]).await;
     wait_cached(&h, 1, 1, 0, 2).await;
-    let c = h.caches();
-    eventually("both VMIs waiting", async move || {
-        c.waiting.snapshot().len() == 2
-    })
-    .await;
+    wait_waiting(&h, 2).await;
     let (status, resp) = h
         .validate(&AdmissionReviewBuilder::create(owned_by(&mutated("newer"), &newer)).build())
         .await;

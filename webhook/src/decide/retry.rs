@@ -151,6 +151,12 @@ fn teeguard_refusal(vmi: &VirtualMachineInstance) -> Option<&teeguard_shared::vm
     })
 }
 
+/// Whether `vmi` has no launcher pod yet: phase `Pending` (or none yet).
+pub fn pending(vmi: &VirtualMachineInstance) -> bool {
+    let phase = vmi.status.as_ref().and_then(|s| s.phase.as_deref());
+    matches!(phase, None | Some("") | Some("Pending"))
+}
+
 /// Whether `vmi` waits for its launcher pod because teeguard refused it (see the module), and what
 /// [`plan`] needs to know of it.
 pub fn waiting(vmi: &VirtualMachineInstance) -> Option<Waiting> {
@@ -158,8 +164,7 @@ pub fn waiting(vmi: &VirtualMachineInstance) -> Option<Waiting> {
     if meta.deletion_timestamp.is_some() {
         return None;
     }
-    let phase = vmi.status.as_ref().and_then(|s| s.phase.as_deref());
-    if !matches!(phase, None | Some("") | Some("Pending")) {
+    if !pending(vmi) {
         return None;
     }
     let kind = vmi.tee_kind().ok().flatten()?;

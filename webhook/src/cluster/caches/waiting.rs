@@ -20,7 +20,7 @@ use tokio::sync::Notify;
 
 use super::Observer;
 use crate::decide::mutation::VmiRef;
-use crate::decide::retry::{Waiting, waiting};
+use crate::decide::retry::{Waiting, pending, waiting};
 
 /// The waiting VMIs, by namespace and name.
 #[derive(Debug, Default)]
@@ -123,12 +123,9 @@ impl Observer<VirtualMachineInstance> for WaitingVmis {
                 // Not (or no longer) waiting: a refusal recorded for it since stays until it waits,
                 // or until it leaves Pending (its pod was created).
                 st.vmis.remove(&key);
-                let pending = vmi
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.phase.as_deref())
-                    .is_none_or(|p| p.is_empty() || p == "Pending");
-                if let (false, Some(uid)) = (pending, vmi.metadata.uid.as_deref()) {
+                if let Some(uid) = vmi.metadata.uid.as_deref()
+                    && !pending(vmi)
+                {
                     st.placements.remove(uid);
                 }
             }

@@ -8,10 +8,7 @@ use super::*;
 fn keys_kept_for_vmis_waiting_longer_are_not_free_for_the_pod_and_the_message_says_so() {
     let two = report(Some(kind(31, 2, 0)), 5);
     let held = |reserved: &KeyRequests, queued: &KeyRequests| {
-        let held = Held {
-            reserved,
-            queued: Some(queued),
-        };
+        let held = Held { reserved, queued };
         NodeAssessment::new("q", &tdx(1), Some(&two), held, now(), STALE)
     };
     let a = held(&tdx(1), &tdx(1));

@@ -242,15 +242,18 @@ fn scheduler_allocates(
 pub struct Held<'h> {
     /// Reserved by other pods this replica admitted (and keys promised to other VMIs).
     pub reserved: &'h KeyRequests,
-    /// Kept for VMIs that have waited longer than the pod's own (`None`: none).
-    pub queued: Option<&'h KeyRequests>,
+    /// Kept for VMIs that have waited longer than the pod's own.
+    pub queued: &'h KeyRequests,
 }
+
+/// No keys.
+static NONE: KeyRequests = KeyRequests::new();
 
 impl<'h> From<&'h KeyRequests> for Held<'h> {
     fn from(reserved: &'h KeyRequests) -> Self {
         Held {
             reserved,
-            queued: None,
+            queued: &NONE,
         }
     }
 }
@@ -266,7 +269,7 @@ fn kind_figures(
             None => KindFigures::NoKeys,
             Some(k) => {
                 let reserved = held.reserved.get(&kind).copied().unwrap_or(0);
-                let queued = held.queued.and_then(|q| q.get(&kind).copied()).unwrap_or(0);
+                let queued = held.queued.get(&kind).copied().unwrap_or(0);
                 KindFigures::Known {
                     free: k.free,
                     capacity: k.capacity,

@@ -379,7 +379,7 @@ async fn pod_create<L: Lookups>(
                 }
                 let held = Held {
                     reserved: &held,
-                    queued: Some(&queued),
+                    queued: &queued,
                 };
                 let flow = scan.offer(node, report, held, now, config.admission.stale_report_after);
                 if flow.is_break() {
@@ -415,13 +415,12 @@ async fn pod_create<L: Lookups>(
         retry::note_refusal(answer.reason, answer.message.as_mut());
     }
     // Where this VMI's pods may go, exactly, for the retry task and the queue.
-    if let (Some(w), Some(v), Some(_), false, true) = (
-        ctx.waiting,
-        &vmi_ref,
-        &answer.message,
-        req.dry_run,
-        unbound && reason::ends_when_a_key_frees(answer.reason),
-    ) {
+    let refused_for_keys = answer.message.is_some() && reason::ends_when_a_key_frees(answer.reason);
+    if let (Some(w), Some(v)) = (ctx.waiting, &vmi_ref)
+        && unbound
+        && refused_for_keys
+        && !req.dry_run
+    {
         w.refused(v, spec);
     }
     record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
