@@ -88,6 +88,9 @@ pub async fn start(
     let metrics = Arc::new(Metrics::new(&mut registry));
 
     let (reloader, store) = CertReloader::load(&args.cert_dir, metrics.clone())?;
+    // Watching before the port is served: a rotation right after start-up is not left to the
+    // periodic check.
+    let cert_watch = reloader.watch(args.cert_check_interval);
     let tls = server_config(store)?;
 
     let listener = crate::web::server::bind(args.listen).await?;
@@ -158,7 +161,8 @@ pub async fn start(
             readiness.set(READY_ACCEPTING, false);
         });
     }
-    let reloader_task = tokio::spawn(reloader.run(args.cert_check_interval, background.clone()));
+    let reloader_task =
+        tokio::spawn(reloader.run(cert_watch, args.cert_check_interval, background.clone()));
 
     let admin_shutdown = CancellationToken::new();
     let admin_task = tokio::spawn(serve_admin(

@@ -267,10 +267,11 @@ impl CertReloader {
         }
     }
 
-    /// Watch the directory and re-check every `interval` until `shutdown`. A failure to set up the
-    /// watch is logged; the periodic check still picks rotations up.
-    pub async fn run(self: Arc<Self>, interval: Duration, shutdown: CancellationToken) {
-        let (tx, mut rx) = mpsc::channel::<()>(1);
+    /// Start watching the directory. Called before the server accepts connections, so that every
+    /// rotation after start-up wakes [`CertReloader::run`]. A failure to set up the watch is logged;
+    /// the periodic check still picks rotations up.
+    pub fn watch(&self, interval: Duration) -> CertWatch {
+        let (tx, rx) = mpsc::channel::<()>(1);
         let watcher = match watch_dir(&self.dir, tx) {
             Ok(w) => Some(w),
             Err(e) => {
@@ -278,9 +279,26 @@ impl CertReloader {
                 None
             }
         };
+        CertWatch {
+            _watcher: watcher,
+            events: rx,
+        }
+    }
+
+    /// Re-check on every directory event from `watch` and every `interval` until `shutdown`. The
+    /// first check runs at once: it covers a rotation between [`CertReloader::load`] and the watch.
+    pub async fn run(
+        self: Arc<Self>,
+        watch: CertWatch,
+        interval: Duration,
+        shutdown: CancellationToken,
+    ) {
+        let CertWatch {
+            _watcher: watcher,
+            events: mut rx,
+        } = watch;
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
@@ -299,6 +317,14 @@ impl CertReloader {
         }
         drop(watcher);
     }
+}
+
+/// A live watch on the certificate directory ([`CertReloader::watch`]); consumed by
+/// [`CertReloader::run`].
+#[derive(Debug)]
+pub struct CertWatch {
+    _watcher: Option<notify::RecommendedWatcher>,
+    events: mpsc::Receiver<()>,
 }
 
 fn watch_dir(dir: &Path, tx: mpsc::Sender<()>) -> Result<notify::RecommendedWatcher> {
@@ -392,6 +418,50 @@ mod tests {
         write_pair(dir.path(), l.cert_pem(), l.key_pem());
         let pair = load_pair(dir.path()).expect("good pair");
         assert!(pair.not_after > jiff::Timestamp::now().as_second());
+    }
+
+    /// The watch is live when `watch` returns, before any task runs: a rotation right after start-up
+    /// (the server already accepting) wakes the reloader, not the next periodic check.
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_directory_watch_is_live_when_watch_returns() {
+        install_crypto_provider();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = leaf();
+        write_pair(dir.path(), first.cert_pem(), first.key_pem());
+        let metrics = Arc::new(Metrics::new(&mut Default::default()));
+        let (reloader, _) = CertReloader::load(dir.path(), metrics).expect("load");
+        let mut watch = reloader.watch(Duration::from_secs(3600));
+        let second = leaf();
+        write_pair(dir.path(), second.cert_pem(), second.key_pem());
+        // inotify delivers on its own thread; a loaded machine may take a while, never forever.
+        tokio::time::timeout(teeguard_tests::wait::PATIENCE, watch.events.recv())
+            .await
+            .expect("a directory event for the rotation")
+            .expect("the watch's channel is open");
+    }
+
+    /// A rotation between `load` and `watch` (no event will come for it) is picked up by `run`'s
+    /// first check, not left to the periodic one an hour later.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_rotation_before_the_watch_is_picked_up_by_the_first_check() {
+        install_crypto_provider();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = leaf();
+        write_pair(dir.path(), first.cert_pem(), first.key_pem());
+        let metrics = Arc::new(Metrics::new(&mut Default::default()));
+        let (reloader, store) = CertReloader::load(dir.path(), metrics).expect("load");
+        let second = leaf();
+        write_pair(dir.path(), second.cert_pem(), second.key_pem());
+        let hour = Duration::from_secs(3600);
+        let watch = reloader.watch(hour);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(reloader.run(watch, hour, shutdown.clone()));
+        teeguard_tests::wait::eventually("the rotated certificate served", async || {
+            store.current().cert[0] == second.cert_der()
+        })
+        .await;
+        shutdown.cancel();
+        task.await.expect("the reloader stops");
     }
 
     #[test]
