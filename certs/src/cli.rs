@@ -16,8 +16,8 @@ use crate::{
 #[derive(Debug, Parser)]
 #[command(name = "teeguard-certs", version)]
 pub struct Cli {
-    /// Service name; the certificate names <svc>, <svc>.<ns>, <svc>.<ns>.svc and
-    /// <svc>.<ns>.svc.cluster.local.
+    /// Service name; the certificate names SERVICE, SERVICE.NAMESPACE, SERVICE.NAMESPACE.svc and
+    /// SERVICE.NAMESPACE.svc.cluster.local.
     #[arg(long, env = "TEEGUARD_CERTS_SERVICE", requires = "namespace")]
     pub service: Option<String>,
 

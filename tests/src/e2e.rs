@@ -1,7 +1,7 @@
 //! Process harness for end-to-end tests: the real `teeguard-webhook` and `teeguard-agent` binaries run
 //! as child processes against the fake API server served on 127.0.0.1 (`KUBECONFIG` points them at it)
 //! and a simulated host, and the test plays the rest of the cluster with
-//! [`ApiServerDriver`](crate::standalone::ApiServerDriver).
+//! [`crate::standalone::ApiServerDriver`].
 //!
 //! - [`binaries`] finds the two binaries next to the running test executable (`target/<profile>/`)
 //!   and builds them once (`cargo build -p teeguard-webhook -p teeguard-agent --bins`, same profile and

@@ -5,7 +5,7 @@
 //! refuses the VMI with kvtool's causes, as virt-api would.
 //!
 //! kvtool is a process, and each run spends about 4 s of CPU on KubeVirt's package initialisation (virt-api,
-//! a server, pays it once): the stand-in remembers its answer per VMI shape ([`State::defaulted`]).
+//! a server, pays it once): the stand-in remembers its answer per VMI shape (`State::defaulted`).
 //!
 //! It serves HTTPS on 127.0.0.1 from its own thread (it outlives every test's runtime), is registered
 //! as the MutatingWebhookConfiguration `teeguard-tests-virt-api` for `kubevirt.io/v1`
