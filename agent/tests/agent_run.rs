@@ -139,12 +139,15 @@ async fn publishes_report_and_advertises_capacity_minus_external() {
         agent.readiness.pending()
     );
     assert_eq!(
-        agent.metric("teeguard_agent_external_keys{kind=\"tdx\"}"),
+        agent.metric("teeguard_agent_external_keys", &[("kind", "tdx")]),
         2.0
     );
-    assert_eq!(agent.metric("teeguard_agent_free_keys{kind=\"tdx\"}"), 10.0);
-    assert!(agent.metric("teeguard_agent_publishes_total") >= 1.0);
-    assert!(agent.metric("teeguard_agent_scan_duration_seconds_count") >= 1.0);
+    assert_eq!(
+        agent.metric("teeguard_agent_free_keys", &[("kind", "tdx")]),
+        10.0
+    );
+    assert!(agent.metric("teeguard_agent_publishes_total", &[]) >= 1.0);
+    assert!(agent.metric("teeguard_agent_scan_duration_seconds_count", &[]) >= 1.0);
     agent.stop().await;
 }
 
@@ -272,7 +275,7 @@ async fn a_failed_charge_triggers_an_immediate_rescan() {
         })
         .await;
     assert_eq!(s.tdx.expect("tdx").external, 3);
-    assert!(agent.metric("teeguard_agent_events_rescans_total") >= 1.0);
+    assert!(agent.metric("teeguard_agent_events_rescans_total", &[]) >= 1.0);
     agent.stop().await;
 }
 
@@ -378,11 +381,11 @@ async fn api_outage_keeps_scanning_and_publishes_when_back() {
         .await;
 
     api.set_unavailable(true);
-    let scans = agent.metric("teeguard_agent_scan_duration_seconds_count");
+    let scans = agent.metric("teeguard_agent_scan_duration_seconds_count", &[]);
     host.stop_vm(&uids[0], "compute", TDX).expect("stop");
     // Scanning goes on during the outage.
     eventually("five scans during the outage", async || {
-        agent.metric("teeguard_agent_scan_duration_seconds_count") >= scans + 5.0
+        agent.metric("teeguard_agent_scan_duration_seconds_count", &[]) >= scans + 5.0
     })
     .await;
     assert!(
@@ -390,7 +393,7 @@ async fn api_outage_keeps_scanning_and_publishes_when_back() {
         "nothing published while down"
     );
     assert!(
-        agent.metric("teeguard_agent_api_errors_total") >= 1.0,
+        agent.metric("teeguard_agent_api_errors_total", &[]) >= 1.0,
         "{}",
         agent.metrics()
     );
@@ -398,12 +401,12 @@ async fn api_outage_keeps_scanning_and_publishes_when_back() {
     // The polls after the VM stopped read every pod once, then take their readings unchanged while
     // the kubepods total matches them (agent/src/decide/reuse.rs).
     assert!(
-        agent.metric("teeguard_agent_pod_files_read_total") >= 4.0,
+        agent.metric("teeguard_agent_pod_files_read_total", &[]) >= 4.0,
         "{}",
         agent.metrics()
     );
     assert!(
-        agent.metric("teeguard_agent_pod_readings_reused_total") >= 4.0,
+        agent.metric("teeguard_agent_pod_readings_reused_total", &[]) >= 4.0,
         "{}",
         agent.metrics()
     );
@@ -500,7 +503,7 @@ async fn server_errors_are_retried() {
             node_capacity(n, TDX_KEYS).as_deref() == Some("14")
         })
         .await;
-    assert!(agent.metric("teeguard_agent_api_errors_total") >= 2.0);
+    assert!(agent.metric("teeguard_agent_api_errors_total", &[]) >= 2.0);
     agent.stop().await;
 }
 
@@ -542,7 +545,7 @@ async fn failed_scan_keeps_figures_and_says_why() {
     assert!(message.contains("misc.current"), "{message}");
     let t = s.tdx.clone().expect("figures kept");
     assert_eq!((t.kernel_used, t.free), (6, 10));
-    assert!(agent.metric("teeguard_agent_scan_errors_total") >= 1.0);
+    assert!(agent.metric("teeguard_agent_scan_errors_total", &[]) >= 1.0);
 
     host.heal_all().expect("heal");
     let s2 = agent
@@ -578,7 +581,7 @@ async fn unreadable_pod_cgroup_and_unparsable_names() {
     let (status, _, message) = cond(&s, ct::KERNEL_READABLE);
     assert_eq!(status, "True");
     assert!(message.contains("could not be read"), "{message}");
-    assert!(agent.metric("teeguard_agent_pod_cgroup_errors_total") >= 1.0);
+    assert!(agent.metric("teeguard_agent_pod_cgroup_errors_total", &[]) >= 1.0);
     agent.stop().await;
 }
 

@@ -96,7 +96,10 @@ async fn the_cgroup_writer_limits_a_pod_holding_a_key_through_its_own_claim_to_t
         "a second key is refused by the kernel"
     );
     assert_eq!(
-        agent.metric("teeguard_agent_limits_applied_total{mechanism=\"cgroup\",kind=\"tdx\"}"),
+        agent.metric(
+            "teeguard_agent_limits_applied_total",
+            &[("mechanism", "cgroup"), ("kind", "tdx")]
+        ),
         1.0
     );
     agent.stop().await;

@@ -145,8 +145,8 @@ struct Webhook {
 async fn server_totals(admin: SocketAddr) -> [(f64, u64); 2] {
     let (_, metrics) = admin_get(admin, "/metrics").await;
     ["mutate", "validate"].map(|endpoint| {
-        let (_, sum, count) = admission_histogram(&metrics, endpoint);
-        (sum, count)
+        let h = admission_histogram(&metrics, endpoint);
+        (h.sum, h.count as u64)
     })
 }
 

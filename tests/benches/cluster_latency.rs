@@ -31,92 +31,29 @@ use support::section;
 use teeguard_shared::TeeKind;
 use teeguard_tests::controlplane::ControlPlane;
 use teeguard_tests::fixtures::{AdmissionReviewBuilder, NodeBuilder, ReportBuilder, Tee};
+use teeguard_tests::prom::{Histogram, Scrape};
 use teeguard_tests::realcluster::{Cluster, TEST_LABEL};
 
 const METRIC: &str = "apiserver_admission_webhook_admission_duration_seconds";
 const TARGET_RATIO: f64 = 1.2;
 
-/// One webhook's histogram from the API server's metrics, summed over its label sets.
-#[derive(Clone, Debug, Default)]
-struct Histogram {
-    buckets: BTreeMap<u64, f64>, // upper bound in µs -> cumulative count (`+Inf` = u64::MAX)
-    sum: f64,
-    count: f64,
-}
-
-impl Histogram {
-    fn mean(&self) -> Duration {
-        Duration::from_secs_f64(if self.count > 0.0 {
-            self.sum / self.count
-        } else {
-            0.0
-        })
-    }
-
-    /// Linear interpolation inside the bucket that holds quantile `q`.
-    fn quantile(&self, q: f64) -> Duration {
-        let target = q * self.count;
-        let (mut lower, mut below) = (0u64, 0.0);
-        for (&upper, &cum) in &self.buckets {
-            if cum >= target && cum > below {
-                let upper = if upper == u64::MAX { lower } else { upper };
-                let frac = (target - below) / (cum - below);
-                let us = lower as f64 + frac * (upper - lower) as f64;
-                return Duration::from_micros(us as u64);
-            }
-            lower = upper;
-            below = cum;
-        }
-        Duration::ZERO
-    }
-
-    fn minus(&self, before: &Histogram) -> Histogram {
-        Histogram {
-            buckets: self
-                .buckets
-                .iter()
-                .map(|(b, c)| (*b, c - before.buckets.get(b).copied().unwrap_or(0.0)))
-                .collect(),
-            sum: self.sum - before.sum,
-            count: self.count - before.count,
-        }
-    }
-}
-
-/// Parse the admission-duration histograms of the webhooks whose name starts with `prefix`, by
-/// webhook name.
+/// The admission-duration histograms of the webhooks whose name starts with `prefix`, by webhook
+/// name, each summed over its label sets.
 fn histograms(metrics: &str, prefix: &str) -> BTreeMap<String, Histogram> {
-    let mut out: BTreeMap<String, Histogram> = BTreeMap::new();
-    for line in metrics.lines().filter(|l| l.starts_with(METRIC)) {
-        let Some((series, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let Ok(value) = value.parse::<f64>() else {
-            continue;
-        };
-        let label = |key: &str| {
-            let at = series.find(&format!("{key}=\""))? + key.len() + 2;
-            series[at..].split('"').next()
-        };
-        let Some(name) = label("name").filter(|n| n.starts_with(prefix)) else {
-            continue;
-        };
-        let h = out.entry(name.to_string()).or_default();
-        if series.starts_with(&format!("{METRIC}_bucket")) {
-            let le = label("le").unwrap_or("+Inf");
-            let bound = if le == "+Inf" {
-                u64::MAX
-            } else {
-                (le.parse::<f64>().unwrap_or(0.0) * 1e6) as u64
-            };
-            *h.buckets.entry(bound).or_default() += value;
-        } else if series.starts_with(&format!("{METRIC}_sum")) {
-            h.sum += value;
-        } else if series.starts_with(&format!("{METRIC}_count")) {
-            h.count += value;
-        }
-    }
-    out
+    let mut all = Scrape::parse(metrics).histograms_by(METRIC, "name", &[]);
+    all.retain(|name, _| name.starts_with(prefix));
+    all
+}
+
+/// The mean of `h`; zero when nothing was observed.
+fn mean(h: &Histogram) -> Duration {
+    h.mean().unwrap_or_default()
+}
+
+/// Quantile `q` of `h` (interpolated in its bucket); zero when nothing was observed.
+fn quantile(h: &Histogram, q: f64) -> Duration {
+    h.quantile(q)
+        .map_or(Duration::ZERO, |(estimate, _)| estimate)
 }
 
 fn main() {
@@ -258,9 +195,9 @@ async fn run(cp: &'static ControlPlane) {
                 "{:<34} {:>7} {:>10} {:>10} {:>10}",
                 format!("{side}: {hook}"),
                 h.count,
-                format!("{:.2?}", h.mean()),
-                format!("{:.2?}", h.quantile(0.50)),
-                format!("{:.2?}", h.quantile(0.99)),
+                format!("{:.2?}", mean(&h)),
+                format!("{:.2?}", quantile(&h, 0.50)),
+                format!("{:.2?}", quantile(&h, 0.99)),
             );
             by_role.insert((hook, side), h);
         }
@@ -273,15 +210,15 @@ async fn run(cp: &'static ControlPlane) {
             println!("{hook}: no calls recorded on one side");
             continue;
         };
-        let ratio = t.mean().as_secs_f64() / f.mean().as_secs_f64().max(1e-9);
+        let ratio = mean(t).as_secs_f64() / mean(f).as_secs_f64().max(1e-9);
         if let Some(p) = by_role.get(&(hook.to_string(), "patch")) {
-            let ratio = t.mean().as_secs_f64() / p.mean().as_secs_f64().max(1e-9);
+            let ratio = mean(t).as_secs_f64() / mean(p).as_secs_f64().max(1e-9);
             println!(
                 "{hook}: teeguard / a no-op returning teeguard's patch: mean {ratio:.2} (the API \
                  server's own patch work on both sides)"
             );
         }
-        let p99 = t.quantile(0.99).as_secs_f64() / f.quantile(0.99).as_secs_f64().max(1e-9);
+        let p99 = quantile(t, 0.99).as_secs_f64() / quantile(f, 0.99).as_secs_f64().max(1e-9);
         println!(
             "{hook}: teeguard/no-op mean {ratio:.2}, p99 {p99:.2} (target <= {TARGET_RATIO}: {})",
             if ratio <= TARGET_RATIO {

@@ -157,43 +157,6 @@ async fn window(
     }
 }
 
-/// Quantile `q` of the observations between two scrapes, linearly interpolated within its bucket.
-fn server_quantile(
-    before: &(Vec<(f64, u64)>, f64, u64),
-    after: &(Vec<(f64, u64)>, f64, u64),
-    q: f64,
-) -> Option<(f64, f64)> {
-    let diff: Vec<(f64, u64)> = after
-        .0
-        .iter()
-        .map(|(le, n)| {
-            let prev = before
-                .0
-                .iter()
-                .find(|(b, _)| b == le)
-                .map_or(0, |(_, m)| *m);
-            (*le, n - prev)
-        })
-        .collect();
-    let total = diff.last()?.1;
-    if total == 0 {
-        return None;
-    }
-    let rank = (total as f64 * q).ceil() as u64;
-    let mut lower = (0.0, 0u64);
-    for (le, n) in &diff {
-        if *n >= rank {
-            if le.is_infinite() {
-                return Some((lower.0, lower.0));
-            }
-            let frac = (rank - lower.1) as f64 / (n - lower.1).max(1) as f64;
-            return Some((lower.0 + (le - lower.0) * frac, *le));
-        }
-        lower = (*le, *n);
-    }
-    None
-}
-
 struct Target {
     name: &'static str,
     path: &'static str,
@@ -341,22 +304,12 @@ fn main() {
             let after = client_rt
                 .block_on(webhook_support::admin_get(admin, "/metrics"))
                 .1;
-            let (hb, ha) = (
-                admission_histogram(&before, target.name),
-                admission_histogram(&after, target.name),
-            );
-            let server = server_quantile(&hb, &ha, 0.99).map_or("n/a".to_string(), |(v, le)| {
-                format!(
-                    "{} (≤{})",
-                    fmt_dur(Duration::from_secs_f64(v)),
-                    fmt_dur(Duration::from_secs_f64(le))
-                )
+            let between = admission_histogram(&after, target.name)
+                .minus(&admission_histogram(&before, target.name));
+            let server = between.quantile(0.99).map_or("n/a".to_string(), |(v, le)| {
+                format!("{} (≤{})", fmt_dur(v), fmt_dur(le))
             });
-            let server_mean = if ha.2 > hb.2 {
-                (ha.1 - hb.1) / (ha.2 - hb.2) as f64
-            } else {
-                0.0
-            };
+            let server_mean = between.mean().unwrap_or_default();
             let (f_stats, t_stats) = (floor_run.stats, tg_run.stats);
             println!(
                 "{:<9} {:>5} | {:>9} {:>9} {:>8.0} | {:>9} {:>9} {:>8.0} | {:>6.2} {:>6.2} {:>6.2} | {:>5.1} / {:>5.1} {:>5.1} / {:>5.1} | {} mean {}",
@@ -376,7 +329,7 @@ fn main() {
                 floor_run.client_cpu.as_secs_f64() * 1e6,
                 tg_run.client_cpu.as_secs_f64() * 1e6,
                 server,
-                fmt_dur(Duration::from_secs_f64(server_mean)),
+                fmt_dur(server_mean),
             );
         }
     }

@@ -100,6 +100,123 @@ pub fn mean_delta(
     (n > 0.0).then(|| (std::time::Duration::from_secs_f64((sum / n).max(0.0)), n))
 }
 
+/// A histogram read from a scrape ([`Scrape::histogram`]): cumulative bucket counts by upper bound
+/// (`+Inf` last), summed over the label sets asked for.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Histogram {
+    /// `(upper bound in seconds, cumulative count)`, ascending; the last bound is `+Inf`.
+    pub buckets: Vec<(f64, f64)>,
+    /// The sum of the observations.
+    pub sum: f64,
+    /// The number of observations.
+    pub count: f64,
+}
+
+impl Histogram {
+    /// What was observed between `before` and `self`. A bound missing from `before` takes the count
+    /// of its nearest bound below (the counts are cumulative), or 0 (an empty `before`).
+    pub fn minus(&self, before: &Histogram) -> Histogram {
+        let was = |le: f64| {
+            before
+                .buckets
+                .iter()
+                .take_while(|(b, _)| *b <= le)
+                .last()
+                .map_or(0.0, |(_, n)| *n)
+        };
+        Histogram {
+            buckets: self
+                .buckets
+                .iter()
+                .map(|&(le, n)| (le, n - was(le)))
+                .collect(),
+            sum: self.sum - before.sum,
+            count: self.count - before.count,
+        }
+    }
+
+    /// The mean observation; `None` when nothing was observed.
+    pub fn mean(&self) -> Option<std::time::Duration> {
+        (self.count > 0.0)
+            .then(|| std::time::Duration::from_secs_f64((self.sum / self.count).max(0.0)))
+    }
+
+    /// Quantile `q` (0..=1), linearly interpolated inside the bucket that holds it, with that
+    /// bucket's upper bound (what the estimate is sure of). In the `+Inf` bucket the estimate is the
+    /// highest finite bound, as Prometheus' `histogram_quantile` does. `None` when nothing was
+    /// observed.
+    pub fn quantile(&self, q: f64) -> Option<(std::time::Duration, std::time::Duration)> {
+        let total = self.buckets.last()?.1;
+        if total <= 0.0 {
+            return None;
+        }
+        let rank = q.clamp(0.0, 1.0) * total;
+        let (mut lower, mut below) = (0.0, 0.0);
+        for &(le, n) in &self.buckets {
+            if n >= rank && n > below {
+                let secs = |s: f64| std::time::Duration::from_secs_f64(s.max(0.0));
+                if le.is_infinite() {
+                    return Some((secs(lower), secs(lower)));
+                }
+                let estimate = lower + (le - lower) * (rank - below) / (n - below);
+                return Some((secs(estimate), secs(le)));
+            }
+            (lower, below) = (le, n);
+        }
+        None
+    }
+}
+
+impl Scrape {
+    /// Histogram `name` (its `_bucket`, `_sum` and `_count` series) summed over the samples whose
+    /// labels include every `(key, value)` of `filter`; `None` when it is not exported.
+    pub fn histogram(&self, name: &str, filter: &[(&str, &str)]) -> Option<Histogram> {
+        let bucket = format!("{name}_bucket");
+        let mut by_le: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+        for s in self.matching(&bucket, filter) {
+            let Some(le) = s.labels.get("le").and_then(|le| parse_le(le)) else {
+                continue;
+            };
+            // Ordered by the bound's bits: for non-negative floats they sort as the numbers do.
+            by_le.entry(le.to_bits()).or_insert((le, 0.0)).1 += s.value;
+        }
+        let count = self.get(&format!("{name}_count"), filter);
+        if by_le.is_empty() && count.is_none() {
+            return None;
+        }
+        Some(Histogram {
+            buckets: by_le.into_values().collect(),
+            sum: self.sum(&format!("{name}_sum"), filter),
+            count: count.unwrap_or(0.0),
+        })
+    }
+
+    /// [`Scrape::histogram`] for each value of label `by`.
+    pub fn histograms_by(
+        &self,
+        name: &str,
+        by: &str,
+        filter: &[(&str, &str)],
+    ) -> BTreeMap<String, Histogram> {
+        self.by(&format!("{name}_count"), by, filter)
+            .into_keys()
+            .filter_map(|value| {
+                let mut f = filter.to_vec();
+                f.push((by, value.as_str()));
+                Some((value.clone(), self.histogram(name, &f)?))
+            })
+            .collect()
+    }
+}
+
+/// A bucket's `le`: a number or `+Inf`.
+fn parse_le(le: &str) -> Option<f64> {
+    match le {
+        "+Inf" => Some(f64::INFINITY),
+        n => n.parse().ok().filter(|v: &f64| *v >= 0.0),
+    }
+}
+
 /// `name{k="v",...} value [timestamp]`.
 fn sample(line: &str) -> Option<Sample> {
     let line = line.trim();
@@ -187,5 +304,61 @@ mod tests {
             Some((std::time::Duration::from_secs(1), 3.0))
         );
         assert_eq!(mean_delta(&after, &after, "h", &[]), None);
+    }
+
+    const HIST: &str = "# TYPE d histogram\n\
+        d_bucket{e=\"a\",le=\"0.1\"} 2\nd_bucket{e=\"a\",le=\"1.0\"} 8\nd_bucket{e=\"a\",le=\"+Inf\"} 10\n\
+        d_sum{e=\"a\"} 6.5\nd_count{e=\"a\"} 10\n\
+        d_bucket{e=\"b\",le=\"0.1\"} 1\nd_bucket{e=\"b\",le=\"1.0\"} 1\nd_bucket{e=\"b\",le=\"+Inf\"} 1\n\
+        d_sum{e=\"b\"} 0.05\nd_count{e=\"b\"} 1\n";
+
+    #[test]
+    fn a_histogram_sums_the_label_sets_asked_for_and_orders_its_buckets() {
+        let s = Scrape::parse(HIST);
+        let a = s.histogram("d", &[("e", "a")]).expect("exported");
+        assert_eq!(
+            a.buckets,
+            vec![(0.1, 2.0), (1.0, 8.0), (f64::INFINITY, 10.0)]
+        );
+        assert_eq!((a.sum, a.count), (6.5, 10.0));
+        let all = s.histogram("d", &[]).expect("exported");
+        assert_eq!(
+            all.buckets,
+            vec![(0.1, 3.0), (1.0, 9.0), (f64::INFINITY, 11.0)]
+        );
+        assert_eq!(s.histograms_by("d", "e", &[]).len(), 2);
+        assert_eq!(s.histogram("absent", &[]), None);
+    }
+
+    #[test]
+    fn a_quantile_interpolates_in_its_bucket_and_stops_at_the_last_finite_bound() {
+        let a = Scrape::parse(HIST)
+            .histogram("d", &[("e", "a")])
+            .expect("a");
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+        // p50: rank 5 of 10, the (0.1, 1.0] bucket holds ranks 3..=8: 0.1 + 0.9 * 3/6.
+        let (p50, le) = a.quantile(0.5).expect("observed");
+        assert!((ms(p50) - 550.0).abs() < 1e-6, "{p50:?}");
+        assert_eq!(le, std::time::Duration::from_secs(1));
+        // p99 falls in +Inf: the highest finite bound, as histogram_quantile says.
+        assert_eq!(
+            a.quantile(0.99).expect("observed").0,
+            std::time::Duration::from_secs(1)
+        );
+        assert_eq!(a.mean(), Some(std::time::Duration::from_millis(650)));
+        // Nothing observed between two equal scrapes.
+        assert_eq!(a.minus(&a).quantile(0.5), None);
+        assert_eq!(a.minus(&a).mean(), None);
+        let earlier = Scrape::parse(
+            "d_bucket{e=\"a\",le=\"0.1\"} 2\nd_bucket{e=\"a\",le=\"+Inf\"} 2\nd_sum{e=\"a\"} 0.1\nd_count{e=\"a\"} 2\n",
+        )
+        .histogram("d", &[])
+        .expect("earlier");
+        let between = a.minus(&earlier);
+        assert_eq!(
+            between.buckets,
+            vec![(0.1, 0.0), (1.0, 6.0), (f64::INFINITY, 8.0)]
+        );
+        assert_eq!(between.count, 8.0);
     }
 }

@@ -156,14 +156,10 @@ impl Agent {
         out
     }
 
-    /// A metric's value (first series whose line starts with `prefix`).
-    pub fn metric(&self, prefix: &str) -> f64 {
-        self.metrics()
-            .lines()
-            .find(|l| l.starts_with(prefix))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
+    /// Series `name` summed over the samples whose labels include every `(key, value)` of
+    /// `labels` (0 when none is exported).
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        teeguard_tests::prom::Scrape::parse(&self.metrics()).sum(name, labels)
     }
 
     /// Stop the agent and check that it returns promptly and cleanly.

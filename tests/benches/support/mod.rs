@@ -10,6 +10,8 @@ pub mod floor;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use teeguard_tests::prom::{Histogram, Scrape};
+
 /// True for a full run: `--bench` given and `TEEGUARD_BENCH_QUICK` unset (or `0`).
 pub fn full_run() -> bool {
     let quick = std::env::var("TEEGUARD_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
@@ -247,45 +249,13 @@ impl StealWatch {
     }
 }
 
-/// Cumulative bucket counts (upper bound in seconds → count) of the webhook's latency histogram for
-/// `endpoint`, summed over outcomes, plus the sum of observed seconds and the count.
-pub fn admission_histogram(metrics: &str, endpoint: &str) -> (Vec<(f64, u64)>, f64, u64) {
-    let mut buckets: Vec<(f64, u64)> = Vec::new();
-    let (mut sum, mut count) = (0.0, 0u64);
-    let label = format!("endpoint=\"{endpoint}\"");
-    for line in metrics.lines() {
-        if !line.starts_with("teeguard_webhook_admission_duration_seconds")
-            || !line.contains(&label)
-        {
-            continue;
-        }
-        let Some((series, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let value: f64 = value.parse().unwrap_or(0.0);
-        if series.starts_with("teeguard_webhook_admission_duration_seconds_bucket") {
-            let le = series
-                .split("le=\"")
-                .nth(1)
-                .and_then(|s| s.split('"').next())
-                .map(|s| {
-                    if s == "+Inf" {
-                        f64::INFINITY
-                    } else {
-                        s.parse().unwrap_or(0.0)
-                    }
-                })
-                .unwrap_or(0.0);
-            match buckets.iter_mut().find(|(b, _)| *b == le) {
-                Some(slot) => slot.1 += value as u64,
-                None => buckets.push((le, value as u64)),
-            }
-        } else if series.starts_with("teeguard_webhook_admission_duration_seconds_sum") {
-            sum += value;
-        } else if series.starts_with("teeguard_webhook_admission_duration_seconds_count") {
-            count += value as u64;
-        }
-    }
-    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-    (buckets, sum, count)
+/// The webhook's latency histogram for `endpoint` (summed over outcomes) in a `/metrics` text; empty
+/// when not exported yet.
+pub fn admission_histogram(metrics: &str, endpoint: &str) -> Histogram {
+    Scrape::parse(metrics)
+        .histogram(
+            "teeguard_webhook_admission_duration_seconds",
+            &[("endpoint", endpoint)],
+        )
+        .unwrap_or_default()
 }
