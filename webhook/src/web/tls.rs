@@ -372,6 +372,22 @@ mod tests {
             .expect("leaf")
     }
 
+    /// A directory holding a good pair, loaded: the directory, its pair, the reloader and its store.
+    fn loaded() -> (
+        tempfile::TempDir,
+        teeguard_certs::ServingCert,
+        Arc<CertReloader>,
+        Arc<CertStore>,
+    ) {
+        install_crypto_provider();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = leaf();
+        write_pair(dir.path(), first.cert_pem(), first.key_pem());
+        let metrics = Arc::new(Metrics::new(&mut Default::default()));
+        let (reloader, store) = CertReloader::load(dir.path(), metrics).expect("load");
+        (dir, first, reloader, store)
+    }
+
     #[test]
     fn errors_name_the_file_and_problem() {
         install_crypto_provider();
@@ -424,12 +440,7 @@ mod tests {
     /// (the server already accepting) wakes the reloader, not the next periodic check.
     #[tokio::test(flavor = "current_thread")]
     async fn the_directory_watch_is_live_when_watch_returns() {
-        install_crypto_provider();
-        let dir = tempfile::tempdir().expect("tempdir");
-        let first = leaf();
-        write_pair(dir.path(), first.cert_pem(), first.key_pem());
-        let metrics = Arc::new(Metrics::new(&mut Default::default()));
-        let (reloader, _) = CertReloader::load(dir.path(), metrics).expect("load");
+        let (dir, _, reloader, _) = loaded();
         let mut watch = reloader.watch(Duration::from_secs(3600));
         let second = leaf();
         write_pair(dir.path(), second.cert_pem(), second.key_pem());
@@ -444,12 +455,7 @@ mod tests {
     /// first check, not left to the periodic one an hour later.
     #[tokio::test(flavor = "current_thread")]
     async fn a_rotation_before_the_watch_is_picked_up_by_the_first_check() {
-        install_crypto_provider();
-        let dir = tempfile::tempdir().expect("tempdir");
-        let first = leaf();
-        write_pair(dir.path(), first.cert_pem(), first.key_pem());
-        let metrics = Arc::new(Metrics::new(&mut Default::default()));
-        let (reloader, store) = CertReloader::load(dir.path(), metrics).expect("load");
+        let (dir, _, reloader, store) = loaded();
         let second = leaf();
         write_pair(dir.path(), second.cert_pem(), second.key_pem());
         let hour = Duration::from_secs(3600);
@@ -466,12 +472,7 @@ mod tests {
 
     #[test]
     fn reload_only_on_change_and_keeps_old_on_failure() {
-        install_crypto_provider();
-        let dir = tempfile::tempdir().expect("tempdir");
-        let first = leaf();
-        write_pair(dir.path(), first.cert_pem(), first.key_pem());
-        let metrics = Arc::new(Metrics::new(&mut Default::default()));
-        let (reloader, store) = CertReloader::load(dir.path(), metrics).expect("load");
+        let (dir, first, reloader, store) = loaded();
         let served = |s: &CertStore| s.current().cert[0].clone();
         assert_eq!(served(&store), first.cert_der());
         assert!(matches!(reloader.reload(), ReloadOutcome::Unchanged));
