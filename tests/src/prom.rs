@@ -26,7 +26,7 @@ impl Scrape {
 
     /// The sum of `name`'s samples whose labels include every `(key, value)` of `filter`.
     pub fn sum(&self, name: &str, filter: &[(&str, &str)]) -> f64 {
-        self.matching(name, filter).map(|s| s.value).sum()
+        self.get(name, filter).unwrap_or(0.0)
     }
 
     /// Like [`Scrape::sum`], but `None` when no sample matches (the series is not exported).
@@ -82,11 +82,6 @@ pub fn delta_by(
         .collect()
 }
 
-/// `after - before` of [`Scrape::sum`].
-pub fn delta(before: &Scrape, after: &Scrape, name: &str, filter: &[(&str, &str)]) -> f64 {
-    after.sum(name, filter) - before.sum(name, filter)
-}
-
 /// The mean of histogram `name`'s observations between two scrapes (`_sum` over `_count`), with the
 /// count; `None` when nothing was observed.
 pub fn mean_delta(
@@ -95,9 +90,10 @@ pub fn mean_delta(
     name: &str,
     filter: &[(&str, &str)],
 ) -> Option<(std::time::Duration, f64)> {
-    let n = delta(before, after, &format!("{name}_count"), filter);
-    let sum = delta(before, after, &format!("{name}_sum"), filter);
-    (n > 0.0).then(|| (std::time::Duration::from_secs_f64((sum / n).max(0.0)), n))
+    let between = after
+        .histogram(name, filter)?
+        .minus(&before.histogram(name, filter).unwrap_or_default());
+    Some((between.mean()?, between.count))
 }
 
 /// A histogram read from a scrape ([`Scrape::histogram`]): cumulative bucket counts by upper bound
