@@ -1,12 +1,13 @@
-//! Shared reservations: one cluster-scoped `TeeReservation` (`teeguard.dev/v1alpha1`) per node, named
-//! after the node and owned by it (garbage-collected with the Node), listing the keys webhook replicas
-//! admitted onto the node that its `TeeCapacity` report does not count yet.
+//! The table of holds: one cluster-scoped `TeeReservation` (`teeguard.dev/v1alpha1`) per node, named
+//! after the node and owned by it (garbage-collected with the Node), listing the keys the webhook holds
+//! on the node that its `TeeCapacity` report does not count yet: for a virt-launcher pod admitted at
+//! its CREATE (`Admitted`), for a waiting VMI a freed key was promised to (`Promised`, no pod yet),
+//! for a pod the scheduler bound (`Bound`).
 //!
-//! Every replica reads it from its watch cache and writes it with a `resourceVersion` precondition, so
-//! two replicas racing for a node's last key serialize in etcd: one write wins, the other gets 409
-//! Conflict, reads again and decides again. Entries end when the node's report lists the pod
-//! (`countedPods`), when `admission.ledgerTtl` has passed since `admittedAt`, or when the pod is gone;
-//! they are trimmed at the next write.
+//! Every webhook replica reads it from its watch cache and writes it with a `resourceVersion`
+//! precondition, so two replicas racing for a node's last key serialize in etcd: one write wins, the
+//! other gets 409 Conflict, reads again and decides again. How a hold ends is the webhook's
+//! (`teeguard_webhook::decide::holds`); ended entries are trimmed at the next write.
 
 use std::collections::BTreeMap;
 
@@ -31,27 +32,65 @@ use crate::tee::TeeKind;
     category = "teeguard",
     derive = "PartialEq",
     derive = "Default",
-    doc = "TEE keys the teeguard webhook admitted onto one node that the node's TeeCapacity report does not count yet; shared by every webhook replica.",
-    printcolumn = r#"{"name": "Pods", "type": "string", "jsonPath": ".spec.reservations[*].pod", "description": "Pods holding a reservation"}"#,
+    doc = "TEE keys the teeguard webhook holds on one node (for pods admitted or bound, and VMIs a freed key was promised to) that the node's TeeCapacity report does not count yet; shared by every webhook replica.",
+    printcolumn = r#"{"name": "Pods", "type": "string", "jsonPath": ".spec.reservations[*].pod", "description": "Pods holding a key"}"#,
+    printcolumn = r#"{"name": "VMIs", "type": "string", "jsonPath": ".spec.reservations[*].vmi", "description": "VMIs holding a key"}"#,
     printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct TeeReservationSpec {
     /// The node (the object's name is the node's name too).
     pub node_name: String,
-    /// Admitted keys not counted by the node's report yet, oldest first.
+    /// Keys held on the node that its report does not count yet, oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reservations: Vec<KeyReservation>,
 }
 
-/// One admitted pod's keys.
+/// Why a key is held.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+pub enum HoldReason {
+    /// A virt-launcher pod admitted at its CREATE, not bound yet.
+    Admitted,
+    /// A key freed for a waiting VMI, whose pod does not exist yet (teeguard retried the VMI).
+    Promised,
+    /// A pod bound to the node (the scheduler's binding, or a pod created with `spec.nodeName`).
+    Bound,
+}
+
+impl HoldReason {
+    /// `Admitted`, `Promised`, `Bound`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HoldReason::Admitted => "Admitted",
+            HoldReason::Promised => "Promised",
+            HoldReason::Bound => "Bound",
+        }
+    }
+}
+
+/// One hold: keys held on the node for a pod, or for a VMI whose pod does not exist yet.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KeyReservation {
-    /// The pod's UID.
+    /// The pod's UID; empty for a key promised to a VMI whose pod does not exist yet. Always written
+    /// (older webhooks require it).
+    #[serde(default)]
     pub pod_uid: String,
-    /// `namespace/name`, for people.
+    /// The pod's `namespace/name`, for people; empty for a promise.
+    #[serde(default)]
     pub pod: String,
+    /// The VMI's UID (a virt-launcher pod's, or the VMI a key is promised to); empty for other pods.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub vmi_uid: String,
+    /// The VMI's `namespace/name`, for people.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub vmi: String,
+    /// Why the key is held; absent in entries of older webhooks, which held keys from the binding on
+    /// (`Bound`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<HoldReason>,
     /// Intel TDX keys.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "int64"))]
@@ -64,7 +103,8 @@ pub struct KeyReservation {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "int64"))]
     pub sev_es: Option<u64>,
-    /// When the webhook admitted it (the TTL counts from here).
+    /// When the webhook wrote it (wall clock of that replica, for people: each replica counts the TTL
+    /// from when it first saw the entry, so clock skew between replicas does not matter).
     pub admitted_at: Time,
     /// The webhook replica that admitted it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -72,6 +112,11 @@ pub struct KeyReservation {
 }
 
 impl KeyReservation {
+    /// Why the key is held (`Bound` for an older webhook's entry).
+    pub fn reason(&self) -> HoldReason {
+        self.reason.unwrap_or(HoldReason::Bound)
+    }
+
     /// Keys per kind (kinds with none absent).
     pub fn keys(&self) -> BTreeMap<TeeKind, u64> {
         [
@@ -119,6 +164,9 @@ mod tests {
         let mut r = KeyReservation {
             pod_uid: "u".into(),
             pod: "ns/p".into(),
+            vmi_uid: String::new(),
+            vmi: String::new(),
+            reason: None,
             tdx: None,
             sev: None,
             sev_es: None,

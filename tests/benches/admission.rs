@@ -28,12 +28,13 @@ use teeguard_tests::fixtures::{
     AdmissionReviewBuilder, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
 };
 use teeguard_webhook::cluster::caches::Caches;
-use teeguard_webhook::decide::ledger::Ledger;
+use teeguard_webhook::cluster::index::{KeyIndex, wall_clock};
 use teeguard_webhook::metrics::{Metrics, Outcome};
 use teeguard_webhook::web::admission::ReviewRequest;
 use teeguard_webhook::web::admitted::AdmittedReview;
 use teeguard_webhook::web::handlers::mutate::review_mutation;
 use teeguard_webhook::web::handlers::validate::{ValidationContext, review_validation};
+use teeguard_webhook::web::state::FitHints;
 use tokio_util::sync::CancellationToken;
 
 const FILLER_VMIS: usize = 2_000;
@@ -205,15 +206,15 @@ fn main() {
     let metrics = Arc::new(Metrics::new(&mut registry));
     let token = CancellationToken::new();
     let config = Config::default();
-    let ledger = Arc::new(Ledger::new(config.admission.ledger_ttl));
+    let index = KeyIndex::new(config.admission.ledger_ttl, wall_clock());
+    let hints = FitHints::default();
     // Keep the reflector tasks alive (dropping `CacheTasks` aborts them).
     let (caches, _cache_tasks) = rt.block_on(async {
         let (caches, tasks) = Caches::start(
             api.client(),
             metrics.clone(),
             Duration::from_secs(2),
-            ledger.clone(),
-            Arc::default(),
+            index.clone(),
             token.clone(),
         );
         tokio::time::timeout(Duration::from_secs(60), caches.wait_synced())
@@ -224,12 +225,12 @@ fn main() {
     assert_eq!(caches.vmis.len(), FILLER_VMIS + kinds.len());
     let ctx = ValidationContext {
         config: &config,
-        ledger: &ledger,
         events: None,
         metrics: Some(&metrics),
-        shared: None,
-        promises: None,
-        waiting: None,
+        store: None,
+        hints: &hints,
+        replica: "bench",
+        api_timeout: Duration::from_secs(2),
     };
 
     // The mutating reviews: one per kind and size, each checked to be a patch from a cache hit (or the

@@ -6,7 +6,7 @@
 //!
 //! Shutdown (SIGTERM): `/readyz` turns not ready at once; the HTTPS server keeps serving for
 //! `--shutdown-grace`, then stops accepting and drains for up to `--drain-timeout` (see
-//! [`crate::web::server`]). The caches, the Event sink, the ledger sweep, the retry of refused VMIs
+//! [`crate::web::server`]). The caches, the Event sink, the index sweep, the retry planner
 //! ([`crate::cluster::retry`]) and the certificate reloader
 //! keep running until the HTTPS server has stopped, so answers during the grace and the drain are made
 //! from live caches; the admin port stops last.
@@ -24,9 +24,9 @@ use tokio_util::sync::CancellationToken;
 use crate::cli::ServeArgs;
 use crate::cluster::caches::Caches;
 use crate::cluster::events::EventSink;
-use crate::cluster::reservations::SharedReservations;
+use crate::cluster::holds::ApiHolds;
+use crate::cluster::index::{KeyIndex, wall_clock};
 use crate::cluster::retry::Retrier;
-use crate::decide::ledger::Ledger;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::web::server::{ServerSettings, serve_https};
@@ -110,28 +110,22 @@ pub async fn start(
 
     // Stopped once the HTTPS server has drained, not at SIGTERM: requests are still answered until then.
     let background = CancellationToken::new();
-    let ledger = Arc::new(Ledger::new(config.admission.ledger_ttl));
-    let promises = Arc::new(crate::decide::retry::Promises::default());
+    let index = KeyIndex::new(config.admission.ledger_ttl, wall_clock());
     let (caches, cache_tasks) = Caches::start(
         client.clone(),
         metrics.clone(),
         args.api_timeout,
-        ledger.clone(),
-        promises.clone(),
+        index.clone(),
         background.clone(),
     );
     let (events, events_task) = EventSink::start(
-        client,
+        client.clone(),
         std::env::var("POD_NAME").ok().filter(|n| !n.is_empty()),
         metrics.clone(),
         args.api_timeout,
         background.clone(),
     );
-    let sweep_task = tokio::spawn(sweep_ledger(
-        ledger.clone(),
-        metrics.clone(),
-        background.clone(),
-    ));
+    let sweep_task = tokio::spawn(sweep(index.clone(), background.clone()));
     {
         let caches = caches.clone();
         let readiness = readiness.clone();
@@ -143,8 +137,7 @@ pub async fn start(
                     tracing::info!(
                         vmis = caches.vmis.len(),
                         namespaces = caches.namespaces.len(),
-                        tee_capacities = caches.tee_capacities.len(),
-                        nodes = caches.nodes.len(),
+                        nodes = caches.index.read().nodes().count(),
                         launcher_pods = caches.launcher_pods.len(),
                         "caches synced"
                     );
@@ -172,31 +165,32 @@ pub async fn start(
     ));
 
     // One TeeReservation per node, written with resourceVersion preconditions: exact admissions
-    // with any number of replicas (see crate::cluster::reservations).
-    let shared_reservations = config.admission.shared_reservations.then(|| {
-        SharedReservations::new(
-            caches.clone(),
-            config.admission.ledger_ttl,
-            args.api_timeout,
-            replica_name(),
-            metrics.clone(),
-        )
-    });
+    // with any number of replicas (see crate::cluster::holds).
+    let store = config
+        .admission
+        .shared_reservations
+        .then(|| ApiHolds::new(client.clone()));
+    let replica = replica_name();
     let config = Arc::new(config);
-    // Retries the VMIs whose pods were refused as soon as a key is free for them
-    // (crate::cluster::retry); stopped with the caches.
-    let retry_task = config.admission.retry_refused_vmis.then(|| {
+    // Promises free keys to the waiting VMIs and retries them (crate::cluster::retry), and publishes
+    // the holds and waiting gauges; stopped with the caches.
+    let retry_task = {
+        let synced = caches.clone();
         Retrier {
-            caches: caches.clone(),
-            ledger: ledger.clone(),
+            index: index.clone(),
+            client: client.clone(),
+            store: store.clone(),
             config: config.clone(),
+            replica: replica.clone(),
             metrics: metrics.clone(),
             events: events.clone(),
-            promises: promises.clone(),
             api_timeout: args.api_timeout,
         }
-        .start(background.clone())
-    });
+        .start(
+            async move { synced.wait_synced().await },
+            background.clone(),
+        )
+    };
     let state = AppState {
         config,
         caches: caches.clone(),
@@ -206,10 +200,11 @@ pub async fn start(
             request_timeout: args.request_timeout,
         },
         validation: ValidationState {
-            ledger,
             events: Some(events),
-            shared: shared_reservations,
-            promises,
+            store,
+            hints: Arc::default(),
+            replica,
+            api_timeout: args.api_timeout,
         },
     };
     let settings = ServerSettings {
@@ -233,9 +228,7 @@ pub async fn start(
         let _ = reloader_task.await;
         let _ = events_task.await;
         let _ = sweep_task.await;
-        if let Some(t) = retry_task {
-            let _ = t.await;
-        }
+        let _ = retry_task.await;
         served?;
         match admin {
             Ok(r) => r.map_err(Error::from),
@@ -255,17 +248,15 @@ pub async fn start(
     })
 }
 
-/// Drop expired ledger reservations every second and publish the ledger's size.
-async fn sweep_ledger(ledger: Arc<Ledger>, metrics: Arc<Metrics>, shutdown: CancellationToken) {
+/// Every second, forget what the index no longer needs (deletions and counts older than any hold
+/// lives, local holds that ended).
+async fn sweep(index: KeyIndex, shutdown: CancellationToken) {
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = tick.tick() => {
-                let left = ledger.prune_expired(std::time::Instant::now());
-                metrics.set_ledger_reservations(left);
-            }
+            _ = tick.tick() => index.sweep(),
         }
     }
 }
@@ -286,7 +277,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     running.wait().await
 }
 
-/// This replica's name in shared reservations: the pod's name (`POD_NAME`, from the downward API), else
+/// This replica's name in its holds: the pod's name (`POD_NAME`, from the downward API), else
 /// the host name.
 fn replica_name() -> String {
     std::env::var("POD_NAME")

@@ -75,19 +75,16 @@ pub enum Cache {
     AgentLeases,
 }
 
-/// What one shared-reservation step did.
+/// What one write of a node's `TeeReservation` did ([`crate::cluster::holds::commit`]).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum SharedResult {
-    /// The pod's keys were written to the node's `TeeReservation`.
-    Reserved,
-    /// The pod already held an entry (a retried binding).
-    AlreadyHeld,
-    /// Other replicas' reservations left no key: refused.
-    Refused,
-    /// A write lost a race (409 Conflict): read again and decided again.
+pub enum HoldWriteResult {
+    /// Written: the key is held.
+    Written,
+    /// Another write came first (409 Conflict): read again and decided again.
     Conflict,
-    /// The API server could not be reached: decided with this replica's ledger and the stale policy.
-    Fallback,
+    /// The API server could not be reached, refused, or the object kept changing: decided by the
+    /// stale-report policy.
+    Failed,
 }
 
 /// What happened to an `InsufficientTEEKeys` Event on a VMI.
@@ -161,12 +158,10 @@ label_values!(Cache {
     Reservations => "teereservations",
     AgentLeases => "agent_leases",
 });
-label_values!(SharedResult {
-    Reserved => "reserved",
-    AlreadyHeld => "already_held",
-    Refused => "refused",
+label_values!(HoldWriteResult {
+    Written => "written",
     Conflict => "conflict",
-    Fallback => "fallback",
+    Failed => "failed",
 });
 label_values!(EventResult {
     Recorded => "recorded",
@@ -229,8 +224,13 @@ struct KindLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct SharedLabels {
-    result: SharedResult,
+struct HoldWriteLabels {
+    result: HoldWriteResult,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -271,9 +271,9 @@ pub struct Metrics {
     cert_reloads: Family<ReloadLabels, Counter>,
     cert_expiry: Gauge,
     validations: Family<ValidationLabels, Counter>,
-    ledger_reservations: Gauge,
-    shared: Family<SharedLabels, Counter>,
-    shared_latency: Histogram,
+    holds: Family<ReasonLabels, Gauge>,
+    hold_writes: Family<HoldWriteLabels, Counter>,
+    hold_write_latency: Histogram,
     vmi_events: Family<EventLabels, Counter>,
     vmi_retries: Family<RetryLabels, Counter>,
     waiting_vmis: Family<KindLabels, Gauge>,
@@ -291,9 +291,9 @@ impl Metrics {
             cert_reloads: Family::default(),
             cert_expiry: Gauge::default(),
             validations: Family::default(),
-            ledger_reservations: Gauge::default(),
-            shared: Family::default(),
-            shared_latency: latency_histogram(),
+            holds: Family::default(),
+            hold_writes: Family::default(),
+            hold_write_latency: latency_histogram(),
             vmi_events: Family::default(),
             vmi_retries: Family::default(),
             waiting_vmis: Family::default(),
@@ -336,19 +336,19 @@ impl Metrics {
             m.validations.clone(),
         );
         r.register(
-            "ledger_reservations",
-            "Keys reservations held in this replica's admission ledger (admitted, not in a node report yet)",
-            m.ledger_reservations.clone(),
+            "holds",
+            "Keys held on nodes that their reports do not count yet, as this replica sees them, by reason (Admitted, Promised, Bound)",
+            m.holds.clone(),
         );
         r.register(
-            "shared_reservations",
-            "Shared-reservation steps of admitted TEE bindings, by result (reserved, already_held, refused, conflict, fallback)",
-            m.shared.clone(),
+            "hold_writes",
+            "Writes of nodes' TeeReservations, by result (written, conflict, failed)",
+            m.hold_writes.clone(),
         );
         r.register(
-            "shared_reservation_duration_seconds",
-            "Time spent on the node's TeeReservation (reads, writes, retries) per admitted TEE binding",
-            m.shared_latency.clone(),
+            "hold_write_duration_seconds",
+            "Time from an admission's first TeeReservation write to its last answer (reads and retries included)",
+            m.hold_write_latency.clone(),
         );
         r.register(
             "vmi_events",
@@ -411,20 +411,23 @@ impl Metrics {
             .inc();
     }
 
-    /// Set the number of ledger reservations.
-    pub fn set_ledger_reservations(&self, n: usize) {
-        self.ledger_reservations
+    /// Set how many live holds this replica sees for `reason` (`Admitted`, `Promised`, `Bound`).
+    pub fn set_holds(&self, reason: &'static str, n: usize) {
+        self.holds
+            .get_or_create(&ReasonLabels { reason })
             .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
-    /// Count a shared-reservation step.
-    pub fn shared_reservation(&self, result: SharedResult) {
-        self.shared.get_or_create(&SharedLabels { result }).inc();
+    /// Count a write of a node's `TeeReservation`.
+    pub fn hold_write(&self, result: HoldWriteResult) {
+        self.hold_writes
+            .get_or_create(&HoldWriteLabels { result })
+            .inc();
     }
 
-    /// Record the time spent on a shared reservation.
-    pub fn observe_shared_reservation(&self, d: std::time::Duration) {
-        self.shared_latency.observe(d.as_secs_f64());
+    /// Record the time an admission spent writing its hold.
+    pub fn observe_hold_write(&self, d: std::time::Duration) {
+        self.hold_write_latency.observe(d.as_secs_f64());
     }
 
     /// Count an Event outcome.
@@ -482,7 +485,8 @@ mod tests {
         m.cert_reload(ReloadResult::Failed);
         m.set_cert_expiry(1_900_000_000);
         m.validation("binding", "tdx", ValidationOutcome::Denied);
-        m.set_ledger_reservations(2);
+        m.set_holds("Promised", 2);
+        m.hold_write(HoldWriteResult::Conflict);
         m.vmi_event(EventResult::Suppressed);
         m.runtime_class_mutation("tdx", RuntimeClassResult::OverheadKey);
         let mut out = String::new();
@@ -495,7 +499,8 @@ mod tests {
             r#"teeguard_webhook_cert_reloads_total{result="failed"} 1"#,
             "teeguard_webhook_cert_expiry_timestamp_seconds 1900000000",
             r#"teeguard_webhook_validations_total{request="binding",kind="tdx",outcome="denied"} 1"#,
-            "teeguard_webhook_ledger_reservations 2",
+            r#"teeguard_webhook_holds{reason="Promised"} 2"#,
+            r#"teeguard_webhook_hold_writes_total{result="conflict"} 1"#,
             r#"teeguard_webhook_vmi_events_total{result="suppressed"} 1"#,
             r#"teeguard_webhook_runtime_class_mutations_total{kind="tdx",result="overhead_key"} 1"#,
         ] {

@@ -16,7 +16,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
-use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -27,8 +26,8 @@ use serde_json::{Value, json};
 use teeguard_shared::{Config, TeeCapacity, VirtualMachineInstance};
 
 use crate::cli::{OutputFormat, ReviewArgs};
-use crate::cluster::caches::{Labels, Lookups, NodeFilter, PodLookup};
-use crate::decide::ledger::Ledger;
+use crate::cluster::caches::{Lookups, PodLookup};
+use crate::cluster::index::{KeyIndex, wall_clock};
 use crate::decide::mutation::{VmiLookup, VmiRef};
 use crate::error::{Error, Result};
 use crate::web::handlers::mutate::review_mutation;
@@ -38,8 +37,9 @@ use crate::web::handlers::validate::{ValidationContext, review_validation};
 pub const OFFLINE_UID: &str = "teeguard-offline-review";
 
 /// Objects read from files, answering lookups like the server's caches.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FileLookups {
+    index: KeyIndex,
     vmis: HashMap<(String, String), Arc<VirtualMachineInstance>>,
     vmis_any_namespace: HashMap<String, Arc<VirtualMachineInstance>>,
     namespaces: HashMap<String, BTreeMap<String, String>>,
@@ -73,11 +73,32 @@ impl FileLookups {
     pub fn add_tee_capacity(&mut self, cap: TeeCapacity) {
         let name = cap.metadata.name.clone().unwrap_or_default();
         self.tee_capacities.insert(name, Arc::new(cap));
+        self.index_files();
     }
 
     /// Add a node's labels.
     pub fn add_node(&mut self, name: String, labels: BTreeMap<String, String>) {
         self.nodes.insert(name, labels);
+        self.index_files();
+    }
+
+    /// The admission index from the files: the nodes of the node files (without any, every reported
+    /// node, its labels unknown) and the reports. No holds: nothing is admitted yet.
+    fn index_files(&mut self) {
+        let config = Config::default();
+        let index = KeyIndex::new(config.admission.ledger_ttl, wall_clock());
+        index.update(|ix, now| {
+            for (name, cap) in &self.tee_capacities {
+                ix.apply_report(name, cap.status.clone().map(Arc::new), now);
+                if self.nodes.is_empty() {
+                    ix.apply_node(name, Some(BTreeMap::new()));
+                }
+            }
+            for (name, labels) in &self.nodes {
+                ix.apply_node(name, Some(labels.clone()));
+            }
+        });
+        self.index = index;
     }
 
     /// Add a pod (bindings refer to it by name).
@@ -213,37 +234,27 @@ impl Lookups for FileLookups {
         }
     }
 
-    fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>> {
-        self.tee_capacities.get(node).cloned()
+    fn index(&self) -> &KeyIndex {
+        &self.index
     }
 
-    fn scan_nodes(
-        &self,
-        filter: NodeFilter<'_>,
-        first: Option<&str>,
-        visit: &mut dyn FnMut(&str, &Labels) -> ControlFlow<()>,
-    ) {
-        // No node files: every reported node is a candidate (labels unknown, no filter).
-        let unlabelled = self.nodes.is_empty();
-        let no_labels = BTreeMap::new();
-        let candidates: Box<dyn Iterator<Item = (&String, &BTreeMap<String, String>)>> =
-            if unlabelled {
-                Box::new(self.tee_capacities.keys().map(|n| (n, &no_labels)))
-            } else {
-                Box::new(self.nodes.iter())
-            };
-        let first = first.and_then(|f| {
-            if unlabelled {
-                Some((self.tee_capacities.get_key_value(f)?.0, &no_labels))
-            } else {
-                self.nodes.get_key_value(f)
-            }
-        });
-        let rest = candidates.filter(|(n, _)| Some(*n) != first.map(|(f, _)| f));
-        for (name, labels) in first.into_iter().chain(rest) {
-            if (unlabelled || filter(name, labels)) && visit(name, labels).is_break() {
-                return;
-            }
+    fn node_labels_known(&self) -> bool {
+        !self.nodes.is_empty()
+    }
+}
+
+impl Default for FileLookups {
+    fn default() -> Self {
+        FileLookups {
+            index: KeyIndex::new(Config::default().admission.ledger_ttl, wall_clock()),
+            vmis: HashMap::new(),
+            vmis_any_namespace: HashMap::new(),
+            namespaces: HashMap::new(),
+            tee_capacities: BTreeMap::new(),
+            nodes: BTreeMap::new(),
+            pods: HashMap::new(),
+            pods_any_namespace: HashMap::new(),
+            validate: false,
         }
     }
 }
@@ -458,15 +469,15 @@ pub async fn review_document(
             None => None,
         };
         if let Some(vbody) = validating_body {
-            let ledger = Ledger::new(config.admission.ledger_ttl);
+            let hints = crate::web::state::FitHints::default();
             let ctx = ValidationContext {
                 config,
-                ledger: &ledger,
                 events: None,
                 metrics: None,
-                shared: None,
-                promises: None,
-                waiting: None,
+                store: None,
+                hints: &hints,
+                replica: "offline",
+                api_timeout: std::time::Duration::from_secs(2),
             };
             let validated = review_validation(&vbody, lookups, &ctx)
                 .await
@@ -549,41 +560,6 @@ mod tests {
         assert!(err.starts_with("x.yaml: invalid JSON"), "{err}");
         let err = parse_docs(&p, "\n").expect_err("empty").to_string();
         assert!(err.contains("no objects"), "{err}");
-    }
-
-    /// Nodes visited by `scan_nodes` from `first`, with a filter that keeps labelled `pick=yes` nodes.
-    fn scanned(l: &FileLookups, first: Option<&str>) -> Vec<String> {
-        let filter = |_: &str, labels: &BTreeMap<String, String>| {
-            labels.get("pick").map(String::as_str) == Some("yes")
-        };
-        let mut seen = Vec::new();
-        l.scan_nodes(&filter, first, &mut |n, _| {
-            seen.push(n.to_string());
-            ControlFlow::Continue(())
-        });
-        seen
-    }
-
-    #[test]
-    fn scan_nodes_visits_first_then_the_rest_once() {
-        let mut l = FileLookups::default();
-        for name in ["a", "b", "c"] {
-            let report = json!({"apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity",
-                "metadata": {"name": name}, "spec": {"nodeName": name}});
-            l.add_tee_capacity(serde_json::from_value(report).expect("report"));
-        }
-        // No node files: every reported node, unfiltered, `first` ahead when it is one of them.
-        assert_eq!(scanned(&l, None), ["a", "b", "c"]);
-        assert_eq!(scanned(&l, Some("c")), ["c", "a", "b"]);
-        assert_eq!(scanned(&l, Some("x")), ["a", "b", "c"]);
-        // Node files: only the nodes the filter keeps, `first` ahead only when it is kept.
-        let pick = |v: &str| BTreeMap::from([("pick".to_string(), v.to_string())]);
-        l.add_node("a".into(), pick("yes"));
-        l.add_node("b".into(), pick("no"));
-        l.add_node("c".into(), pick("yes"));
-        assert_eq!(scanned(&l, None), ["a", "c"]);
-        assert_eq!(scanned(&l, Some("c")), ["c", "a"]);
-        assert_eq!(scanned(&l, Some("b")), ["a", "c"]);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use teeguard_shared::Config;
 use teeguard_tests::fakeapi::{FakeApiServer, Verb};
 use teeguard_tests::fixtures::{Tee, VirtLauncherPod};
 use teeguard_webhook::cluster::caches::{Caches, Lookups, POD_WATCH_WAIT, PodLookup};
-use teeguard_webhook::decide::ledger::Ledger;
+use teeguard_webhook::cluster::index::{KeyIndex, wall_clock};
 use teeguard_webhook::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 
@@ -26,13 +26,12 @@ async fn a_launcher_pod_bound_a_moment_after_its_creation_is_found_through_the_w
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
     let shutdown = CancellationToken::new();
-    let ledger = Arc::new(Ledger::new(Config::default().admission.ledger_ttl));
+    let index = KeyIndex::new(Config::default().admission.ledger_ttl, wall_clock());
     let (caches, _tasks) = Caches::start(
         api.client(),
         metrics,
         Duration::from_secs(5),
-        ledger,
-        Arc::default(),
+        index,
         shutdown.clone(),
     );
     caches.wait_synced().await;

@@ -190,7 +190,9 @@ async fn validation_refuses_the_mutated_pod_on_a_full_node() {
     let h = Harness::start_with(api, Some(CONFIG), &[]).await;
     let c = h.caches();
     eventually("reports and nodes cached", async move || {
-        c.tee_capacities.len() == 2 && c.nodes.len() == 2
+        let ix = c.index.read();
+        ix.nodes().filter(|(_, n)| n.report.is_some()).count() == 2
+            && ix.nodes().filter(|(_, n)| n.labels.is_some()).count() == 2
     })
     .await;
 

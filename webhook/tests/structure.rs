@@ -8,9 +8,9 @@
 //! |---|---|---|
 //! | 0 | `error` | the crate's error enum |
 //! | 1 | `pods` | decoded pod types (what the decisions take as input) |
-//! | 2 | `decide` | mutation, validation, node selection, the ledger: pure |
+//! | 2 | `decide` | mutation, validation, node selection, the admission index and its holds: pure |
 //! | 3 | `metrics` | Prometheus series; maps the decisions' outcomes to labels |
-//! | 4 | `cluster` | what talks to the API server: caches (reflectors, lookups, cache-miss GETs), Events |
+//! | 4 | `cluster` | what talks to the API server: caches (watches, lookups, cache-miss GETs), the index behind its lock, hold writes, the retry planner, Events |
 //! | 5 | `web` | server, TLS, stall guard, the AdmissionReview envelope, handlers |
 //! | 6 | `app`, `cli`, `review`, `lib`, `main` | wiring, command line, the offline `review` |
 //!

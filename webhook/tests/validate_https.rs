@@ -100,11 +100,10 @@ async fn wait_free(h: &Harness, node: &str, free: u64) {
     let caches = h.caches();
     let node = node.to_string();
     eventually("report cached", async move || {
-        caches
-            .tee_capacities
-            .get(&node)
-            .and_then(|c| c.status.clone())
-            .and_then(|s| s.tdx)
+        let ix = caches.index.read();
+        ix.report(&node)
+            .status
+            .and_then(|s| s.tdx.as_ref())
             .is_some_and(|k| k.free == free)
     })
     .await;
@@ -114,7 +113,7 @@ async fn wait_free(h: &Harness, node: &str, free: u64) {
 async fn wait_waiting(h: &Harness, n: usize) {
     let c = h.caches();
     eventually("VMIs waiting", async move || {
-        c.waiting.snapshot().len() == n
+        c.index.read().waiting_counts().values().sum::<usize>() == n
     })
     .await;
 }
@@ -122,8 +121,14 @@ async fn wait_waiting(h: &Harness, n: usize) {
 async fn wait_cached(h: &Harness, reports: usize, nodes: usize, pods: usize, vmis: usize) {
     let c = h.caches();
     eventually("caches filled", async move || {
-        c.tee_capacities.len() == reports
-            && c.nodes.len() == nodes
+        let (with_report, with_labels) = {
+            let ix = c.index.read();
+            let reported = ix.nodes().filter(|(_, n)| n.report.is_some()).count();
+            let labelled = ix.nodes().filter(|(_, n)| n.labels.is_some()).count();
+            (reported, labelled)
+        };
+        with_report == reports
+            && with_labels == nodes
             && c.launcher_pods.len() == pods
             && c.vmis.len() == vmis
     })
@@ -215,11 +220,13 @@ async fn full_node_binding_denied_until_a_key_is_freed_with_an_event_on_the_vmi(
 
     // Everything came from the caches.
     assert!(pod_gets(&h.api).is_empty(), "{:?}", pod_gets(&h.api));
+    h.wait_metric(r#"teeguard_webhook_holds{reason="Bound"} 1"#)
+        .await;
     let (_, metrics) = h.admin_get("/metrics").await;
     for want in [
         r#"teeguard_webhook_validations_total{request="binding",kind="tdx",outcome="denied"} 2"#,
         r#"teeguard_webhook_validations_total{request="binding",kind="tdx",outcome="admitted"} 2"#,
-        "teeguard_webhook_ledger_reservations 1",
+        r#"teeguard_webhook_hold_writes_total{result="written"} 1"#,
         r#"teeguard_webhook_vmi_events_total{result="recorded"} 1"#,
         r#"teeguard_webhook_vmi_events_total{result="suppressed"} 1"#,
         r#"teeguard_webhook_cache_lookups_total{cache="virt_launcher_pods",result="cache_hit"} 4"#,
@@ -282,11 +289,8 @@ async fn fifty_concurrent_bindings_take_the_last_key_once() {
             )
         );
     }
-    let (_, metrics) = h.admin_get("/metrics").await;
-    assert!(
-        metrics.contains("teeguard_webhook_ledger_reservations 1"),
-        "{metrics}"
-    );
+    h.wait_metric(r#"teeguard_webhook_holds{reason="Bound"} 1"#)
+        .await;
     let h = Arc::into_inner(h).expect("no other handle");
     h.stop().await;
 }
@@ -983,9 +987,10 @@ async fn a_launcher_pod_waits_its_turn_behind_the_vmis_refused_before_its_own() 
             .expect("the pod's nodeSelector");
     let learned = h
         .caches()
-        .waiting
-        .snapshot()
-        .into_iter()
+        .index
+        .read()
+        .vmis()
+        .filter_map(|(_, v)| v.waiting.clone())
         .find(|w| w.vmi.name == "newer")
         .and_then(|w| w.placement.node_selector);
     assert_eq!(learned, Some(selector));

@@ -115,11 +115,9 @@ fn report(node: &str, age_secs: i64) -> teeguard_shared::TeeCapacity {
     }
 }
 
-fn ledger() -> &'static teeguard_webhook::decide::ledger::Ledger {
-    static L: OnceLock<teeguard_webhook::decide::ledger::Ledger> = OnceLock::new();
-    L.get_or_init(|| {
-        teeguard_webhook::decide::ledger::Ledger::new(std::time::Duration::from_secs(30))
-    })
+fn hints() -> &'static teeguard_webhook::web::state::FitHints {
+    static H: OnceLock<teeguard_webhook::web::state::FitHints> = OnceLock::new();
+    H.get_or_init(Default::default)
 }
 
 fn config() -> &'static Config {
@@ -156,12 +154,12 @@ pub fn mutate(data: &[u8]) -> Seen {
 pub fn validate(data: &[u8]) -> Seen {
     let ctx = teeguard_webhook::web::handlers::validate::ValidationContext {
         config: config(),
-        ledger: ledger(),
         events: None,
         metrics: None,
-        shared: None,
-        promises: None,
-        waiting: None,
+        store: None,
+        hints: hints(),
+        replica: "fuzz",
+        api_timeout: std::time::Duration::from_secs(2),
     };
     let result = run_now(
         teeguard_webhook::web::handlers::validate::review_validation(data, lookups(), &ctx),

@@ -1,8 +1,11 @@
-//! What talks to the API server: [`caches`] (reflector caches behind the `Lookups` trait, with one
-//! GET on a miss), [`events`] (`InsufficientTEEKeys` and `TEEKeyFree` Events on VMIs, off the hot
-//! path), [`reservations`] (shared by replicas) and [`retry`] (refused VMIs retried once a key frees).
+//! What talks to the API server: [`caches`] (watch caches behind the `Lookups` trait, with one GET
+//! on a miss), [`index`] (the admission state behind one lock, applied to by the watches), [`holds`]
+//! (each admission's hold written to the node's `TeeReservation`), [`retry`] (the planner: free keys
+//! promised to waiting VMIs, which are retried) and [`events`] (`InsufficientTEEKeys` and `TEEKeyFree`
+//! Events on VMIs, off the hot path).
 
 pub mod caches;
 pub mod events;
-pub mod reservations;
+pub mod holds;
+pub mod index;
 pub mod retry;

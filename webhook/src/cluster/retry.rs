@@ -2,34 +2,35 @@
 //! (`admission.retryRefusedVmis`, on by default).
 //!
 //! virt-controller retries a refused pod CREATE with a doubling backoff (5 ms up to 1000 s): measured on
-//! KubeVirt v1.9.0's controller, a VMI that had waited 120 s started 44 s after a key freed. This task
-//! wakes when a VMI starts waiting or a report is stored (and every [`BACKSTOP`] in case a wake-up was
-//! missed, or the webhook itself was down while keys freed), lets a burst of changes [`SETTLE`], asks
-//! [`crate::decide::retry::plan`] which waiting VMIs the available keys can serve (oldest first), and
-//! writes the annotation [`names::RETRIED_ANNOTATION`] on each: the change makes virt-controller sync the
-//! VMI at once, and the key is promised to it ([`Promises`]) so another VMI's own retry cannot take it
-//! first. Each retry logs a line, counts `teeguard_webhook_vmi_retries_total` and records a
-//! `TEEKeyFree` Event on the VMI. Needs `patch` on `virtualmachineinstances` (the chart grants it).
+//! KubeVirt v1.9.0's controller, a VMI that had waited 120 s started 44 s after a key freed. Every
+//! replica runs this planner: it wakes when the admission index changes (a report, a hold, a VMI
+//! starting to wait; and every [`BACKSTOP`] besides), lets a burst of changes [`SETTLE`], asks
+//! [`crate::decide::admit::promises`] which waiting VMIs the free keys serve (first come, first served),
+//! and writes each node's promises into its `TeeReservation` ([`promise`]). The write is the lock: of
+//! replicas planning alike, one writes and the others, on their conflict, read the promises and have
+//! nothing left to do. Only the replica whose write went through annotates each promised VMI
+//! [`names::RETRIED_ANNOTATION`] (any change to a VMI makes virt-controller sync it at once), logs a
+//! line, counts `teeguard_webhook_vmi_retries_total` and records one `TEEKeyFree` Event; an annotation
+//! that fails withdraws its promise. Needs `patch` on `virtualmachineinstances` (the chart grants it).
 
-use std::collections::BTreeMap;
-use std::ops::ControlFlow;
+use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use jiff::Timestamp;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
-use teeguard_shared::pod::KeyRequests;
 use teeguard_shared::{Config, TeeKind, VirtualMachineInstance, names};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::cluster::caches::{Caches, Lookups};
+use super::holds::{ApiHolds, Committed, HoldStore, commit};
+use super::index::KeyIndex;
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
-use crate::decide::ledger::{Ledger, ReportMark};
-use crate::decide::retry::{FreeNode, Promises, Retry, plan};
-use crate::decide::validation::{Report, current_report, human};
+use crate::decide::admit;
+use crate::decide::mutation::VmiRef;
+use crate::decide::validation::human;
 use crate::metrics::{Metrics, RetryResult};
 
 /// A pass runs at least this often, even without a wake-up.
@@ -38,31 +39,130 @@ pub const BACKSTOP: Duration = Duration::from_secs(10);
 /// VMIs it frees) before planning.
 pub const SETTLE: Duration = Duration::from_millis(100);
 
-/// What the task needs.
-#[derive(Clone, Debug)]
+/// A key this replica promised to a waiting VMI.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Promised {
+    /// The VMI.
+    pub vmi: VmiRef,
+    /// The kind of its key.
+    pub kind: TeeKind,
+    /// The node whose key it is.
+    pub node: String,
+    /// When its pod was first refused.
+    pub since: Option<Timestamp>,
+}
+
+/// Keys of `kind` one VMI needs.
+fn per_vmi(config: &Config) -> impl Fn(TeeKind) -> u64 + '_ {
+    |kind| u64::from(config.resources.get(kind).keys_per_vm).max(1)
+}
+
+/// Promise the free keys to the VMIs whose turn came, one write per node (see the module). Returns the
+/// promises this replica wrote: the VMIs to retry.
+pub async fn promise<S: HoldStore>(
+    index: &KeyIndex,
+    store: Option<&S>,
+    config: &Config,
+    replica: &str,
+    within: Duration,
+    metrics: Option<&Metrics>,
+) -> Vec<Promised> {
+    let stale_after = config.admission.stale_report_after;
+    let nodes: BTreeSet<String> = {
+        let ix = index.read();
+        let now = index.now();
+        admit::promises(&ix, per_vmi(config), stale_after, now)
+            .into_iter()
+            .map(|p| p.node.to_string())
+            .collect()
+    };
+    let mut out = Vec::new();
+    for node in nodes {
+        let (promised, committed) = commit(index, store, within, metrics, |ix, now| {
+            let all = admit::promises(ix, per_vmi(config), stale_after, now);
+            let here: Vec<&admit::Promise<'_>> = all.iter().filter(|p| p.node == node).collect();
+            if here.is_empty() {
+                return (Vec::new(), None);
+            }
+            let promised = here
+                .iter()
+                .map(|p| Promised {
+                    vmi: p.waiting.vmi.clone(),
+                    kind: p.waiting.kind,
+                    node: node.clone(),
+                    since: p.waiting.since,
+                })
+                .collect();
+            let holds = admit::promise_holds(&here, per_vmi(config), replica, now);
+            (promised, Some(admit::write(ix, &node, holds, now)))
+        })
+        .await;
+        match committed {
+            Committed::Written => out.extend(promised),
+            Committed::Nothing => {}
+            Committed::Failed(why) => {
+                tracing::warn!(node, error = %why, "cannot promise the free keys; retried at the next pass");
+            }
+        }
+    }
+    out
+}
+
+/// Take back the key promised to `vmi` on `node` (its retry could not be written).
+pub async fn withdraw<S: HoldStore>(
+    index: &KeyIndex,
+    store: Option<&S>,
+    node: &str,
+    vmi_uid: &str,
+    within: Duration,
+    metrics: Option<&Metrics>,
+) -> Committed {
+    let (_, committed) = commit(index, store, within, metrics, |ix, now| {
+        ((), admit::withdraw(ix, node, vmi_uid, now))
+    })
+    .await;
+    committed
+}
+
+/// What the planner task needs.
+#[derive(Clone)]
 pub struct Retrier {
-    /// The caches (waiting VMIs, reports, Node labels, agent Leases) and the client.
-    pub caches: Caches,
-    /// This replica's admission ledger: keys admitted that no report counts yet are not free.
-    pub ledger: Arc<Ledger>,
-    /// The configuration (`admission.staleReportAfter`).
+    /// The admission index.
+    pub index: KeyIndex,
+    /// The client (for the VMI annotations).
+    pub client: kube::Client,
+    /// Where holds are written (`None`: shared holds off).
+    pub store: Option<ApiHolds>,
+    /// The configuration.
     pub config: Arc<Config>,
+    /// This replica's name (written into the promises).
+    pub replica: String,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// Where the `TEEKeyFree` Events go.
     pub events: EventSink,
-    /// The keys promised to the VMIs retried, which the validating webhook holds for them.
-    pub promises: Arc<Promises>,
-    /// Longest one annotation write may take.
+    /// Longest one API call may take.
     pub api_timeout: Duration,
 }
 
+impl std::fmt::Debug for Retrier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Retrier")
+            .field("replica", &self.replica)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Retrier {
-    /// Run until `shutdown` is cancelled (first waiting for the caches to sync).
-    pub fn start(self, shutdown: CancellationToken) -> JoinHandle<()> {
+    /// Run until `shutdown` is cancelled, once `synced` (the caches listed) resolves.
+    pub fn start(
+        self,
+        synced: impl Future<Output = ()> + Send + 'static,
+        shutdown: CancellationToken,
+    ) -> JoinHandle<()> {
         tokio::spawn(async move {
             tokio::select! {
-                _ = self.caches.wait_synced() => {}
+                _ = synced => {}
                 _ = shutdown.cancelled() => return,
             }
             let mut tick = tokio::time::interval(BACKSTOP);
@@ -70,7 +170,7 @@ impl Retrier {
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = self.caches.waiting.changed() => {}
+                    _ = self.index.changed() => {}
                     _ = tick.tick() => {}
                 }
                 tokio::select! {
@@ -82,145 +182,91 @@ impl Retrier {
         })
     }
 
-    /// One pass: plan and retry.
+    /// One pass: publish the gauges, promise the free keys, retry the promised VMIs.
     pub async fn pass(&self) {
-        let counts = self.caches.waiting.counts();
+        let (waiting, holds) = {
+            let ix = self.index.read();
+            (ix.waiting_counts(), ix.hold_counts(self.index.now()))
+        };
         for kind in TeeKind::ALL {
-            self.metrics
-                .set_waiting_vmis(kind.kernel_name(), counts.get(&kind).copied().unwrap_or(0));
+            let n = waiting.get(&kind).copied().unwrap_or(0);
+            self.metrics.set_waiting_vmis(kind.kernel_name(), n);
         }
-        let mut waiting = self.caches.waiting.snapshot();
-        // A VMI holding a promise has its key (counted in `available` below): nothing to retry.
-        let mono = Instant::now();
-        waiting.retain(|w| !self.promises.is_promised(&w.vmi.uid, mono));
-        if waiting.is_empty() {
+        for reason in [
+            teeguard_shared::reservation::HoldReason::Admitted,
+            teeguard_shared::reservation::HoldReason::Promised,
+            teeguard_shared::reservation::HoldReason::Bound,
+        ] {
+            let n = holds.get(&reason).copied().unwrap_or(0);
+            self.metrics.set_holds(reason.as_str(), n);
+        }
+        if !self.config.admission.retry_refused_vmis || waiting.is_empty() {
             return;
         }
-        let now = Timestamp::now();
-        let available = self.available(now);
-        let labels: Vec<(String, BTreeMap<String, String>)> = available
-            .keys()
-            .map(|node| {
-                let l = self
-                    .caches
-                    .nodes
-                    .get(node)
-                    .map(|l| (*l).clone())
-                    .unwrap_or_default();
-                (node.clone(), l)
-            })
-            .collect();
-        let mut nodes: Vec<FreeNode<'_>> = labels
-            .iter()
-            .map(|(name, labels)| FreeNode {
-                name,
-                labels,
-                available: available.get(name).cloned().unwrap_or_default(),
-            })
-            .collect();
-        for retry in plan(&waiting, &mut nodes, now) {
-            self.retry(&retry, now).await;
+        let promised = promise(
+            &self.index,
+            self.store.as_ref(),
+            &self.config,
+            &self.replica,
+            self.api_timeout,
+            Some(&self.metrics),
+        )
+        .await;
+        for p in &promised {
+            self.retry(p).await;
         }
     }
 
-    /// Keys available to new pods per node (current reports only): the report's `free` less the keys
-    /// this replica admitted there that the report does not count yet, and those it promised.
-    fn available(&self, now: Timestamp) -> BTreeMap<String, KeyRequests> {
-        let stale_after = self.config.admission.stale_report_after;
-        let mono = Instant::now();
-        let mut out = BTreeMap::new();
-        self.caches.tee_capacities.scan(|node, cap| {
-            let report = Report {
-                status: cap.status.as_ref(),
-                lease_renewed: self.caches.agent_lease(node),
-            };
-            let Ok(status) = current_report(report, now, stale_after) else {
-                return ControlFlow::Continue(());
-            };
-            if status.accounting.as_deref() == Some("dra") {
-                // The scheduler allocates this node's keys: teeguard refuses no pod for them.
-                return ControlFlow::Continue(());
-            }
-            let mark = ReportMark {
-                counted_pods: &status.counted_pods,
-            };
-            let mut held = self.ledger.held(node, mark, mono, "");
-            Promises::add_held(
-                Some(&self.promises),
-                &mut held,
-                node,
-                &status.counted_pods,
-                "",
-                mono,
-            );
-            let free: KeyRequests = TeeKind::ALL
-                .into_iter()
-                .filter_map(|kind| {
-                    let k = status.kind(kind)?;
-                    let n = k.free.saturating_sub(held.get(&kind).copied().unwrap_or(0));
-                    (n > 0).then_some((kind, n))
-                })
-                .collect();
-            if !free.is_empty() {
-                out.insert(node.to_string(), free);
-            }
-            ControlFlow::Continue(())
-        });
-        out
-    }
-
-    /// Annotate the VMI so virt-controller creates its pod again.
-    async fn retry(&self, r: &Retry<'_>, now: Timestamp) {
-        let w = r.waiting;
-        let api = Api::<VirtualMachineInstance>::namespaced(
-            self.caches.client().clone(),
-            &w.vmi.namespace,
-        );
+    /// Annotate the VMI so virt-controller creates its pod again; withdraw its promise if that fails.
+    async fn retry(&self, p: &Promised) {
+        let now = self.index.now();
+        let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), &p.vmi.namespace);
         let patch =
             json!({"metadata": {"annotations": {names::RETRIED_ANNOTATION: now.to_string()}}});
         let params = PatchParams {
             field_manager: Some(names::WEBHOOK_FIELD_MANAGER.into()),
             ..PatchParams::default()
         };
-        // Promised first: virt-controller may create the pod before the patch's answer arrives.
-        self.promises
-            .promise(&r.node, w.kind, &w.vmi.uid, Instant::now());
         let written = tokio::time::timeout(
             self.api_timeout,
-            api.patch(&w.vmi.name, &params, &Patch::Merge(&patch)),
+            api.patch(&p.vmi.name, &params, &Patch::Merge(&patch)),
         )
         .await;
-        let kind = w.kind.kernel_name();
-        let waited = w
+        let kind = p.kind.kernel_name();
+        let failure = match written {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!("no answer within {:?}", self.api_timeout)),
+        };
+        if let Some(error) = failure {
+            self.metrics.vmi_retry(kind, RetryResult::Failed);
+            tracing::warn!(vmi = %p.vmi, kind, error, "cannot annotate the VMI to retry it; its promised key is withdrawn and it is retried at the next pass");
+            withdraw(
+                &self.index,
+                self.store.as_ref(),
+                &p.node,
+                &p.vmi.uid,
+                self.api_timeout,
+                Some(&self.metrics),
+            )
+            .await;
+            return;
+        }
+        let waited = p
             .since
             .and_then(|s| Duration::try_from(now.duration_since(s)).ok())
             .map(human)
             .unwrap_or_else(|| "an unknown time".into());
-        match written {
-            Ok(Ok(_)) => {
-                self.caches.waiting.mark_retried(&w.vmi, now);
-                self.metrics.vmi_retry(kind, RetryResult::Retried);
-                tracing::info!(vmi = %w.vmi, kind, node = r.node, waited, "a key is free: VMI retried");
-                self.events.record(VmiEvent {
-                    vmi: vmi_reference(&w.vmi),
-                    kind: VmiEventKind::KeyFree,
-                    message: format!(
-                        "a {} key is free (node {}); teeguard had KubeVirt create the VM's pod again after {waited}",
-                        w.kind.display_name(),
-                        r.node
-                    ),
-                });
-            }
-            Ok(Err(e)) => {
-                self.promises.forget(&w.vmi.uid);
-                self.metrics.vmi_retry(kind, RetryResult::Failed);
-                tracing::warn!(vmi = %w.vmi, kind, error = %e, "cannot annotate the VMI to retry it; retried at the next pass");
-            }
-            Err(_) => {
-                self.promises.forget(&w.vmi.uid);
-                self.metrics.vmi_retry(kind, RetryResult::Failed);
-                tracing::warn!(vmi = %w.vmi, kind, timeout = ?self.api_timeout, "the API server did not answer the VMI annotation in time; retried at the next pass");
-            }
-        }
+        self.metrics.vmi_retry(kind, RetryResult::Retried);
+        tracing::info!(vmi = %p.vmi, kind, node = p.node, waited, "a key is free: VMI retried");
+        self.events.record(VmiEvent {
+            vmi: vmi_reference(&p.vmi),
+            kind: VmiEventKind::KeyFree,
+            message: format!(
+                "a {} key is free (node {}); teeguard had KubeVirt create the VM's pod again after {waited}",
+                p.kind.display_name(),
+                p.node
+            ),
+        });
     }
 }

@@ -25,6 +25,25 @@ pub struct LauncherPod {
     /// The parts of `spec` that decide the pod's key requests and its node.
     #[serde(default)]
     pub spec: LauncherPodSpec,
+    /// `status.phase` only: a pod that ended holds no key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<LauncherPodStatus>,
+}
+
+/// `status`, reduced.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LauncherPodStatus {
+    /// `status.phase`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+}
+
+impl LauncherPod {
+    /// Whether the pod ended (`Succeeded` or `Failed`): its containers stopped, its keys are free.
+    pub fn ended(&self) -> bool {
+        let phase = self.status.as_ref().and_then(|s| s.phase.as_deref());
+        matches!(phase, Some("Succeeded" | "Failed"))
+    }
 }
 
 /// `spec`, reduced.
@@ -177,6 +196,8 @@ pub struct CachedLauncherPod {
     pub init_containers: Box<[CachedContainer]>,
     /// The extended resources of `spec.overhead`.
     pub overhead: Box<[(String, Quantity)]>,
+    /// The pod ended (`Succeeded` or `Failed`).
+    pub ended: bool,
 }
 
 /// A container's extended resources (names with a `/`: every TEE key resource is one).
@@ -240,6 +261,7 @@ impl CachedContainer {
 
 impl From<LauncherPod> for CachedLauncherPod {
     fn from(p: LauncherPod) -> Self {
+        let ended = p.ended();
         let m = p.metadata;
         CachedLauncherPod {
             name: m.name.unwrap_or_default(),
@@ -268,6 +290,7 @@ impl From<LauncherPod> for CachedLauncherPod {
                 .filter_map(CachedContainer::reduce)
                 .collect(),
             overhead: extended(p.spec.overhead),
+            ended,
         }
     }
 }

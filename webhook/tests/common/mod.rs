@@ -145,6 +145,14 @@ impl Harness {
         self.running.as_ref().expect("running").caches.clone()
     }
 
+    /// Wait until `/metrics` shows `line` (gauges the retry planner publishes at its next pass).
+    pub async fn wait_metric(&self, line: &str) {
+        teeguard_tests::wait::eventually(line, async || {
+            self.admin_get("/metrics").await.1.contains(line)
+        })
+        .await;
+    }
+
     /// GET a path on the admin port (plain HTTP).
     pub async fn admin_get(&self, path: &str) -> (StatusCode, String) {
         let stream = tokio::net::TcpStream::connect(self.admin)

@@ -1,29 +1,23 @@
 //! In-memory caches of the cluster objects reviews need, so the hot path makes no API call.
 //!
 //! Every cache is fed by a kube `watcher` (jittered backoff capped at 5 s) started through
-//! [`CacheBuilder::watch`], which strips `managedFields` (and `kubectl`'s last-applied annotation) from
-//! every object, reduces it to what decisions read, keeps an object-count gauge and registers the cache
-//! for [`Caches::wait_synced`]. Each cache is a [`NamedStore`] (by namespace and name: borrowed
-//! lookups and allocation-free scans).
+//! [`CacheBuilder`], which strips `managedFields` (and `kubectl`'s last-applied annotation) from every
+//! object, keeps an object-count gauge and registers the watch for [`Caches::wait_synced`].
 //!
-//! The report and virt-launcher pod caches also tell the admission ledger what they see (a report
-//! counting a pod, a pod deleted), so reservations end at once, not at the next check; a deleted pod
-//! or VMI also ends the key promised to its VMI ([`Promises`]).
+//! Two kinds of watch:
+//! - lookups, each a [`NamedStore`] (by namespace and name: borrowed lookups): VMIs and Namespace
+//!   labels (mutation and validation) and virt-launcher pods (label `kubevirt.io=virt-launcher`,
+//!   reduced to [`CachedLauncherPod`], for bindings); VMIs and launcher pods also apply to the
+//!   admission index (a hold ends when its pod is deleted; a VMI waits for a key);
+//! - the admission state only, applied to the [`KeyIndex`] and kept nowhere else: Nodes (labels),
+//!   `TeeCapacity` reports, `TeeReservation`s and the agents' heartbeat Leases (in the webhook's
+//!   namespace: a report's age is that of the newer of its heartbeat and its agent's Lease renewal).
 //!
-//! Caches: VMIs and Namespace labels (mutation and validation), TeeCapacity reports and the agents'
-//! heartbeat Leases (in the webhook's namespace: a report's age is that of the newer of its heartbeat
-//! and its agent's Lease renewal), Node labels (node selection for pod CREATE) and virt-launcher pods
-//! (label `kubevirt.io=virt-launcher`, reduced to [`CachedLauncherPod`], for bindings). Memory:
-//! everything not read is dropped when the object arrives (see [`slim_vmi`], [`CachedLauncherPod`],
-//! [`slim_report`]; a Lease is kept as its renewal time).
-//!
-//! Adding a cache: add a field to [`Caches`], create it in [`Caches::start`] with one
-//! `builder.watch(...)` call, and add a lookup method (cache first, one GET on a miss if a miss can be a
-//! race).
+//! Memory: everything not read is dropped when the object arrives (see [`slim_vmi`],
+//! [`CachedLauncherPod`]; the index keeps a report's figures, a Node's labels, a Lease's renewal).
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
-use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,70 +31,55 @@ use teeguard_shared::{TeeCapacity, VirtualMachineInstance, names};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::decide::ledger::Ledger;
+use super::index::KeyIndex;
+use crate::decide::index::{PodState, VmiState};
 use crate::decide::mutation::{VmiLookup, VmiRef};
-use crate::decide::retry::{self, Promises};
+use crate::decide::queue;
 use crate::metrics::{Cache, LookupResult, Metrics};
 use crate::pods::{CachedLauncherPod, LauncherPod, slim_meta};
 
 mod store;
 #[cfg(test)]
 mod tests;
-mod waiting;
 
 pub use store::{CacheBuilder, NamedStore, Observer};
-pub use waiting::WaitingVmis;
 
-/// Ends the ledger's reservations the moment a report counting their pods arrives, and wakes the retry
-/// task (the report may show a key free for a waiting VMI).
-struct ReportsArrived {
-    ledger: Arc<Ledger>,
-    waiting: Arc<WaitingVmis>,
-}
-
-impl Observer<TeeCapacity> for ReportsArrived {
-    fn stored(&self, cap: &TeeCapacity) {
-        if let (Some(node), Some(status)) = (cap.metadata.name.as_deref(), cap.status.as_ref()) {
-            self.ledger
-                .report_arrived(node, &status.counted_pods, std::time::Instant::now());
-        }
-        self.waiting.wake();
+/// A virt-launcher pod's node and end, for the index (a hold ends when its pod is deleted or ended).
+impl Observer<CachedLauncherPod> for KeyIndex {
+    fn stored(&self, pod: &CachedLauncherPod) {
+        let Some(uid) = pod.uid.as_deref() else {
+            return;
+        };
+        let state = PodState {
+            node: pod.node_name.clone().filter(|n| !n.is_empty()),
+            ended: pod.ended,
+        };
+        self.update(|ix, now| ix.apply_pod(uid, Some(state), now));
     }
-}
 
-/// Ends the ledger's reservation of a virt-launcher pod, and the key promised to its VMI, the moment
-/// its deletion is seen (a pod deleted before its binding would otherwise hold the promised key for
-/// [`retry::PROMISE_TTL`]).
-struct DeletedPodsEndReservations {
-    ledger: Arc<Ledger>,
-    promises: Arc<Promises>,
-}
-
-impl Observer<CachedLauncherPod> for DeletedPodsEndReservations {
     fn removed(&self, pod: &CachedLauncherPod) {
         if let Some(uid) = pod.uid.as_deref() {
-            self.ledger.pod_deleted(uid, std::time::Instant::now());
-            self.promises.pod_ended(uid);
+            self.update(|ix, now| ix.apply_pod(uid, None, now));
         }
     }
 }
 
-/// Keeps the waiting VMIs up to date, and ends the key promised to a VMI the moment its deletion is
-/// seen.
-struct VmiChanges {
-    waiting: Arc<WaitingVmis>,
-    promises: Arc<Promises>,
-}
-
-impl Observer<VirtualMachineInstance> for VmiChanges {
+/// A VMI's phase and whether it waits for a key, for the index.
+impl Observer<VirtualMachineInstance> for KeyIndex {
     fn stored(&self, vmi: &VirtualMachineInstance) {
-        self.waiting.stored(vmi);
+        let Some(uid) = vmi.metadata.uid.as_deref() else {
+            return;
+        };
+        let state = VmiState {
+            pending: queue::pending(vmi),
+            waiting: queue::waiting(vmi),
+        };
+        self.update(|ix, now| ix.apply_vmi(uid, Some(state), now));
     }
 
     fn removed(&self, vmi: &VirtualMachineInstance) {
-        self.waiting.removed(vmi);
         if let Some(uid) = vmi.metadata.uid.as_deref() {
-            self.promises.forget(uid);
+            self.update(|ix, now| ix.apply_vmi(uid, None, now));
         }
     }
 }
@@ -116,11 +95,8 @@ pub enum PodLookup {
     Failed(String),
 }
 
-/// An object's labels, as the node and namespace caches keep them.
+/// An object's labels, as the namespace cache keeps them.
 pub type Labels = BTreeMap<String, String>;
-
-/// A node-selection predicate: node name and labels.
-pub type NodeFilter<'a> = &'a (dyn Fn(&str, &BTreeMap<String, String>) -> bool + Sync);
 
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
@@ -133,6 +109,15 @@ pub trait Lookups: Send + Sync {
         namespace: &str,
     ) -> impl Future<Output = Result<Option<BTreeMap<String, String>>, String>> + Send;
 
+    /// The admission state the decisions read (nodes, reports, holds, waiting VMIs).
+    fn index(&self) -> &KeyIndex;
+
+    /// Whether the nodes' labels are known (the offline `review` without node files knows only the
+    /// reported nodes: each is then a candidate, whatever the pod's node selector).
+    fn node_labels_known(&self) -> bool {
+        true
+    }
+
     /// The VMI a pod belongs to.
     fn vmi(&self, vmi: &VmiRef) -> impl Future<Output = VmiLookup> + Send;
 
@@ -144,25 +129,6 @@ pub trait Lookups: Send + Sync {
         name: &str,
         uid: &str,
     ) -> impl Future<Output = PodLookup> + Send;
-
-    /// The node's `TeeCapacity` report, if any (cache only: reports are cluster-scoped and cached).
-    fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>>;
-
-    /// When the node's agent last renewed its heartbeat Lease (cache only); `None` where Leases are
-    /// not watched (the offline `review` command: the reports' own heartbeats count).
-    fn agent_lease(&self, _node: &str) -> Option<jiff::Timestamp> {
-        None
-    }
-
-    /// Call `visit` with the name and labels of each known node for which `filter(name, labels)` holds, until
-    /// `visit` breaks: `first` (when it is a known node) before the others, then in no particular order,
-    /// each node once. Allocates nothing per node.
-    fn scan_nodes(
-        &self,
-        filter: NodeFilter<'_>,
-        first: Option<&str>,
-        visit: &mut dyn FnMut(&str, &Labels) -> ControlFlow<()>,
-    );
 }
 
 /// What teeguard keeps of a namespace's labels: the two it reads (exemption and mode). Namespaces carry
@@ -185,9 +151,9 @@ pub fn slim_vmi(vmi: &mut VirtualMachineInstance) {
     );
     vmi.metadata.deletion_timestamp = deletion;
     // Where its pod may go, and why it has none, matter only while it waits on teeguard.
-    if retry::waiting(vmi).is_some() {
+    if queue::waiting(vmi).is_some() {
         if let Some(status) = vmi.status.as_mut() {
-            status.conditions.retain(|c| c.type_ == retry::SYNCHRONIZED);
+            status.conditions.retain(|c| c.type_ == queue::SYNCHRONIZED);
         }
     } else {
         vmi.spec.node_selector = None;
@@ -196,22 +162,6 @@ pub fn slim_vmi(vmi: &mut VirtualMachineInstance) {
             status.conditions = Vec::new();
         }
     }
-}
-
-/// What the report cache keeps of a `TeeCapacity`: name, `resourceVersion` and the status figures
-/// and heartbeat (no labels, annotations, owners or conditions).
-pub fn slim_report(mut cap: TeeCapacity) -> TeeCapacity {
-    let m = &mut cap.metadata;
-    m.labels = None;
-    m.annotations = None;
-    m.owner_references = None;
-    m.finalizers = None;
-    m.managed_fields = None;
-    if let Some(status) = cap.status.as_mut() {
-        status.conditions = Vec::new();
-        status.agent_version = None;
-    }
-    cap
 }
 
 /// How long a mutation waits for a VMI that is not cached yet to arrive through the watch before it
@@ -246,21 +196,10 @@ pub struct Caches {
     pub vmis: NamedStore<VirtualMachineInstance>,
     /// The labels of every Namespace, by name.
     pub namespaces: NamedStore<Labels>,
-    /// All TeeCapacity reports (named after their node), reduced by [`slim_report`].
-    pub tee_capacities: NamedStore<TeeCapacity>,
-    /// The labels of every Node (for node selection), by node name.
-    pub nodes: NamedStore<Labels>,
     /// Pods labelled `kubevirt.io=virt-launcher`, reduced to what a binding decision reads.
     pub launcher_pods: NamedStore<CachedLauncherPod>,
-    /// The shared reservations, one `TeeReservation` per node.
-    pub reservations: NamedStore<TeeReservation>,
-    /// The agents' heartbeat Leases (named after their nodes, in [`Caches::lease_namespace`]): when
-    /// each was last renewed.
-    pub agent_leases: NamedStore<Option<jiff::Timestamp>>,
-    /// The namespace of the agents' Leases: the webhook's own (from its client).
-    pub lease_namespace: String,
-    /// The VMIs waiting because teeguard refused their pods (kept by the VMI cache).
-    pub waiting: Arc<WaitingVmis>,
+    /// The admission state (nodes, reports, holds, launcher pods, VMIs).
+    pub index: KeyIndex,
     synced: Arc<tokio::sync::watch::Receiver<bool>>,
 }
 
@@ -269,30 +208,24 @@ impl Debug for Caches {
         f.debug_struct("Caches")
             .field("vmis", &self.vmis.len())
             .field("namespaces", &self.namespaces.len())
-            .field("tee_capacities", &self.tee_capacities.len())
-            .field("nodes", &self.nodes.len())
             .field("launcher_pods", &self.launcher_pods.len())
-            .field("reservations", &self.reservations.len())
-            .field("agent_leases", &self.agent_leases.len())
             .field("synced", &self.is_synced())
             .finish()
     }
 }
 
 impl Caches {
-    /// Start every reflector. `api_timeout` bounds the GET made on a cache miss. The report and
-    /// virt-launcher pod caches end `ledger`'s reservations as reports count their pods and pods are
-    /// deleted; the virt-launcher pod and VMI caches end `promises` as pods and VMIs are deleted.
+    /// Start every watch. `api_timeout` bounds the GET made on a cache miss. The VMI and
+    /// virt-launcher pod caches, and the watches of Nodes, reports, Leases and `TeeReservation`s, apply
+    /// to `index`, which is marked synced once every watch has listed.
     pub fn start(
         client: Client,
         metrics: Arc<Metrics>,
         api_timeout: Duration,
-        ledger: Arc<Ledger>,
-        promises: Arc<Promises>,
+        index: KeyIndex,
         shutdown: CancellationToken,
     ) -> (Caches, CacheTasks) {
         let mut b = CacheBuilder::new(metrics.clone(), shutdown);
-        let waiting = Arc::new(WaitingVmis::default());
         let vmis = b.watch_observed(
             Cache::Vmis.as_str(),
             Api::<VirtualMachineInstance>::all(client.clone()),
@@ -301,32 +234,13 @@ impl Caches {
                 slim_vmi(&mut v);
                 v
             },
-            Some(Arc::new(VmiChanges {
-                waiting: waiting.clone(),
-                promises: promises.clone(),
-            })),
+            Some(Arc::new(index.clone())),
         );
         let namespaces = b.watch(
             Cache::Namespaces.as_str(),
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Namespace>| namespace_labels(n.metadata.labels),
-        );
-        let tee_capacities = b.watch_observed(
-            Cache::TeeCapacities.as_str(),
-            Api::<TeeCapacity>::all(client.clone()),
-            watcher::Config::default().any_semantic(),
-            slim_report,
-            Some(Arc::new(ReportsArrived {
-                ledger: ledger.clone(),
-                waiting: waiting.clone(),
-            })),
-        );
-        let nodes = b.watch(
-            Cache::Nodes.as_str(),
-            Api::<PartialObjectMeta<Node>>::all(client.clone()),
-            watcher::Config::default().any_semantic(),
-            |n: PartialObjectMeta<Node>| n.metadata.labels.unwrap_or_default(),
         );
         let launcher_pods = b.watch_observed(
             Cache::LauncherPods.as_str(),
@@ -339,27 +253,41 @@ impl Caches {
                 ))
                 .any_semantic(),
             CachedLauncherPod::from,
-            Some(Arc::new(DeletedPodsEndReservations { ledger, promises })),
+            Some(Arc::new(index.clone())),
         );
-        let reservations = b.watch(
+        let sink = Arc::new(index.clone());
+        b.watch_into(
+            Cache::TeeCapacities.as_str(),
+            Api::<TeeCapacity>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+            sink.clone(),
+        );
+        b.watch_into(
+            Cache::Nodes.as_str(),
+            Api::<PartialObjectMeta<Node>>::all(client.clone()),
+            watcher::Config::default().any_semantic(),
+            sink.clone(),
+        );
+        b.watch_into(
             Cache::Reservations.as_str(),
             Api::<TeeReservation>::all(client.clone()),
             watcher::Config::default().any_semantic(),
-            |r: TeeReservation| r,
+            sink.clone(),
         );
-        let lease_namespace = client.default_namespace().to_string();
-        let agent_leases = b.watch(
+        b.watch_into(
             Cache::AgentLeases.as_str(),
-            Api::<Lease>::namespaced(client.clone(), &lease_namespace),
+            Api::<Lease>::namespaced(client.clone(), client.default_namespace()),
             watcher::Config::default()
                 .labels(&format!("{}=true", names::AGENT_LEASE_LABEL))
                 .any_semantic(),
-            |l: Lease| l.spec.and_then(|s| s.renew_time).map(|t| t.0),
+            sink,
         );
         let (tasks, ready) = b.finish();
         let (tx, rx) = tokio::sync::watch::channel(false);
+        let synced_index = index.clone();
         tokio::spawn(async move {
             futures::future::join_all(ready).await;
+            synced_index.update(|ix, _| ix.set_synced());
             let _ = tx.send(true);
         });
         let caches = Caches {
@@ -368,13 +296,8 @@ impl Caches {
             api_timeout,
             vmis,
             namespaces,
-            tee_capacities,
-            nodes,
             launcher_pods,
-            reservations,
-            agent_leases,
-            lease_namespace,
-            waiting,
+            index,
             synced: Arc::new(rx),
         };
         (caches, tasks)
@@ -518,6 +441,10 @@ impl Caches {
 }
 
 impl Lookups for Caches {
+    fn index(&self) -> &KeyIndex {
+        &self.index
+    }
+
     // A cache hit answers without awaiting anything; a miss awaits the API fallback boxed, so the
     // kube client's request future (several KB) is not inlined into every admission handler's
     // future, which the server allocates and moves on every review.
@@ -561,30 +488,5 @@ impl Lookups for Caches {
             }
         }
         Box::pin(self.launcher_pod_after_wait(namespace, name, uid)).await
-    }
-
-    fn tee_capacity(&self, node: &str) -> Option<Arc<TeeCapacity>> {
-        self.tee_capacities.get(node)
-    }
-
-    fn agent_lease(&self, node: &str) -> Option<jiff::Timestamp> {
-        self.agent_leases
-            .get_namespaced(&self.lease_namespace, node)
-            .and_then(|t| *t)
-    }
-
-    fn scan_nodes(
-        &self,
-        filter: NodeFilter<'_>,
-        first: Option<&str>,
-        visit: &mut dyn FnMut(&str, &Labels) -> ControlFlow<()>,
-    ) {
-        self.nodes.scan_from(first, |name, labels| {
-            if filter(name, labels) {
-                visit(name, labels)
-            } else {
-                ControlFlow::Continue(())
-            }
-        });
     }
 }

@@ -124,13 +124,80 @@ impl CacheBuilder {
         store
     }
 
+    /// Start a watch over `api` whose objects go to `sink` only (no store here: the admission index
+    /// keeps what it reads of them). A re-list tells `sink` of the objects that vanished meanwhile.
+    pub fn watch_into<K>(
+        &mut self,
+        name: &'static str,
+        api: Api<K>,
+        config: watcher::Config,
+        sink: Arc<dyn crate::cluster::index::Sink<K>>,
+    ) where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+    {
+        let (ready_tx, mut ready) = tokio::sync::watch::channel(false);
+        self.ready.push(Box::pin(async move {
+            let _ = ready.wait_for(|r| *r).await;
+        }));
+        let stream = watcher(api, config)
+            .backoff(Backoff::new(WATCH_BACKOFF_INITIAL, WATCH_BACKOFF_MAX))
+            .modify(move |o: &mut K| {
+                o.managed_fields_mut().clear();
+                o.annotations_mut().remove(LAST_APPLIED);
+            });
+        let metrics = self.metrics.clone();
+        let shutdown = self.shutdown.clone();
+        self.tasks.spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            // The names stored, to tell a re-list which vanished.
+            let mut names = std::collections::HashSet::new();
+            let mut listed: Option<std::collections::HashSet<String>> = None;
+            loop {
+                let event = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    event = stream.next() => event,
+                };
+                match event {
+                    Some(Ok(watcher::Event::Init)) => listed = Some(Default::default()),
+                    Some(Ok(watcher::Event::InitApply(o))) => {
+                        listed.get_or_insert_default().insert(o.name_any());
+                        sink.apply(o);
+                    }
+                    Some(Ok(watcher::Event::InitDone)) => {
+                        let fresh = listed.take().unwrap_or_default();
+                        for gone in names.difference(&fresh) {
+                            sink.delete(gone);
+                        }
+                        names = fresh;
+                        ready_tx.send_replace(true);
+                    }
+                    Some(Ok(watcher::Event::Apply(o))) => {
+                        names.insert(o.name_any());
+                        sink.apply(o);
+                    }
+                    Some(Ok(watcher::Event::Delete(o))) => {
+                        let gone = o.name_any();
+                        names.remove(&gone);
+                        sink.delete(&gone);
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(cache = name, error = %e, "watch failed; retrying with backoff");
+                    }
+                    None => break,
+                }
+                metrics.set_cache_objects(name, names.len());
+            }
+        });
+    }
+
     pub(super) fn finish(self) -> (CacheTasks, Vec<BoxFuture<'static, ()>>) {
         (CacheTasks { tasks: self.tasks }, self.ready)
     }
 }
 
 /// Told of a cache's changes as they are applied: for state that must follow the cluster at once
-/// (the ledger ends a reservation when its pod is deleted or a report counts it).
+/// (the admission index: a hold ends when its pod is deleted).
 pub trait Observer<T>: Send + Sync {
     /// `value` was stored (added or changed; also each object of a re-list).
     fn stored(&self, _value: &T) {}

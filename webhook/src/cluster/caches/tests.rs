@@ -1,8 +1,16 @@
 //! Tests of the caches' stores and reductions.
 
+use std::ops::ControlFlow;
+
 use super::*;
+use crate::cluster::index::{Sink, wall_clock};
+use crate::decide::holds::End;
 use k8s_openapi::api::core::v1::PodSpec;
 use kube::api::ObjectMeta;
+
+fn index() -> KeyIndex {
+    KeyIndex::new(Duration::from_secs(30), wall_clock())
+}
 
 fn node(name: &str, zone: &str) -> PartialObjectMeta<Node> {
     PartialObjectMeta {
@@ -105,14 +113,18 @@ fn reports_keep_only_what_decisions_read() {
                 "lastTransitionTime": "2025-01-01T00:00:00Z"}]}
     }))
     .expect("report");
-    let slim = slim_report(cap.clone());
-    assert_eq!(slim.metadata.name.as_deref(), Some("n1"));
-    assert_eq!(slim.metadata.resource_version.as_deref(), Some("7"));
-    assert!(slim.metadata.labels.is_none() && slim.metadata.annotations.is_none());
-    let (full, slim) = (cap.status.expect("status"), slim.status.expect("status"));
+    let ix = index();
+    Sink::apply(&ix, cap.clone());
+    let full = cap.status.expect("status");
+    let read = ix.read();
+    let slim = read.report("n1").status.expect("kept");
     assert!(slim.conditions.is_empty() && !full.conditions.is_empty());
+    assert_eq!(slim.agent_version, None);
     assert_eq!(slim.tdx, full.tdx);
     assert_eq!(slim.heartbeat_time, full.heartbeat_time);
+    drop(read);
+    Sink::<TeeCapacity>::delete(&ix, "n1");
+    assert!(ix.read().report("n1").status.is_none());
 }
 
 #[test]
@@ -214,59 +226,70 @@ fn report(node: &str, counted: &[&str]) -> TeeCapacity {
     .expect("report")
 }
 
-/// Issue #28: the reservation ends when the report counting its pod arrives, with no check on the
-/// node in between; and when the pod's deletion arrives, which also ends the key promised at its
-/// CREATE (a pod deleted before its binding held it for the promise's TTL: a KubeVirt test flaked).
+fn holds(node: &str, entries: serde_json::Value) -> TeeReservation {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeReservation",
+        "metadata": {"name": node, "resourceVersion": "1"},
+        "spec": {"nodeName": node, "reservations": entries}
+    }))
+    .expect("reservation")
+}
+
+fn hold(pod_uid: &str, vmi_uid: &str, reason: &str) -> serde_json::Value {
+    serde_json::json!({"podUid": pod_uid, "pod": "", "vmiUid": vmi_uid, "tdx": 1,
+        "reason": reason, "admittedAt": "2026-11-26T10:00:00Z"})
+}
+
+/// Issue #28: a hold ends when the report counting its pod arrives, with no check on the node in
+/// between; and when the pod's deletion arrives (a pod deleted before its binding held its key for a
+/// TTL: a KubeVirt test flaked).
 #[test]
-fn the_caches_end_ledger_reservations_and_promises_as_reports_and_deletions_arrive() {
-    use crate::decide::ledger::{ReportMark, Reservation};
-    use std::time::Instant;
-    use teeguard_shared::TeeKind;
-    let ledger = Arc::new(Ledger::new(Duration::from_secs(30)));
-    let t0 = Instant::now();
-    for uid in ["uid-a", "uid-b"] {
-        let candidate = Reservation {
-            pod_uid: uid.into(),
-            pod: format!("ns/{uid}"),
-            keys: teeguard_shared::pod::KeyRequests::from([(TeeKind::Tdx, 1)]),
-            admitted: t0,
-        };
-        ledger.check_and_reserve("n1", ReportMark::default(), t0, candidate, |_| ((), true));
-    }
-    assert_eq!(ledger.len(), 2);
-    let (_reports, mut w) = NamedStore::new(slim_report);
-    let waiting = Arc::new(WaitingVmis::default());
-    w.observer = Some(Arc::new(ReportsArrived {
-        ledger: ledger.clone(),
-        waiting: waiting.clone(),
-    }));
-    w.apply(watcher::Event::Apply(report("n1", &["uid-a"])));
-    assert_eq!(ledger.len(), 1, "a's ended at the report's arrival");
+fn the_watches_end_holds_as_reports_and_deletions_arrive() {
+    let ix = index();
+    Sink::apply(
+        &ix,
+        holds(
+            "n1",
+            serde_json::json!([
+                hold("uid-a", "vmi-a", "Admitted"),
+                hold("uid-b", "vmi-b", "Admitted")
+            ]),
+        ),
+    );
+    let ended = |uid: &str| {
+        let r = ix.read();
+        let e = r
+            .entries("n1")
+            .find(|e| e.pod_uid == uid)
+            .cloned()
+            .expect("entry");
+        r.end("n1", &e, ix.now())
+    };
+    assert_eq!((ended("uid-a"), ended("uid-b")), (None, None));
+    Sink::apply(&ix, report("n1", &["uid-a"]));
+    assert_eq!(
+        ended("uid-a"),
+        Some(End::Counted),
+        "a's ended at the report's arrival"
+    );
+    // A report that no longer lists a (the pod stopped, its object not deleted yet) does not hold it again.
+    Sink::apply(&ix, report("n1", &[]));
+    assert_eq!(ended("uid-a"), Some(End::Counted));
     let pod = |uid: &str| -> LauncherPod {
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": "virt-launcher-b", "namespace": "ns", "uid": uid}
         }))
         .expect("pod")
     };
-    // Pod uid-b was also admitted at its CREATE: its VMI holds a promised key until the binding.
-    let promises = Arc::new(Promises::default());
-    promises.promise("n1", TeeKind::Tdx, "vmi-b", t0);
-    promises.admitted("vmi-b", "uid-b");
-    let promised = || promises.held("n1", &[], "vmi-other", t0).len();
     let (_pods, mut w) = NamedStore::new(CachedLauncherPod::from);
-    w.observer = Some(Arc::new(DeletedPodsEndReservations {
-        ledger: ledger.clone(),
-        promises: promises.clone(),
-    }));
+    w.observer = Some(Arc::new(ix.clone()));
     w.apply(watcher::Event::Apply(pod("uid-b")));
-    assert_eq!(ledger.len(), 1, "a stored pod ends nothing");
-    assert_eq!(promised(), 1, "a stored pod ends no promise");
+    assert_eq!(ended("uid-b"), None, "a stored pod ends nothing");
     w.apply(watcher::Event::Delete(pod("uid-b")));
-    assert!(ledger.is_empty(), "b's ended at its deletion");
     assert_eq!(
-        promised(),
-        0,
-        "the promise made at b's CREATE ended at its deletion, before its binding"
+        ended("uid-b"),
+        Some(End::PodGone),
+        "b's ended at its deletion, before its binding"
     );
 }
 
@@ -337,7 +360,7 @@ fn a_waiting_vmi_keeps_what_its_retry_needs_and_any_other_vmi_drops_it() {
     let conditions = &w.status.as_ref().expect("status").conditions;
     assert_eq!(conditions.len(), 1, "only the refusal is kept");
     assert!(
-        crate::decide::retry::waiting(&w).is_some(),
+        crate::decide::queue::waiting(&w).is_some(),
         "still waiting once slimmed"
     );
 
@@ -360,50 +383,47 @@ fn a_waiting_vmi_keeps_what_its_retry_needs_and_any_other_vmi_drops_it() {
 }
 
 #[tokio::test]
-async fn the_vmi_cache_keeps_the_waiting_vmis_wakes_the_retry_task_and_ends_a_deleted_vmis_promise()
-{
-    let waiting = Arc::new(WaitingVmis::default());
-    let promises = Arc::new(Promises::default());
+async fn the_vmi_cache_keeps_the_waiting_vmis_wakes_the_planner_and_ends_a_deleted_vmis_promise() {
+    let ix = index();
     let (_vmis, mut w) = NamedStore::new(|mut v: VirtualMachineInstance| {
         slim_vmi(&mut v);
         v
     });
-    w.observer = Some(Arc::new(VmiChanges {
-        waiting: waiting.clone(),
-        promises: promises.clone(),
-    }));
+    w.observer = Some(Arc::new(ix.clone()));
+    let waiting = || ix.read().waiting_counts().values().sum::<usize>();
     w.apply(watcher::Event::Apply(vmi("other", "Pending", false)));
-    assert!(waiting.snapshot().is_empty(), "not refused by teeguard");
+    assert_eq!(waiting(), 0, "not refused by teeguard");
+    // Drain the wake-ups so far, then one VMI starts waiting.
+    let _ = tokio::time::timeout(Duration::from_millis(10), ix.changed()).await;
     w.apply(watcher::Event::Apply(vmi("a", "Pending", true)));
     assert_eq!(
-        waiting.counts().get(&teeguard_shared::TeeKind::Tdx),
+        ix.read()
+            .waiting_counts()
+            .get(&teeguard_shared::TeeKind::Tdx),
         Some(&1)
     );
-    tokio::time::timeout(std::time::Duration::from_secs(1), waiting.changed())
+    tokio::time::timeout(Duration::from_secs(1), ix.changed())
         .await
-        .expect("a VMI that starts waiting wakes the retry task");
-    waiting.mark_retried(
-        &VmiRef {
-            namespace: "vms".into(),
-            name: "a".into(),
-            uid: String::new(),
-        },
-        "2026-11-26T11:00:00Z".parse().expect("time"),
-    );
-    assert_eq!(
-        waiting.snapshot()[0].retried,
-        Some("2026-11-26T11:00:00Z".parse().expect("time"))
-    );
+        .expect("a VMI that starts waiting wakes the planner");
     w.apply(watcher::Event::Apply(vmi("a", "Scheduling", false)));
-    assert!(waiting.snapshot().is_empty(), "its pod was created");
+    assert_eq!(waiting(), 0, "its pod was created");
+    // A key promised to b; b is deleted before its pod is created.
     w.apply(watcher::Event::Apply(vmi("b", "Pending", true)));
-    // The retry task promised b a key; b is deleted before its pod is created.
-    let now = std::time::Instant::now();
-    promises.promise("n1", teeguard_shared::TeeKind::Tdx, "uid-b", now);
+    Sink::apply(
+        &ix,
+        holds("n1", serde_json::json!([hold("", "uid-b", "Promised")])),
+    );
+    let promise_end = || {
+        let r = ix.read();
+        let e = r.entries("n1").next().cloned().expect("promise");
+        r.end("n1", &e, ix.now())
+    };
+    assert_eq!(promise_end(), None);
     w.apply(watcher::Event::Delete(vmi("b", "Pending", true)));
-    assert!(waiting.snapshot().is_empty(), "deleted");
-    assert!(
-        promises.held("n1", &[], "uid-other", now).is_empty(),
+    assert_eq!(waiting(), 0, "deleted");
+    assert_eq!(
+        promise_end(),
+        Some(End::VmiDone),
         "a deleted VMI's promise ends with it"
     );
 }
@@ -413,12 +433,12 @@ async fn the_vmi_cache_keeps_the_waiting_vmis_wakes_the_retry_task_and_ends_a_de
 /// waits (as usual) or after; it is forgotten once the VMI's pod is created.
 #[test]
 fn a_waiting_vmi_goes_where_its_refused_pod_could_go() {
-    let waiting = Arc::new(WaitingVmis::default());
+    let ix = index();
     let (_vmis, mut w) = NamedStore::new(|mut v: VirtualMachineInstance| {
         slim_vmi(&mut v);
         v
     });
-    w.observer = Some(waiting.clone());
+    w.observer = Some(Arc::new(ix.clone()));
     let pod = PodSpec {
         node_selector: Some(BTreeMap::from([
             ("kubevirt.io/tdx".to_string(), "true".to_string()),
@@ -427,19 +447,15 @@ fn a_waiting_vmi_goes_where_its_refused_pod_could_go() {
         ..PodSpec::default()
     };
     let selector_of = |name: &str| {
-        waiting
-            .snapshot()
-            .into_iter()
+        ix.read()
+            .vmis()
+            .filter_map(|(_, v)| v.waiting.clone())
             .find(|x| x.vmi.name == name)
             .and_then(|x| x.placement.node_selector)
     };
-    let vmi_ref = |name: &str| VmiRef {
-        namespace: "vms".into(),
-        name: name.into(),
-        uid: format!("uid-{name}"),
-    };
+    let refused = |name: &str| ix.update(|i, _| i.refused(&format!("uid-{name}"), &pod));
     // Refused first, then the VMI's status says so.
-    waiting.refused(&vmi_ref("a"), &pod);
+    refused("a");
     w.apply(watcher::Event::Apply(vmi("a", "Pending", true)));
     assert_eq!(selector_of("a"), pod.node_selector);
     // Waiting first (read from the VMI: its own selector and its kind's label), then refused again.
@@ -448,7 +464,7 @@ fn a_waiting_vmi_goes_where_its_refused_pod_could_go() {
         selector_of("b").map(|s| s.keys().cloned().collect::<Vec<_>>()),
         Some(vec!["kubevirt.io/tdx".to_string(), "rack".to_string()])
     );
-    waiting.refused(&vmi_ref("b"), &pod);
+    refused("b");
     assert_eq!(selector_of("b"), pod.node_selector);
     // a's pod is created: a no longer waits, and waits again later with the VMI's selector only.
     w.apply(watcher::Event::Apply(vmi("a", "Scheduling", false)));

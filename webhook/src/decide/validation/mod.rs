@@ -2,9 +2,10 @@
 //! what to answer in `enforce` and `warn` mode, and whether a pod carries cgroup-limit annotations that
 //! teeguard did not write. No I/O: the handler passes the reports, ledger figures and lookups in.
 //!
-//! Free keys of a node = the report's `free` − keys this replica reserved there for pods the report does
-//! not show yet (see [`crate::decide::ledger`]) − for a launcher pod not bound yet, keys kept for VMIs
-//! that waited longer (see [`crate::decide::retry::ahead_of`]). A report is unknown when it is missing, has no heartbeat, or its
+//! Free keys of a node = the report's `free` − keys held there for other pods the report does not
+//! count yet − keys kept for VMIs (promised to retried VMIs, and for a launcher pod not bound yet, those
+//! the VMIs that waited longer are served from): the caller works them out ([`crate::decide::admit`])
+//! and hands them in as [`Held`]. A report is unknown when it is missing, has no heartbeat, or its
 //! heartbeat is older than `admission.staleReportAfter`, its heartbeat being the newer of its own
 //! `heartbeatTime` and its agent's Lease renewal ([`Report`]); `admission.staleReportPolicy` says whether an
 //! unknown report refuses (`deny`) or admits with a warning (`allow`). A report without figures for a
@@ -181,10 +182,10 @@ pub enum KindFigures {
         capacity: u64,
         /// Keys held outside Kubernetes (`external`).
         external: u64,
-        /// Keys this replica admitted that the report does not show yet.
+        /// Keys held for other pods admitted or bound that the report does not count yet.
         reserved: u64,
-        /// Of the keys left after `reserved`, those kept for VMIs that have waited longer than the
-        /// pod's own.
+        /// Of the keys left after `reserved`, those kept for VMIs (promised, or waiting longer than the
+        /// pod's own).
         queued: u64,
     },
     /// The current report has no figures for the kind: the host has none of these keys.
@@ -240,9 +241,10 @@ fn scheduler_allocates(
 /// Keys a node's report does not show as taken but a pod cannot have there.
 #[derive(Clone, Copy, Debug)]
 pub struct Held<'h> {
-    /// Reserved by other pods this replica admitted (and keys promised to other VMIs).
+    /// Held for other pods admitted or bound that the report does not count yet.
     pub reserved: &'h KeyRequests,
-    /// Kept for VMIs that have waited longer than the pod's own.
+    /// Kept for VMIs: promised to retried VMIs, and those the VMIs that waited longer than the pod's
+    /// own are served from.
     pub queued: &'h KeyRequests,
 }
 
@@ -589,7 +591,7 @@ pub struct Decision {
     pub outcome: ValidationOutcome,
     /// Audit reason code.
     pub reason: &'static str,
-    /// Whether the pod's keys should be reserved in the ledger (admitted for real).
+    /// Whether the pod was admitted for real (not only by warn mode): its keys are held.
     pub reserve: bool,
 }
 

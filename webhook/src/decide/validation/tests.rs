@@ -288,7 +288,7 @@ fn candidate_verdicts_and_message_format() {
         StalePolicy::Deny,
     ));
     assert_eq!(r, reason::ENOUGH_KEYS);
-    // ... unless the ledger holds it.
+    // ... unless another pod holds it.
     refused(decide_candidates(
         &req,
         vec![assess("a", Some(&full), 0), assess("b", Some(&one), 1)],

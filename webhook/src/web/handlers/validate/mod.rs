@@ -7,15 +7,14 @@
 //! - **pods/binding**: only bindings of pods named `virt-launcher-*` are ours; any other is allowed at
 //!   once, without an API call. The pod is looked up in the virt-launcher pod cache, else by one GET
 //!   (the binding follows the pod's creation within milliseconds, usually before the watch has it). The
-//!   target node's report, minus this replica's ledger, must have the keys; check and reservation are
-//!   atomic.
-//! - **pod CREATE**: first the cgroup-limit annotations (only exactly what the mutating webhook writes
-//!   is accepted; denied in every mode). Then, for a virt-launcher pod or a TEE RuntimeClass pod (no
-//!   Event) requesting keys as mutated: with `spec.nodeName` the same check and reservation as a
-//!   binding (`node`); otherwise a node matching its node selector and required affinity must have the
-//!   keys (no reservation: no node is chosen yet; the last fit is looked at first,
-//!   [`Ledger::fit_hint`]), less, for a virt-launcher pod, those kept for VMIs that waited longer
-//!   ([`retry::ahead_of`]).
+//!   target node must have the keys available to the pod; a pod holding none there yet then holds
+//!   them (`keys::check`).
+//! - **pod CREATE**: classify (the cgroup-limit annotations: only exactly what the mutating webhook
+//!   writes is accepted, denied in every mode; then which pods are ours) → requests (a virt-launcher
+//!   pod or a TEE RuntimeClass pod requesting keys as mutated) → check (with `spec.nodeName` as a
+//!   binding; otherwise a node its node selector and required affinity allow must have the keys
+//!   available to it, and a virt-launcher pod then holds them there) → answer (a refusal note, the
+//!   VMI's placement for the queue, an Event).
 //! - **pod UPDATE**: cgroup-limit annotations must not change. Everything else, DELETE, other kinds and
 //!   subresources are allowed untouched.
 //!
@@ -28,81 +27,76 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
-use jiff::Timestamp;
 use k8s_openapi::api::core::v1::PodSpec;
 use teeguard_shared::config::Mode;
 use teeguard_shared::pod::{KeyRequests, PodName, key_requests};
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
-use crate::cluster::caches::{Lookups, PodLookup, WaitingVmis};
+use crate::cluster::caches::{Lookups, PodLookup};
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
-use crate::cluster::reservations::SharedReservations;
-use crate::decide::affinity::node_matches;
-use crate::decide::ledger::{Ledger, ReportMark};
+use crate::cluster::holds::ApiHolds;
+use crate::decide::admit::Ask;
+use crate::decide::holds::Claimant;
 use crate::decide::mutation::{
     MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation,
     namespace_exempt, runtime_class::tee_runtime_class,
 };
-use crate::decide::retry::{self, Promises};
+use crate::decide::queue;
 use crate::decide::validation::{
-    CandidateScan, Decision, Held, Report, Trigger, apply_mode, check_created_limits,
-    check_updated_limits, expected_limits, has_limit_annotations, mode_name, namespace_mode,
-    reason,
+    Decision, Trigger, check_created_limits, check_updated_limits, expected_limits,
+    has_limit_annotations, mode_name, namespace_mode, reason,
 };
 use crate::error::Result;
 use crate::metrics::{Metrics, Outcome, ValidationOutcome};
 use crate::web::admission::{Operation, ReviewResponse, audit};
 use crate::web::admitted::AdmittedReview;
-use crate::web::state::AppState;
+use crate::web::state::{AppState, FitHints};
 
-mod node;
+mod keys;
 
-use node::{NodeCheck, check_node};
+use keys::{Target, check};
 
 /// Endpoint name in metrics and logs.
 pub const ENDPOINT: &str = crate::metrics::endpoint::VALIDATE;
 
-/// Everything a validating review uses besides the lookups.
+/// Everything a validating review uses besides the lookups (which hold the admission index).
 #[derive(Clone, Copy, Debug)]
 pub struct ValidationContext<'a> {
     /// The configuration.
     pub config: &'a Config,
-    /// This replica's admission ledger.
-    pub ledger: &'a Ledger,
     /// Where to put Events (`None`: record none, as in the offline `review`).
     pub events: Option<&'a EventSink>,
     /// Metrics (`None` offline).
     pub metrics: Option<&'a Metrics>,
-    /// Reservations shared by every replica (`None`: this replica's ledger only, as offline).
-    pub shared: Option<&'a SharedReservations>,
-    /// Keys promised to retried VMIs (`None` offline).
-    pub promises: Option<&'a Promises>,
-    /// The VMIs waiting on teeguard, whose turn comes before a newer VMI's (`None` offline, or with
-    /// `admission.retryRefusedVmis` off: nothing would then serve them promptly).
-    pub waiting: Option<&'a WaitingVmis>,
+    /// Where holds are written (`None`: kept in this replica's index only, as offline or with
+    /// `admission.sharedReservations` off).
+    pub store: Option<&'a ApiHolds>,
+    /// The node that last fitted a pod of each kind.
+    pub hints: &'a FitHints,
+    /// This replica's name, written into its holds.
+    pub replica: &'a str,
+    /// Longest the writes of one review may take.
+    pub api_timeout: Duration,
 }
 
 /// The axum handler.
 pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let s = &state;
     serve_review(s, ENDPOINT, req, |body| async move {
+        let v = &s.validation;
         let ctx = ValidationContext {
             config: &s.config,
-            ledger: &s.validation.ledger,
-            events: s.validation.events.as_ref(),
+            events: v.events.as_ref(),
             metrics: Some(&s.metrics),
-            shared: s.validation.shared.as_ref(),
-            promises: Some(&s.validation.promises),
-            waiting: s
-                .config
-                .admission
-                .retry_refused_vmis
-                .then_some(&*s.caches.waiting),
+            store: v.store.as_ref(),
+            hints: &v.hints,
+            replica: &v.replica,
+            api_timeout: v.api_timeout,
         };
         review_validation(&body, &s.caches, &ctx).await
     })
@@ -310,118 +304,51 @@ async fn pod_create<L: Lookups>(
     let kind = primary_kind(&requests);
     let (mode, mode_warning) = namespace_mode(config.admission.mode, ns_labels.as_ref());
     warnings.extend(mode_warning);
-    // Formatted only when needed: a reservation (spec.nodeName), a pod without a uid, a log line.
+
+    // Check.
     let pod_name = PodName(&pod);
+    let formatted = pod_name.to_string();
     let uid: Cow<'_, str> = match pod.metadata.uid.as_deref() {
         Some(uid) => Cow::Borrowed(uid),
-        None => Cow::Owned(pod_name.to_string()),
+        None => Cow::Owned(formatted.clone()),
     };
-    let policy = Trigger::PodCreate.stale_policy(&config.admission);
+    let vmi_name = vmi_ref.as_ref().map(VmiRef::to_string).unwrap_or_default();
+    let ask = Ask {
+        claimant: Claimant {
+            pod_uid: &uid,
+            vmi_uid: vmi_ref.as_ref().map_or("", |v| v.uid.as_str()),
+        },
+        pod: &formatted,
+        vmi: &vmi_name,
+        requests: &requests,
+        mode,
+        policy: Trigger::PodCreate.stale_policy(&config.admission),
+        dry_run: req.dry_run,
+        stale_after: config.admission.stale_report_after,
+        replica: ctx.replica,
+    };
     let no_spec = PodSpec::default();
     let spec = pod.spec.as_ref().unwrap_or(&no_spec);
-
-    let answer = match spec.node_name.as_deref().filter(|n| !n.is_empty()) {
-        Some(node) => {
-            let d = check_node(
-                Trigger::PodCreate,
-                node,
-                &requests,
-                NodeCheck {
-                    uid: &uid,
-                    pod: &pod_name.to_string(),
-                    mode,
-                    policy,
-                    dry_run: req.dry_run,
-                },
-                lookups,
-                ctx,
-            )
-            .await;
-            Answer::from_decision(REQ, kind, d, Some(node.to_string()), mode)
-        }
-        None => {
-            let now = Timestamp::now();
-            let mono = Instant::now();
-            let filter =
-                |name: &str, labels: &BTreeMap<String, String>| node_matches(spec, name, labels);
-            // Stops at the first node that fits; otherwise keeps counts and the few nodes a refusal
-            // lists. Nothing is allocated per node (the ledger only for nodes holding reservations).
-            let mut scan = CandidateScan::new(&requests);
-            // The node that fitted last time is looked at first; the one that fits now is remembered.
-            let primary = requests.keys().next().copied();
-            let hint = primary.and_then(|k| ctx.ledger.fit_hint(k));
-            let mut fitted = None;
-            let mut fit_node = None;
-            // A launcher pod waits its turn behind the VMIs of its kind that waited longer.
-            let waiting = match (ctx.waiting, &vmi_ref) {
-                (Some(w), Some(_)) => w.snapshot(),
-                _ => Vec::new(),
-            };
-            let ahead = match (&vmi_ref, primary) {
-                (Some(v), Some(kind)) => retry::ahead_of(&waiting, kind, &v.uid, |uid| {
-                    ctx.promises.is_some_and(|p| p.is_promised(uid, mono))
-                }),
-                _ => Vec::new(),
-            };
-            let mut queued = KeyRequests::new();
-            lookups.scan_nodes(&filter, hint.as_deref(), &mut |node, labels| {
-                let cap = lookups.tee_capacity(node);
-                let report = Report {
-                    status: cap.as_ref().and_then(|c| c.status.as_ref()),
-                    lease_renewed: lookups.agent_lease(node),
-                };
-                let m = ReportMark::of(cap.as_deref());
-                let mut held = ctx.ledger.held(node, m, mono, &uid);
-                let vmi = vmi_ref.as_ref().map_or("", |v| v.uid.as_str());
-                Promises::add_held(ctx.promises, &mut held, node, m.counted_pods, vmi, mono);
-                if let (Some(kind), false) = (primary, ahead.is_empty()) {
-                    queued.insert(kind, retry::queued_on(&ahead, node, labels));
-                }
-                let held = Held {
-                    reserved: &held,
-                    queued: &queued,
-                };
-                let flow = scan.offer(node, report, held, now, config.admission.stale_report_after);
-                if flow.is_break() {
-                    if hint.as_deref() != Some(node) {
-                        fitted = Some(node.to_string());
-                    }
-                    fit_node = Some(node.to_string());
-                }
-                flow
-            });
-            if let (Some(kind), Some(node)) = (primary, fitted) {
-                ctx.ledger.remember_fit(kind, &node);
-            }
-            let d = apply_mode(scan.verdict(policy), mode);
-            let answer = Answer::from_decision(REQ, kind, d, None, mode);
-            // Admitted: the key is promised to its VMI until the binding (`admitted` below: this pod).
-            let admitted = answer.message.is_none() && !req.dry_run;
-            if let (Some(p), Some(v), Some(node), Some(kind), true) =
-                (ctx.promises, &vmi_ref, &fit_node, primary, admitted)
-            {
-                p.promise(node, kind, &v.uid, mono);
-            }
-            answer
-        }
+    let bound = spec.node_name.as_deref().filter(|n| !n.is_empty());
+    let target = match bound {
+        Some(node) => Target::Node(node, Trigger::PodCreate),
+        None => Target::Candidates(spec),
     };
-    if let (Some(p), Some(v), None) = (ctx.promises, &vmi_ref, &answer.message) {
-        p.admitted(&v.uid, &uid);
-    }
-    let mut answer = answer;
-    // The retry task starts the VM when a key frees (crate::cluster::retry), unless it was bound.
-    let unbound = spec.node_name.as_deref().is_none_or(str::is_empty);
-    if vmi_ref.is_some() && unbound && config.admission.retry_refused_vmis {
-        retry::note_refusal(answer.reason, answer.message.as_mut());
-    }
-    // Where this VMI's pods may go, exactly, for the retry task and the queue.
-    let refused_for_keys = answer.message.is_some() && reason::ends_when_a_key_frees(answer.reason);
-    if let (Some(w), Some(v)) = (ctx.waiting, &vmi_ref)
-        && unbound
-        && refused_for_keys
-        && !req.dry_run
-    {
-        w.refused(v, spec);
+    let (decision, _) = check(lookups, ctx, &ask, target).await;
+
+    // Answer.
+    let mut answer = Answer::from_decision(REQ, kind, decision, bound.map(str::to_string), mode);
+    let retry = config.admission.retry_refused_vmis;
+    if let (Some(v), None) = (&vmi_ref, bound) {
+        // The planner starts the VM when a key frees (crate::cluster::retry), unless it was bound.
+        if retry {
+            queue::note_refusal(answer.reason, answer.message.as_mut());
+        }
+        // Where this VMI's pods may go, exactly, for the planner and the queue.
+        let for_keys = answer.message.is_some() && reason::ends_when_a_key_frees(answer.reason);
+        if retry && for_keys && !req.dry_run {
+            lookups.index().update(|ix, _| ix.refused(&v.uid, spec));
+        }
     }
     record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
     log_decision(&answer, pod_name);
@@ -541,21 +468,22 @@ async fn binding<L: Lookups>(
     warnings.extend(mode_warning);
     let pod_name = format!("{ns}/{}", req.name);
     let uid = pod.metadata.uid.clone().unwrap_or_else(|| pod_name.clone());
-    let d = check_node(
-        Trigger::Binding,
-        node,
-        &requests,
-        NodeCheck {
-            uid: &uid,
-            pod: &pod_name,
-            mode,
-            policy: Trigger::Binding.stale_policy(&config.admission),
-            dry_run: req.dry_run,
+    let vmi_name = vmi_ref.to_string();
+    let ask = Ask {
+        claimant: Claimant {
+            pod_uid: &uid,
+            vmi_uid: &vmi_ref.uid,
         },
-        lookups,
-        ctx,
-    )
-    .await;
+        pod: &pod_name,
+        vmi: &vmi_name,
+        requests: &requests,
+        mode,
+        policy: Trigger::Binding.stale_policy(&config.admission),
+        dry_run: req.dry_run,
+        stale_after: config.admission.stale_report_after,
+        replica: ctx.replica,
+    };
+    let (d, _) = check(lookups, ctx, &ask, Target::Node(node, Trigger::Binding)).await;
     let answer = Answer::from_decision(
         REQ,
         primary_kind(&requests),
@@ -563,10 +491,6 @@ async fn binding<L: Lookups>(
         Some(node.to_string()),
         mode,
     );
-    // The ledger holds the key from now on: the promise made at the pod's CREATE ends.
-    if let (Some(p), false) = (ctx.promises, req.dry_run) {
-        p.pod_ended(&uid);
-    }
     record_event(&answer, Some(&vmi_ref), req.dry_run, ctx);
     log_decision(&answer, &pod_name);
     Ok(answer.with_warnings(warnings))

@@ -1,0 +1,227 @@
+//! Committing holds: each admission that takes a key writes the node's `TeeReservation` with the
+//! `resourceVersion` its decision read (`PUT`; `create` for the node's first), so replicas racing for a
+//! node's last key serialize in etcd. On 409 (Conflict, or AlreadyExists) the object is read again
+//! with a GET, applied to the index, and the decision made again on it ([`commit`]). The decisions are
+//! `crate::decide::admit`; the store is a trait ([`HoldStore`]) so the deterministic simulation drives
+//! the same loop with an API server of its own.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::Api;
+use kube::api::PostParams;
+use teeguard_shared::reservation::{TeeReservation, TeeReservationSpec};
+
+use super::index::KeyIndex;
+use crate::decide::admit::Write;
+use crate::metrics::{HoldWriteResult, Metrics};
+
+/// Writes tried per commit before giving up (each lost race means another claimant got a key, so a
+/// node with few keys decides within two or three).
+pub const MAX_ATTEMPTS: u32 = 8;
+
+/// Why a write did not go through.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WriteError {
+    /// Another write came first (409): read again and decide again.
+    Conflict,
+    /// The API server could not be asked, or refused (the message says what and why).
+    Failed(String),
+}
+
+/// Where holds are recorded: the API server ([`ApiHolds`]), or the simulation's.
+pub trait HoldStore: Send + Sync {
+    /// Write `w.entries` into node `w.node`'s object, on `w.base`'s `resourceVersion` (create it when
+    /// `w.base` is `None`), within `within`.
+    fn write(
+        &self,
+        w: &Write,
+        within: Duration,
+    ) -> impl Future<Output = Result<TeeReservation, WriteError>> + Send;
+
+    /// Read node `node`'s object (`None`: there is none) within `within`.
+    fn read(
+        &self,
+        node: &str,
+        within: Duration,
+    ) -> impl Future<Output = Result<Option<TeeReservation>, String>> + Send;
+}
+
+/// How a commit ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Committed {
+    /// Nothing to write (refused, or the key was held already).
+    Nothing,
+    /// The write went through (or, with shared holds off, the holds are kept here).
+    Written,
+    /// The holds could not be written (why): the caller decides by the stale-report policy.
+    Failed(String),
+}
+
+/// Decide with `plan` on the index and commit its write: on a conflict, read the node's object again
+/// and decide again (at most [`MAX_ATTEMPTS`] times, all within `within`). `plan` returns its answer
+/// and the write that commits it (`None`: nothing to hold). With no `store` (shared holds off) the
+/// holds are kept in this replica's index only.
+pub async fn commit<T, S: HoldStore>(
+    index: &KeyIndex,
+    store: Option<&S>,
+    within: Duration,
+    metrics: Option<&Metrics>,
+    mut plan: impl FnMut(&crate::decide::index::Index, jiff::Timestamp) -> (T, Option<Write>),
+) -> (T, Committed) {
+    let started = Instant::now();
+    let count = |r: HoldWriteResult| {
+        if let Some(m) = metrics {
+            m.hold_write(r);
+        }
+    };
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let now = index.now();
+        let (answer, write) = {
+            let ix = index.read();
+            plan(&ix, now)
+        };
+        let Some(write) = write else {
+            return (answer, Committed::Nothing);
+        };
+        let Some(store) = store else {
+            index.update(|ix, now| {
+                for hold in &write.added {
+                    ix.hold_locally(&write.node, hold.clone(), now);
+                }
+            });
+            return (answer, Committed::Written);
+        };
+        let left = within.saturating_sub(started.elapsed());
+        let result = store.write(&write, left).await;
+        if let Some(m) = metrics {
+            m.observe_hold_write(started.elapsed());
+        }
+        let why = match result {
+            Ok(obj) => {
+                count(HoldWriteResult::Written);
+                index.update(|ix, now| ix.apply_holds(&write.node, Some(obj.into()), now));
+                return (answer, Committed::Written);
+            }
+            Err(WriteError::Failed(why)) => why,
+            Err(WriteError::Conflict) if attempt >= MAX_ATTEMPTS => format!(
+                "TeeReservation {} kept changing ({MAX_ATTEMPTS} conflicting writes)",
+                write.node
+            ),
+            Err(WriteError::Conflict) => {
+                count(HoldWriteResult::Conflict);
+                tracing::debug!(
+                    node = write.node,
+                    "TeeReservation changed under us; reading it again"
+                );
+                let left = within.saturating_sub(started.elapsed());
+                match store.read(&write.node, left).await {
+                    Ok(fresh) => {
+                        index.update(|ix, now| {
+                            ix.apply_holds(&write.node, fresh.map(Into::into), now)
+                        });
+                        continue;
+                    }
+                    Err(why) => why,
+                }
+            }
+        };
+        count(HoldWriteResult::Failed);
+        return (answer, Committed::Failed(why));
+    }
+}
+
+/// The holds in the API server: one `TeeReservation` per node, owned by its Node.
+#[derive(Clone)]
+pub struct ApiHolds {
+    api: Api<TeeReservation>,
+    nodes: Api<Node>,
+}
+
+impl std::fmt::Debug for ApiHolds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiHolds").finish_non_exhaustive()
+    }
+}
+
+impl ApiHolds {
+    /// Holds through `client`.
+    pub fn new(client: kube::Client) -> ApiHolds {
+        ApiHolds {
+            api: Api::all(client.clone()),
+            nodes: Api::all(client),
+        }
+    }
+
+    async fn write_now(&self, w: &Write) -> Result<TeeReservation, WriteError> {
+        let result = match &w.base {
+            Some(base) => {
+                let mut obj = (**base).clone();
+                obj.spec.reservations = w.entries.clone();
+                // The object's resourceVersion is the precondition: a stale one gets 409.
+                self.api
+                    .replace(&w.node, &PostParams::default(), &obj)
+                    .await
+            }
+            None => {
+                let owner = match self.nodes.get_metadata_opt(&w.node).await {
+                    Ok(Some(n)) => n.metadata.uid.map(|uid| OwnerReference {
+                        api_version: "v1".into(),
+                        kind: "Node".into(),
+                        name: w.node.clone(),
+                        uid,
+                        ..OwnerReference::default()
+                    }),
+                    Ok(None) => None,
+                    Err(e) => {
+                        return Err(WriteError::Failed(format!("reading Node {}: {e}", w.node)));
+                    }
+                };
+                let obj = TeeReservation {
+                    metadata: ObjectMeta {
+                        name: Some(w.node.clone()),
+                        owner_references: owner.map(|o| vec![o]),
+                        ..ObjectMeta::default()
+                    },
+                    spec: TeeReservationSpec {
+                        node_name: w.node.clone(),
+                        reservations: w.entries.clone(),
+                    },
+                };
+                self.api.create(&PostParams::default(), &obj).await
+            }
+        };
+        match result {
+            Ok(obj) => Ok(obj),
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(WriteError::Conflict),
+            Err(e) => Err(WriteError::Failed(format!(
+                "writing TeeReservation {}: {e}",
+                w.node
+            ))),
+        }
+    }
+}
+
+fn late(within: Duration) -> String {
+    format!("the API server did not answer within {within:?}")
+}
+
+impl HoldStore for ApiHolds {
+    async fn write(&self, w: &Write, within: Duration) -> Result<TeeReservation, WriteError> {
+        tokio::time::timeout(within, self.write_now(w))
+            .await
+            .unwrap_or_else(|_| Err(WriteError::Failed(late(within))))
+    }
+
+    async fn read(&self, node: &str, within: Duration) -> Result<Option<TeeReservation>, String> {
+        match tokio::time::timeout(within, self.api.get_opt(node)).await {
+            Ok(Ok(o)) => Ok(o),
+            Ok(Err(e)) => Err(format!("reading TeeReservation {node}: {e}")),
+            Err(_) => Err(late(within)),
+        }
+    }
+}

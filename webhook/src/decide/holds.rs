@@ -1,0 +1,229 @@
+//! The life of a key (pure): one table of holds, one end rule, one definition of the keys a node has
+//! available to a pod. See docs/life-of-a-key.md for the whole story.
+//!
+//! A **hold** is a key held on a node for a pod or a VMI that the node's `TeeCapacity` report does
+//! not count yet. The table is the nodes' `TeeReservation` objects (one per node, shared by every
+//! replica and written with a `resourceVersion` precondition, so a key is held for one claimant only),
+//! plus the holds a replica admitted while it could not write them ([`crate::decide::index::Index`]'s
+//! local holds, counted by that replica alone). A hold is one [`KeyReservation`]:
+//!
+//! | reason | for | made when |
+//! |---|---|---|
+//! | `Admitted` | a virt-launcher pod (and its VMI) | its CREATE is admitted on a node that fits |
+//! | `Promised` | a waiting VMI, no pod yet | a key it may use is free and its turn came: teeguard retries it |
+//! | `Bound` | a pod | the scheduler's binding is admitted with no hold of the pod on that node, or a pod is created with `spec.nodeName` |
+//!
+//! One end rule ([`crate::decide::index::Index::end`]), whichever replica asks:
+//! - [`End::Counted`]: the node's report lists the pod in `countedPods` (or a report ever did, as far
+//!   as this replica saw): its key is in the report's figures now;
+//! - [`End::PodGone`]: the pod was deleted, ended, or (a virt-launcher pod) never appeared in the
+//!   pod cache within [`POD_GRACE`] (a CREATE another webhook refused after teeguard admitted it);
+//! - [`End::VmiDone`]: a promise's VMI was deleted or has a pod now (its own hold holds the key);
+//! - [`End::Moved`]: the pod is bound to another node, or (an `Admitted` hold) a `Bound` hold of the
+//!   pod exists on another node;
+//! - [`End::Expired`]: `admission.ledgerTtl` passed since this replica first saw the hold (the
+//!   backstop: a pod that never reaches its node, an agent that does not report).
+//!
+//! Counted holds stay in the object until another rule ends them (each replica sees the report at
+//! its own moment; one whose report does not count the pod yet must still count the hold); the others
+//! are trimmed at the node's next write.
+
+use teeguard_shared::pod::KeyRequests;
+use teeguard_shared::reservation::{HoldReason, KeyReservation};
+
+use std::time::Duration;
+
+/// How long a virt-launcher pod held for may be missing from the pod cache before its hold ends (the
+/// watch delivers a new pod within milliseconds; this covers a slow one).
+pub const POD_GRACE: Duration = Duration::from_secs(5);
+
+/// Who asks for keys: a pod and, for a virt-launcher pod, its VMI. A claimant's own holds are not
+/// taken from it: the hold of its pod, and a key promised to its VMI.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Claimant<'a> {
+    /// The pod's UID (empty: no pod, as for the retry planner).
+    pub pod_uid: &'a str,
+    /// The VMI's UID (empty: not a virt-launcher pod).
+    pub vmi_uid: &'a str,
+}
+
+impl<'a> Claimant<'a> {
+    /// Nobody: every hold counts.
+    pub const NONE: Claimant<'static> = Claimant {
+        pod_uid: "",
+        vmi_uid: "",
+    };
+
+    /// Whether `hold` is this claimant's own: its pod's, or a key promised to its VMI.
+    pub fn owns(&self, hold: &KeyReservation) -> bool {
+        if hold.pod_uid.is_empty() {
+            !self.vmi_uid.is_empty() && hold.vmi_uid == self.vmi_uid
+        } else {
+            !self.pod_uid.is_empty() && hold.pod_uid == self.pod_uid
+        }
+    }
+}
+
+/// Who a hold is for, as a key: its pod, or (a promise) its VMI.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Holder {
+    /// A pod's UID.
+    Pod(String),
+    /// A VMI's UID (a key promised to it).
+    Vmi(String),
+}
+
+impl Holder {
+    /// Who `hold` is for.
+    pub fn of(hold: &KeyReservation) -> Holder {
+        if hold.pod_uid.is_empty() {
+            Holder::Vmi(hold.vmi_uid.clone())
+        } else {
+            Holder::Pod(hold.pod_uid.clone())
+        }
+    }
+}
+
+/// Why a hold ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum End {
+    /// The node's report counts the pod.
+    Counted,
+    /// The pod was deleted or ended, or never appeared.
+    PodGone,
+    /// The promise's VMI was deleted or has a pod now.
+    VmiDone,
+    /// The pod is bound to another node (or holds there as bound).
+    Moved,
+    /// The TTL passed.
+    Expired,
+}
+
+impl End {
+    /// Whether the entry can leave the object: a counted hold stays until another rule ends it (a
+    /// replica whose report does not count the pod yet still counts the hold).
+    pub fn trimmed(self) -> bool {
+        self != End::Counted
+    }
+}
+
+/// What a claimant wants held, and for whom, to put in a node's object.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewHold<'a> {
+    /// The claimant (its pod UID and VMI UID go into the entry).
+    pub claimant: Claimant<'a>,
+    /// The pod's `namespace/name` (empty for a promise).
+    pub pod: &'a str,
+    /// The VMI's `namespace/name` (empty for other pods).
+    pub vmi: &'a str,
+    /// Keys per kind.
+    pub keys: &'a KeyRequests,
+    /// Why.
+    pub reason: HoldReason,
+}
+
+impl NewHold<'_> {
+    /// The entry, written `now` by `replica`.
+    pub fn entry(&self, now: jiff::Timestamp, replica: &str) -> KeyReservation {
+        let mut e = KeyReservation {
+            pod_uid: self.claimant.pod_uid.to_string(),
+            pod: self.pod.to_string(),
+            vmi_uid: self.claimant.vmi_uid.to_string(),
+            vmi: self.vmi.to_string(),
+            reason: Some(self.reason),
+            tdx: None,
+            sev: None,
+            sev_es: None,
+            admitted_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now),
+            replica: replica.to_string(),
+        };
+        e.set_keys(self.keys);
+        e
+    }
+}
+
+/// Keys held on a node for claimants other than the one asking, by what they are for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HeldKeys {
+    /// For pods admitted or bound (`Admitted`, `Bound`).
+    pub pods: KeyRequests,
+    /// Promised to waiting VMIs (`Promised`).
+    pub promised: KeyRequests,
+}
+
+impl HeldKeys {
+    /// Add `hold`'s keys.
+    pub fn add(&mut self, hold: &KeyReservation) {
+        let into = match hold.reason() {
+            HoldReason::Promised => &mut self.promised,
+            HoldReason::Admitted | HoldReason::Bound => &mut self.pods,
+        };
+        for (kind, n) in hold.keys() {
+            let slot = into.entry(kind).or_insert(0);
+            *slot = slot.saturating_add(n);
+        }
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.pods.is_empty() && self.promised.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use teeguard_shared::TeeKind;
+
+    use super::*;
+
+    fn hold(pod_uid: &str, vmi_uid: &str) -> KeyReservation {
+        NewHold {
+            claimant: Claimant { pod_uid, vmi_uid },
+            pod: "",
+            vmi: "",
+            keys: &KeyRequests::from([(TeeKind::Tdx, 1)]),
+            reason: if pod_uid.is_empty() {
+                HoldReason::Promised
+            } else {
+                HoldReason::Admitted
+            },
+        }
+        .entry(jiff::Timestamp::UNIX_EPOCH, "r")
+    }
+
+    #[test]
+    fn a_claimant_owns_its_pods_hold_and_its_vmis_promise_only() {
+        let c = Claimant {
+            pod_uid: "p1",
+            vmi_uid: "v1",
+        };
+        assert!(c.owns(&hold("p1", "v1")));
+        assert!(c.owns(&hold("", "v1")), "a key promised to its VMI");
+        assert!(
+            !c.owns(&hold("p0", "v1")),
+            "another pod of its VMI (a migration source, a predecessor) is not its own"
+        );
+        assert!(!c.owns(&hold("", "v2")));
+        assert!(!Claimant::NONE.owns(&hold("", "")));
+        assert!(!Claimant::NONE.owns(&hold("p1", "v1")));
+    }
+
+    #[test]
+    fn held_keys_are_split_between_pods_and_promises() {
+        let mut h = HeldKeys::default();
+        h.add(&hold("p1", "v1"));
+        h.add(&hold("", "v2"));
+        h.add(&hold("", "v3"));
+        assert_eq!(h.pods, KeyRequests::from([(TeeKind::Tdx, 1)]));
+        assert_eq!(h.promised, KeyRequests::from([(TeeKind::Tdx, 2)]));
+        assert_eq!(Holder::of(&hold("", "v3")), Holder::Vmi("v3".into()));
+    }
+
+    #[test]
+    fn only_a_counted_hold_stays_in_the_object() {
+        assert!(!End::Counted.trimmed());
+        for e in [End::PodGone, End::VmiDone, End::Moved, End::Expired] {
+            assert!(e.trimmed());
+        }
+    }
+}

@@ -1,0 +1,592 @@
+//! The admission state of one replica, in one index: everything the key decisions read, applied to
+//! by each watched kind (Nodes, `TeeCapacity` reports, the agents' Leases, `TeeReservation`s,
+//! virt-launcher pods, VMIs) and by this replica's own writes and refusals. Pure: no lock, no clock, no
+//! I/O. `crate::cluster::index` keeps it behind one lock, feeds it and passes the time in.
+//!
+//! What it answers:
+//! - [`Index::end`]: the one end rule of a hold ([`crate::decide::holds`]);
+//! - [`Index::held`]: the keys held on a node for claimants other than the one asking;
+//! - [`Index::waiting`]: the VMIs waiting for a key, in turn order, without a live hold;
+//! - the nodes, their labels and reports ([`Index::scan_nodes`], [`Index::report`]).
+//!
+//! Memories (each bounded by time): pods and VMIs seen deleted, pods a report counted, and when this
+//! replica first saw each hold (the TTL counts from there, so clocks that disagree between replicas
+//! never end a hold early).
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::PodSpec;
+use teeguard_shared::TeeKind;
+use teeguard_shared::crd::TeeCapacityStatus;
+use teeguard_shared::reservation::{HoldReason, KeyReservation, TeeReservation};
+
+use super::holds::{Claimant, End, HeldKeys, Holder, POD_GRACE};
+use super::queue::{self, Waiting};
+use super::validation::Report;
+
+/// A node's labels.
+pub type Labels = BTreeMap<String, String>;
+
+/// How long a deletion (or a count by a report) is remembered at least: longer than any hold lives.
+fn memory(ttl: Duration) -> Duration {
+    ttl.saturating_mul(2).max(Duration::from_secs(60))
+}
+
+/// What the index knows of one node.
+#[derive(Clone, Debug, Default)]
+pub struct NodeState {
+    /// The Node's labels (`None`: no Node seen).
+    pub labels: Option<Labels>,
+    /// Its report's status (`None`: no report).
+    pub report: Option<Arc<TeeCapacityStatus>>,
+    /// When its agent last renewed its heartbeat Lease.
+    pub lease: Option<Timestamp>,
+    /// Its `TeeReservation` (`None`: none yet).
+    pub holds: Option<Arc<TeeReservation>>,
+    /// Holds this replica admitted here but could not write (or, with shared holds off, all of them).
+    local: Vec<(KeyReservation, Timestamp)>,
+}
+
+impl NodeState {
+    fn is_empty(&self) -> bool {
+        self.labels.is_none()
+            && self.report.is_none()
+            && self.lease.is_none()
+            && self.holds.is_none()
+            && self.local.is_empty()
+    }
+
+    /// The recorded holds (the `TeeReservation`'s entries).
+    pub fn recorded(&self) -> &[KeyReservation] {
+        self.holds
+            .as_deref()
+            .map_or(&[][..], |o| o.spec.reservations.as_slice())
+    }
+}
+
+/// What the index knows of a virt-launcher pod.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodState {
+    /// The node it is bound to.
+    pub node: Option<String>,
+    /// It ended (`Succeeded`, `Failed`).
+    pub ended: bool,
+}
+
+/// What the index knows of a VMI.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct VmiState {
+    /// It has no launcher pod yet (phase `Pending`).
+    pub pending: bool,
+    /// It waits for a key because teeguard refused its pod ([`queue::waiting`]).
+    pub waiting: Option<Waiting>,
+}
+
+/// The index. See the module.
+#[derive(Clone, Debug)]
+pub struct Index {
+    ttl: Duration,
+    synced: bool,
+    nodes: HashMap<String, NodeState>,
+    pods: HashMap<String, PodState>,
+    gone_pods: HashMap<String, Timestamp>,
+    vmis: HashMap<String, VmiState>,
+    gone_vmis: HashMap<String, Timestamp>,
+    /// Where a VMI's last refused pod could go (VMI UID → its node selector and affinity).
+    placements: HashMap<String, PodSpec>,
+    /// Pods a report listed in `countedPods`, with when first seen so.
+    counted: HashMap<String, Timestamp>,
+    /// When this replica first saw each recorded hold.
+    seen: HashMap<(String, Holder), Timestamp>,
+    /// The nodes with a hold (live or not) naming each pod or VMI UID.
+    located: HashMap<String, Vec<String>>,
+}
+
+impl Index {
+    /// An empty index whose holds last at most `ttl` (`admission.ledgerTtl`).
+    pub fn new(ttl: Duration) -> Self {
+        Index {
+            ttl,
+            synced: false,
+            nodes: HashMap::new(),
+            pods: HashMap::new(),
+            gone_pods: HashMap::new(),
+            vmis: HashMap::new(),
+            gone_vmis: HashMap::new(),
+            placements: HashMap::new(),
+            counted: HashMap::new(),
+            seen: HashMap::new(),
+            located: HashMap::new(),
+        }
+    }
+
+    /// The TTL.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    // ---- applied by the watches ----
+
+    /// Every watched kind has been listed once: a virt-launcher pod or VMI missing now is really
+    /// missing.
+    pub fn set_synced(&mut self) {
+        self.synced = true;
+    }
+
+    /// Whether every watched kind has been listed once.
+    pub fn is_synced(&self) -> bool {
+        self.synced
+    }
+
+    fn node_mut(&mut self, name: &str) -> &mut NodeState {
+        self.nodes.entry(name.to_string()).or_default()
+    }
+
+    fn drop_if_empty(&mut self, name: &str) {
+        if self.nodes.get(name).is_some_and(NodeState::is_empty) {
+            self.nodes.remove(name);
+        }
+    }
+
+    /// A Node's labels (`None`: the Node was deleted).
+    pub fn apply_node(&mut self, name: &str, labels: Option<Labels>) {
+        self.node_mut(name).labels = labels;
+        self.drop_if_empty(name);
+    }
+
+    /// A node's report (`None`: deleted). Its `countedPods` are remembered as counted.
+    pub fn apply_report(
+        &mut self,
+        name: &str,
+        status: Option<Arc<TeeCapacityStatus>>,
+        now: Timestamp,
+    ) {
+        if let Some(s) = &status {
+            for uid in &s.counted_pods {
+                self.counted.entry(uid.clone()).or_insert(now);
+            }
+        }
+        self.node_mut(name).report = status;
+        self.drop_if_empty(name);
+    }
+
+    /// When a node's agent last renewed its Lease (`None`: deleted, or never renewed).
+    pub fn apply_lease(&mut self, name: &str, renewed: Option<Timestamp>) {
+        self.node_mut(name).lease = renewed;
+        self.drop_if_empty(name);
+    }
+
+    /// A node's `TeeReservation` (`None`: deleted), from the watch, a write's answer or a read after
+    /// a conflict. An object older than the one held (both `resourceVersion`s numbers, the new one
+    /// smaller) is ignored: a write's answer may arrive before the watch delivers older versions.
+    /// Returns whether it was applied.
+    pub fn apply_holds(
+        &mut self,
+        name: &str,
+        obj: Option<Arc<TeeReservation>>,
+        now: Timestamp,
+    ) -> bool {
+        let old = self.nodes.get(name).and_then(|n| n.holds.clone());
+        if let (Some(old), Some(new)) = (&old, &obj)
+            && let (Some(o), Some(n)) = (version(old), version(new))
+            && n < o
+        {
+            return false;
+        }
+        let new_entries = obj
+            .as_deref()
+            .map_or(&[][..], |o| o.spec.reservations.as_slice());
+        // Forget when the entries that left were first seen; note when new ones are.
+        for e in old
+            .as_deref()
+            .map_or(&[][..], |o| o.spec.reservations.as_slice())
+        {
+            if !new_entries.iter().any(|n| same_holder(n, e)) {
+                self.seen.remove(&(name.to_string(), Holder::of(e)));
+            }
+        }
+        for e in new_entries {
+            self.seen
+                .entry((name.to_string(), Holder::of(e)))
+                .or_insert(now);
+        }
+        self.locate(name, false);
+        self.node_mut(name).holds = obj;
+        self.locate(name, true);
+        self.drop_if_empty(name);
+        true
+    }
+
+    /// Add `name` to (or remove it from) the located nodes of every UID its holds name.
+    fn locate(&mut self, name: &str, add: bool) {
+        let Some(state) = self.nodes.get(name) else {
+            return;
+        };
+        let uids: Vec<String> = state
+            .recorded()
+            .iter()
+            .chain(state.local.iter().map(|(e, _)| e))
+            .flat_map(|e| [&e.pod_uid, &e.vmi_uid])
+            .filter(|u| !u.is_empty())
+            .cloned()
+            .collect();
+        for uid in uids {
+            if add {
+                let nodes = self.located.entry(uid).or_default();
+                if !nodes.iter().any(|n| n == name) {
+                    nodes.push(name.to_string());
+                }
+            } else if let Some(nodes) = self.located.get_mut(&uid) {
+                nodes.retain(|n| n != name);
+                if nodes.is_empty() {
+                    self.located.remove(&uid);
+                }
+            }
+        }
+    }
+
+    /// The nodes with a hold naming pod or VMI `uid`.
+    fn located(&self, uid: &str) -> &[String] {
+        if uid.is_empty() {
+            return &[];
+        }
+        self.located.get(uid).map_or(&[][..], Vec::as_slice)
+    }
+
+    /// A virt-launcher pod (`None`: deleted, also one a re-list no longer shows).
+    pub fn apply_pod(&mut self, uid: &str, pod: Option<PodState>, now: Timestamp) {
+        match pod {
+            Some(p) => {
+                self.gone_pods.remove(uid);
+                self.pods.insert(uid.to_string(), p);
+            }
+            None => {
+                self.pods.remove(uid);
+                self.gone_pods.insert(uid.to_string(), now);
+            }
+        }
+    }
+
+    /// A VMI as its watch shows it (`None`: deleted).
+    pub fn apply_vmi(&mut self, uid: &str, vmi: Option<VmiState>, now: Timestamp) {
+        match vmi {
+            Some(mut v) => {
+                self.gone_vmis.remove(uid);
+                if let (Some(w), Some(p)) = (v.waiting.as_mut(), self.placements.get(uid)) {
+                    w.placement = p.clone();
+                }
+                if !v.pending {
+                    self.placements.remove(uid);
+                }
+                self.vmis.insert(uid.to_string(), v);
+            }
+            None => {
+                self.vmis.remove(uid);
+                self.placements.remove(uid);
+                self.gone_vmis.insert(uid.to_string(), now);
+            }
+        }
+    }
+
+    /// teeguard refused a launcher pod of VMI `vmi_uid` whose node selector and affinity are in
+    /// `pod`: where the VMI's pods may go from now on. virt-controller adds more to the pod than the
+    /// VMI says (the architecture, `kubevirt.io/schedulable`, CPU model labels): a VMI whose pod can
+    /// never use a node's key must not be served there.
+    pub fn refused(&mut self, vmi_uid: &str, pod: &PodSpec) {
+        let placement = PodSpec {
+            node_selector: pod.node_selector.clone(),
+            affinity: pod.affinity.clone(),
+            ..PodSpec::default()
+        };
+        if let Some(w) = self.vmis.get_mut(vmi_uid).and_then(|v| v.waiting.as_mut()) {
+            w.placement = placement.clone();
+        }
+        self.placements.insert(vmi_uid.to_string(), placement);
+    }
+
+    /// A hold this replica admitted on `node` but could not record (or, with shared holds off, every
+    /// hold): counted here only, ended by the same rule.
+    pub fn hold_locally(&mut self, node: &str, hold: KeyReservation, now: Timestamp) {
+        let claimant = Claimant {
+            pod_uid: &hold.pod_uid,
+            vmi_uid: &hold.vmi_uid,
+        };
+        self.locate(node, false);
+        let state = self.node_mut(node);
+        state.local.retain(|(e, _)| !claimant.owns(e));
+        state.local.push((hold, now));
+        self.locate(node, true);
+    }
+
+    /// Forget what is older than every hold can live, and local holds that ended.
+    pub fn sweep(&mut self, now: Timestamp) {
+        let keep = memory(self.ttl);
+        let fresh = |at: &Timestamp| age(now, *at) < keep;
+        self.gone_pods.retain(|_, at| fresh(at));
+        self.gone_vmis.retain(|_, at| fresh(at));
+        self.counted.retain(|_, at| fresh(at));
+        let ended: Vec<(String, usize)> = self
+            .nodes
+            .iter()
+            .flat_map(|(name, n)| {
+                n.local
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (e, _))| self.end(name, e, now).is_some())
+                    .map(|(i, _)| (name.clone(), i))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        for (name, i) in ended.into_iter().rev() {
+            self.locate(&name, false);
+            if let Some(n) = self.nodes.get_mut(&name) {
+                n.local.remove(i);
+            }
+            self.locate(&name, true);
+            self.drop_if_empty(&name);
+        }
+    }
+
+    // ---- what the decisions read ----
+
+    /// The one end rule (see [`crate::decide::holds`]): why the hold `e` on `node` ended at `now`, or
+    /// `None` while it holds.
+    pub fn end(&self, node: &str, e: &KeyReservation, now: Timestamp) -> Option<End> {
+        let seen = self.first_seen(node, e).unwrap_or(now);
+        let held_for = age(now, seen);
+        if e.pod_uid.is_empty() {
+            // A key promised to a VMI: until the VMI has a pod (whose own hold holds the key) or is gone.
+            if self.gone_vmis.contains_key(&e.vmi_uid) {
+                return Some(End::VmiDone);
+            }
+            match self.vmis.get(&e.vmi_uid) {
+                Some(v) if !v.pending => return Some(End::VmiDone),
+                None if self.synced && held_for >= POD_GRACE => return Some(End::VmiDone),
+                _ => {}
+            }
+        } else {
+            if self.counted(node, &e.pod_uid) {
+                return Some(End::Counted);
+            }
+            if self.gone_pods.contains_key(&e.pod_uid) {
+                return Some(End::PodGone);
+            }
+            match self.pods.get(&e.pod_uid) {
+                Some(p) if p.ended => return Some(End::PodGone),
+                Some(p) if p.node.as_deref().is_some_and(|n| n != node) => {
+                    return Some(End::Moved);
+                }
+                // Only virt-launcher pods are watched: another pod's hold ends by its count or the TTL.
+                None if !e.vmi_uid.is_empty() && self.synced && held_for >= POD_GRACE => {
+                    return Some(End::PodGone);
+                }
+                _ => {}
+            }
+            if e.reason() != HoldReason::Bound && self.bound_elsewhere(&e.pod_uid, node) {
+                return Some(End::Moved);
+            }
+        }
+        (held_for >= self.ttl).then_some(End::Expired)
+    }
+
+    /// Whether a node other than `node` has a `Bound` hold of pod `uid`.
+    fn bound_elsewhere(&self, uid: &str, node: &str) -> bool {
+        self.located(uid).iter().filter(|n| *n != node).any(|n| {
+            self.entries(n)
+                .any(|e| e.pod_uid == uid && e.reason() == HoldReason::Bound)
+        })
+    }
+
+    fn first_seen(&self, node: &str, e: &KeyReservation) -> Option<Timestamp> {
+        let local = self.nodes.get(node).and_then(|n| {
+            n.local
+                .iter()
+                .find(|(l, _)| same_holder(l, e))
+                .map(|(_, at)| *at)
+        });
+        local.or_else(|| self.seen.get(&(node.to_string(), Holder::of(e))).copied())
+    }
+
+    /// Whether a report counts pod `uid`: `node`'s current one, or any this replica saw.
+    pub fn is_counted(&self, node: &str, uid: &str) -> bool {
+        self.counted(node, uid)
+    }
+
+    fn counted(&self, node: &str, uid: &str) -> bool {
+        self.counted.contains_key(uid)
+            || self
+                .nodes
+                .get(node)
+                .and_then(|n| n.report.as_deref())
+                .is_some_and(|r| r.counted_pods.iter().any(|c| c == uid))
+    }
+
+    /// Every hold on `node`, recorded and local.
+    pub fn entries<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a KeyReservation> + 'a {
+        let state = self.nodes.get(node);
+        state.map_or(&[][..], NodeState::recorded).iter().chain(
+            state
+                .into_iter()
+                .flat_map(|n| n.local.iter().map(|(e, _)| e)),
+        )
+    }
+
+    /// The live holds on `node`.
+    pub fn live<'a>(
+        &'a self,
+        node: &'a str,
+        now: Timestamp,
+    ) -> impl Iterator<Item = &'a KeyReservation> + 'a {
+        self.entries(node)
+            .filter(move |e| self.end(node, e, now).is_none())
+    }
+
+    /// Keys held on `node` for claimants other than `claimant`, at `now`.
+    pub fn held(&self, node: &str, claimant: Claimant<'_>, now: Timestamp) -> HeldKeys {
+        let mut held = HeldKeys::default();
+        for e in self.live(node, now).filter(|e| !claimant.owns(e)) {
+            held.add(e);
+        }
+        held
+    }
+
+    /// A live hold of `claimant`'s own, and its node: its pod's, else a key promised to its VMI.
+    pub fn own_hold(
+        &self,
+        claimant: Claimant<'_>,
+        now: Timestamp,
+    ) -> Option<(&str, &KeyReservation)> {
+        let mut promise = None;
+        for uid in [claimant.pod_uid, claimant.vmi_uid] {
+            for name in self.located(uid) {
+                for e in self.live(name, now).filter(|e| claimant.owns(e)) {
+                    if !e.pod_uid.is_empty() {
+                        return Some((name.as_str(), e));
+                    }
+                    promise = Some((name.as_str(), e));
+                }
+            }
+        }
+        promise
+    }
+
+    /// Whether VMI `vmi_uid` has a live hold anywhere (a key promised to it, or its pod's).
+    pub fn vmi_holds(&self, vmi_uid: &str, now: Timestamp) -> bool {
+        self.located(vmi_uid)
+            .iter()
+            .any(|name| self.live(name, now).any(|e| e.vmi_uid == vmi_uid))
+    }
+
+    /// The VMIs waiting for a key of `kind` (every kind: `None`) that hold none, in turn order.
+    pub fn waiting(&self, kind: Option<TeeKind>, now: Timestamp) -> Vec<&Waiting> {
+        let mut out: Vec<&Waiting> = self
+            .vmis
+            .values()
+            .filter_map(|v| v.waiting.as_ref())
+            .filter(|w| kind.is_none_or(|k| w.kind == k))
+            .collect();
+        if out.is_empty() {
+            return out;
+        }
+        out.retain(|w| !self.vmi_holds(&w.vmi.uid, now));
+        out.sort_by(|a, b| queue::turn(a).cmp(&queue::turn(b)));
+        out
+    }
+
+    /// How many VMIs wait, per kind (with or without a hold).
+    pub fn waiting_counts(&self) -> BTreeMap<TeeKind, usize> {
+        let mut counts = BTreeMap::new();
+        for w in self.vmis.values().filter_map(|v| v.waiting.as_ref()) {
+            *counts.entry(w.kind).or_default() += 1;
+        }
+        counts
+    }
+
+    /// Every VMI the index knows, by UID.
+    pub fn vmis(&self) -> impl Iterator<Item = (&str, &VmiState)> {
+        self.vmis.iter().map(|(u, v)| (u.as_str(), v))
+    }
+
+    /// Whether VMI `uid` waits on teeguard.
+    pub fn is_waiting(&self, uid: &str) -> bool {
+        self.vmis.get(uid).is_some_and(|v| v.waiting.is_some())
+    }
+
+    /// The node `name`'s report and Lease.
+    pub fn report(&self, name: &str) -> Report<'_> {
+        let n = self.nodes.get(name);
+        Report {
+            status: n.and_then(|n| n.report.as_deref()),
+            lease_renewed: n.and_then(|n| n.lease),
+        }
+    }
+
+    /// The node `name`'s state.
+    pub fn node(&self, name: &str) -> Option<&NodeState> {
+        self.nodes.get(name)
+    }
+
+    /// Call `visit` with each node that has labels (a Node exists) and for which `filter(name, labels)`
+    /// holds, until it breaks: `first` (when such a node) before the others, each once, otherwise in no
+    /// particular order.
+    pub fn scan_nodes(
+        &self,
+        filter: &dyn Fn(&str, &Labels) -> bool,
+        first: Option<&str>,
+        visit: &mut dyn FnMut(&str, &Labels) -> ControlFlow<()>,
+    ) {
+        let mut look = |name: &str, state: &NodeState| match &state.labels {
+            Some(labels) if filter(name, labels) => visit(name, labels),
+            _ => ControlFlow::Continue(()),
+        };
+        if let Some((name, state)) = first.and_then(|f| self.nodes.get_key_value(f))
+            && look(name, state).is_break()
+        {
+            return;
+        }
+        for (name, state) in &self.nodes {
+            if Some(name.as_str()) == first {
+                continue;
+            }
+            if look(name, state).is_break() {
+                return;
+            }
+        }
+    }
+
+    /// Every node the index knows, with its state.
+    pub fn nodes(&self) -> impl Iterator<Item = (&str, &NodeState)> {
+        self.nodes.iter().map(|(n, s)| (n.as_str(), s))
+    }
+
+    /// Live holds per reason, over every node (for the metrics).
+    pub fn hold_counts(&self, now: Timestamp) -> BTreeMap<HoldReason, usize> {
+        let mut counts = BTreeMap::new();
+        for name in self.nodes.keys() {
+            for e in self.live(name, now) {
+                *counts.entry(e.reason()).or_default() += 1;
+            }
+        }
+        counts
+    }
+}
+
+/// `now − then`, zero when `then` is ahead.
+pub fn age(now: Timestamp, then: Timestamp) -> Duration {
+    Duration::try_from(now.duration_since(then)).unwrap_or(Duration::ZERO)
+}
+
+fn same_holder(a: &KeyReservation, b: &KeyReservation) -> bool {
+    a.pod_uid == b.pod_uid && (!a.pod_uid.is_empty() || a.vmi_uid == b.vmi_uid)
+}
+
+fn version(o: &TeeReservation) -> Option<u64> {
+    o.metadata.resource_version.as_deref()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests;
