@@ -145,11 +145,8 @@ pub fn scan_report(
     let figures = kernel.figures(&view.pods);
     let desired = Desired::from_figures(config.agent.advertise, &figures);
     let advertising = AdvertiseOutcome::without_node(&desired);
-    let counted_pods = report::CountedPods::default().update(
-        &kernel.counted(&view.pods),
-        std::time::Instant::now(),
-        config.admission.ledger_ttl,
-    );
+    let counted_pods = report::CountedPods::default()
+        .update(&kernel.counted(&view.pods), std::time::Instant::now());
     let status = report::build_status(&StatusInput {
         kernel: &kernel,
         figures: &figures,

@@ -67,10 +67,9 @@ pub struct TeeCapacityStatus {
     /// Version of the agent that wrote the report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_version: Option<String>,
-    /// UIDs of the recently bound pods whose keys this report counts (as `pending` or as held): every
-    /// pod still waiting for its keys and every pod first counted within `admission.ledgerTtl`, newest
-    /// first, at most 64 (`MAX_COUNTED_PODS`). The webhook ends its reservation for a pod as soon as a
-    /// report lists it, so an admitted key is never counted twice.
+    /// UIDs of the pods whose keys this report counts (as `pending` or as held), newest first, at most
+    /// 64 (`MAX_COUNTED_PODS`). The webhook ends its hold for a pod as soon as a report lists it, so an
+    /// admitted key is never counted twice.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("maxItems" = MAX_COUNTED_PODS))]
     pub counted_pods: Vec<String>,
@@ -80,9 +79,9 @@ pub struct TeeCapacityStatus {
     pub conditions: Vec<Condition>,
 }
 
-/// The most pod UIDs a report lists in `countedPods` (about 2.5 KB): on a host with hundreds of TEE
-/// pods only those bound recently are listed, and a pod left out keeps its reservation until the next
-/// report that lists it or `admission.ledgerTtl` (a node looks fuller than it is, never emptier).
+/// The most pod UIDs a report lists in `countedPods` (about 2.5 KB): on a host with more TEE pods only
+/// the newest are listed, and a hold of a pod left out ends by `admission.ledgerTtl` (a node looks
+/// fuller than it is, never emptier).
 pub const MAX_COUNTED_PODS: usize = 64;
 
 /// Capacity and usage of one kind of TEE key on one node. Counts are declared `int64` in the schema

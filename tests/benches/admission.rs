@@ -27,6 +27,7 @@ use teeguard_tests::fakeapi::{FakeApiServer, Verb};
 use teeguard_tests::fixtures::{
     AdmissionReviewBuilder, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi, owned_by,
 };
+use teeguard_webhook::cluster::admission::FitHints;
 use teeguard_webhook::cluster::caches::Caches;
 use teeguard_webhook::cluster::index::{KeyIndex, wall_clock};
 use teeguard_webhook::metrics::{Metrics, Outcome};
@@ -34,7 +35,6 @@ use teeguard_webhook::web::admission::ReviewRequest;
 use teeguard_webhook::web::admitted::AdmittedReview;
 use teeguard_webhook::web::handlers::mutate::review_mutation;
 use teeguard_webhook::web::handlers::validate::{ValidationContext, review_validation};
-use teeguard_webhook::web::state::FitHints;
 use tokio_util::sync::CancellationToken;
 
 const FILLER_VMIS: usize = 2_000;

@@ -469,7 +469,7 @@ pub async fn review_document(
             None => None,
         };
         if let Some(vbody) = validating_body {
-            let hints = crate::web::state::FitHints::default();
+            let hints = crate::cluster::admission::FitHints::default();
             let ctx = ValidationContext {
                 config,
                 events: None,

@@ -133,11 +133,11 @@ impl KernelView {
     }
 }
 
-/// Which counted pods a report lists in `countedPods`: since when each pod has been counted, and the
-/// rule that keeps the list short (every pod still pending, and every pod first counted less than
-/// `window` ago, newest first, at most [`MAX_COUNTED_PODS`]). `window` is `admission.ledgerTtl`: the
-/// webhook holds a reservation no longer than that, so an older pod is of no use to it. Durations on
-/// the agent's own clock only: the webhook compares nothing with them.
+/// Which counted pods a report lists in `countedPods`: every pod whose keys its figures count (pending
+/// or held), newest first (since when each has been counted, on the agent's own clock), at most
+/// [`MAX_COUNTED_PODS`]. The webhook ends a hold once a report lists its pod, also a webhook replica
+/// that started after the pod did; a node with more TEE pods than that leaves its oldest out (their
+/// holds then end by the webhook's TTL).
 #[derive(Clone, Debug, Default)]
 pub struct CountedPods {
     since: HashMap<String, Instant>,
@@ -145,20 +145,13 @@ pub struct CountedPods {
 
 impl CountedPods {
     /// Record the pods counted now and return the UIDs to list. Pods no longer counted are forgotten.
-    pub fn update(
-        &mut self,
-        counted: &[CountedPod],
-        now: Instant,
-        window: Duration,
-    ) -> Vec<String> {
+    pub fn update(&mut self, counted: &[CountedPod], now: Instant) -> Vec<String> {
         let mut since = HashMap::with_capacity(counted.len());
         let mut listed = Vec::new();
         for c in counted {
             let first = self.since.get(&c.uid).copied().unwrap_or(now);
             since.insert(c.uid.clone(), first);
-            if c.pending || now.saturating_duration_since(first) < window {
-                listed.push((first, c.uid.as_str()));
-            }
+            listed.push((first, c.uid.as_str()));
         }
         self.since = since;
         listed.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));

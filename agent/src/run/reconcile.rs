@@ -38,11 +38,9 @@ impl Agent {
     pub(super) async fn reconcile(&mut self) {
         let figures = self.kernel.figures(&self.pods_view.pods);
         self.metrics.set_figures(&figures);
-        let counted_pods = self.counted_pods.update(
-            &self.kernel.counted(&self.pods_view.pods),
-            Instant::now(),
-            self.opts.config.admission.ledger_ttl,
-        );
+        let counted_pods = self
+            .counted_pods
+            .update(&self.kernel.counted(&self.pods_view.pods), Instant::now());
         let node = self.current_node();
         // DRA mode advertises nothing (and removes what the agent advertised): a Node showing the
         // resource makes the scheduler bypass DRA on it.

@@ -115,8 +115,8 @@ fn report(node: &str, age_secs: i64) -> teeguard_shared::TeeCapacity {
     }
 }
 
-fn hints() -> &'static teeguard_webhook::web::state::FitHints {
-    static H: OnceLock<teeguard_webhook::web::state::FitHints> = OnceLock::new();
+fn hints() -> &'static teeguard_webhook::cluster::admission::FitHints {
+    static H: OnceLock<teeguard_webhook::cluster::admission::FitHints> = OnceLock::new();
     H.get_or_init(Default::default)
 }
 

@@ -56,6 +56,19 @@ impl KeyIndex {
         }
     }
 
+    /// A separate index holding a copy of this one's state, on the same clock (the simulation's model
+    /// checker forks the world at each choice).
+    pub fn fork(&self) -> KeyIndex {
+        let index = self.read().clone();
+        KeyIndex {
+            inner: Arc::new(Inner {
+                index: RwLock::new(index),
+                changed: Notify::new(),
+                clock: self.inner.clock.clone(),
+            }),
+        }
+    }
+
     /// Now, by the index's clock.
     pub fn now(&self) -> Timestamp {
         (self.inner.clock)()

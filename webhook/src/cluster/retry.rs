@@ -4,7 +4,8 @@
 //! virt-controller retries a refused pod CREATE with a doubling backoff (5 ms up to 1000 s): measured on
 //! KubeVirt v1.9.0's controller, a VMI that had waited 120 s started 44 s after a key freed. Every
 //! replica runs this planner: it wakes when the admission index changes (a report, a hold, a VMI
-//! starting to wait; and every [`BACKSTOP`] besides), lets a burst of changes [`SETTLE`], asks
+//! starting to wait), when a hold may end by time alone (`Index::next_deadline`), and every
+//! [`BACKSTOP`] besides; lets a burst of changes [`SETTLE`], asks
 //! [`crate::decide::admit::promises`] which waiting VMIs the free keys serve (first come, first served),
 //! and writes each node's promises into its `TeeReservation` ([`promise`]). The write is the lock: of
 //! replicas planning alike, one writes and the others, on their conflict, read the promises and have
@@ -38,6 +39,18 @@ pub const BACKSTOP: Duration = Duration::from_secs(10);
 /// After a wake-up, wait this long for related changes (a report freeing keys on several nodes, the
 /// VMIs it frees) before planning.
 pub const SETTLE: Duration = Duration::from_millis(100);
+/// A pass whose promises could not be written (the API server unreachable) runs again this soon: a
+/// VMI must not wait for the backstop once the API server is back.
+pub const AGAIN_AFTER_FAILURE: Duration = Duration::from_millis(250);
+
+/// What a planner pass wrote.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pass {
+    /// The promises this replica wrote: the VMIs to retry.
+    pub promised: Vec<Promised>,
+    /// Some node's promises could not be written: pass again after [`AGAIN_AFTER_FAILURE`].
+    pub failed: bool,
+}
 
 /// A key this replica promised to a waiting VMI.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -57,8 +70,7 @@ fn per_vmi(config: &Config) -> impl Fn(TeeKind) -> u64 + '_ {
     |kind| u64::from(config.resources.get(kind).keys_per_vm).max(1)
 }
 
-/// Promise the free keys to the VMIs whose turn came, one write per node (see the module). Returns the
-/// promises this replica wrote: the VMIs to retry.
+/// Promise the free keys to the VMIs whose turn came, one write per node (see the module).
 pub async fn promise<S: HoldStore>(
     index: &KeyIndex,
     store: Option<&S>,
@@ -66,7 +78,7 @@ pub async fn promise<S: HoldStore>(
     replica: &str,
     within: Duration,
     metrics: Option<&Metrics>,
-) -> Vec<Promised> {
+) -> Pass {
     let stale_after = config.admission.stale_report_after;
     let nodes: BTreeSet<String> = {
         let ix = index.read();
@@ -76,7 +88,7 @@ pub async fn promise<S: HoldStore>(
             .map(|p| p.node.to_string())
             .collect()
     };
-    let mut out = Vec::new();
+    let mut out = Pass::default();
     for node in nodes {
         let (promised, committed) = commit(index, store, within, metrics, |ix, now| {
             let all = admit::promises(ix, per_vmi(config), stale_after, now);
@@ -98,10 +110,11 @@ pub async fn promise<S: HoldStore>(
         })
         .await;
         match committed {
-            Committed::Written => out.extend(promised),
+            Committed::Written => out.promised.extend(promised),
             Committed::Nothing => {}
             Committed::Failed(why) => {
-                tracing::warn!(node, error = %why, "cannot promise the free keys; retried at the next pass");
+                out.failed = true;
+                tracing::warn!(node, error = %why, "cannot promise the free keys; trying again shortly");
             }
         }
     }
@@ -167,23 +180,38 @@ impl Retrier {
             }
             let mut tick = tokio::time::interval(BACKSTOP);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failed = false;
             loop {
+                // Wake when a hold may end by time alone (its key frees with no event), after a
+                // failed write, or at the backstop.
+                let now = self.index.now();
+                let deadline = self.index.read().next_deadline(now);
+                let until = deadline.map_or(BACKSTOP, |t| {
+                    Duration::try_from(t.duration_since(now)).unwrap_or_default()
+                });
+                let again = if failed {
+                    AGAIN_AFTER_FAILURE.min(until)
+                } else {
+                    until
+                };
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = self.index.changed() => {}
                     _ = tick.tick() => {}
+                    _ = tokio::time::sleep(again) => {}
                 }
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = tokio::time::sleep(SETTLE) => {}
                 }
-                self.pass().await;
+                failed = self.pass().await;
             }
         })
     }
 
-    /// One pass: publish the gauges, promise the free keys, retry the promised VMIs.
-    pub async fn pass(&self) {
+    /// One pass: publish the gauges, promise the free keys, retry the promised VMIs. Returns whether
+    /// some promise could not be written.
+    pub async fn pass(&self) -> bool {
         let (waiting, holds) = {
             let ix = self.index.read();
             (ix.waiting_counts(), ix.hold_counts(self.index.now()))
@@ -201,9 +229,9 @@ impl Retrier {
             self.metrics.set_holds(reason.as_str(), n);
         }
         if !self.config.admission.retry_refused_vmis || waiting.is_empty() {
-            return;
+            return false;
         }
-        let promised = promise(
+        let pass = promise(
             &self.index,
             self.store.as_ref(),
             &self.config,
@@ -212,9 +240,10 @@ impl Retrier {
             Some(&self.metrics),
         )
         .await;
-        for p in &promised {
+        for p in &pass.promised {
             self.retry(p).await;
         }
+        pass.failed
     }
 
     /// Annotate the VMI so virt-controller creates its pod again; withdraw its promise if that fails.

@@ -21,7 +21,8 @@
 //! - [`End::VmiDone`]: a promise's VMI was deleted or has a pod now (its own hold holds the key);
 //! - [`End::Moved`]: the pod is bound to another node, or (an `Admitted` hold) a `Bound` hold of the
 //!   pod exists on another node;
-//! - [`End::Expired`]: `admission.ledgerTtl` passed since this replica first saw the hold (the
+//! - [`End::Expired`]: `admission.ledgerTtl` passed since the hold was written (by the writer's
+//!   clock, once this replica has seen it for [`POD_GRACE`]) or since this replica first saw it (the
 //!   backstop: a pod that never reaches its node, an agent that does not report).
 //!
 //! Counted holds stay in the object until another rule ends them (each replica sees the report at

@@ -10,8 +10,8 @@
 //! - the nodes, their labels and reports ([`Index::scan_nodes`], [`Index::report`]).
 //!
 //! Memories (each bounded by time): pods and VMIs seen deleted, pods a report counted, and when this
-//! replica first saw each hold (the TTL counts from there, so clocks that disagree between replicas
-//! never end a hold early).
+//! replica first saw each hold (a hold lasts at least [`crate::decide::holds::POD_GRACE`] from there, so a writer's clock
+//! behind this replica's never ends a hold before its pod could be counted).
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::ControlFlow;
@@ -24,7 +24,7 @@ use teeguard_shared::TeeKind;
 use teeguard_shared::crd::TeeCapacityStatus;
 use teeguard_shared::reservation::{HoldReason, KeyReservation, TeeReservation};
 
-use super::holds::{Claimant, End, HeldKeys, Holder, POD_GRACE};
+use super::holds::{Claimant, HeldKeys};
 use super::queue::{self, Waiting};
 use super::validation::Report;
 
@@ -47,6 +47,8 @@ pub struct NodeState {
     pub lease: Option<Timestamp>,
     /// Its `TeeReservation` (`None`: none yet).
     pub holds: Option<Arc<TeeReservation>>,
+    /// When this replica first saw each of its entries (same order).
+    seen: Vec<Timestamp>,
     /// Holds this replica admitted here but could not write (or, with shared holds off, all of them).
     local: Vec<(KeyReservation, Timestamp)>,
 }
@@ -91,7 +93,8 @@ pub struct VmiState {
 pub struct Index {
     ttl: Duration,
     synced: bool,
-    nodes: HashMap<String, NodeState>,
+    /// By name, in name order: scans visit nodes alike in every replica and run.
+    nodes: BTreeMap<String, NodeState>,
     pods: HashMap<String, PodState>,
     gone_pods: HashMap<String, Timestamp>,
     vmis: HashMap<String, VmiState>,
@@ -100,8 +103,6 @@ pub struct Index {
     placements: HashMap<String, PodSpec>,
     /// Pods a report listed in `countedPods`, with when first seen so.
     counted: HashMap<String, Timestamp>,
-    /// When this replica first saw each recorded hold.
-    seen: HashMap<(String, Holder), Timestamp>,
     /// The nodes with a hold (live or not) naming each pod or VMI UID.
     located: HashMap<String, Vec<String>>,
 }
@@ -112,14 +113,13 @@ impl Index {
         Index {
             ttl,
             synced: false,
-            nodes: HashMap::new(),
+            nodes: BTreeMap::new(),
             pods: HashMap::new(),
             gone_pods: HashMap::new(),
             vmis: HashMap::new(),
             gone_vmis: HashMap::new(),
             placements: HashMap::new(),
             counted: HashMap::new(),
-            seen: HashMap::new(),
             located: HashMap::new(),
         }
     }
@@ -200,22 +200,25 @@ impl Index {
         let new_entries = obj
             .as_deref()
             .map_or(&[][..], |o| o.spec.reservations.as_slice());
-        // Forget when the entries that left were first seen; note when new ones are.
-        for e in old
-            .as_deref()
-            .map_or(&[][..], |o| o.spec.reservations.as_slice())
-        {
-            if !new_entries.iter().any(|n| same_holder(n, e)) {
-                self.seen.remove(&(name.to_string(), Holder::of(e)));
-            }
-        }
-        for e in new_entries {
-            self.seen
-                .entry((name.to_string(), Holder::of(e)))
-                .or_insert(now);
-        }
+        // When each entry was first seen: kept for those the old object had, now for the others.
+        let seen: Vec<Timestamp> = {
+            let old_state = self.nodes.get(name);
+            let old_entries = old_state.map_or(&[][..], NodeState::recorded);
+            new_entries
+                .iter()
+                .map(|e| {
+                    old_entries
+                        .iter()
+                        .zip(old_state.map_or(&[][..], |s| s.seen.as_slice()))
+                        .find(|(o, _)| same_holder(o, e))
+                        .map_or(now, |(_, at)| *at)
+                })
+                .collect()
+        };
         self.locate(name, false);
-        self.node_mut(name).holds = obj;
+        let state = self.node_mut(name);
+        state.holds = obj;
+        state.seen = seen;
         self.locate(name, true);
         self.drop_if_empty(name);
         true
@@ -352,78 +355,6 @@ impl Index {
     }
 
     // ---- what the decisions read ----
-
-    /// The one end rule (see [`crate::decide::holds`]): why the hold `e` on `node` ended at `now`, or
-    /// `None` while it holds.
-    pub fn end(&self, node: &str, e: &KeyReservation, now: Timestamp) -> Option<End> {
-        let seen = self.first_seen(node, e).unwrap_or(now);
-        let held_for = age(now, seen);
-        if e.pod_uid.is_empty() {
-            // A key promised to a VMI: until the VMI has a pod (whose own hold holds the key) or is gone.
-            if self.gone_vmis.contains_key(&e.vmi_uid) {
-                return Some(End::VmiDone);
-            }
-            match self.vmis.get(&e.vmi_uid) {
-                Some(v) if !v.pending => return Some(End::VmiDone),
-                None if self.synced && held_for >= POD_GRACE => return Some(End::VmiDone),
-                _ => {}
-            }
-        } else {
-            if self.counted(node, &e.pod_uid) {
-                return Some(End::Counted);
-            }
-            if self.gone_pods.contains_key(&e.pod_uid) {
-                return Some(End::PodGone);
-            }
-            match self.pods.get(&e.pod_uid) {
-                Some(p) if p.ended => return Some(End::PodGone),
-                Some(p) if p.node.as_deref().is_some_and(|n| n != node) => {
-                    return Some(End::Moved);
-                }
-                // Only virt-launcher pods are watched: another pod's hold ends by its count or the TTL.
-                None if !e.vmi_uid.is_empty() && self.synced && held_for >= POD_GRACE => {
-                    return Some(End::PodGone);
-                }
-                _ => {}
-            }
-            if e.reason() != HoldReason::Bound && self.bound_elsewhere(&e.pod_uid, node) {
-                return Some(End::Moved);
-            }
-        }
-        (held_for >= self.ttl).then_some(End::Expired)
-    }
-
-    /// Whether a node other than `node` has a `Bound` hold of pod `uid`.
-    fn bound_elsewhere(&self, uid: &str, node: &str) -> bool {
-        self.located(uid).iter().filter(|n| *n != node).any(|n| {
-            self.entries(n)
-                .any(|e| e.pod_uid == uid && e.reason() == HoldReason::Bound)
-        })
-    }
-
-    fn first_seen(&self, node: &str, e: &KeyReservation) -> Option<Timestamp> {
-        let local = self.nodes.get(node).and_then(|n| {
-            n.local
-                .iter()
-                .find(|(l, _)| same_holder(l, e))
-                .map(|(_, at)| *at)
-        });
-        local.or_else(|| self.seen.get(&(node.to_string(), Holder::of(e))).copied())
-    }
-
-    /// Whether a report counts pod `uid`: `node`'s current one, or any this replica saw.
-    pub fn is_counted(&self, node: &str, uid: &str) -> bool {
-        self.counted(node, uid)
-    }
-
-    fn counted(&self, node: &str, uid: &str) -> bool {
-        self.counted.contains_key(uid)
-            || self
-                .nodes
-                .get(node)
-                .and_then(|n| n.report.as_deref())
-                .is_some_and(|r| r.counted_pods.iter().any(|c| c == uid))
-    }
 
     /// Every hold on `node`, recorded and local.
     pub fn entries<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a KeyReservation> + 'a {
@@ -575,6 +506,62 @@ impl Index {
     }
 }
 
+impl Index {
+    /// Feed everything the index holds, in a canonical order, to `h`: two indexes that decide alike
+    /// hash alike (the simulation's model checker merges the states it reached twice).
+    pub fn fingerprint(&self, h: &mut impl std::hash::Hasher) {
+        use std::hash::Hash;
+        fn sorted<K: Ord, V>(m: &HashMap<K, V>) -> Vec<(&K, &V)> {
+            let mut v: Vec<(&K, &V)> = m.iter().collect();
+            v.sort_by(|a, b| a.0.cmp(b.0));
+            v
+        }
+        fn entry(e: &KeyReservation, h: &mut impl std::hash::Hasher) {
+            (&e.pod_uid, &e.vmi_uid, e.reason, e.tdx, e.sev, e.sev_es).hash(h);
+            e.admitted_at.0.hash(h);
+        }
+        self.synced.hash(h);
+        for (name, n) in &self.nodes {
+            name.hash(h);
+            n.labels.hash(h);
+            n.lease.hash(h);
+            if let Some(r) = &n.report {
+                for kind in TeeKind::ALL {
+                    r.kind(kind)
+                        .map(|k| (k.capacity, k.free, k.external))
+                        .hash(h);
+                }
+                r.counted_pods.hash(h);
+                r.heartbeat_time.as_ref().map(|t| t.0).hash(h);
+                r.accounting.hash(h);
+            }
+            for (e, at) in n.recorded().iter().zip(&n.seen) {
+                entry(e, h);
+                at.hash(h);
+            }
+            for (e, at) in &n.local {
+                entry(e, h);
+                at.hash(h);
+            }
+        }
+        for (uid, p) in sorted(&self.pods) {
+            (uid, &p.node, p.ended).hash(h);
+        }
+        for (uid, v) in sorted(&self.vmis) {
+            (uid, v.pending).hash(h);
+            if let Some(w) = &v.waiting {
+                (&w.vmi.uid, w.kind, w.since, &w.placement.node_selector).hash(h);
+            }
+        }
+        sorted(&self.gone_pods).hash(h);
+        sorted(&self.gone_vmis).hash(h);
+        sorted(&self.counted).hash(h);
+        for (uid, p) in sorted(&self.placements) {
+            (uid, &p.node_selector).hash(h);
+        }
+    }
+}
+
 /// `now − then`, zero when `then` is ahead.
 pub fn age(now: Timestamp, then: Timestamp) -> Duration {
     Duration::try_from(now.duration_since(then)).unwrap_or(Duration::ZERO)
@@ -588,5 +575,6 @@ fn version(o: &TeeReservation) -> Option<u64> {
     o.metadata.resource_version.as_deref()?.parse().ok()
 }
 
+mod end;
 #[cfg(test)]
 mod tests;

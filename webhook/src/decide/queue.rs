@@ -122,7 +122,7 @@ pub fn pending(vmi: &VirtualMachineInstance) -> bool {
 }
 
 /// Whether `vmi` waits for its launcher pod because teeguard refused it (see the module), and what
-/// [`plan`] needs to know of it.
+/// the queue needs to know of it.
 pub fn waiting(vmi: &VirtualMachineInstance) -> Option<Waiting> {
     let meta = &vmi.metadata;
     if meta.deletion_timestamp.is_some() {

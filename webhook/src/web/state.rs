@@ -1,10 +1,11 @@
 //! What every admission handler shares.
 
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use teeguard_shared::{Config, TeeKind};
+use teeguard_shared::Config;
 
+use crate::cluster::admission::FitHints;
 use crate::cluster::caches::Caches;
 use crate::cluster::events::EventSink;
 use crate::cluster::holds::ApiHolds;
@@ -60,36 +61,4 @@ pub struct ValidationState {
     pub replica: String,
     /// Longest the writes of one review may take (`--api-timeout`).
     pub api_timeout: Duration,
-}
-
-/// Per TEE kind, the node that last fitted a pod not bound yet: candidate scans stop at the first node
-/// that fits, and when most nodes are full a scan in no particular order looks at many before finding
-/// one, while the last node that fitted usually still does. Only an order: the verdict is the same
-/// whichever node is looked at first.
-#[derive(Debug, Default)]
-pub struct FitHints {
-    nodes: [RwLock<Option<Arc<str>>>; TeeKind::ALL.len()],
-}
-
-impl FitHints {
-    fn slot(&self, kind: TeeKind) -> &RwLock<Option<Arc<str>>> {
-        let at = TeeKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
-        &self.nodes[at]
-    }
-
-    /// The node that last fitted a pod of `kind`.
-    pub fn get(&self, kind: TeeKind) -> Option<Arc<str>> {
-        self.slot(kind)
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    /// Remember `node` as the one that fitted a pod of `kind`.
-    pub fn remember(&self, kind: TeeKind, node: &str) {
-        *self
-            .slot(kind)
-            .write()
-            .unwrap_or_else(PoisonError::into_inner) = Some(Arc::from(node));
-    }
 }

@@ -436,56 +436,37 @@ fn counted_pod(uid: &str, pending: bool) -> CountedPod {
 }
 
 #[test]
-fn counted_pods_lists_pending_and_recent_pods_newest_first() {
-    let window = Duration::from_secs(30);
+fn counted_pods_lists_every_counted_pod_newest_first_however_old() {
     let t0 = Instant::now();
     let mut tracker = CountedPods::default();
-    let listed = tracker.update(&[counted_pod("a", false)], t0, window);
+    let listed = tracker.update(&[counted_pod("a", false)], t0);
     assert_eq!(listed, ["a"]);
     let s = |n| t0 + Duration::from_secs(n);
     // b arrives later: listed first.
-    let listed = tracker.update(
-        &[counted_pod("a", false), counted_pod("b", true)],
-        s(10),
-        window,
-    );
+    let listed = tracker.update(&[counted_pod("a", false), counted_pod("b", true)], s(10));
     assert_eq!(listed, ["b", "a"]);
-    // Past the window, a holder drops out; a pod still pending stays however old.
-    let listed = tracker.update(
-        &[counted_pod("a", false), counted_pod("b", true)],
-        s(45),
-        window,
-    );
-    assert_eq!(listed, ["b"]);
-    let listed = tracker.update(
-        &[counted_pod("a", false), counted_pod("b", false)],
-        s(45),
-        window,
-    );
-    assert!(listed.is_empty(), "{listed:?}");
+    // Hours later, both still counted, both still listed: a webhook replica that starts now sees
+    // that their holds are counted.
+    let listed = tracker.update(&[counted_pod("a", false), counted_pod("b", false)], s(7200));
+    assert_eq!(listed, ["b", "a"]);
     // A pod no longer counted is forgotten: counted again, it is new again.
-    tracker.update(&[counted_pod("b", false)], s(46), window);
-    let listed = tracker.update(
-        &[counted_pod("a", false), counted_pod("b", false)],
-        s(47),
-        window,
-    );
-    assert_eq!(listed, ["a"]);
+    tracker.update(&[counted_pod("b", false)], s(7201));
+    let listed = tracker.update(&[counted_pod("a", false), counted_pod("b", false)], s(7202));
+    assert_eq!(listed, ["a", "b"]);
 }
 
 #[test]
 fn counted_pods_list_is_bounded_and_keeps_the_newest() {
-    let window = Duration::from_secs(30);
     let t0 = Instant::now();
     let mut tracker = CountedPods::default();
     let old: Vec<String> = (0..MAX_COUNTED_PODS)
         .map(|i| format!("old-{i:03}"))
         .collect();
     let pods: Vec<CountedPod> = old.iter().map(|u| counted_pod(u, true)).collect();
-    tracker.update(&pods, t0, window);
+    tracker.update(&pods, t0);
     let mut all = pods.clone();
     all.push(counted_pod("new", true));
-    let listed = tracker.update(&all, t0 + Duration::from_secs(1), window);
+    let listed = tracker.update(&all, t0 + Duration::from_secs(1));
     assert_eq!(listed.len(), MAX_COUNTED_PODS);
     assert_eq!(listed[0], "new");
     assert_eq!(listed[1..], old[..MAX_COUNTED_PODS - 1]);

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use teeguard_shared::reservation::HoldReason::{Admitted, Bound, Promised};
 
 use super::*;
+use crate::decide::holds::End;
 use crate::decide::testkit::{World, at, hold, report, t0};
 
 fn end_of(ix: &Index, node: &str, pod_uid: &str, vmi_uid: &str, now: Timestamp) -> Option<End> {
@@ -141,19 +142,27 @@ fn a_promise_ends_when_its_vmi_has_a_pod_or_is_gone() {
 }
 
 #[test]
-fn the_ttl_counts_from_when_this_replica_first_saw_the_hold_whatever_the_writers_clock() {
-    let mut ahead = hold("p1", "", Bound);
-    ahead.admitted_at = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(3600));
-    let mut behind = hold("p2", "", Bound);
-    behind.admitted_at = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(-3600));
+fn the_ttl_counts_from_the_write_but_a_hold_lasts_the_grace_after_this_replica_saw_it() {
+    let written_at = |secs| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(secs));
+    let mut ahead = hold("ahead", "", Bound);
+    ahead.admitted_at = written_at(3600);
+    let mut behind = hold("behind", "", Bound);
+    behind.admitted_at = written_at(-3600);
+    let mut old = hold("old", "", Bound);
+    old.admitted_at = written_at(-20);
     let ix = World::default()
-        .node("n1", 2, 2)
-        .holds("n1", vec![ahead, behind])
+        .node("n1", 3, 3)
+        .holds("n1", vec![ahead, behind, old])
         .ix;
-    for pod in ["p1", "p2"] {
-        assert_eq!(end_of(&ix, "n1", pod, "", at(29)), None);
-        assert_eq!(end_of(&ix, "n1", pod, "", at(30)), Some(End::Expired));
-    }
+    // A writer's clock ahead ends nothing early: the TTL from first sight.
+    assert_eq!(end_of(&ix, "n1", "ahead", "", at(29)), None);
+    assert_eq!(end_of(&ix, "n1", "ahead", "", at(30)), Some(End::Expired));
+    // Far behind (or a replica that started long after the write): the grace, no less.
+    assert_eq!(end_of(&ix, "n1", "behind", "", at(4)), None);
+    assert_eq!(end_of(&ix, "n1", "behind", "", at(5)), Some(End::Expired));
+    // Written 20 s before this replica saw it: 10 s more.
+    assert_eq!(end_of(&ix, "n1", "old", "", at(9)), None);
+    assert_eq!(end_of(&ix, "n1", "old", "", at(10)), Some(End::Expired));
 }
 
 #[test]

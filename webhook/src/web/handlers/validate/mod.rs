@@ -2,7 +2,7 @@
 //! `CREATE pods/binding`.
 //!
 //! Envelope and lookups only; the decisions are the pure functions of [`crate::decide::validation`],
-//! [`crate::decide::affinity`] and [`crate::decide::ledger`].
+//! [`crate::decide::affinity`] and [`crate::decide::admit`] (through [`crate::cluster::admission`]).
 //!
 //! - **pods/binding**: only bindings of pods named `virt-launcher-*` are ours; any other is allowed at
 //!   once, without an API call. The pod is looked up in the virt-launcher pod cache, else by one GET
@@ -37,6 +37,7 @@ use teeguard_shared::pod::{KeyRequests, PodName, key_requests};
 use teeguard_shared::{Config, names};
 
 use super::{Reviewed, serve_review};
+use crate::cluster::admission::{Checker, FitHints, Target, check};
 use crate::cluster::caches::{Lookups, PodLookup};
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
 use crate::cluster::holds::ApiHolds;
@@ -55,11 +56,7 @@ use crate::error::Result;
 use crate::metrics::{Metrics, Outcome, ValidationOutcome};
 use crate::web::admission::{Operation, ReviewResponse, audit};
 use crate::web::admitted::AdmittedReview;
-use crate::web::state::{AppState, FitHints};
-
-mod keys;
-
-use keys::{Target, check};
+use crate::web::state::AppState;
 
 /// Endpoint name in metrics and logs.
 pub const ENDPOINT: &str = crate::metrics::endpoint::VALIDATE;
@@ -334,25 +331,28 @@ async fn pod_create<L: Lookups>(
         Some(node) => Target::Node(node, Trigger::PodCreate),
         None => Target::Candidates(spec),
     };
-    let (decision, _) = check(lookups, ctx, &ask, target).await;
+    let (decision, _) = check(&checker(lookups, ctx), &ask, target).await;
 
-    // Answer.
+    // Answer: the planner starts the VM when a key frees (crate::cluster::retry), unless it was bound.
     let mut answer = Answer::from_decision(REQ, kind, decision, bound.map(str::to_string), mode);
-    let retry = config.admission.retry_refused_vmis;
-    if let (Some(v), None) = (&vmi_ref, bound) {
-        // The planner starts the VM when a key frees (crate::cluster::retry), unless it was bound.
-        if retry {
-            queue::note_refusal(answer.reason, answer.message.as_mut());
-        }
-        // Where this VMI's pods may go, exactly, for the planner and the queue.
-        let for_keys = answer.message.is_some() && reason::ends_when_a_key_frees(answer.reason);
-        if retry && for_keys && !req.dry_run {
-            lookups.index().update(|ix, _| ix.refused(&v.uid, spec));
-        }
+    if vmi_ref.is_some() && bound.is_none() && config.admission.retry_refused_vmis {
+        queue::note_refusal(answer.reason, answer.message.as_mut());
     }
     record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
     log_decision(&answer, pod_name);
     Ok(answer.with_warnings(warnings))
+}
+
+fn checker<'a, L: Lookups>(lookups: &'a L, ctx: &ValidationContext<'a>) -> Checker<'a, ApiHolds> {
+    Checker {
+        index: lookups.index(),
+        store: ctx.store,
+        hints: ctx.hints,
+        config: ctx.config,
+        within: ctx.api_timeout,
+        metrics: ctx.metrics,
+        labels_known: lookups.node_labels_known(),
+    }
 }
 
 /// In enforce mode, a refusal for lack of keys (not a dry run) puts an Event on the VMI.
@@ -483,7 +483,8 @@ async fn binding<L: Lookups>(
         stale_after: config.admission.stale_report_after,
         replica: ctx.replica,
     };
-    let (d, _) = check(lookups, ctx, &ask, Target::Node(node, Trigger::Binding)).await;
+    let target = Target::Node(node, Trigger::Binding);
+    let (d, _) = check(&checker(lookups, ctx), &ask, target).await;
     let answer = Answer::from_decision(
         REQ,
         primary_kind(&requests),

@@ -1,0 +1,152 @@
+//! The capacity check of a pod, on one named node (a binding, a pod created with `spec.nodeName`) or
+//! over its candidate nodes (a pod CREATE): decided on the admission index by
+//! [`crate::decide::admit`] and committed by writing the hold into the node's `TeeReservation`
+//! ([`crate::cluster::holds::commit`]); a hold that cannot be written is decided by the stale-report
+//! policy. The validating handler and the deterministic simulation both call [`check`].
+
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::PodSpec;
+use teeguard_shared::{Config, TeeKind};
+
+use super::holds::{Committed, HoldStore, commit};
+use super::index::KeyIndex;
+use crate::decide::admit::{self, Ask, Placement, Planned};
+use crate::decide::affinity::node_matches;
+use crate::decide::validation::{Decision, Trigger, reason};
+use crate::metrics::Metrics;
+
+/// Per TEE kind, the node that last fitted a pod not bound yet: candidate scans stop at the first node
+/// that fits, and when most nodes are full a scan in no particular order looks at many before finding
+/// one, while the last node that fitted usually still does. Only an order: the verdict is the same
+/// whichever node is looked at first.
+#[derive(Debug, Default)]
+pub struct FitHints {
+    nodes: [RwLock<Option<Arc<str>>>; TeeKind::ALL.len()],
+}
+
+impl FitHints {
+    fn slot(&self, kind: TeeKind) -> &RwLock<Option<Arc<str>>> {
+        let at = TeeKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
+        &self.nodes[at]
+    }
+
+    /// The node that last fitted a pod of `kind`.
+    pub fn get(&self, kind: TeeKind) -> Option<Arc<str>> {
+        self.slot(kind)
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Remember `node` as the one that fitted a pod of `kind`.
+    pub fn remember(&self, kind: TeeKind, node: &str) {
+        *self
+            .slot(kind)
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Arc::from(node));
+    }
+}
+
+/// What a check uses besides the pod.
+#[derive(Debug)]
+pub struct Checker<'a, S> {
+    /// The admission index.
+    pub index: &'a KeyIndex,
+    /// Where holds are written (`None`: kept in this replica's index only).
+    pub store: Option<&'a S>,
+    /// The node that last fitted a pod of each kind.
+    pub hints: &'a FitHints,
+    /// The configuration (`admission.retryRefusedVmis`, keys per VM).
+    pub config: &'a Config,
+    /// Longest the writes of one check may take.
+    pub within: Duration,
+    /// Metrics (`None` offline).
+    pub metrics: Option<&'a Metrics>,
+    /// Whether the nodes' labels are known (the offline `review` without node files: every reported
+    /// node is a candidate).
+    pub labels_known: bool,
+}
+
+/// Where the pod goes.
+#[derive(Clone, Copy, Debug)]
+pub enum Target<'a> {
+    /// A named node (a binding, or a pod CREATE with `spec.nodeName`).
+    Node(&'a str, Trigger),
+    /// One of the nodes its node selector and required affinity allow (a pod CREATE).
+    Candidates(&'a PodSpec),
+}
+
+/// The decision for `ask` at `target`, its hold written when it takes a key, and the node chosen. A
+/// virt-launcher pod not bound yet that is refused for lack of keys leaves where it could go (its node
+/// selector and affinity) in the index, for the queue and the retry planner.
+pub async fn check<S: HoldStore>(
+    c: &Checker<'_, S>,
+    ask: &Ask<'_>,
+    target: Target<'_>,
+) -> (Decision, Option<String>) {
+    let index = c.index;
+    let primary = ask.requests.keys().next().copied();
+    let hint = primary.and_then(|k| c.hints.get(k));
+    let retry = c.config.admission.retry_refused_vmis;
+    let queue = primary
+        .filter(|_| retry && !ask.claimant.vmi_uid.is_empty())
+        .map(|k| u64::from(c.config.resources.get(k).keys_per_vm).max(1));
+    let labels_known = c.labels_known;
+    let (planned, committed) = commit(index, c.store, c.within, c.metrics, |ix, now| {
+        let planned: Planned = match target {
+            Target::Node(node, trigger) => admit::on_node(ix, trigger, node, ask, now),
+            Target::Candidates(spec) => {
+                let fits = |name: &str, labels: &KeyLabels| {
+                    !labels_known || node_matches(spec, name, labels)
+                };
+                let placement = Placement {
+                    fits: &fits,
+                    hint: hint.as_deref(),
+                    queue,
+                };
+                admit::at_create(ix, ask, placement, now)
+            }
+        };
+        let write = planned.write.clone();
+        (planned, write)
+    })
+    .await;
+    if let (Some(kind), Target::Candidates(_), Some(node)) = (primary, target, &planned.node)
+        && hint.as_deref() != Some(node.as_str())
+    {
+        c.hints.remember(kind, node);
+    }
+    let decision = match committed {
+        Committed::Failed(why) => {
+            let node = planned.node.as_deref().unwrap_or("?");
+            tracing::warn!(pod = ask.pod, node, error = %why, "the hold could not be written; deciding by the stale-report policy");
+            let d = admit::fallback(planned.decision, &why, node, ask.policy, ask.mode);
+            // Admitted all the same: this replica counts the key at least.
+            if d.reserve
+                && let Some(w) = &planned.write
+            {
+                index.update(|ix, now| {
+                    for hold in &w.added {
+                        ix.hold_locally(&w.node, hold.clone(), now);
+                    }
+                });
+            }
+            d
+        }
+        Committed::Nothing | Committed::Written => planned.decision,
+    };
+    let for_keys = !decision.allowed && reason::ends_when_a_key_frees(decision.reason);
+    if let Target::Candidates(spec) = target
+        && retry
+        && for_keys
+        && !ask.dry_run
+        && !ask.claimant.vmi_uid.is_empty()
+    {
+        index.update(|ix, _| ix.refused(ask.claimant.vmi_uid, spec));
+    }
+    (decision, planned.node)
+}
+
+type KeyLabels = std::collections::BTreeMap<String, String>;

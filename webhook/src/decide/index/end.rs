@@ -1,0 +1,115 @@
+//! The one end rule of a hold (see [`crate::decide::holds`]), and when a hold may end by time alone.
+
+use std::time::Duration;
+
+use jiff::Timestamp;
+use teeguard_shared::reservation::{HoldReason, KeyReservation};
+
+use super::{Index, age, same_holder};
+use crate::decide::holds::{End, POD_GRACE};
+
+impl Index {
+    /// The one end rule (see [`crate::decide::holds`]): why the hold `e` on `node` ended at `now`, or
+    /// `None` while it holds.
+    pub fn end(&self, node: &str, e: &KeyReservation, now: Timestamp) -> Option<End> {
+        let seen = self.first_seen(node, e).unwrap_or(now);
+        let held_for = age(now, seen);
+        if e.pod_uid.is_empty() {
+            // A key promised to a VMI: until the VMI has a pod (whose own hold holds the key) or is gone.
+            if self.gone_vmis.contains_key(&e.vmi_uid) {
+                return Some(End::VmiDone);
+            }
+            match self.vmis.get(&e.vmi_uid) {
+                Some(v) if !v.pending => return Some(End::VmiDone),
+                None if self.synced && held_for >= POD_GRACE => return Some(End::VmiDone),
+                _ => {}
+            }
+        } else {
+            if self.counted(node, &e.pod_uid) {
+                return Some(End::Counted);
+            }
+            if self.gone_pods.contains_key(&e.pod_uid) {
+                return Some(End::PodGone);
+            }
+            match self.pods.get(&e.pod_uid) {
+                Some(p) if p.ended => return Some(End::PodGone),
+                Some(p) if p.node.as_deref().is_some_and(|n| n != node) => {
+                    return Some(End::Moved);
+                }
+                // Only virt-launcher pods are watched: another pod's hold ends by its count or the TTL.
+                None if !e.vmi_uid.is_empty() && self.synced && held_for >= POD_GRACE => {
+                    return Some(End::PodGone);
+                }
+                _ => {}
+            }
+            if e.reason() != HoldReason::Bound && self.bound_elsewhere(&e.pod_uid, node) {
+                return Some(End::Moved);
+            }
+        }
+        // The TTL counts from the write (the writer's clock: a replica that started after it, or saw
+        // it late, ends it as the others do) but never sooner than POD_GRACE after this replica first
+        // saw it (a writer's clock far behind ends nothing early); and at the latest from then.
+        let written = age(now, e.admitted_at.0);
+        let expired = held_for >= self.ttl || (written >= self.ttl && held_for >= POD_GRACE);
+        expired.then_some(End::Expired)
+    }
+
+    /// Whether a node other than `node` has a `Bound` hold of pod `uid`.
+    fn bound_elsewhere(&self, uid: &str, node: &str) -> bool {
+        self.located(uid).iter().filter(|n| *n != node).any(|n| {
+            self.entries(n)
+                .any(|e| e.pod_uid == uid && e.reason() == HoldReason::Bound)
+        })
+    }
+
+    fn first_seen(&self, node: &str, e: &KeyReservation) -> Option<Timestamp> {
+        let n = self.nodes.get(node)?;
+        n.recorded()
+            .iter()
+            .zip(&n.seen)
+            .chain(n.local.iter().map(|(l, at)| (l, at)))
+            .find(|(l, _)| same_holder(l, e))
+            .map(|(_, at)| *at)
+    }
+
+    /// Whether a report counts pod `uid`: `node`'s current one, or any this replica saw.
+    pub fn is_counted(&self, node: &str, uid: &str) -> bool {
+        self.counted(node, uid)
+    }
+
+    fn counted(&self, node: &str, uid: &str) -> bool {
+        self.counted.contains_key(uid)
+            || self
+                .nodes
+                .get(node)
+                .and_then(|n| n.report.as_deref())
+                .is_some_and(|r| r.counted_pods.iter().any(|c| c == uid))
+    }
+
+    /// The next moment after `now` at which a live hold may end by time alone (its grace or its TTL):
+    /// nothing else tells the planner that its key frees.
+    pub fn next_deadline(&self, now: Timestamp) -> Option<Timestamp> {
+        let after = |d: Duration, from: Timestamp| from.checked_add(d).ok().filter(|t| *t > now);
+        let mut next: Option<Timestamp> = None;
+        for (name, state) in &self.nodes {
+            let entries = state
+                .recorded()
+                .iter()
+                .zip(&state.seen)
+                .chain(state.local.iter().map(|(e, at)| (e, at)));
+            for (e, seen) in entries {
+                if self.end(name, e, now).is_some() {
+                    continue;
+                }
+                let written = after(self.ttl, e.admitted_at.0).map(|t| t.max(*seen + POD_GRACE));
+                for t in [after(POD_GRACE, *seen), after(self.ttl, *seen), written]
+                    .into_iter()
+                    .flatten()
+                {
+                    next = Some(next.map_or(t, |n| n.min(t)));
+                }
+            }
+        }
+        next
+    }
+}
