@@ -20,7 +20,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use kube::Client;
@@ -107,9 +107,30 @@ pub struct ControlPlane {
     bin: PathBuf,
     /// How long start-up took (binaries unpacked, certificates made, `/readyz` ok).
     pub started_in: Duration,
+    /// A second kube-apiserver on the same etcd ([`want_two_api_servers`]); kube-scheduler talks to
+    /// it, everything else to the first.
+    pub second: Option<SecondApiServer>,
+}
+
+/// A second kube-apiserver: the same etcd, certificates, tokens and flags, another port.
+#[derive(Debug)]
+pub struct SecondApiServer {
+    /// `https://127.0.0.1:PORT`.
+    pub url: String,
+    /// An admin kubeconfig pointing at it.
+    pub kubeconfig: PathBuf,
+    args: Vec<String>,
 }
 
 static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+static TWO_API_SERVERS: AtomicBool = AtomicBool::new(false);
+
+/// Ask for a second kube-apiserver on the same etcd in this test binary's control plane (before its
+/// first [`ControlPlane::shared`]): clients spread over two API servers, each calling the webhooks for
+/// the requests it serves, as in a cluster with several control-plane nodes.
+pub fn want_two_api_servers() {
+    TWO_API_SERVERS.store(true, Ordering::SeqCst);
+}
 
 impl ControlPlane {
     /// The control plane of this test binary, started on first use. `None` (after printing one line)
@@ -184,10 +205,18 @@ impl ControlPlane {
             ),
         )?;
 
-        let [etcd_port, peer_port, metrics_port, api_port, scheduler_port] =
-            free_ports().map_err(io("find free ports"))?;
+        let [
+            etcd_port,
+            peer_port,
+            metrics_port,
+            api_port,
+            scheduler_port,
+            api_port_b,
+        ] = free_ports().map_err(io("find free ports"))?;
         let url = format!("https://127.0.0.1:{api_port}");
-        let kubeconfig = |name: &str, tok: &str| -> Result<PathBuf> {
+        let url_b = format!("https://127.0.0.1:{api_port_b}");
+        let two = TWO_API_SERVERS.load(Ordering::SeqCst);
+        let kubeconfig = |name: &str, url: &str, tok: &str| -> Result<PathBuf> {
             write(
                 name,
                 &format!(
@@ -198,8 +227,13 @@ impl ControlPlane {
                 ),
             )
         };
-        let admin_kc = kubeconfig("admin.kubeconfig", &admin)?;
-        let sched_kc = kubeconfig("scheduler.kubeconfig", &scheduler)?;
+        let admin_kc = kubeconfig("admin.kubeconfig", &url, &admin)?;
+        let admin_kc_b = kubeconfig("admin-b.kubeconfig", &url_b, &admin)?;
+        let sched_kc = kubeconfig(
+            "scheduler.kubeconfig",
+            if two { &url_b } else { &url },
+            &scheduler,
+        )?;
         let p = |path: &Path| path.display().to_string();
 
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
@@ -221,15 +255,12 @@ impl ControlPlane {
                 "--unsafe-no-fsync".into(),
             ],
         )?;
-        spawn(
-            &dir,
-            &bin,
-            "kube-apiserver",
-            &[
+        let api_args = |port: u16| -> Vec<String> {
+            vec![
                 format!("--etcd-servers={etcd_url}"),
                 "--bind-address=127.0.0.1".into(),
                 "--advertise-address=127.0.0.1".into(),
-                format!("--secure-port={api_port}"),
+                format!("--secure-port={port}"),
                 format!("--tls-cert-file={}", p(&cert_file)),
                 format!("--tls-private-key-file={}", p(&key_file)),
                 format!("--client-ca-file={}", p(&ca_file)),
@@ -242,8 +273,14 @@ impl ControlPlane {
                 format!("--service-account-signing-key-file={}", p(&sa_key)),
                 "--service-cluster-ip-range=10.96.0.0/24".into(),
                 "--allow-privileged=true".into(),
-            ],
-        )?;
+            ]
+        };
+        spawn(&dir, &bin, "kube-apiserver", &api_args(api_port))?;
+        let second = two.then(|| SecondApiServer {
+            url: url_b.clone(),
+            kubeconfig: admin_kc_b,
+            args: api_args(api_port_b),
+        });
         let scheduler_args: Vec<String> = vec![
             format!("--kubeconfig={}", p(&sched_kc)),
             format!("--authentication-kubeconfig={}", p(&sched_kc)),
@@ -265,8 +302,12 @@ impl ControlPlane {
             scheduler_args,
             bin: bin.clone(),
             started_in: Duration::ZERO,
+            second,
         };
         cp.wait_ready(started + READY_DEADLINE)?;
+        if cp.second.is_some() {
+            cp.start_second()?;
+        }
         spawn(&dir, &bin, "kube-scheduler", &cp.scheduler_args)?;
         // As the admin: with its own identity and no per-controller credentials, controllers such
         // as the ValidatingAdmissionPolicy type checker lack the rights to write their status.
@@ -292,6 +333,56 @@ impl ControlPlane {
             started_in: started.elapsed(),
             ..cp
         })
+    }
+
+    /// Start the second kube-apiserver and wait until its `/readyz` answers `ok` (at start-up, on
+    /// the control plane's own thread).
+    fn start_second(&self) -> Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(io("start a runtime"))?;
+        rt.block_on(self.restart_second())
+    }
+
+    /// Start the second kube-apiserver again (after [`ControlPlane::stop_second`]) and wait until its
+    /// `/readyz` answers `ok`.
+    pub async fn restart_second(&self) -> Result<()> {
+        let Some(second) = &self.second else {
+            return Ok(());
+        };
+        let log = self.dir.join("log").join("kube-apiserver-b.log");
+        spawn_watched(&log, &self.bin.join("kube-apiserver"), &second.args)
+            .map_err(io("start the second kube-apiserver (needs bash)"))?;
+        let deadline = Instant::now() + READY_DEADLINE;
+        let kc = Kubeconfig::read_from(&second.kubeconfig)
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        let client =
+            Client::try_from(config).map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        match ready(&client, deadline).await? {
+            None => Ok(()),
+            Some(last) => Err(ControlPlaneError::NotReady {
+                what: format!("the second kube-apiserver's /readyz is not ok ({last})"),
+                logs: self.dir.join("log"),
+            }),
+        }
+    }
+
+    /// Stop the second kube-apiserver (its clients' requests fail until [`ControlPlane::start_second`]).
+    pub async fn stop_second(&self) -> Result<()> {
+        let pid_file = self.dir.join("log").join("kube-apiserver-b.log.pid");
+        let pid = std::fs::read_to_string(&pid_file)
+            .map_err(io(format!("read {}", pid_file.display())))?;
+        let proc_dir = PathBuf::from(format!("/proc/{}", pid.trim()));
+        let _ = Command::new("kill").arg(pid.trim()).status();
+        let deadline = Instant::now() + READY_DEADLINE;
+        while proc_dir.exists() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
     }
 
     /// The state directory (`log/` holds each component's output).

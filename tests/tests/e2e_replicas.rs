@@ -123,9 +123,7 @@ async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once
             .filter_map(|m| {
                 m.lines()
                     .find(|l| {
-                        l.starts_with(
-                            "teeguard_webhook_shared_reservations_total{result=\"reserved\"}",
-                        )
+                        l.starts_with("teeguard_webhook_hold_writes_total{result=\"written\"}")
                     })
                     .and_then(|l| l.rsplit(' ').next()?.parse::<usize>().ok())
             })
@@ -133,7 +131,7 @@ async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once
         assert_eq!(
             reserved,
             ROUNDS,
-            "one shared reservation per round:\n{}",
+            "one hold written per round:\n{}",
             metrics.join("\n")
         );
     })
@@ -236,7 +234,8 @@ async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_ledger_and_the_stale_policy() {
+async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_own_holds_and_the_stale_policy()
+ {
     bounded(async {
         let mut env = E2eEnv::new("").await.expect("env");
         let webhooks = start(&env, 1).await;
@@ -259,13 +258,13 @@ async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_ledger_and_
         let took = started.elapsed();
         assert!(
             r.allowed,
-            "binding policy allow keeps the ledger's decision: {:?}",
+            "binding policy allow keeps the replica's decision: {:?}",
             r.raw
         );
         assert!(
             r.warnings.iter().any(|w| w
-                .contains("could not record the reservation shared by its replicas")
-                && w.contains("decided with this replica's ledger only")),
+                .contains("could not record the key it holds on node node-a for its replicas")
+                && w.contains("decided with this replica's holds only")),
             "{:?}",
             r.warnings
         );
@@ -299,16 +298,26 @@ async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_ledger_and_
             "{}",
             r.explanation()
         );
-        // The replica's own ledger still counts what it admitted: 4 free − 2 admitted leaves 2.
+        // The replica still counts what it admitted: two keys held locally (its planner publishes
+        // the gauge at its next pass).
         let metrics = webhooks[0].metrics().await;
         assert!(
-            metrics.contains("teeguard_webhook_shared_reservations_total{result=\"fallback\"} 3"),
+            metrics.contains("teeguard_webhook_hold_writes_total{result=\"failed\"} 3"),
             "{metrics}"
         );
-        assert!(
-            metrics.contains("teeguard_webhook_ledger_reservations 2"),
-            "{metrics}"
-        );
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while !webhooks[0]
+            .metrics()
+            .await
+            .contains("teeguard_webhook_holds{reason=\"Bound\"} 2")
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{}",
+                webhooks[0].metrics().await
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         env.served.restart().await.expect("back");
     })
     .await;

@@ -217,6 +217,11 @@ impl Index {
         };
         self.locate(name, false);
         let state = self.node_mut(name);
+        // A hold kept here because its write failed is recorded after all (the write reached the API
+        // server late): one hold, not two.
+        state
+            .local
+            .retain(|(l, _)| !new_entries.iter().any(|e| same_holder(e, l)));
         state.holds = obj;
         state.seen = seen;
         self.locate(name, true);

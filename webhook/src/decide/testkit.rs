@@ -122,6 +122,12 @@ impl World {
         self
     }
 
+    /// A hold kept in this replica only (its write failed).
+    pub fn local(mut self, node: &str, e: KeyReservation) -> Self {
+        self.ix.hold_locally(node, e, t0());
+        self
+    }
+
     /// A virt-launcher pod `uid`, bound to `node` or not.
     pub fn pod(mut self, uid: &str, node: Option<&str>) -> Self {
         let state = PodState {

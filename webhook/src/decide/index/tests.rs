@@ -278,3 +278,14 @@ fn scan_nodes_visits_first_then_the_rest_once_each_with_labels_only() {
     );
     assert!(!scan(Some("b"), &|n| n != "b").contains(&"b".to_string()));
 }
+
+#[test]
+fn a_local_hold_whose_write_arrived_late_counts_once() {
+    let ix = World::default()
+        .node("n1", 2, 2)
+        .local("n1", hold("p1", "v1", Bound))
+        .holds("n1", vec![hold("p1", "v1", Bound)])
+        .ix;
+    assert_eq!(ix.entries("n1").count(), 1);
+    assert_eq!(ix.held("n1", Claimant::NONE, t0()).pods[&TeeKind::Tdx], 1);
+}
