@@ -771,6 +771,17 @@ impl ProcessEnv {
     /// Start `teeguard-webhook serve` on ephemeral ports with this world's certificates and
     /// configuration, plus `extra` flags; wait until it logs its addresses and `/readyz` answers 200.
     pub async fn start_webhook(&self, extra: &[&str]) -> Result<WebhookProcess> {
+        self.start_webhook_via(extra, &self.kubeconfig, &[]).await
+    }
+
+    /// [`ProcessEnv::start_webhook`] with another kubeconfig (another API server) and more
+    /// `NAME=value` environment variables (`POD_NAME`, the replica's name in its holds).
+    pub async fn start_webhook_via(
+        &self,
+        extra: &[&str],
+        kubeconfig: &Path,
+        env: &[&str],
+    ) -> Result<WebhookProcess> {
         let bins = binaries()?;
         let mut args: Vec<String> = [
             "--log-format",
@@ -790,8 +801,13 @@ impl ProcessEnv {
         args.push(self.config_path.display().to_string());
         args.extend(extra.iter().map(|s| s.to_string()));
         let log = self.log_path("webhook");
-        let mut proc =
-            ChildProcess::spawn("teeguard-webhook", &bins.webhook, &args, &self.envs(), &log)?;
+        let mut envs: Vec<(&str, String)> = vec![("KUBECONFIG", kubeconfig.display().to_string())];
+        for e in env {
+            if let Some((name, value)) = e.split_once('=') {
+                envs.push((name, value.to_string()));
+            }
+        }
+        let mut proc = ChildProcess::spawn("teeguard-webhook", &bins.webhook, &args, &envs, &log)?;
         let (https, admin) = proc
             .wait_for_log("its listen addresses", START_DEADLINE, |line| {
                 let v = json_log_line(line, "teeguard-webhook started")?;

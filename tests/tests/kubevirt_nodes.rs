@@ -1,14 +1,15 @@
 //! KubeVirt v1.9.0's own virt-controller (`teeguard_tests::kubevirt`) on two real nodes (kubelet +
 //! containerd each; one a TDX host, one an SEV-SNP host, each with its own agent): VMIs as users write
-//! them become the controller's launcher pods, go through teeguard's webhook, the scheduler, the kubelet
-//! and containerd, which asks the agent over NRI. Skipped (one line) without the KubeVirt kit, the
+//! them become the controller's launcher pods, go through teeguard's webhook (the chart's 2 replicas
+//! behind a connection-level balancer, called by two API servers on one etcd), the scheduler, the
+//! kubelet and containerd, which asks the agent over NRI. Skipped (one line) without the KubeVirt kit, the
 //! node's binaries or root, unless `CI=true`.
 
 mod chart_support;
 mod kubevirt_support;
 
 use kubevirt_support::scenarios::{self, DEADLINE};
-use kubevirt_support::{full, lifecycle};
+use kubevirt_support::{chaos, full, lifecycle};
 use teeguard_tests::realcluster::within;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -63,6 +64,16 @@ async fn a_vm_cycled_on_a_full_node_is_never_refused_with_a_free_key_nor_counted
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_webhook_down_a_vmi_waits_and_starts_when_it_is_back_losing_nothing() {
     within(DEADLINE, lifecycle::webhook_down_and_back_loses_nothing()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart_with_no_key_given_twice()
+ {
+    within(
+        DEADLINE + std::time::Duration::from_secs(600),
+        chaos::vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart(),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -271,20 +271,138 @@ pub async fn full_node_vmi_waits_and_starts_when_a_key_frees() {
     eprintln!("vm-c ran {took:?} after the Kata pod was deleted");
 }
 
+/// How long a freed key may stay unused while a VMI waits for it: from the report showing it free to the
+/// waiting VMI's pod bound (the goal of issue 42).
+pub const BIND_BOUND: Duration = Duration::from_secs(5);
+
+/// When each node's report showed keys free, and when each launcher pod was bound, as two watches saw
+/// them (every change, not samples).
+#[derive(Debug, Default)]
+struct Timeline {
+    /// (when, node, free keys of the node's kind).
+    reports: Vec<(Instant, String, u64)>,
+    /// (when, VMI, node): a launcher pod's first sight with a node.
+    bound: Vec<(Instant, String, String)>,
+}
+
+fn watch_timeline(
+    w: &KubeVirtWorld,
+) -> (
+    std::sync::Arc<std::sync::Mutex<Timeline>>,
+    tokio::task::JoinHandle<()>,
+) {
+    use futures::StreamExt;
+    use kube::runtime::watcher;
+    let line = std::sync::Arc::new(std::sync::Mutex::new(Timeline::default()));
+    let reports: Api<teeguard_shared::TeeCapacity> = Api::all(w.cluster.client.clone());
+    let pods: Api<Pod> = Api::namespaced(w.cluster.client.clone(), &w.ns);
+    let l = line.clone();
+    enum Seen {
+        Report(Box<Result<watcher::Event<teeguard_shared::TeeCapacity>, watcher::Error>>),
+        Pod(Box<Result<watcher::Event<Pod>, watcher::Error>>),
+    }
+    let task = tokio::spawn(async move {
+        let r = watcher(reports, watcher::Config::default()).map(|e| Seen::Report(Box::new(e)));
+        let p = watcher(
+            pods,
+            watcher::Config::default().labels("kubevirt.io=virt-launcher"),
+        )
+        .map(|e| Seen::Pod(Box::new(e)));
+        let mut both = std::pin::pin!(futures::stream::select(r, p));
+        while let Some(e) = both.next().await {
+            let now = Instant::now();
+            let mut t = l.lock().unwrap_or_else(|e| e.into_inner());
+            match e {
+                Seen::Report(e) => {
+                    let (Ok(watcher::Event::Apply(c)) | Ok(watcher::Event::InitApply(c))) = *e
+                    else {
+                        continue;
+                    };
+                    let node = c.metadata.name.clone().unwrap_or_default();
+                    let free = c.status.as_ref().map_or(0, |s| {
+                        [
+                            teeguard_shared::TeeKind::Tdx,
+                            teeguard_shared::TeeKind::SevEs,
+                        ]
+                        .iter()
+                        .filter_map(|k| s.kind(*k).map(|k| k.free))
+                        .sum()
+                    });
+                    t.reports.push((now, node, free));
+                }
+                Seen::Pod(e) => {
+                    let (Ok(watcher::Event::Apply(p)) | Ok(watcher::Event::InitApply(p))) = *e
+                    else {
+                        continue;
+                    };
+                    let vmi = p
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get("kubevirt.io/domain").cloned())
+                        .unwrap_or_default();
+                    let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
+                    if let Some(node) = node
+                        && !t.bound.iter().any(|(_, v, _)| *v == vmi)
+                    {
+                        t.bound.push((now, vmi, node));
+                    }
+                }
+            }
+        }
+    });
+    (line, task)
+}
+
+/// For each VMI of `vmis` bound after `since`: the time from the key it took showing free in its node's
+/// report to its pod bound. Keys free in the order the reports show them, and the VMIs bound on a node
+/// take them in the order they were bound.
+fn free_to_bound(t: &Timeline, vmis: &[String], since: Instant) -> Vec<(String, Duration)> {
+    let mut out = Vec::new();
+    let nodes: std::collections::BTreeSet<&String> = t.reports.iter().map(|(_, n, _)| n).collect();
+    for node in nodes {
+        let mut freed: Vec<Instant> = Vec::new();
+        let mut last: Option<u64> = None;
+        for (at, _, free) in t.reports.iter().filter(|(_, n, _)| n == node) {
+            if *at >= since
+                && let Some(before) = last
+            {
+                for _ in before..*free {
+                    freed.push(*at);
+                }
+            }
+            last = Some(*free);
+        }
+        let mut binds: Vec<&(Instant, String, String)> = t
+            .bound
+            .iter()
+            .filter(|(at, v, n)| n == node && *at >= since && vmis.contains(v))
+            .collect();
+        binds.sort_by_key(|(at, _, _)| *at);
+        for (i, (at, vmi, _)) in binds.into_iter().enumerate() {
+            let free_at = freed.get(i).copied().unwrap_or(since);
+            out.push((vmi.clone(), at.saturating_duration_since(free_at)));
+        }
+    }
+    out
+}
+
 /// Scenario 4: 30 VMIs (15 TDX, 15 SNP), created in one burst, for 4 keys over the two nodes (2 TDX,
-/// 2 SEV-ES): exactly 2 of each run, TDX ones only on the TDX node, SNP ones only on the SNP node; the
-/// other 26 wait, with teeguard's refusal or (see below) in the scheduler's queue. Deleting the running
-/// ones lets the 4 that waited longest (2 of each kind) take their place, without anyone touching them.
+/// 2 SEV-ES), the webhook as the chart's 2 replicas behind a balancer, called by two API servers:
+/// exactly 2 of each run, TDX ones only on the TDX node, SNP ones only on the SNP node; the other 26
+/// wait with teeguard's refusal, none in the scheduler's queue (a launcher pod is admitted only with a
+/// key held for it, whichever replica admits it). Deleting the running ones lets the 4 that waited
+/// longest (2 of each kind) take their place, without anyone touching them, each bound within
+/// [`BIND_BOUND`] of its key showing free.
 ///
 /// The freed keys go to the VMIs refused first (by the refusal's time, then name), although every
-/// waiting VMI's own backoff retry may land before teeguard's retry: a launcher pod CREATE counts the
-/// keys of the VMIs waiting ahead of its own as taken. A pod CREATE carries no node and reserves nothing
-/// (the binding does), so under a burst a pod may still wait `Pending` with the scheduler's
-/// `Insufficient …` (never running beyond the keys); the test says how many did (docs/kubevirt.md).
+/// waiting VMI's own backoff retry may land before teeguard's retry, at either replica: a launcher pod
+/// CREATE counts the keys the VMIs waiting ahead of its own are served from as taken.
 pub async fn thirty_vmis_for_four_keys_run_by_kind_and_the_longest_waiting_take_freed_places() {
     let Some(w) = KubeVirtWorld::start("kv-thirty", Options::keys(2, 2)).await else {
         return;
     };
+    let (timeline, watching) = watch_timeline(&w);
     let names: Vec<(String, Tee)> = (0..30)
         .map(|i| {
             let tee = if i % 2 == 0 { Tee::Tdx } else { Tee::Snp };
@@ -327,9 +445,9 @@ pub async fn thirty_vmis_for_four_keys_run_by_kind_and_the_longest_waiting_take_
     let first = wait_placed(4, Vec::new()).await;
     let check = |p: &Placement, waiting: usize| {
         assert_eq!(
-            p.waiting + p.queued,
-            waiting,
-            "every other VMI waits: {p:?}"
+            (p.waiting, p.queued),
+            (waiting, 0),
+            "every other VMI waits with teeguard's refusal, none in the scheduler's queue: {p:?}"
         );
         for (name, tee, node) in &p.running {
             assert_eq!(
@@ -390,6 +508,19 @@ pub async fn thirty_vmis_for_four_keys_run_by_kind_and_the_longest_waiting_take_
         got, next,
         "the freed keys go to the VMIs refused first, whichever retry lands first"
     );
+    let waits = {
+        let t = timeline.lock().unwrap_or_else(|e| e.into_inner());
+        free_to_bound(&t, &got, freed)
+    };
+    watching.abort();
+    eprintln!("thirty VMIs: from a freed key to its VMI's pod bound: {waits:?}");
+    assert_eq!(waits.len(), 4, "{waits:?}");
+    for (vmi, took) in &waits {
+        assert!(
+            *took <= BIND_BOUND,
+            "{vmi} was bound {took:?} after its key showed free (at most {BIND_BOUND:?}): {waits:?}"
+        );
+    }
 }
 
 /// Where a set of VMIs stands: running (name, kind, node), waiting with teeguard's refusal, waiting in

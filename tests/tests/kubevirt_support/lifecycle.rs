@@ -44,15 +44,11 @@ fn sample_reports(w: &KubeVirtWorld, stop: CancellationToken) -> Samples {
     samples
 }
 
-/// The times the webhook refused a pod of VM `vm` (its log's `denied` lines for `virt-launcher-<vm>-`).
+/// The times the webhook refused a pod of VM `vm` (its replicas' logs' `denied` lines for
+/// `virt-launcher-<vm>-`).
 fn refusals(w: &KubeVirtWorld, vm: &str) -> Vec<(SystemTime, String)> {
-    let Some(webhook) = &w.webhook else {
-        return Vec::new();
-    };
     let prefix = format!("/virt-launcher-{vm}-");
-    webhook
-        .proc
-        .log()
+    w.webhook_logs()
         .lines()
         .filter_map(|l| json_log_line(l, "denied"))
         .filter(|v| {

@@ -68,6 +68,8 @@ pub struct Options {
     /// The nodes in DRA mode: each agent is the node's DRA driver, the scheduler allocates keys
     /// through the chart's DeviceClasses.
     pub dra: bool,
+    /// Webhook replicas (the chart's 2 by default), behind one balancer.
+    pub replicas: usize,
 }
 
 impl Options {
@@ -80,6 +82,7 @@ impl Options {
             teeguard: true,
             extra_config: "",
             dra: false,
+            replicas: 2,
         }
     }
 }
@@ -92,6 +95,8 @@ pub struct TeeNode {
     pub agent: AgentProcess,
     /// Its simulated cgroup tree (the host's TEE keys).
     pub host: SimHost,
+    /// The agent's extra arguments (to start it again).
+    agent_args: Vec<String>,
     /// The agent's processes' environment (its configuration names this node's NRI socket).
     pub env: ProcessEnv,
     pub turn: NodeTurn,
@@ -107,9 +112,11 @@ impl TeeNode {
 /// One test's world. Fields drop in order: the webhook and the agents stop first, the nodes are handed
 /// to the next test last.
 pub struct KubeVirtWorld {
-    pub webhook: Option<WebhookProcess>,
-    /// Where the API server's webhook calls go: the webhook process, or nowhere while it is down.
-    pub webhook_backend: Arc<Mutex<Option<SocketAddr>>>,
+    /// The webhook replicas (`None`: one stopped).
+    pub webhooks: Vec<Option<WebhookProcess>>,
+    /// Where the API servers' webhook calls go: a connection-level balancer over the replicas, as a
+    /// Service spreads them (a stopped replica has no address).
+    pub webhook_backends: Arc<Mutex<Vec<Option<SocketAddr>>>>,
     pub tdx: TeeNode,
     pub snp: TeeNode,
     pub kv: &'static KubeVirt,
@@ -126,6 +133,9 @@ impl KubeVirtWorld {
     /// Take both nodes, start their agents and the webhook for test `test`; `None` when the test
     /// should skip (no KubeVirt kit or no real node here).
     pub async fn start(test: &str, options: Options) -> Option<KubeVirtWorld> {
+        // Two API servers on one etcd: calls to the webhook really spread (virt-controller's pod
+        // CREATEs through the first, the scheduler's bindings through the second).
+        teeguard_tests::controlplane::want_two_api_servers();
         let kv = KubeVirt::shared()?;
         let first = RealNode::shared_nth(Runtime::Containerd, 0)?;
         let second = RealNode::shared_nth(Runtime::Containerd, 1)?;
@@ -145,12 +155,19 @@ impl KubeVirtWorld {
         let ns = cluster.namespace(test, test, &[]).await.expect("namespace");
         let tdx = TeeNode::start(&cluster, tdx_turn, Tee::Tdx, options).await;
         let snp = TeeNode::start(&cluster, snp_turn, Tee::Snp, options).await;
-        let webhook_backend = Arc::new(Mutex::new(None));
-        let webhook = if options.teeguard {
-            let webhook = tdx.env.start_webhook(&[]).await.expect("webhook starts");
-            *webhook_backend.lock().unwrap_or_else(|e| e.into_inner()) = Some(webhook.https);
-            // Through a TCP proxy, as through a Service: the webhook can stop and come back elsewhere.
-            let proxy = forward(webhook_backend.clone()).await;
+        let webhook_backends = Arc::new(Mutex::new(Vec::new()));
+        let mut webhooks = Vec::new();
+        if options.teeguard {
+            for i in 0..options.replicas {
+                let webhook = start_replica(&cluster, &tdx.env, i).await;
+                webhook_backends
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(Some(webhook.https));
+                webhooks.push(Some(webhook));
+            }
+            // Through a balancer, as through a Service: each new connection to the next replica up.
+            let proxy = balance(webhook_backends.clone()).await;
             let rendered = chart_support::render("default", &[]);
             cluster
                 .register_webhooks(test, &rendered, proxy, &tdx.env.ca.ca_bundle_base64())
@@ -163,13 +180,10 @@ impl KubeVirtWorld {
                 );
             }
             remove_vmis(&cluster, &ns).await;
-            Some(webhook)
-        } else {
-            None
-        };
+        }
         let world = KubeVirtWorld {
-            webhook,
-            webhook_backend,
+            webhooks,
+            webhook_backends,
             tdx,
             snp,
             kv,
@@ -195,30 +209,72 @@ impl KubeVirtWorld {
         Some(world)
     }
 
-    /// Stop the webhook process (the API server's calls then fail, as with every replica down).
+    /// Stop every webhook replica (the API servers' calls then fail).
     pub fn stop_webhook(&mut self) {
-        *self
-            .webhook_backend
+        for i in 0..self.webhooks.len() {
+            self.stop_replica(i);
+        }
+    }
+
+    /// Start every webhook replica again and send the API servers' calls to them once each is ready.
+    pub async fn start_webhook(&mut self) {
+        for i in 0..self.webhooks.len() {
+            self.start_replica(i).await;
+        }
+    }
+
+    /// Kill replica `i` (its connections break; the balancer sends new ones to the others).
+    pub fn stop_replica(&mut self, i: usize) {
+        self.webhook_backends
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = None;
-        if let Some(mut w) = self.webhook.take() {
+            .unwrap_or_else(|e| e.into_inner())[i] = None;
+        if let Some(mut w) = self.webhooks[i].take() {
             w.proc.kill();
         }
     }
 
-    /// Start a new webhook process and send the API server's calls to it once it is ready.
-    pub async fn start_webhook(&mut self) {
-        let webhook = self
-            .tdx
-            .env
-            .start_webhook(&[])
-            .await
-            .expect("webhook starts");
-        *self
-            .webhook_backend
+    /// Start replica `i` again (a new process, its caches listed anew).
+    pub async fn start_replica(&mut self, i: usize) {
+        let webhook = start_replica(&self.cluster, &self.tdx.env, i).await;
+        self.webhook_backends
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(webhook.https);
-        self.webhook = Some(webhook);
+            .unwrap_or_else(|e| e.into_inner())[i] = Some(webhook.https);
+        self.webhooks[i] = Some(webhook);
+    }
+
+    /// Start the agent of the node of kind `tee` again (after its process was killed) and wait for
+    /// its NRI registration.
+    pub async fn restart_agent(&mut self, tee: Tee) {
+        let node = if tee == Tee::Tdx {
+            &mut self.tdx
+        } else {
+            &mut self.snp
+        };
+        node.agent.proc.kill();
+        let args = node.agent_args.clone();
+        let mut agent = node
+            .env
+            .start_agent_with(&node.turn.name, node.host.root(), &args)
+            .await
+            .expect("the agent starts again");
+        agent
+            .proc
+            .wait_for_log("its NRI registration", Duration::from_secs(30), |line| {
+                json_log_line(line, "NRI plugin registered").map(|_| ())
+            })
+            .await
+            .expect("the agent registers with the runtime again");
+        node.agent = agent;
+    }
+
+    /// Every running replica's log, concatenated.
+    pub fn webhook_logs(&self) -> String {
+        self.webhooks
+            .iter()
+            .flatten()
+            .map(|w| w.proc.log())
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// The node of kind `tee` (TDX, or the SNP node for every SEV kind).
@@ -490,6 +546,7 @@ impl TeeNode {
             tee,
             agent,
             host,
+            agent_args: args,
             env,
             turn,
         }
@@ -607,14 +664,48 @@ async fn remove_kubevirt_objects(cluster: &Cluster) {
 
 /// A TCP proxy on 127.0.0.1 to `backend` (TLS passes through); a connection is closed at once while
 /// there is none, as a Service without endpoints does. Runs until the test process ends.
-async fn forward(backend: Arc<Mutex<Option<SocketAddr>>>) -> SocketAddr {
+/// Whether the launcher pod of VMI `vmi` among `pods` runs with every container started.
+pub fn running_named(pods: &[Pod], vmi: &str) -> bool {
+    pods.iter().any(|p| {
+        p.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("kubevirt.io/domain"))
+            .is_some_and(|d| d == vmi)
+            && running(p)
+    })
+}
+
+/// Start webhook replica `i`: even ones watch and write through the first API server, odd ones
+/// through the second (when the control plane has one), as replicas of a Deployment reach the API
+/// servers behind the `kubernetes` Service.
+async fn start_replica(cluster: &Cluster, env: &ProcessEnv, i: usize) -> WebhookProcess {
+    let kubeconfig = match &cluster.cp.second {
+        Some(second) if i % 2 == 1 => second.kubeconfig.clone(),
+        _ => env.kubeconfig.clone(),
+    };
+    let pod_name = format!("POD_NAME=teeguard-webhook-{i}");
+    env.start_webhook_via(&[], &kubeconfig, &[pod_name.as_str()])
+        .await
+        .unwrap_or_else(|e| panic!("webhook replica {i} starts: {e}"))
+}
+
+/// A TCP balancer over `backends`, as a Service's kube-proxy balances: each new connection goes to the
+/// next backend that is up (round robin), and stays with it.
+async fn balance(backends: Arc<Mutex<Vec<Option<SocketAddr>>>>) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
-        .expect("proxy listens");
-    let addr = listener.local_addr().expect("proxy address");
+        .expect("balancer listens");
+    let addr = listener.local_addr().expect("balancer address");
     tokio::spawn(async move {
+        let mut next = 0usize;
         while let Ok((mut inbound, _)) = listener.accept().await {
-            let to = *backend.lock().unwrap_or_else(|e| e.into_inner());
+            let to = {
+                let b = backends.lock().unwrap_or_else(|e| e.into_inner());
+                let up: Vec<SocketAddr> = b.iter().flatten().copied().collect();
+                next = next.wrapping_add(1);
+                (!up.is_empty()).then(|| up[next % up.len()])
+            };
             tokio::spawn(async move {
                 if let Some(to) = to
                     && let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await
@@ -693,6 +784,7 @@ pub(crate) async fn remove_vmis(cluster: &Cluster, ns: &str) {
 
 pub use teeguard_tests::node::pods::running;
 
+pub mod chaos;
 pub mod dra;
 pub mod full;
 pub mod lifecycle;

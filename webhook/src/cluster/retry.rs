@@ -121,6 +121,32 @@ pub async fn promise<S: HoldStore>(
     out
 }
 
+/// Write the nodes' objects without the entries that ended for good (see
+/// [`crate::decide::admit::untidy`]). Returns whether some write failed.
+pub async fn tidy<S: HoldStore>(
+    index: &KeyIndex,
+    store: Option<&S>,
+    within: Duration,
+    metrics: Option<&Metrics>,
+) -> bool {
+    if store.is_none() {
+        return false;
+    }
+    let nodes = {
+        let ix = index.read();
+        admit::untidy(&ix, index.now())
+    };
+    let mut failed = false;
+    for node in nodes {
+        let (_, committed) = commit(index, store, within, metrics, |ix, now| {
+            ((), admit::tidy(ix, &node, now))
+        })
+        .await;
+        failed |= matches!(committed, Committed::Failed(_));
+    }
+    failed
+}
+
 /// Take back the key promised to `vmi` on `node` (its retry could not be written).
 pub async fn withdraw<S: HoldStore>(
     index: &KeyIndex,
@@ -209,8 +235,8 @@ impl Retrier {
         })
     }
 
-    /// One pass: publish the gauges, promise the free keys, retry the promised VMIs. Returns whether
-    /// some promise could not be written.
+    /// One pass: publish the gauges, trim the holds that ended, promise the free keys, retry the
+    /// promised VMIs. Returns whether some write failed.
     pub async fn pass(&self) -> bool {
         let (waiting, holds) = {
             let ix = self.index.read();
@@ -228,8 +254,15 @@ impl Retrier {
             let n = holds.get(&reason).copied().unwrap_or(0);
             self.metrics.set_holds(reason.as_str(), n);
         }
+        let untidy = tidy(
+            &self.index,
+            self.store.as_ref(),
+            self.api_timeout,
+            Some(&self.metrics),
+        )
+        .await;
         if !self.config.admission.retry_refused_vmis || waiting.is_empty() {
-            return false;
+            return untidy;
         }
         let pass = promise(
             &self.index,
@@ -243,7 +276,7 @@ impl Retrier {
         for p in &pass.promised {
             self.retry(p).await;
         }
-        pass.failed
+        pass.failed || untidy
     }
 
     /// Annotate the VMI so virt-controller creates its pod again; withdraw its promise if that fails.

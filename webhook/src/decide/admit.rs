@@ -74,6 +74,28 @@ pub fn write(ix: &Index, node: &str, added: Vec<KeyReservation>, now: Timestamp)
     }
 }
 
+/// The nodes whose objects hold entries that ended for good (pod gone, VMI done, moved, expired): the
+/// planner writes them trimmed, so that `kubectl get teereservations` shows what holds and a replica
+/// that starts later does not count them for the pod grace.
+pub fn untidy(ix: &Index, now: Timestamp) -> Vec<String> {
+    ix.nodes()
+        .filter(|(name, state)| {
+            state
+                .recorded()
+                .iter()
+                .any(|e| ix.end(name, e, now).is_some_and(|end| end.trimmed()))
+        })
+        .map(|(name, _)| name.to_string())
+        .collect()
+}
+
+/// The write of `node`'s object without its entries that ended for good (`None`: none did).
+pub fn tidy(ix: &Index, node: &str, now: Timestamp) -> Option<Write> {
+    let w = write(ix, node, Vec::new(), now);
+    let before = w.base.as_ref().map_or(0, |o| o.spec.reservations.len());
+    (w.entries.len() < before).then_some(w)
+}
+
 /// The node's entries without the key promised there to VMI `vmi_uid` (its retry could not be
 /// written); `None` when there is no such promise.
 pub fn withdraw(ix: &Index, node: &str, vmi_uid: &str, now: Timestamp) -> Option<Write> {

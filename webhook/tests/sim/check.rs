@@ -89,6 +89,15 @@ impl Checks {
             ));
         }
         for vmi in &happened.served {
+            // A replica whose VMI watch is down (or listed again only a moment ago) cannot know which
+            // VMIs wait: first come, first served holds for what the replicas know.
+            let blind = happened.decided_by.is_some_and(|r| {
+                let rep = &w.replicas[r];
+                rep.dropped[VMIS] || rep.listed_at[VMIS] + w.max_delay + 100 > w.now
+            });
+            if timed && blind {
+                continue;
+            }
             let (index, visible) = match (timed, happened.decided_by) {
                 (true, _) => (&w.oracle, w.max_delay + 100),
                 (false, Some(r)) => (&w.replicas[r].index, 0),

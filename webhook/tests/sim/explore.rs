@@ -85,7 +85,11 @@ pub fn enabled(w: &World, budget: Budget) -> Vec<Action> {
             let ix = rep.index.read();
             let now = rep.index.now();
             let stale = w.config.admission.stale_report_after;
-            if !teeguard_webhook::decide::admit::promises(&ix, |_| 1, stale, now).is_empty() {
+            let admit = |ix| {
+                !teeguard_webhook::decide::admit::promises(ix, |_| 1, stale, now).is_empty()
+                    || !teeguard_webhook::decide::admit::untidy(ix, now).is_empty()
+            };
+            if admit(&ix) {
                 out.push(Action::Plan(r));
             }
             for k in 0..KINDS {

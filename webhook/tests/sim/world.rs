@@ -28,7 +28,7 @@ use teeguard_webhook::cluster::admission::{Checker, FitHints, Target, check};
 use teeguard_webhook::cluster::caches::{Observer, slim_vmi};
 use teeguard_webhook::cluster::holds::{HoldStore, WriteError};
 use teeguard_webhook::cluster::index::{Clock, KeyIndex, Sink};
-use teeguard_webhook::cluster::retry::{promise, withdraw};
+use teeguard_webhook::cluster::retry::{promise, tidy, withdraw};
 use teeguard_webhook::decide::admit::{Ask, Write};
 use teeguard_webhook::decide::holds::Claimant;
 use teeguard_webhook::decide::queue::{self, note_refusal};
@@ -286,6 +286,8 @@ pub struct Replica {
     pub dropped: [bool; KINDS],
     /// Listed once since its start.
     pub synced: bool,
+    /// Per kind: when its watch last listed (its start, or a re-list after a drop).
+    pub listed_at: [u64; KINDS],
 }
 
 /// Everything that can happen.
@@ -485,6 +487,7 @@ impl World {
             queues: Default::default(),
             dropped: [false; KINDS],
             synced: true,
+            listed_at: [self.now; KINDS],
         };
         // A fresh replica lists every object.
         for c in self.snapshot(None) {
@@ -667,8 +670,10 @@ impl World {
 
     fn relist(&mut self, r: usize, k: usize) {
         let changes = self.snapshot(Some(k));
+        let now = self.now;
         let rep = &mut self.replicas[r];
         rep.dropped[k] = false;
+        rep.listed_at[k] = now;
         rep.queues[k].clear();
         // The objects the replica held that the list no longer shows were deleted meanwhile.
         if k == HOLDS {
@@ -1041,6 +1046,12 @@ impl World {
         }
         let store = SimStore(&self.truth);
         let rep = &self.replicas[r];
+        let untidy = futures::executor::block_on(tidy(
+            &rep.index,
+            self.spec.shared.then_some(&store),
+            Duration::from_secs(2),
+            None,
+        ));
         let pass = futures::executor::block_on(promise(
             &rep.index,
             self.spec.shared.then_some(&store),
@@ -1082,7 +1093,7 @@ impl World {
                 ));
             }
         }
-        (retried, pass.failed)
+        (retried, pass.failed || untidy)
     }
 
     fn delete_vmi(&mut self, vmi: &str) {
@@ -1270,6 +1281,7 @@ impl World {
                     queues: r.queues.clone(),
                     dropped: r.dropped,
                     synced: r.synced,
+                    listed_at: r.listed_at,
                 })
                 .collect(),
             oracle: if self.model {

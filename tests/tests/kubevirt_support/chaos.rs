@@ -1,0 +1,421 @@
+//! Chaos on the real chain: clients create and delete VMIs at random while webhook replicas, a node's
+//! agent and one of the two API servers are killed and restarted at random (its watches drop with it),
+//! the invariants checked throughout from the API server's and the nodes' truth (issue 42).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams};
+use teeguard_shared::{TeeCapacity, TeeKind};
+use teeguard_tests::fixtures::Tee;
+use teeguard_tests::kubevirt::vmis::{self, Size};
+use teeguard_tests::prom::Scrape;
+
+use super::full::{BIND_BOUND, WILL_START};
+use super::{KubeVirtWorld, Options};
+
+/// How long the chaos lasts: 3 minutes in CI, `TEEGUARD_CHAOS_SECONDS` for the 30-minute bench.
+fn duration() -> Duration {
+    let secs = std::env::var("TEEGUARD_CHAOS_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(180);
+    Duration::from_secs(secs)
+}
+
+/// A VMI may wait beside a free key of its kind this long while everything is up before it counts as
+/// left waiting: the goal is [`BIND_BOUND`]; two cores carry the whole chain, so twice that.
+const LEFT_BOUND: Duration = Duration::from_secs(10);
+
+/// What the run saw.
+#[derive(Debug, Default)]
+struct Seen {
+    /// VMIs created, and those whose launcher pod ran.
+    created: usize,
+    started: BTreeSet<String>,
+    /// VMIs refused at least once by teeguard.
+    refused: BTreeSet<String>,
+    /// Samples where a node had more pods bound than keys for them.
+    overcommits: Vec<String>,
+    /// VMIs left waiting beside a free key.
+    left_waiting: Vec<String>,
+    /// The longest time from a key showing free to a waiting VMI's pod bound.
+    longest_free_to_bound: Duration,
+    /// Chaos events done.
+    events: Vec<String>,
+}
+
+/// Everything up: every replica, both agents, both API servers (the samplers count nothing against
+/// the webhook while something is down, nor for [`LEFT_BOUND`] after).
+#[derive(Debug)]
+struct Health {
+    up: AtomicBool,
+    since: Mutex<Instant>,
+}
+
+impl Health {
+    fn set(&self, up: bool) {
+        self.up.store(up, Ordering::SeqCst);
+        if up {
+            *self.since.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        }
+    }
+
+    /// Up for at least `d`.
+    fn up_for(&self, d: Duration) -> bool {
+        self.up.load(Ordering::SeqCst)
+            && self
+                .since
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .elapsed()
+                >= d
+    }
+}
+
+/// A pseudo-random number below `n` (SplitMix64 over a seed printed at the start).
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) % n.max(1)
+    }
+}
+
+/// Chaos for [`duration`] on two nodes (2 TDX keys, 2 SEV-ES keys), 2 webhook replicas behind the
+/// balancer, two API servers: no node ever gets more pods than keys, no VMI is left waiting beside a
+/// free key while everything is up, and once the VMIs are gone no replica holds a key.
+pub async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart() {
+    let Some(mut w) = KubeVirtWorld::start("kv-chaos", Options::keys(2, 2)).await else {
+        return;
+    };
+    let seed = std::env::var("TEEGUARD_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| u64::from(std::process::id()));
+    eprintln!("chaos: seed {seed} (TEEGUARD_CHAOS_SEED), {:?}", duration());
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let health = Arc::new(Health {
+        up: AtomicBool::new(true),
+        since: Mutex::new(Instant::now()),
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let capacity: BTreeMap<String, u64> =
+        [(w.tdx.name().to_string(), 2), (w.snp.name().to_string(), 2)].into();
+    let sampler = tokio::spawn(sample(
+        w.cluster.client.clone(),
+        w.ns.clone(),
+        capacity,
+        seen.clone(),
+        health.clone(),
+        stop.clone(),
+    ));
+    let mut clients = Vec::new();
+    for c in 0..3u64 {
+        clients.push(tokio::spawn(client(
+            w.cluster.client.clone(),
+            w.ns.clone(),
+            c,
+            seed.wrapping_add(c),
+            seen.clone(),
+            stop.clone(),
+        )));
+    }
+    let mut rng = Rng(seed);
+    let end = Instant::now() + duration();
+    while Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(12_000 + rng.below(10_000))).await;
+        if Instant::now() >= end {
+            break;
+        }
+        let outage = Duration::from_millis(2_000 + rng.below(3_000));
+        health.set(false);
+        let event = match rng.below(4) {
+            0 | 1 => {
+                let i = rng.below(w.webhooks.len() as u64) as usize;
+                w.stop_replica(i);
+                tokio::time::sleep(outage).await;
+                w.start_replica(i).await;
+                format!("webhook replica {i} killed for {outage:?}")
+            }
+            2 => {
+                w.tdx.agent.proc.kill();
+                tokio::time::sleep(outage).await;
+                w.restart_agent(Tee::Tdx).await;
+                format!("the TDX node's agent killed for {outage:?}")
+            }
+            _ => {
+                w.cluster
+                    .cp
+                    .stop_second()
+                    .await
+                    .expect("stop an API server");
+                tokio::time::sleep(outage).await;
+                w.cluster
+                    .cp
+                    .restart_second()
+                    .await
+                    .expect("the API server comes back");
+                format!(
+                    "the second API server (the scheduler's, a replica's watches) stopped for {outage:?}"
+                )
+            }
+        };
+        health.set(true);
+        lock(&seen).events.push(event);
+    }
+    stop.store(true, Ordering::SeqCst);
+    for c in clients {
+        let _ = c.await;
+    }
+    // Quiet: every VMI gone, then the TTL; no replica may hold a key any more.
+    let api = vmis::api(&w.cluster.client, &w.ns, "VirtualMachineInstance");
+    let _ = api
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await;
+    let pods: Api<Pod> = Api::namespaced(w.cluster.client.clone(), &w.ns);
+    let gone = w
+        .cluster
+        .wait_for_within(
+            "every launcher pod gone",
+            Duration::from_secs(120),
+            || async {
+                pods.list(&ListParams::default().labels("kubevirt.io=virt-launcher"))
+                    .await
+                    .ok()
+                    .filter(|l| l.items.is_empty())
+            },
+        )
+        .await;
+    assert!(gone.is_ok(), "{gone:?}\n{}", w.diagnostics());
+    stop.store(true, Ordering::SeqCst);
+    let _ = sampler.await;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let holds_left = loop {
+        let mut holds_left = 0.0;
+        for r in w.webhooks.iter().flatten() {
+            let text = r.metrics().await;
+            holds_left += Scrape::parse(&text).sum("teeguard_webhook_holds", &[]);
+        }
+        if holds_left == 0.0 || Instant::now() >= deadline {
+            break holds_left;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let s = lock(&seen);
+    eprintln!(
+        "chaos figures: {} VMIs created, {} started, {} refused at least once; longest from a key free \
+         to its VMI's pod bound {:?}; overcommits {}; VMIs left waiting beside a free key {}; holds left \
+         {holds_left}; events: {:?}",
+        s.created,
+        s.started.len(),
+        s.refused.len(),
+        s.longest_free_to_bound,
+        s.overcommits.len(),
+        s.left_waiting.len(),
+        s.events
+    );
+    assert!(s.overcommits.is_empty(), "overcommits: {:?}", s.overcommits);
+    assert!(
+        s.left_waiting.is_empty(),
+        "VMIs left waiting beside a free key: {:?}\n{}",
+        s.left_waiting,
+        w.diagnostics()
+    );
+    assert_eq!(holds_left, 0.0, "holds left behind");
+    assert!(
+        s.started.len() >= 4 && !s.refused.is_empty(),
+        "the run exercised the keys: {s:?}"
+    );
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One client: create a VMI of a random kind, keep it a random while, delete it; again until `stop`.
+async fn client(
+    kube: kube::Client,
+    ns: String,
+    id: u64,
+    seed: u64,
+    seen: Arc<Mutex<Seen>>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut rng = Rng(seed);
+    let api = vmis::api(&kube, &ns, "VirtualMachineInstance");
+    let mut n = 0;
+    while !stop.load(Ordering::SeqCst) {
+        n += 1;
+        let tee = if rng.below(2) == 0 {
+            Tee::Tdx
+        } else {
+            Tee::Snp
+        };
+        let name = format!("c{id}-{n:03}-{}", tee.slug());
+        if vmis::create(&kube, &ns, &vmis::vmi(&name, tee, Size::SMALL))
+            .await
+            .is_ok()
+        {
+            lock(&seen).created += 1;
+        }
+        let keep = Duration::from_millis(3_000 + rng.below(20_000));
+        let until = Instant::now() + keep;
+        while Instant::now() < until && !stop.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let _ = api.delete(&name, &DeleteParams::default()).await;
+    }
+}
+
+/// Every 250 ms, from the API server: pods bound per node against its keys; VMIs waiting beside a free
+/// key of their kind; which VMIs started or were refused; from a key showing free to a waiting VMI's
+/// pod bound.
+async fn sample(
+    kube: kube::Client,
+    ns: String,
+    capacity: BTreeMap<String, u64>,
+    seen: Arc<Mutex<Seen>>,
+    health: Arc<Health>,
+    stop: Arc<AtomicBool>,
+) {
+    let pods: Api<Pod> = Api::namespaced(kube.clone(), &ns);
+    let reports: Api<TeeCapacity> = Api::all(kube.clone());
+    let vmis = vmis::api(&kube, &ns, "VirtualMachineInstance");
+    // When each node's report first showed a key free (cleared once none is), and when each waiting
+    // VMI was first seen beside one.
+    let mut free_since: BTreeMap<String, Instant> = BTreeMap::new();
+    let mut beside: BTreeMap<String, Instant> = BTreeMap::new();
+    let mut bound_seen: BTreeSet<String> = BTreeSet::new();
+    while !stop.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let (Ok(p), Ok(r), Ok(v)) = (
+            pods.list(&ListParams::default().labels("kubevirt.io=virt-launcher"))
+                .await,
+            reports.list(&ListParams::default()).await,
+            vmis.list(&ListParams::default()).await,
+        ) else {
+            continue;
+        };
+        let now = Instant::now();
+        // Pods bound per node (terminating ones still hold their key).
+        let mut bound: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for pod in &p.items {
+            let ended = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.as_deref())
+                .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
+            if let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone())
+                && !ended
+            {
+                let vmi = pod
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get("kubevirt.io/domain").cloned())
+                    .unwrap_or_default();
+                bound.entry(node).or_default().push(vmi);
+            }
+        }
+        let mut s = lock(&seen);
+        for (node, vmis) in &bound {
+            let keys = capacity.get(node).copied().unwrap_or(0);
+            if vmis.len() as u64 > keys {
+                s.overcommits.push(format!(
+                    "{node}: {} pods bound for {keys} keys: {vmis:?}",
+                    vmis.len()
+                ));
+            }
+            for v in vmis {
+                if bound_seen.insert(v.clone()) {
+                    // From the moment its node showed a free key to its pod bound.
+                    if let Some(since) = free_since.get(node) {
+                        let took = now.saturating_duration_since(*since);
+                        s.longest_free_to_bound = s.longest_free_to_bound.max(took);
+                    }
+                }
+                if super::running_named(&p.items, v) {
+                    s.started.insert(v.clone());
+                }
+            }
+        }
+        // Free keys per kind, from the reports.
+        let mut free_kind: BTreeMap<TeeKind, bool> = BTreeMap::new();
+        for c in &r.items {
+            let node = c.metadata.name.clone().unwrap_or_default();
+            let free = c.status.as_ref().is_some_and(|st| {
+                [TeeKind::Tdx, TeeKind::SevEs]
+                    .iter()
+                    .any(|k| st.kind(*k).is_some_and(|k| k.free > 0))
+            });
+            if free {
+                free_since.entry(node.clone()).or_insert(now);
+            } else {
+                free_since.remove(&node);
+            }
+            if let Some(st) = &c.status {
+                for k in [TeeKind::Tdx, TeeKind::SevEs] {
+                    if st.kind(k).is_some_and(|k| k.free > 0) {
+                        free_kind.insert(k, true);
+                    }
+                }
+            }
+        }
+        // VMIs waiting with teeguard's refusal, no pod.
+        let mut waiting_now = BTreeSet::new();
+        for vmi in &v.items {
+            let name = vmi.metadata.name.clone().unwrap_or_default();
+            let refused = vmi.data["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| {
+                    c["type"] == "Synchronized"
+                        && c["message"]
+                            .as_str()
+                            .is_some_and(|m| m.ends_with(WILL_START))
+                });
+            let has_pod = p.items.iter().any(|pod| {
+                pod.metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get("kubevirt.io/domain"))
+                    == Some(&name)
+            });
+            if refused {
+                s.refused.insert(name.clone());
+            }
+            let kind = if name.ends_with("tdx") {
+                TeeKind::Tdx
+            } else {
+                TeeKind::SevEs
+            };
+            if refused && !has_pod && free_kind.get(&kind).copied().unwrap_or(false) {
+                waiting_now.insert(name.clone());
+                let since = *beside.entry(name.clone()).or_insert(now);
+                if now.saturating_duration_since(since) > LEFT_BOUND
+                    && health.up_for(LEFT_BOUND + BIND_BOUND)
+                {
+                    s.left_waiting.push(format!(
+                        "{name} waited {:?} beside a free {kind:?} key",
+                        now.saturating_duration_since(since)
+                    ));
+                    beside.insert(name.clone(), now);
+                }
+            }
+        }
+        beside.retain(|n, _| waiting_now.contains(n));
+        if !health.up_for(Duration::ZERO) {
+            beside.clear();
+        }
+    }
+}
