@@ -43,7 +43,8 @@ struct Seen {
     overcommits: Vec<String>,
     /// VMIs left waiting beside a free key.
     left_waiting: Vec<String>,
-    /// The longest time from a key showing free to a waiting VMI's pod bound.
+    /// The longest time from a key showing free (or the VMI's refusal, if later) to a waiting VMI's
+    /// pod bound.
     longest_free_to_bound: Duration,
     /// Chaos events done.
     events: Vec<String>,
@@ -295,6 +296,8 @@ async fn sample(
     let mut free_since: BTreeMap<String, Instant> = BTreeMap::new();
     let mut beside: BTreeMap<String, Instant> = BTreeMap::new();
     let mut bound_seen: BTreeSet<String> = BTreeSet::new();
+    // When each VMI was first seen refused by teeguard.
+    let mut refused_at: BTreeMap<String, Instant> = BTreeMap::new();
     while !stop.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let (Ok(p), Ok(r), Ok(v)) = (
@@ -337,9 +340,10 @@ async fn sample(
             }
             for v in vmis {
                 if bound_seen.insert(v.clone()) {
-                    // From the moment its node showed a free key to its pod bound.
-                    if let Some(since) = free_since.get(node) {
-                        let took = now.saturating_duration_since(*since);
+                    // A VMI that waited: from the moment its node showed a free key (or it was
+                    // refused, if later) to its pod bound.
+                    if let (Some(free), Some(refused)) = (free_since.get(node), refused_at.get(v)) {
+                        let took = now.saturating_duration_since(*free.max(refused));
                         s.longest_free_to_bound = s.longest_free_to_bound.max(took);
                     }
                 }
@@ -393,6 +397,7 @@ async fn sample(
             });
             if refused {
                 s.refused.insert(name.clone());
+                refused_at.entry(name.clone()).or_insert(now);
             }
             let kind = if name.ends_with("tdx") {
                 TeeKind::Tdx

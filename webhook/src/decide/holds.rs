@@ -16,8 +16,9 @@
 //! One end rule ([`crate::decide::index::Index::end`]), whichever replica asks:
 //! - [`End::Counted`]: the node's report lists the pod in `countedPods` (or a report ever did, as far
 //!   as this replica saw): its key is in the report's figures now;
-//! - [`End::PodGone`]: the pod was deleted, ended, or (a virt-launcher pod) never appeared in the
-//!   pod cache within [`POD_GRACE`] (a CREATE another webhook refused after teeguard admitted it);
+//! - [`End::PodGone`]: the pod was deleted, ended, or (a virt-launcher pod) is not in the synced pod
+//!   cache [`POD_GRACE`] after the hold was written or first seen here (deleted before this replica
+//!   started, or a CREATE another webhook refused after teeguard admitted it);
 //! - [`End::VmiDone`]: a promise's VMI was deleted or has a pod now (its own hold holds the key);
 //! - [`End::Moved`]: the pod is bound to another node, or (an `Admitted` hold) a `Bound` hold of the
 //!   pod exists on another node;
@@ -61,26 +62,6 @@ impl<'a> Claimant<'a> {
             !self.vmi_uid.is_empty() && hold.vmi_uid == self.vmi_uid
         } else {
             !self.pod_uid.is_empty() && hold.pod_uid == self.pod_uid
-        }
-    }
-}
-
-/// Who a hold is for, as a key: its pod, or (a promise) its VMI.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Holder {
-    /// A pod's UID.
-    Pod(String),
-    /// A VMI's UID (a key promised to it).
-    Vmi(String),
-}
-
-impl Holder {
-    /// Who `hold` is for.
-    pub fn of(hold: &KeyReservation) -> Holder {
-        if hold.pod_uid.is_empty() {
-            Holder::Vmi(hold.vmi_uid.clone())
-        } else {
-            Holder::Pod(hold.pod_uid.clone())
         }
     }
 }
@@ -217,7 +198,6 @@ mod tests {
         h.add(&hold("", "v3"));
         assert_eq!(h.pods, KeyRequests::from([(TeeKind::Tdx, 1)]));
         assert_eq!(h.promised, KeyRequests::from([(TeeKind::Tdx, 2)]));
-        assert_eq!(Holder::of(&hold("", "v3")), Holder::Vmi("v3".into()));
     }
 
     #[test]

@@ -14,6 +14,12 @@ impl Index {
     pub fn end(&self, node: &str, e: &KeyReservation, now: Timestamp) -> Option<End> {
         let seen = self.first_seen(node, e).unwrap_or(now);
         let held_for = age(now, seen);
+        let written = age(now, e.admitted_at.0);
+        // A pod (or a promise's VMI) the synced cache does not have, POD_GRACE after the hold was
+        // written (its writer's clock, within the grace of this replica's) or first seen here: it
+        // would be in the cache if it existed (its creation follows the hold's write by milliseconds).
+        // A replica that starts after a pod was deleted thus ends its hold at once, not POD_GRACE later.
+        let unseen_long = self.synced && (held_for >= POD_GRACE || written >= POD_GRACE);
         if e.pod_uid.is_empty() {
             // A key promised to a VMI: until the VMI has a pod (whose own hold holds the key) or is gone.
             if self.gone_vmis.contains_key(&e.vmi_uid) {
@@ -21,7 +27,7 @@ impl Index {
             }
             match self.vmis.get(&e.vmi_uid) {
                 Some(v) if !v.pending => return Some(End::VmiDone),
-                None if self.synced && held_for >= POD_GRACE => return Some(End::VmiDone),
+                None if unseen_long => return Some(End::VmiDone),
                 _ => {}
             }
         } else {
@@ -37,7 +43,7 @@ impl Index {
                     return Some(End::Moved);
                 }
                 // Only virt-launcher pods are watched: another pod's hold ends by its count or the TTL.
-                None if !e.vmi_uid.is_empty() && self.synced && held_for >= POD_GRACE => {
+                None if !e.vmi_uid.is_empty() && unseen_long => {
                     return Some(End::PodGone);
                 }
                 _ => {}
@@ -49,7 +55,6 @@ impl Index {
         // The TTL counts from the write (the writer's clock: a replica that started after it, or saw
         // it late, ends it as the others do) but never sooner than POD_GRACE after this replica first
         // saw it (a writer's clock far behind ends nothing early); and at the latest from then.
-        let written = age(now, e.admitted_at.0);
         let expired = held_for >= self.ttl || (written >= self.ttl && held_for >= POD_GRACE);
         expired.then_some(End::Expired)
     }
@@ -102,7 +107,10 @@ impl Index {
                     continue;
                 }
                 let written = after(self.ttl, e.admitted_at.0).map(|t| t.max(*seen + POD_GRACE));
-                for t in [after(POD_GRACE, *seen), after(self.ttl, *seen), written]
+                let grace = [after(POD_GRACE, *seen), after(POD_GRACE, e.admitted_at.0)];
+                for t in grace
+                    .into_iter()
+                    .chain([after(self.ttl, *seen), written])
                     .into_iter()
                     .flatten()
                 {
