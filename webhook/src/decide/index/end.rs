@@ -107,13 +107,13 @@ impl Index {
                     continue;
                 }
                 let written = after(self.ttl, e.admitted_at.0).map(|t| t.max(*seen + POD_GRACE));
-                let grace = [after(POD_GRACE, *seen), after(POD_GRACE, e.admitted_at.0)];
-                for t in grace
-                    .into_iter()
-                    .chain([after(self.ttl, *seen), written])
-                    .into_iter()
-                    .flatten()
-                {
+                let deadlines = [
+                    after(POD_GRACE, *seen),
+                    after(POD_GRACE, e.admitted_at.0),
+                    after(self.ttl, *seen),
+                    written,
+                ];
+                for t in deadlines.into_iter().flatten() {
                     next = Some(next.map_or(t, |n| n.min(t)));
                 }
             }
