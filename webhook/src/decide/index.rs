@@ -124,11 +124,6 @@ impl Index {
         }
     }
 
-    /// The TTL.
-    pub fn ttl(&self) -> Duration {
-        self.ttl
-    }
-
     // ---- applied by the watches ----
 
     /// Every watched kind has been listed once: a virt-launcher pod or VMI missing now is really
@@ -445,11 +440,6 @@ impl Index {
     /// Every VMI the index knows, by UID.
     pub fn vmis(&self) -> impl Iterator<Item = (&str, &VmiState)> {
         self.vmis.iter().map(|(u, v)| (u.as_str(), v))
-    }
-
-    /// Whether VMI `uid` waits on teeguard.
-    pub fn is_waiting(&self, uid: &str) -> bool {
-        self.vmis.get(uid).is_some_and(|v| v.waiting.is_some())
     }
 
     /// The node `name`'s report and Lease.

@@ -94,32 +94,9 @@ impl CacheBuilder {
             // Only fails if the writer is dropped, i.e. the cache is shutting down.
             let _ = ready.wait_for(|r| *r).await;
         }));
-        // Jittered, capped at WATCH_BACKOFF_MAX: caches are current again within seconds of an API
-        // server outage (kube's default backoff grows to about a minute), and replicas re-list at
-        // different moments.
-        let stream = watcher(api, config)
-            .backoff(Backoff::new(WATCH_BACKOFF_INITIAL, WATCH_BACKOFF_MAX))
-            .modify(move |o: &mut K| {
-                o.managed_fields_mut().clear();
-                o.annotations_mut().remove(LAST_APPLIED);
-            });
-        let metrics = self.metrics.clone();
-        let shutdown = self.shutdown.clone();
-        self.tasks.spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    event = stream.next() => match event {
-                        Some(Ok(event)) => {
-                            writer.apply(event);
-                            metrics.set_cache_objects(name, writer.len());
-                        }
-                        Some(Err(e)) => tracing::warn!(cache = name, error = %e, "watch failed; retrying with backoff"),
-                        None => break,
-                    }
-                }
-            }
+        self.spawn(name, api, config, move |event| {
+            writer.apply(event);
+            writer.len()
         });
         store
     }
@@ -140,6 +117,52 @@ impl CacheBuilder {
         self.ready.push(Box::pin(async move {
             let _ = ready.wait_for(|r| *r).await;
         }));
+        // The names stored, to tell a re-list which vanished.
+        let mut names = std::collections::HashSet::new();
+        let mut listed: Option<std::collections::HashSet<String>> = None;
+        self.spawn(name, api, config, move |event| {
+            match event {
+                watcher::Event::Init => listed = Some(Default::default()),
+                watcher::Event::InitApply(o) => {
+                    listed.get_or_insert_default().insert(o.name_any());
+                    sink.apply(o);
+                }
+                watcher::Event::InitDone => {
+                    let fresh = listed.take().unwrap_or_default();
+                    for gone in names.difference(&fresh) {
+                        sink.delete(gone);
+                    }
+                    names = fresh;
+                    ready_tx.send_replace(true);
+                }
+                watcher::Event::Apply(o) => {
+                    names.insert(o.name_any());
+                    sink.apply(o);
+                }
+                watcher::Event::Delete(o) => {
+                    let gone = o.name_any();
+                    names.remove(&gone);
+                    sink.delete(&gone);
+                }
+            }
+            names.len()
+        });
+    }
+
+    /// Run a watch over `api`, handing each event to `apply` (which returns the objects held, for
+    /// the gauge), until shutdown. Jittered backoff capped at [`WATCH_BACKOFF_MAX`]: caches are current
+    /// again within seconds of an API server outage (kube's default backoff grows to about a minute),
+    /// and replicas re-list at different moments.
+    fn spawn<K>(
+        &mut self,
+        name: &'static str,
+        api: Api<K>,
+        config: watcher::Config,
+        mut apply: impl FnMut(watcher::Event<K>) -> usize + Send + 'static,
+    ) where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+    {
         let stream = watcher(api, config)
             .backoff(Backoff::new(WATCH_BACKOFF_INITIAL, WATCH_BACKOFF_MAX))
             .modify(move |o: &mut K| {
@@ -150,43 +173,18 @@ impl CacheBuilder {
         let shutdown = self.shutdown.clone();
         self.tasks.spawn(async move {
             let mut stream = std::pin::pin!(stream);
-            // The names stored, to tell a re-list which vanished.
-            let mut names = std::collections::HashSet::new();
-            let mut listed: Option<std::collections::HashSet<String>> = None;
             loop {
                 let event = tokio::select! {
                     _ = shutdown.cancelled() => break,
                     event = stream.next() => event,
                 };
                 match event {
-                    Some(Ok(watcher::Event::Init)) => listed = Some(Default::default()),
-                    Some(Ok(watcher::Event::InitApply(o))) => {
-                        listed.get_or_insert_default().insert(o.name_any());
-                        sink.apply(o);
-                    }
-                    Some(Ok(watcher::Event::InitDone)) => {
-                        let fresh = listed.take().unwrap_or_default();
-                        for gone in names.difference(&fresh) {
-                            sink.delete(gone);
-                        }
-                        names = fresh;
-                        ready_tx.send_replace(true);
-                    }
-                    Some(Ok(watcher::Event::Apply(o))) => {
-                        names.insert(o.name_any());
-                        sink.apply(o);
-                    }
-                    Some(Ok(watcher::Event::Delete(o))) => {
-                        let gone = o.name_any();
-                        names.remove(&gone);
-                        sink.delete(&gone);
-                    }
+                    Some(Ok(event)) => metrics.set_cache_objects(name, apply(event)),
                     Some(Err(e)) => {
                         tracing::warn!(cache = name, error = %e, "watch failed; retrying with backoff");
                     }
                     None => break,
                 }
-                metrics.set_cache_objects(name, names.len());
             }
         });
     }

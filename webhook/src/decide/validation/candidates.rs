@@ -78,7 +78,8 @@ impl<'r> CandidateScan<'r> {
     }
 
     /// Offer an already assessed candidate (for `requests` of this scan).
-    pub fn offer_assessed(&mut self, a: NodeAssessment) -> ControlFlow<()> {
+    #[cfg(test)]
+    pub(crate) fn offer_assessed(&mut self, a: NodeAssessment) -> ControlFlow<()> {
         if a.scheduler_allocates {
             self.dra = true;
             let node = a.node.clone();
@@ -124,12 +125,14 @@ impl<'r> CandidateScan<'r> {
     }
 
     /// Candidates offered so far.
-    pub fn offered(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn offered(&self) -> usize {
         self.total
     }
 
     /// Whether some offered candidate fits.
-    pub fn fits(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn fits(&self) -> bool {
         self.fits
     }
 

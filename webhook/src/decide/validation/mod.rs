@@ -533,8 +533,10 @@ pub fn decide_on_node(
 }
 
 /// The verdict for a pod not bound yet: admitted when some candidate node (matching its node selector
-/// and required affinity) has the keys. The same as feeding each candidate to a [`CandidateScan`].
-pub fn decide_candidates(
+/// and required affinity) has the keys. The same as feeding each candidate to a [`CandidateScan`]
+/// (the tests' way to state a scan's verdict).
+#[cfg(test)]
+pub(crate) fn decide_candidates(
     requests: &KeyRequests,
     candidates: Vec<NodeAssessment>,
     policy: StalePolicy,
