@@ -12,7 +12,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step is stamped with the time (UTC) and the seconds since the start, so a slow CI run says where.
+STARTED=$SECONDS
+step() { printf '\n==> %s  [%s, +%ss]\n' "$*" "$(date -u +%H:%M:%S)" "$((SECONDS - STARTED))"; }
 
 step "toolchain"
 if ! command -v cargo >/dev/null 2>&1; then
@@ -77,3 +79,4 @@ fi
 
 step "tests (cargo test --workspace)"
 cargo test --workspace --locked --no-fail-fast
+step "done"

@@ -8,7 +8,8 @@
 //!   an unknown key with the list of keys it accepts at that place, so asking it with a made-up key at
 //!   every level finds them all, and a new field without a row fails here;
 //! - `docs/cli.md` names every flag of `teeguard-webhook` and `teeguard-agent` (their clap definitions);
-//! - the README's Development section names the test command.
+//! - the README's Development section names the test command;
+//! - the source files the docs, the crates' module docs and the chart's comments name exist.
 
 use std::collections::BTreeSet;
 use std::path::{Component, Path, PathBuf};
@@ -303,6 +304,175 @@ fn relative_links_in_the_docs_point_at_existing_files_and_headings() {
         "{} broken links:\n{}",
         broken.len(),
         broken.join("\n")
+    );
+}
+
+// ---- source files named in the docs ----
+
+/// Every file of the repository (relative, `/`-separated), build output and installed tools left out.
+fn repository_files() -> Vec<String> {
+    fn walk(dir: &Path, rel: &str, out: &mut Vec<String>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if rel.is_empty() && matches!(name.as_str(), "target" | ".tools" | ".git") {
+                continue;
+            }
+            let path = if rel.is_empty() {
+                name.clone()
+            } else {
+                format!("{rel}/{name}")
+            };
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                walk(&entry.path(), &path, out);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&root(), "", &mut out);
+    out
+}
+
+/// The source file names (`holds.rs`, `cluster/retry.rs`, `scripts/test.sh`) in the inline code spans
+/// of `text`'s lines: the words of a span that end in `.rs` or `.sh` (a `:line` suffix dropped).
+fn named_source_files(lines: &[(usize, &str)]) -> Vec<(usize, String)> {
+    let mut names = Vec::new();
+    for (line_no, line) in lines {
+        for span in line.split('`').skip(1).step_by(2) {
+            for word in span.split(|c: char| c.is_whitespace() || matches!(c, ',' | '(' | ')')) {
+                let word = word
+                    .split(':')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start_matches("./");
+                let is_file = word.ends_with(".rs") || word.ends_with(".sh");
+                let plain = word
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '/'));
+                if is_file && plain && !word.contains('*') && word.len() > 3 {
+                    names.push((*line_no, word.to_string()));
+                }
+            }
+        }
+    }
+    names
+}
+
+/// The lines of the module docs (`//!`) of every crate's sources and of the chart's template comments,
+/// with the file each comes from.
+fn module_doc_lines() -> Vec<(String, usize, String)> {
+    let mut out = Vec::new();
+    for file in repository_files() {
+        let rust = file.ends_with(".rs")
+            && ["shared/", "webhook/", "agent/", "certs/", "tests/"]
+                .iter()
+                .any(|c| file.starts_with(c));
+        let chart = file.starts_with("charts/") && file.ends_with(".yaml");
+        if !rust && !chart {
+            continue;
+        }
+        let text = read(&file);
+        for (i, line) in text.lines().enumerate() {
+            let trimmed = line.trim_start();
+            let doc = if rust {
+                trimmed.strip_prefix("//!")
+            } else {
+                trimmed.strip_prefix('#')
+            };
+            if let Some(doc) = doc {
+                out.push((file.clone(), i + 1, doc.to_string()));
+            }
+        }
+    }
+    out
+}
+
+/// Whether `name` is a file of the repository (a path ending in it, at a `/`) or of the reference
+/// material beside it (`../shared/`: the kits' scripts such as tee-vm's `run.sh`), or names a file
+/// inside a guest (an absolute path such as `/host/cmd.sh`, or `cmd.sh`, the session script the test kit
+/// writes there).
+fn is_known_file(files: &[String], reference: &[String], name: &str) -> bool {
+    if name.starts_with('/') || name == "cmd.sh" {
+        return true;
+    }
+    if let Some(rel) = name.strip_prefix("../shared/") {
+        return reference.iter().any(|f| f == rel);
+    }
+    let suffix = format!("/{name}");
+    files
+        .iter()
+        .chain(reference)
+        .any(|f| f == name || f.ends_with(&suffix))
+}
+
+/// The files of `../shared/` (relative to it), or none where it is not beside the repository.
+fn reference_files() -> Vec<String> {
+    let dir = root().join("../shared");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            for inner in std::fs::read_dir(entry.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                out.push(format!("{name}/{}", inner.file_name().to_string_lossy()));
+            }
+        } else {
+            out.push(name);
+        }
+    }
+    out
+}
+
+#[test]
+fn source_files_named_in_the_docs_and_module_docs_exist() {
+    let files = repository_files();
+    let reference = reference_files();
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for file in markdown_files() {
+        let text = read(&file);
+        for (line_no, name) in named_source_files(&prose_lines(&text)) {
+            checked += 1;
+            if !is_known_file(&files, &reference, &name) {
+                missing.push(format!("{file}:{line_no}: `{name}`"));
+            }
+        }
+    }
+    for (file, line_no, doc) in module_doc_lines() {
+        // A chart comment names files as plain words (`# webhook/src/cluster/holds.rs: ...`).
+        let line = if file.starts_with("charts/") {
+            doc.split_whitespace()
+                .filter(|w| w.contains("src/"))
+                .map(|w| format!("`{}`", w.trim_end_matches([':', ',', '.'])))
+                .collect::<Vec<_>>()
+                .join(" ")
+        } else {
+            doc
+        };
+        for (_, name) in named_source_files(&[(line_no, line.as_str())]) {
+            checked += 1;
+            if !is_known_file(&files, &reference, &name) {
+                missing.push(format!("{file}:{line_no}: `{name}`"));
+            }
+        }
+    }
+    assert!(
+        checked > 50,
+        "only {checked} file names found in the docs: is named_source_files broken?"
+    );
+    assert!(
+        missing.is_empty(),
+        "{} file names in the docs name no file of the repository (renamed or removed?): fix the \
+         name or the doc:\n{}",
+        missing.len(),
+        missing.join("\n")
     );
 }
 

@@ -91,11 +91,16 @@ impl Rng {
     }
 }
 
-/// Chaos for [`duration`] on two nodes (2 TDX keys, 2 SEV-ES keys), 2 webhook replicas behind the
-/// balancer, two API servers: no node ever gets more pods than keys, no VMI is left waiting beside a
-/// free key while everything is up, and once the VMIs are gone no replica holds a key.
+/// Chaos for [`duration`] on two nodes (2 TDX keys, 2 SEV-ES keys), 3 webhook replicas behind the
+/// balancer (the other KubeVirt tests run the chart's 2), two API servers: no node ever gets more pods
+/// than keys, no VMI is left waiting beside a free key while everything is up, and once the VMIs are
+/// gone no replica holds a key.
 pub async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart() {
-    let Some(mut w) = KubeVirtWorld::start("kv-chaos", Options::keys(2, 2)).await else {
+    let options = Options {
+        replicas: 3,
+        ..Options::keys(2, 2)
+    };
+    let Some(mut w) = KubeVirtWorld::start("kv-chaos", options).await else {
         return;
     };
     let seed = std::env::var("TEEGUARD_CHAOS_SEED")
