@@ -66,9 +66,12 @@ if [ -z "${SKIP_LINT:-}" ]; then
   cargo clippy --workspace --all-targets --locked -- -D warnings
 fi
 
-step "images (scripts/images.sh: release binaries, buildah from Debian, OCI archives in .tools/images)"
+step "images (scripts/images.sh: binaries of the ci profile, buildah from Debian, OCI archives in .tools/images)"
+# The ci profile (Cargo.toml: release without LTO, opt-level 1) halves the optimised build; the kernel
+# tests hand a guest the same binaries (TEEGUARD_OPTIMISED_PROFILE).
+export TEEGUARD_OPTIMISED_PROFILE=ci
 if [ "$(id -u)" = 0 ] || command -v buildah >/dev/null 2>&1; then
-  bash scripts/images.sh
+  PROFILE=ci bash scripts/images.sh
   export TEEGUARD_IMAGES="$PWD/.tools/images"
 elif [ "${CI:-}" = true ]; then
   echo "images: buildah needs root (or an installed buildah) and CI=true requires the image tests" >&2

@@ -166,13 +166,49 @@ async fn run(cp: &'static ControlPlane) {
             .await
             .expect("API server metrics")
     };
+    // What one TeeReservation write costs on its own, from this process's client (a probe object of
+    // a node that does not exist, so no replica reads it): the floor of teeguard's hold write.
+    {
+        use teeguard_shared::reservation::{TeeReservation, TeeReservationSpec};
+        let api = Api::<TeeReservation>::all(cluster.client.clone());
+        let mut obj = api
+            .create(
+                &PostParams::default(),
+                &TeeReservation::new(
+                    "lat-probe",
+                    TeeReservationSpec {
+                        node_name: "lat-probe".into(),
+                        reservations: Vec::new(),
+                    },
+                ),
+            )
+            .await
+            .expect("probe TeeReservation");
+        let mut took = Vec::new();
+        for _ in 0..50 {
+            let t = Instant::now();
+            obj = api
+                .replace("lat-probe", &PostParams::default(), &obj)
+                .await
+                .expect("probe replace");
+            took.push(t.elapsed());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        took.sort();
+        println!(
+            "one TeeReservation PUT from the bench's client, 50 in a row: p50 {:.2?}, max {:.2?}",
+            took[25], took[49]
+        );
+    }
     // Warm-up (connections to both webhooks, caches), then the measured run.
     send(&cluster, &templates, 10, rate).await;
     let before = metrics().await;
+    let webhook_before = webhook.metrics().await;
     let started = Instant::now();
     send(&cluster, &templates, pods_per_side, rate).await;
     let took = started.elapsed();
     let after = metrics().await;
+    let webhook_after = webhook.metrics().await;
 
     section(&format!(
         "Admission latency seen by kube-apiserver ({} {}): {pods_per_side} pod CREATEs per side at \
@@ -202,6 +238,21 @@ async fn run(cp: &'static ControlPlane) {
             by_role.insert((hook, side), h);
         }
     }
+    // The part of teeguard's /validate that is its hold's write (one per TEE launcher CREATE), as the
+    // webhook itself measures it.
+    let write = |m: &str| {
+        Scrape::parse(m)
+            .histogram("teeguard_webhook_hold_write_duration_seconds", &[])
+            .unwrap_or_default()
+    };
+    let writes = write(&webhook_after).minus(&write(&webhook_before));
+    println!(
+        "teeguard's hold writes (its own histogram): {} writes, mean {:.2?}, p50 {:.2?}, p99 {:.2?}",
+        writes.count,
+        mean(&writes),
+        quantile(&writes, 0.50),
+        quantile(&writes, 0.99)
+    );
     for hook in ["mutate.pods.teeguard.dev", "validate.pods.teeguard.dev"] {
         let (Some(t), Some(f)) = (
             by_role.get(&(hook.to_string(), "teeguard")),
@@ -230,17 +281,32 @@ async fn run(cp: &'static ControlPlane) {
     }
 }
 
-/// Create `n` pods per side from `templates`, alternating sides, at `rate` per second per side.
+/// Create `n` pods per side from `templates`, alternating sides, at `rate` per second per side. Each
+/// pod is deleted once created (on every side alike), as a launcher pod is once its VM ends: teeguard's
+/// hold of a deleted pod ends, so its node's `TeeReservation` holds the few keys of the pods in flight,
+/// not the whole run's (300 pods never bound would hold 300 keys for the TTL, and each write would
+/// rewrite them all).
 async fn send(cluster: &Cluster, templates: &[(String, Pod)], n: usize, rate: f64) {
     let interval = Duration::from_secs_f64(1.0 / (rate * templates.len() as f64));
     let mut tick = tokio::time::interval(interval);
+    let mut deletions = tokio::task::JoinSet::new();
     for _ in 0..n {
         for (ns, pod) in templates {
             tick.tick().await;
-            Api::<Pod>::namespaced(cluster.client.clone(), ns)
+            let api = Api::<Pod>::namespaced(cluster.client.clone(), ns);
+            let created = api
                 .create(&PostParams::default(), pod)
                 .await
                 .unwrap_or_else(|e| panic!("pod CREATE in {ns}: {e}"));
+            let name = created.metadata.name.expect("a created pod has a name");
+            deletions.spawn(async move {
+                api.delete(&name, &kube::api::DeleteParams::default().grace_period(0))
+                    .await
+                    .map(|_| ())
+            });
         }
+    }
+    while let Some(done) = deletions.join_next().await {
+        done.expect("deletion task").expect("pod DELETE");
     }
 }

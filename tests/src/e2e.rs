@@ -329,9 +329,14 @@ pub fn binaries() -> Result<&'static Binaries> {
         .map_err(|e| E2eError::Binaries(e.clone()))
 }
 
-/// The webhook and agent binaries of the `release` profile (beside the running test executable's
-/// profile directory), built once per test process when missing or older than their sources: what the
-/// kernel tests hand a guest (`crate::teevm`), where a debug build would be slow under emulation.
+/// Names the optimised profile [`release_binaries`] takes (default `release`; `scripts/test.sh` sets
+/// `ci`, the profile it builds the images with, so a CI run builds one optimised set).
+pub const OPTIMISED_PROFILE_ENV: &str = "TEEGUARD_OPTIMISED_PROFILE";
+
+/// The webhook and agent binaries of the `release` profile (or [`OPTIMISED_PROFILE_ENV`]'s), beside the
+/// running test executable's profile directory, built once per test process when missing or older than
+/// their sources: what the kernel tests hand a guest (`crate::teevm`), where a debug build would be slow
+/// under emulation.
 pub fn release_binaries() -> Result<&'static Binaries> {
     static BINARIES: OnceLock<std::result::Result<Binaries, String>> = OnceLock::new();
     BINARIES
@@ -345,7 +350,8 @@ fn locate_or_build_release() -> Result<Binaries> {
     let target = dir
         .parent()
         .ok_or_else(|| E2eError::Binaries(format!("{} has no parent", dir.display())))?;
-    locate_or_build_in(&target.join("release"))
+    let profile = std::env::var(OPTIMISED_PROFILE_ENV).unwrap_or_else(|_| "release".to_string());
+    locate_or_build_in(&target.join(profile))
 }
 
 fn locate_or_build() -> Result<Binaries> {

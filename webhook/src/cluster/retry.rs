@@ -121,11 +121,15 @@ pub async fn promise<S: HoldStore>(
     out
 }
 
-/// Write the nodes' objects without the entries that ended for good (see
+/// How long a node's object must be left alone before the planner trims it ([`tidy`]).
+pub const TIDY_AFTER: Duration = Duration::from_secs(5);
+
+/// Write the objects unchanged for `quiet` without the entries that ended for good (see
 /// [`crate::decide::admit::untidy`]). Returns whether some write failed.
 pub async fn tidy<S: HoldStore>(
     index: &KeyIndex,
     store: Option<&S>,
+    quiet: Duration,
     within: Duration,
     metrics: Option<&Metrics>,
 ) -> bool {
@@ -134,7 +138,7 @@ pub async fn tidy<S: HoldStore>(
     }
     let nodes = {
         let ix = index.read();
-        admit::untidy(&ix, index.now())
+        admit::untidy(&ix, index.now(), quiet)
     };
     let mut failed = false;
     for node in nodes {
@@ -257,6 +261,7 @@ impl Retrier {
         let untidy = tidy(
             &self.index,
             self.store.as_ref(),
+            TIDY_AFTER,
             self.api_timeout,
             Some(&self.metrics),
         )

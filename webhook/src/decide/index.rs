@@ -49,6 +49,8 @@ pub struct NodeState {
     pub holds: Option<Arc<TeeReservation>>,
     /// When this replica first saw each of its entries (same order).
     seen: Vec<Timestamp>,
+    /// When this replica last saw the object change (written by anyone).
+    changed: Timestamp,
     /// Holds this replica admitted here but could not write (or, with shared holds off, all of them).
     local: Vec<(KeyReservation, Timestamp)>,
 }
@@ -60,6 +62,11 @@ impl NodeState {
             && self.lease.is_none()
             && self.holds.is_none()
             && self.local.is_empty()
+    }
+
+    /// When this replica last saw the node's `TeeReservation` change.
+    pub fn changed(&self) -> Timestamp {
+        self.changed
     }
 
     /// The recorded holds (the `TeeReservation`'s entries).
@@ -217,6 +224,14 @@ impl Index {
         state
             .local
             .retain(|(l, _)| !new_entries.iter().any(|e| same_holder(e, l)));
+        let same = match (&state.holds, &obj) {
+            (Some(o), Some(n)) => version(o).is_some() && version(o) == version(n),
+            (None, None) => true,
+            _ => false,
+        };
+        if !same {
+            state.changed = now;
+        }
         state.holds = obj;
         state.seen = seen;
         self.locate(name, true);

@@ -87,7 +87,8 @@ pub fn enabled(w: &World, budget: Budget) -> Vec<Action> {
             let stale = w.config.admission.stale_report_after;
             let admit = |ix| {
                 !teeguard_webhook::decide::admit::promises(ix, |_| 1, stale, now).is_empty()
-                    || !teeguard_webhook::decide::admit::untidy(ix, now).is_empty()
+                    || !teeguard_webhook::decide::admit::untidy(ix, now, std::time::Duration::ZERO)
+                        .is_empty()
             };
             if admit(&ix) {
                 out.push(Action::Plan(r));

@@ -1046,9 +1046,16 @@ impl World {
         }
         let store = SimStore(&self.truth);
         let rep = &self.replicas[r];
+        // The model checker has no time: its planner may trim at any step (every order of it).
+        let quiet = if self.model {
+            Duration::ZERO
+        } else {
+            teeguard_webhook::cluster::retry::TIDY_AFTER
+        };
         let untidy = futures::executor::block_on(tidy(
             &rep.index,
             self.spec.shared.then_some(&store),
+            quiet,
             Duration::from_secs(2),
             None,
         ));
