@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use teeguard_shared::reservation::HoldReason::{Admitted, Bound, Promised};
 
 use super::*;
-use crate::decide::testkit::{STALE, World, hold, t0, tdx};
+use crate::decide::testkit::{STALE, World, at, hold, t0, tdx};
 
 fn ask<'a>(pod_uid: &'a str, vmi_uid: &'a str, requests: &'a KeyRequests) -> Ask<'a> {
     Ask {
@@ -304,4 +304,26 @@ fn slots_list_nodes_with_whole_vmis_worth_of_keys_by_name() {
         s.iter().map(|s| (s.node, s.vmis)).collect::<Vec<_>>(),
         [("b", 1)]
     );
+}
+
+#[test]
+fn a_node_is_trimmed_by_the_planner_only_once_its_object_was_left_alone_for_the_quiet_time() {
+    let quiet = std::time::Duration::from_secs(5);
+    let mut ix = World::default()
+        .node("n1", 2, 2)
+        .holds("n1", vec![hold("gone", "vg", Admitted)])
+        .synced()
+        .ix;
+    ix.apply_pod("gone", None, t0());
+    // Written at t0 (the world's object): the next admission's write trims it, not the planner.
+    assert!(untidy(&ix, at(4), quiet).is_empty());
+    assert_eq!(untidy(&ix, at(5), quiet), ["n1"]);
+    assert!(tidy(&ix, "n1", at(5)).is_some_and(|w| w.entries.is_empty()));
+    // Nothing ended: nothing to trim, however long the object was left alone.
+    let ix = World::default()
+        .node("n1", 2, 2)
+        .holds("n1", vec![hold("", "uid-v1", Promised)])
+        .vmi("v1", Some(0), &[])
+        .ix;
+    assert!(untidy(&ix, at(6), quiet).is_empty());
 }
