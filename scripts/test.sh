@@ -67,8 +67,8 @@ if [ -z "${SKIP_LINT:-}" ]; then
 fi
 
 step "images (scripts/images.sh: binaries of the ci profile, buildah from Debian, OCI archives in .tools/images)"
-# The ci profile (Cargo.toml: release without LTO, opt-level 1) halves the optimised build; the kernel
-# tests hand a guest the same binaries (TEEGUARD_OPTIMISED_PROFILE).
+# The ci profile (Cargo.toml: release without LTO, opt-level 1) builds faster (420 s against 526 s for
+# release here); the kernel tests hand a guest the same binaries (TEEGUARD_OPTIMISED_PROFILE).
 export TEEGUARD_OPTIMISED_PROFILE=ci
 if [ "$(id -u)" = 0 ] || command -v buildah >/dev/null 2>&1; then
   PROFILE=ci bash scripts/images.sh

@@ -518,7 +518,8 @@ impl Index {
 
 impl Index {
     /// Feed everything the index holds, in a canonical order, to `h`: two indexes that decide alike
-    /// hash alike (the simulation's model checker merges the states it reached twice).
+    /// hash alike (the simulation's model checker merges the states it reached twice). When each
+    /// node's object last changed is left out: the model checker trims with no quiet time.
     pub fn fingerprint(&self, h: &mut impl std::hash::Hasher) {
         use std::hash::Hash;
         fn sorted<K: Ord, V>(m: &HashMap<K, V>) -> Vec<(&K, &V)> {
