@@ -13,7 +13,8 @@
 #   OUT         where the archives go (default ./.tools/images)
 #   REPO        image name prefix (default ghcr.io/teeguard, the chart's default repositories)
 #   TAG         image tag (default: the workspace version, as the chart's appVersion)
-#   PROFILE     cargo profile of the binaries (default release: the binaries a release ships)
+#   PROFILE     cargo profile of the binaries (default release: the binaries a release ships; with dev,
+#               as scripts/test.sh builds them, the image's copy is stripped of its debug info)
 #   NO_BUILD=1  use the binaries already in target/<profile> (scripts/test.sh builds them first)
 #   CONTAINERD  a containerd socket to import the archives into (namespace k8s.io); needs `ctr` on PATH
 #               or in CTR
@@ -59,6 +60,10 @@ for name in teeguard-webhook teeguard-agent; do
   bin="$target_dir/$profile_dir/$name"
   rootfs="$OUT/$name.rootfs"
   scripts/image-root.sh "$bin" "$rootfs"
+  if [ "$PROFILE" = dev ]; then
+    strip --strip-debug "$rootfs/usr/local/bin/$name" \
+      || { echo "images: strip (Debian binutils) failed on the dev binary $name" >&2; exit 1; }
+  fi
   image="$REPO/$name:$TAG"
   ctr=$("${B[@]}" from --name "$name-build-$$" scratch)
   trap '"${B[@]}" rm "$ctr" >/dev/null 2>&1 || true' EXIT

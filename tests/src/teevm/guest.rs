@@ -157,7 +157,7 @@ impl Guest {
         let root = share.join("root");
         if options.agent {
             let bins =
-                crate::e2e::release_binaries().map_err(|e| TeeVmError::Agent(e.to_string()))?;
+                crate::e2e::guest_binaries().map_err(|e| TeeVmError::Agent(e.to_string()))?;
             image_root(&bins.agent, &root)?;
         }
         if options.runc {
