@@ -45,6 +45,25 @@ _teeguard_control_plane() {
       return 1
     fi
   fi
+  # Kubernetes v1.30.14 (kube-apiserver, kube-scheduler, kube-controller-manager; etcd is the top one's)
+  # for TEEGUARD_KUBE_VERSION=v1.30.14 (scripts/test.sh runs the cluster tests on it too).
+  local v=v1.30.14
+  if [ -f "$src/versions/$v/SHA256SUMS" ]; then
+    mkdir -p "$dest/versions/$v" || return 1
+    if ! (cd "$dest/versions/$v" && sha256sum --quiet -c "$src/versions/$v/SHA256SUMS" >/dev/null 2>&1); then
+      for b in kube-apiserver kube-scheduler kube-controller-manager; do
+        xz -T0 -dc "$src/versions/$v/$b.xz" > "$dest/versions/$v/$b.part" && chmod +x "$dest/versions/$v/$b.part" \
+          && mv "$dest/versions/$v/$b.part" "$dest/versions/$v/$b" || {
+          echo "control-plane: cannot unpack $src/versions/$v/$b.xz" >&2
+          return 1
+        }
+      done
+      if ! (cd "$dest/versions/$v" && sha256sum --quiet -c "$src/versions/$v/SHA256SUMS"); then
+        echo "control-plane: the unpacked $v binaries do not match $src/versions/$v/SHA256SUMS" >&2
+        return 1
+      fi
+    fi
+  fi
   export TEEGUARD_CONTROL_PLANE="$dest"
   echo "control-plane: TEEGUARD_CONTROL_PLANE=$TEEGUARD_CONTROL_PLANE ($("$dest/kube-apiserver" --version 2>/dev/null))" >&2
 }

@@ -32,6 +32,18 @@ use crate::ports::free_ports;
 /// The environment variable naming the directory with the binaries.
 pub const ENV: &str = "TEEGUARD_CONTROL_PLANE";
 
+/// The environment variable naming another Kubernetes release to run (`v1.30.14`): kube-apiserver,
+/// kube-scheduler and kube-controller-manager from `versions/<release>/` below [`ENV`]'s directory
+/// (`../shared/control-plane`'s layout; `scripts/control-plane.sh` unpacks it), etcd from the top.
+/// Unset or empty: the top-level binaries (v1.36.2). `scripts/test.sh` runs the control-plane tests
+/// that matter for an older cluster a second time with it set.
+pub const VERSION_ENV: &str = "TEEGUARD_KUBE_VERSION";
+
+/// The release [`VERSION_ENV`] names, if any.
+pub fn chosen_version() -> Option<String> {
+    std::env::var(VERSION_ENV).ok().filter(|v| !v.is_empty())
+}
+
 /// The four binaries, in start order.
 pub const BINARIES: [&str; 4] = [
     "etcd",
@@ -175,7 +187,20 @@ impl ControlPlane {
         for sub in ["log", "etcd", "pki"] {
             std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("create {sub}/")))?;
         }
-        let bin = binaries(&source, &dir.join("bin"))?;
+        let bin = binaries(&source, &dir.join("bin"), chosen_version().as_deref())?;
+        if let Some(want) = chosen_version() {
+            let out = Command::new(bin.join("kube-apiserver"))
+                .arg("--version")
+                .output()
+                .map_err(io("run kube-apiserver --version"))?;
+            let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            if !said.contains(&want) {
+                return Err(ControlPlaneError::Missing(format!(
+                    "{VERSION_ENV}={want}, but {} says {said:?}",
+                    bin.join("kube-apiserver").display()
+                )));
+            }
+        }
         spawn_janitor(&dir)?;
         install_panic_hook(&dir);
 
@@ -514,22 +539,28 @@ pub fn unique_name(prefix: &str) -> String {
     )
 }
 
-/// The four binaries in `source` (plain, or `.xz` unpacked into `unpack`).
-fn binaries(source: &Path, unpack: &Path) -> Result<PathBuf> {
-    if !source.is_dir() {
+/// The four binaries in `source` (plain, or `.xz` unpacked into `unpack`); with `version`, the three
+/// Kubernetes ones from `source/versions/<version>/` and etcd from `source`.
+fn binaries(top: &Path, unpack: &Path, version: Option<&str>) -> Result<PathBuf> {
+    if !top.is_dir() {
         return Err(ControlPlaneError::Missing(format!(
             "{ENV}={} is not a directory",
-            source.display()
+            top.display()
         )));
     }
-    if BINARIES.iter().all(|b| is_executable(&source.join(b))) {
-        return Ok(source.to_path_buf());
+    let source_of = |b: &str| match version {
+        Some(v) if b != "etcd" => top.join("versions").join(v),
+        _ => top.to_path_buf(),
+    };
+    if version.is_none() && BINARIES.iter().all(|b| is_executable(&top.join(b))) {
+        return Ok(top.to_path_buf());
     }
     std::fs::create_dir_all(unpack).map_err(io(format!("create {}", unpack.display())))?;
     for b in BINARIES {
+        let source = source_of(b);
         if is_executable(&source.join(b)) {
-            std::fs::copy(source.join(b), unpack.join(b))
-                .map_err(io(format!("copy {b} into {}", unpack.display())))?;
+            std::os::unix::fs::symlink(source.join(b), unpack.join(b))
+                .map_err(io(format!("link {b} into {}", unpack.display())))?;
             continue;
         }
         let xz = source.join(format!("{b}.xz"));

@@ -553,6 +553,28 @@ async fn dra_mode_installs_and_holds_the_agent_to_its_own_nodes_slices() {
         let Some(c) = connect().await else { return };
         installed(c.cp); // the CRDs, from the first release
         let (release, ns) = ("tg-dra", "tg-dra");
+        let server = c.client.apiserver_version().await.expect("the API server's version");
+        let minor: u32 = server.minor.trim_end_matches('+').parse().unwrap_or(0);
+        if minor < 34 {
+            // An older cluster (TEEGUARD_KUBE_VERSION): DRA mode is refused with what it needs.
+            let chart = chart_support::chart_dir().display().to_string();
+            let values = chart_support::values_file("dra").display().to_string();
+            let out = helm_on(
+                c.cp,
+                &["install", release, &chart, "--namespace", ns, "--create-namespace", "--values", &values],
+            );
+            assert!(!out.success, "helm installed DRA mode on {}", server.git_version);
+            assert!(
+                out.stderr.contains(&format!(
+                    "config.agent.accounting=dra needs Kubernetes >= 1.34 (resource.k8s.io/v1 DeviceClasses; \
+                     their extendedResourceName is on by default from 1.36), this is {}",
+                    server.git_version
+                )),
+                "{}",
+                out.stderr
+            );
+            return;
+        }
         let chart = chart_support::chart_dir().display().to_string();
         let values = chart_support::values_file("dra").display().to_string();
         let out = helm_on(

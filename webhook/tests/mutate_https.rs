@@ -17,6 +17,7 @@ use teeguard_tests::fixtures::{
     self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, DEFAULT_NODE, Tee, VirtLauncherPod, Vmi,
     owned_by, seed_vmi,
 };
+use teeguard_tests::kubevirt::Version;
 use teeguard_tests::wait::eventually;
 
 fn create_review(pod: Value) -> Value {
@@ -99,22 +100,32 @@ fn assert_denied(status: StatusCode, resp: &Value, reason: &str) -> String {
         .to_string()
 }
 
-/// KubeVirt v1.9.0's own objects (`tests/fixtures/kubevirt-v1.9.0/`, rendered by its virt-controller
-/// from VMIs defaulted by virt-api's code): each TEE kind's launcher pod gets its key request on
-/// `compute` and the annotation, nothing else of it changes, and the plain VMI's pod is left alone.
+/// KubeVirt's own objects of each supported release (`tests/fixtures/kubevirt-<release>/`, rendered by
+/// its virt-controller from VMIs defaulted by virt-api's code): each TEE kind's launcher pod gets its key
+/// request on `compute` and the annotation, nothing else of it changes, and the plain VMI's pod is left
+/// alone. v1.7.4's and v1.8.4's TDX pods carry neither `devices.kubevirt.io/tdx` nor the QGS annotation
+/// (only the VMI says TDX), and `compute` is not their only container.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kubevirt_v1_9_launcher_pods_of_each_kind_get_their_key_and_annotation() {
+async fn kubevirt_v1_7_to_v1_9_launcher_pods_of_each_kind_get_their_key_and_annotation() {
+    for version in Version::ALL {
+        launcher_pods_of_each_kind_get_their_key_and_annotation(version).await;
+    }
+}
+
+async fn launcher_pods_of_each_kind_get_their_key_and_annotation(version: Version) {
     use teeguard_tests::kubevirt::rendered;
     let api = FakeApiServer::new();
     let mut uids = Vec::new();
     for tee in rendered::KINDS {
-        let stored = api.create(&rendered::vmi_value(tee)).expect("seed the VMI");
+        let stored = api
+            .create(&rendered::vmi_value_of(version, tee))
+            .expect("seed the VMI");
         uids.push(stored["metadata"]["uid"].as_str().expect("uid").to_string());
     }
     let h = Harness::start_with(api, None, &[]).await;
     h.wait_vmis(rendered::KINDS.len()).await;
     for (tee, uid) in rendered::KINDS.into_iter().zip(&uids) {
-        let original = rendered::launcher_pod(tee);
+        let original = rendered::launcher_pod_of(version, tee);
         let review = create_review(owned_by(&original, uid));
         let (status, resp) = h.review(&review).await;
         let Some((resource, misc)) = (match tee {
@@ -130,20 +141,23 @@ async fn kubevirt_v1_9_launcher_pods_of_each_kind_get_their_key_and_annotation()
         let (mut want_req, mut want_lim) = (requests_of(&original), limits_of(&original));
         want_req.insert(resource.to_string(), Quantity("1".into()));
         want_lim.insert(resource.to_string(), Quantity("1".into()));
-        assert_eq!(requests_of(&pod), want_req, "{tee:?}");
-        assert_eq!(limits_of(&pod), want_lim, "{tee:?}");
+        assert_eq!(requests_of(&pod), want_req, "{version} {tee:?}");
+        assert_eq!(limits_of(&pod), want_lim, "{version} {tee:?}");
         assert_eq!(
             pod.metadata
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get("misc-max.teeguard.dev/compute")),
             Some(&misc.to_string()),
-            "{tee:?}"
+            "{version} {tee:?}"
         );
         let spec = pod.spec.as_ref().expect("spec");
         let before = original.spec.as_ref().expect("spec");
-        assert_eq!(spec.init_containers, before.init_containers, "{tee:?}");
-        assert_eq!(spec.containers.len(), before.containers.len());
+        assert_eq!(
+            spec.init_containers, before.init_containers,
+            "{version} {tee:?}"
+        );
+        assert_eq!(spec.containers.len(), before.containers.len(), "{version}");
     }
 }
 

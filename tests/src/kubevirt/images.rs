@@ -1,10 +1,11 @@
 //! Stand-in images under KubeVirt's image names, so the launcher pods virt-controller renders run on a
 //! real node as they are (no registry is reachable, and no VM can run here):
 //!
-//! - [`super::LAUNCHER_IMAGE`]: busybox with `/usr/bin/virt-launcher-monitor` (the `compute` container)
+//! - [`super::Version::launcher_image`] of the release the process runs: busybox with `/usr/bin/virt-launcher-monitor` (the `compute` container)
 //!   and `/usr/bin/virt-tail` (the `guest-console-log` sidecar), scripts that sleep until the pod ends,
 //!   and `/usr/bin/container-disk`, which the `volumecontainerdisk` init container runs from the launcher
-//!   image mounted as an `image` volume (`--no-op`: exits at once);
+//!   image mounted as an `image` volume (`--no-op`: exits at once), or v1.7/v1.8's init containers copy
+//!   with `/usr/bin/cp` into the pod for the containerDisk's containers;
 //! - a containerDisk image ([`CONTAINER_DISK`]): a disk file under `/disk`, and busybox's `sh` for the
 //!   `container-disk` script (KubeVirt's real binary is static; a real containerDisk has no shell).
 //!
@@ -14,7 +15,6 @@
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 
-use super::LAUNCHER_IMAGE;
 use crate::node::RealNode;
 
 /// The containerDisk image of the sample VMIs (`../shared/kubevirt/vmis/`).
@@ -29,6 +29,13 @@ const SLEEPER: &str = "#!/bin/sh\n# teeguard test stand-in: sleeps until the pod
 const CONTAINER_DISK_SCRIPT: &str = "#!/bin/sh\n# teeguard test stand-in for KubeVirt's container-disk.\n\
     [ \"$1\" = --no-op ] && exit 0\ntrap 'exit 0' TERM INT\nwhile :; do sleep 3600 & wait $!; done\n";
 
+/// coreutils' `cp` as the `container-disk-binary` init container of KubeVirt v1.7/v1.8 runs it
+/// (`cp [--preserve=all] /usr/bin/container-disk /init/usr/bin/container-disk`): options dropped,
+/// busybox copies.
+const CP_SCRIPT: &str = "#!/bin/sh\n# teeguard test stand-in for cp.\nsrc= dst=\n\
+    for a in \"$@\"; do case \"$a\" in -*) ;; *) src=$dst; dst=$a ;; esac; done\n\
+    exec /bin/busybox cp \"$src\" \"$dst\"\n";
+
 /// Build both images under `dir` and import them into `node`'s runtime.
 pub fn import_stand_ins(node: &RealNode, dir: &Path) -> std::io::Result<()> {
     let busybox = busybox()?;
@@ -38,6 +45,7 @@ pub fn import_stand_ins(node: &RealNode, dir: &Path) -> std::io::Result<()> {
         ("virt-launcher-monitor", SLEEPER),
         ("virt-tail", SLEEPER),
         ("container-disk", CONTAINER_DISK_SCRIPT),
+        ("cp", CP_SCRIPT),
     ] {
         script(&launcher.join("usr/bin").join(name), body)?;
     }
@@ -48,8 +56,13 @@ pub fn import_stand_ins(node: &RealNode, dir: &Path) -> std::io::Result<()> {
         disk.join("disk/disk.img"),
         b"teeguard test stand-in for a VM disk\n",
     )?;
+    let launcher_image = super::version().launcher_image();
     for (image, root, entry) in [
-        (LAUNCHER_IMAGE, &launcher, "/usr/bin/virt-launcher-monitor"),
+        (
+            launcher_image.as_str(),
+            &launcher,
+            "/usr/bin/virt-launcher-monitor",
+        ),
         (CONTAINER_DISK, &disk, "/bin/sh"),
     ] {
         node.add_image(image, root, &[entry])

@@ -1,7 +1,8 @@
-//! KubeVirt v1.9.0's own `virt-controller` for tests, against the test binary's control plane
+//! KubeVirt's own `virt-controller` for tests, against the test binary's control plane
 //! ([`crate::controlplane`]), from the directory named by `TEEGUARD_KUBEVIRT` (`virt-controller`,
 //! `kvtool` and `crds.yaml`, plain or `.xz` as `../shared/kubevirt` ships them; `scripts/kubevirt.sh`
-//! unpacks and checks them into `./.tools/kubevirt`).
+//! unpacks and checks them into `./.tools/kubevirt`): v1.9.0, or v1.7.4 / v1.8.4 from its
+//! `versions/<tag>/` when a test binary [`choose`]s one.
 //!
 //! What virt-operator would do is done here once per test binary ([`KubeVirt::shared`]): KubeVirt's
 //! generated CRDs applied, the KubeVirt CR from `kvtool kv-cr` (feature gates `WorkloadEncryptionSEV`,
@@ -50,12 +51,74 @@ pub const ENV: &str = "TEEGUARD_KUBEVIRT";
 pub const NAMESPACE: &str = "kubevirt";
 /// The feature gates of the KubeVirt CR (TDX is Alpha in v1.9, SEV Beta).
 pub const FEATURE_GATES: &str = "WorkloadEncryptionSEV,WorkloadEncryptionTDX";
-/// The launcher image every virt-launcher pod names.
-pub const LAUNCHER_IMAGE: &str = "quay.io/kubevirt/virt-launcher:v1.9.0";
-/// The export server image (only VirtualMachineExports use it).
-pub const EXPORTER_IMAGE: &str = "quay.io/kubevirt/virt-exportserver:v1.9.0";
-/// KubeVirt's version, as the controller reports it.
-pub const VERSION: &str = "v1.9.0";
+/// A KubeVirt release the kit holds: v1.9.0 at the top of `TEEGUARD_KUBEVIRT`, the others under its
+/// `versions/<tag>/` (`../shared/kubevirt`'s layout; `scripts/kubevirt.sh` unpacks all three).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Version {
+    /// v1.7.4: the first release with TDX and SNP `launchSecurity`.
+    V1_7_4,
+    /// v1.8.4.
+    V1_8_4,
+    /// v1.9.0, the default.
+    V1_9_0,
+}
+
+impl Version {
+    /// Every release the kit holds, oldest first.
+    pub const ALL: [Version; 3] = [Version::V1_7_4, Version::V1_8_4, Version::V1_9_0];
+
+    /// The release tag (`v1.9.0`).
+    pub fn tag(self) -> &'static str {
+        match self {
+            Version::V1_7_4 => "v1.7.4",
+            Version::V1_8_4 => "v1.8.4",
+            Version::V1_9_0 => "v1.9.0",
+        }
+    }
+
+    /// The launcher image every virt-launcher pod of this release names.
+    pub fn launcher_image(self) -> String {
+        format!("quay.io/kubevirt/virt-launcher:{}", self.tag())
+    }
+
+    /// The export server image (only VirtualMachineExports use it).
+    pub fn exporter_image(self) -> String {
+        format!("quay.io/kubevirt/virt-exportserver:{}", self.tag())
+    }
+
+    /// The kit's directory for this release, below the one `TEEGUARD_KUBEVIRT` names.
+    fn kit(self, top: &Path) -> PathBuf {
+        match self {
+            Version::V1_9_0 => top.to_path_buf(),
+            other => top.join("versions").join(other.tag()),
+        }
+    }
+}
+
+impl std::fmt::Display for Version {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.tag())
+    }
+}
+
+/// The release this test process runs ([`choose`]; v1.9.0 unless a test binary chose another).
+static CHOSEN: OnceLock<Version> = OnceLock::new();
+
+/// Run `version` in this test process: one virt-controller per control plane (they would contend for
+/// one Lease), so a test binary picks its release before its first [`KubeVirt::shared`]. Panics when
+/// the process already runs another.
+pub fn choose(version: Version) {
+    let got = *CHOSEN.get_or_init(|| version);
+    assert_eq!(
+        got, version,
+        "this test process already runs KubeVirt {got}; one release per test binary"
+    );
+}
+
+/// The release this test process runs.
+pub fn version() -> Version {
+    *CHOSEN.get_or_init(|| Version::V1_9_0)
+}
 /// Longest virt-controller may take to lead with its caches synced (it takes ~25 s on 2 busy cores).
 pub const READY_DEADLINE: Duration = Duration::from_secs(180);
 
@@ -63,7 +126,7 @@ pub const READY_DEADLINE: Duration = Duration::from_secs(180);
 const FILES: [&str; 3] = ["virt-controller", "kvtool", "crds.yaml"];
 
 const HOW_TO: &str = "set TEEGUARD_KUBEVIRT to a directory holding virt-controller, kvtool and \
-    crds.yaml (plain or .xz) of KubeVirt v1.9.0, e.g. ../shared/kubevirt, and run as root (virt-controller \
+    crds.yaml (plain or .xz) of KubeVirt v1.9.0, and versions/v1.7.4/ and versions/v1.8.4/ likewise, e.g. ../shared/kubevirt, and run as root (virt-controller \
     runs in a private mount namespace); scripts/test.sh does this when ../shared/kubevirt exists";
 
 /// Errors of the harness; each names what failed.
@@ -130,6 +193,8 @@ fn api(what: impl Into<String>) -> impl FnOnce(kube::Error) -> KubeVirtError {
 /// KubeVirt running against the test binary's control plane.
 #[derive(Debug)]
 pub struct KubeVirt {
+    /// The release running.
+    pub version: Version,
     /// The control plane it runs against.
     pub cp: &'static ControlPlane,
     /// How long start-up took (CRDs, CR, certificates, virt-controller leading).
@@ -150,7 +215,8 @@ impl KubeVirt {
     /// printing one line) when the kit or root is missing and `CI` is not `true`; panics when
     /// `CI=true` and something is missing, or when it does not start.
     pub fn shared() -> Option<&'static KubeVirt> {
-        if let Err(KubeVirtError::Missing(m)) = prerequisites() {
+        let version = version();
+        if let Err(KubeVirtError::Missing(m)) = prerequisites(version) {
             if ci() {
                 panic!("{}", KubeVirtError::Missing(m));
             }
@@ -160,7 +226,7 @@ impl KubeVirt {
         let cp = ControlPlane::shared()?;
         let got = SHARED.get_or_init(|| {
             // On its own thread: a test's tokio runtime cannot block on another runtime.
-            std::thread::spawn(move || Self::start(cp))
+            std::thread::spawn(move || Self::start(cp, version))
                 .join()
                 .unwrap_or_else(|_| Err(KubeVirtError::Missing("start-up panicked".into())))
                 .map_err(|e| e.to_string())
@@ -171,9 +237,9 @@ impl KubeVirt {
         }
     }
 
-    fn start(cp: &'static ControlPlane) -> Result<KubeVirt> {
+    fn start(cp: &'static ControlPlane, version: Version) -> Result<KubeVirt> {
         let started = Instant::now();
-        let source = prerequisites()?;
+        let source = prerequisites(version)?;
         let dir = tempfile::Builder::new()
             .prefix("teeguard-kubevirt-")
             .tempdir()
@@ -217,7 +283,7 @@ impl KubeVirt {
                 reason: e.to_string(),
             })?;
             apply_crds(&client, &bin.join("crds.yaml")).await?;
-            create_cr(&client, &bin, &cr_file).await
+            create_cr(&client, &bin, &cr_file, version).await
         })?;
         let virt_api = virt_api::VirtApi::start(&bin.join("kvtool"), &cr_file, &dir.join("log"))?;
         rt.block_on(async {
@@ -238,9 +304,9 @@ impl KubeVirt {
             "--port".into(),
             port.to_string(),
             "--launcher-image".into(),
-            LAUNCHER_IMAGE.into(),
+            version.launcher_image(),
             "--exporter-image".into(),
-            EXPORTER_IMAGE.into(),
+            version.exporter_image(),
             "--prom-cert-file".into(),
             etc_certs.join("tls.crt").display().to_string(),
             "--prom-key-file".into(),
@@ -269,6 +335,7 @@ impl KubeVirt {
         )
         .map_err(io("start virt-controller (needs bash and unshare)"))?;
         let kv = KubeVirt {
+            version,
             cp,
             started_in: Duration::ZERO,
             dir,
@@ -388,11 +455,12 @@ fn kubevirt_api(client: &Client) -> Api<DynamicObject> {
     Api::namespaced_with(client.clone(), NAMESPACE, &ar)
 }
 
-/// The kit's directory, root, and `unshare`, without starting anything.
-fn prerequisites() -> Result<PathBuf> {
-    let source = std::env::var_os(ENV)
+/// The kit's directory for `version`, root, and `unshare`, without starting anything.
+fn prerequisites(version: Version) -> Result<PathBuf> {
+    let top = std::env::var_os(ENV)
         .map(PathBuf::from)
         .ok_or_else(|| KubeVirtError::Missing(format!("{ENV} is not set")))?;
+    let source = version.kit(&top);
     for f in FILES {
         if !source.join(f).is_file() && !source.join(format!("{f}.xz")).is_file() {
             return Err(KubeVirtError::Missing(format!(
@@ -508,7 +576,7 @@ async fn apply_crds(client: &Client, file: &Path) -> Result<()> {
 
 /// The `kubevirt` namespace and KubeVirt CR (`kvtool kv-cr`), with the status virt-operator writes;
 /// the stored CR goes to `cr_file` for `kvtool default-vmi`.
-async fn create_cr(client: &Client, bin: &Path, cr_file: &Path) -> Result<()> {
+async fn create_cr(client: &Client, bin: &Path, cr_file: &Path, version: Version) -> Result<()> {
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace =
         serde_json::from_value(json!({"metadata": {"name": NAMESPACE}})).map_err(|e| {
@@ -548,8 +616,8 @@ async fn create_cr(client: &Client, bin: &Path, cr_file: &Path) -> Result<()> {
     let status = json!({"status": {
         "phase": "Deployed",
         "defaultArchitecture": "amd64",
-        "observedKubeVirtVersion": VERSION,
-        "targetKubeVirtVersion": VERSION,
+        "observedKubeVirtVersion": version.tag(),
+        "targetKubeVirtVersion": version.tag(),
         "conditions": [{"type": "Available", "status": "True", "reason": "AllComponentsReady",
             "message": "status written by the teeguard test kit in place of virt-operator"}]
     }});

@@ -789,3 +789,4 @@ pub mod dra;
 pub mod full;
 pub mod lifecycle;
 pub mod scenarios;
+pub mod versions;
