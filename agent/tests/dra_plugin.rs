@@ -472,3 +472,50 @@ async fn a_checkpoint_write_hung_on_the_disk_stalls_no_other_call() {
     stop.cancel();
     driver.join().expect("the driver's thread");
 }
+
+/// The kubelet calls a DRA driver with the socket's path percent-encoded as `:authority`, which upstream
+/// h2 resets (hyperium/http#861, hyperium/h2#487; `tests/tests/node_dra.rs` says which calls): the
+/// workspace patches h2 with `vendor/h2`. A patch cargo does not apply is only listed as
+/// `[[patch.unused]]` and builds silently with the upstream crate, so Cargo.lock must resolve the one
+/// h2 it holds from that path (a path package has no `source`) and list no unused h2 patch.
+#[test]
+fn cargo_lock_resolves_h2_from_the_vendored_patch_only() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.lock");
+    let lock = std::fs::read_to_string(path).expect("read Cargo.lock");
+    let mut blocks = lock.split("\n[[").map(|b| b.trim());
+    let h2: Vec<(&str, &str)> = blocks
+        .by_ref()
+        .filter_map(|b| {
+            let (kind, body) = b.split_once("]]")?;
+            body.lines()
+                .any(|l| l.trim() == "name = \"h2\"")
+                .then_some((kind, body))
+        })
+        .collect();
+    let packages: Vec<&str> = h2
+        .iter()
+        .filter(|(kind, _)| *kind == "package")
+        .map(|(_, body)| *body)
+        .collect();
+    assert_eq!(packages.len(), 1, "one h2 in Cargo.lock: {packages:?}");
+    assert!(
+        !packages[0].contains("source = "),
+        "Cargo.lock takes h2 from a registry, not vendor/h2: {}",
+        packages[0]
+    );
+    let unused: Vec<&str> = h2
+        .iter()
+        .filter(|(kind, _)| kind.starts_with("patch.unused"))
+        .map(|(_, body)| *body)
+        .collect();
+    assert!(unused.is_empty(), "the h2 patch is unused: {unused:?}");
+    let vendored = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../vendor/h2/src/server.rs"
+    ))
+    .expect("read vendor/h2/src/server.rs");
+    assert!(
+        vendored.contains("teeguard patch"),
+        "vendor/h2 lacks the teeguard patch"
+    );
+}

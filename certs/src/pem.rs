@@ -1,22 +1,9 @@
-//! PEM encoding of certificates.
-
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD;
+//! PEM encoding of certificates, with the `pem` crate rcgen uses.
 
 /// Encodes DER as a `CERTIFICATE` PEM block with 64-character lines and a trailing newline.
 pub(crate) fn encode_certificate(der: &[u8]) -> String {
-    let b64 = STANDARD.encode(der);
-    let mut out = String::with_capacity(b64.len() + b64.len() / 64 + 60);
-    out.push_str("-----BEGIN CERTIFICATE-----\n");
-    let mut rest = b64.as_str();
-    while !rest.is_empty() {
-        let (line, tail) = rest.split_at(rest.len().min(64));
-        out.push_str(line);
-        out.push('\n');
-        rest = tail;
-    }
-    out.push_str("-----END CERTIFICATE-----\n");
-    out
+    let lf = pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF);
+    pem::encode_config(&pem::Pem::new("CERTIFICATE", der), lf)
 }
 
 #[cfg(test)]

@@ -3,6 +3,13 @@
 //! `tdx.intel.com/keys` (DeviceClass `extendedResourceName`); the kubelet registers the driver and has
 //! it prepare each claim; the agent's NRI plugin gives the compute container its `misc.max`. Skipped
 //! (one line) without the node's binaries or root, unless `CI=true`.
+//!
+//! Every gRPC call the kubelet makes to the agent here (the plugin watcher's `GetInfo` and
+//! `NotifyRegistrationStatus` on the registration socket, then `NodePrepareResources` /
+//! `NodeUnprepareResources` on the DRA socket) carries the socket's path percent-encoded as its
+//! `:authority` (grpc-go dialling `unix:///var/lib/kubelet/...`); upstream h2 resets those streams, the
+//! vendored h2 (`vendor/h2`, hyperium/h2#487) serves them: without it the driver never registers and
+//! no pod here starts. `agent/tests/dra_plugin.rs` checks that Cargo.lock uses that copy.
 
 mod chart_support;
 mod node_support;

@@ -13,7 +13,7 @@ use teeguard_shared::TeeKind;
 
 use super::Agent;
 use crate::cluster::slices;
-use crate::cluster::watch::{Backoff, Watched};
+use crate::cluster::watch::Watched;
 use crate::decide::attribution::{KindFigures, claimless_keys};
 use crate::decide::dra::{self, DraView};
 use crate::dra::Dra;
@@ -26,9 +26,8 @@ const ORPHAN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
 pub(super) struct DraMode {
     pub(super) driver: Dra,
     pub(super) slices: Watched<ResourceSlice>,
-    pub(super) backoff: Backoff,
-    pub(super) retry_at: Option<Instant>,
-    pub(super) publish_error: Option<String>,
+    /// The node's ResourceSlices.
+    pub(super) slices_output: super::output::Output,
     /// The view for the next report.
     pub(super) view: DraView,
 }
@@ -94,7 +93,7 @@ impl Agent {
         let can_write = ready_to_write && mode.slices.is_synced() && !figures.is_empty();
         let mut failed = None;
         if let (Some(node), false, true) = (node, in_sync, can_write)
-            && mode.retry_at.is_none_or(|t| Instant::now() >= t)
+            && mode.slices_output.due()
         {
             let generation = current.iter().map(|s| s.pool.generation).max().unwrap_or(0) + 1;
             for spec in &mut wanted {
@@ -127,15 +126,11 @@ impl Agent {
                         devices = %describe(&plan),
                         "published the node's ResourceSlices"
                     );
-                    mode.publish_error = None;
-                    mode.retry_at = None;
-                    mode.backoff.reset();
+                    mode.slices_output.written();
                 }
                 Err(e) => {
-                    let delay = mode.backoff.next_delay();
+                    let delay = mode.slices_output.failed(&e);
                     tracing::warn!(error = %e, retry_in = ?delay, "cannot publish the node's ResourceSlices");
-                    mode.publish_error = Some(e.to_string());
-                    mode.retry_at = Some(Instant::now() + delay);
                     failed = Some(e);
                 }
             }
@@ -150,7 +145,7 @@ impl Agent {
                     Err(s.error)
                 }
             }),
-            publish_error: mode.publish_error.clone(),
+            publish_error: mode.slices_output.error().map(str::to_owned),
             slices: wanted.len(),
         };
         if let Some(e) = failed {

@@ -5,9 +5,13 @@
 //!
 //! - this module: the options, the start (watches, enforcement, the state below);
 //! - `poll`: the loop: what wakes it, scanning, the pod view and the limits;
-//! - `reconcile`: after every wake-up: advertise on the Node, publish the report or renew the Lease.
+//! - `reconcile`: after every wake-up: advertise on the Node, publish the report or renew the Lease;
+//! - `output`: each thing the loop keeps written (report, Node, ResourceSlices) and its retry after a
+//!   failure;
+//! - `dra`: DRA mode's ResourceSlices and the driver.
 
 mod dra;
+mod output;
 mod poll;
 mod reconcile;
 
@@ -37,6 +41,7 @@ use crate::error::Result;
 use crate::kernel::Scanner;
 use crate::kernel::misc_events::EventsWatch;
 use crate::metrics::Metrics;
+use output::Output;
 
 /// Readiness check: the first scan succeeded.
 pub const READY_SCAN: &str = "scan";
@@ -138,9 +143,7 @@ pub async fn run(
         Some(dra::DraMode {
             driver,
             slices: watches.slices(&opts.node_name),
-            backoff: opts.backoff(),
-            retry_at: None,
-            publish_error: None,
+            slices_output: Output::new(opts.backoff()),
             view: Default::default(),
         })
     } else {
@@ -198,11 +201,8 @@ pub async fn run(
         interest: Arc::new(HashSet::new()),
         last_published: None,
         seeded_previous: None,
-        publish_backoff: opts.backoff(),
-        publish_retry_at: None,
-        node_backoff: opts.backoff(),
-        node_retry_at: None,
-        advertise_error: None,
+        report: Output::new(opts.backoff()),
+        node_resources: Output::new(opts.backoff()),
         warned_pods: HashSet::new(),
         warned_node_missing: false,
         events_refresh_at: Instant::now(),
@@ -248,11 +248,10 @@ struct Agent {
     /// The last published status and when its heartbeat is due.
     last_published: Option<(TeeCapacityStatus, Instant)>,
     seeded_previous: Option<TeeCapacityStatus>,
-    publish_backoff: Backoff,
-    publish_retry_at: Option<Instant>,
-    node_backoff: Backoff,
-    node_retry_at: Option<Instant>,
-    advertise_error: Option<String>,
+    /// The TeeCapacity report (and its heartbeat Lease).
+    report: Output,
+    /// The Node's extended resources.
+    node_resources: Output,
     warned_pods: HashSet<String>,
     warned_node_missing: bool,
     events: EventsWatch,

@@ -77,12 +77,16 @@ impl Agent {
     fn next_deadline(&self) -> Instant {
         let now = Instant::now();
         let heartbeat = self.last_published.as_ref().map(|(_, due)| *due);
-        [heartbeat, self.publish_retry_at, self.node_retry_at]
-            .into_iter()
-            .flatten()
-            .filter(|t| *t > now)
-            .min()
-            .unwrap_or(now + Duration::from_secs(3600))
+        [
+            heartbeat,
+            self.report.retry_at(),
+            self.node_resources.retry_at(),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|t| *t > now)
+        .min()
+        .unwrap_or(now + Duration::from_secs(3600))
     }
 
     async fn step(&mut self, wake: Wake) {

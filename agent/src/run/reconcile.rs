@@ -56,7 +56,7 @@ impl Agent {
                 self.advertiser
                     .plan(node, &desired, &self.opts.config.resources, Instant::now());
             outcome = plan.outcome;
-            if !plan.writes.is_empty() && due(self.node_retry_at) {
+            if !plan.writes.is_empty() && self.node_resources.due() {
                 let result = with_timeout(
                     self.opts.api_timeout,
                     "patch Node",
@@ -71,21 +71,17 @@ impl Agent {
                         if let Some(n) = updated {
                             self.patched_node = Some(Arc::new(n));
                         }
-                        self.advertise_error = None;
-                        self.node_retry_at = None;
-                        self.node_backoff.reset();
+                        self.node_resources.written();
                     }
                     Err(e) => {
                         self.api_failed(&e);
-                        let delay = self.node_backoff.next_delay();
+                        let delay = self.node_resources.failed(&e);
                         tracing::warn!(error = %e, retry_in = ?delay, "cannot update the Node's extended resources");
-                        self.advertise_error = Some(e.to_string());
-                        self.node_retry_at = Some(Instant::now() + delay);
                     }
                 }
             }
         }
-        outcome.error = self.advertise_error.clone();
+        outcome.error = self.node_resources.error().map(str::to_owned);
         self.drain_dra().await;
         if self.dra.is_some() {
             self.reconcile_dra(node.as_ref(), &figures, ready_to_write)
@@ -105,7 +101,7 @@ impl Agent {
         let now = Instant::now();
         let last = self.last_published.as_ref().map(|(s, at)| (s, *at));
         let write = report::next_write(last, &status, now);
-        if write == Write::Nothing || !due(self.publish_retry_at) {
+        if write == Write::Nothing || !self.report.due() {
             return;
         }
         if write == Write::Heartbeat && self.lease.is_some() {
@@ -151,8 +147,7 @@ impl Agent {
                     tracing::debug!(node = %self.opts.node_name, "heartbeat published");
                 }
                 self.last_published = Some((status, self.heartbeat_due()));
-                self.publish_retry_at = None;
-                self.publish_backoff.reset();
+                self.report.written();
             }
             Err(e) => self.publish_failed(&e),
         }
@@ -181,8 +176,7 @@ impl Agent {
                 if let Some((_, at)) = self.last_published.as_mut() {
                     *at = due;
                 }
-                self.publish_retry_at = None;
-                self.publish_backoff.reset();
+                self.report.written();
             }
             Err(e) if e.api_code() == Some(403) => {
                 tracing::warn!(
@@ -246,14 +240,9 @@ impl Agent {
 
     fn publish_failed(&mut self, e: &Error) {
         self.api_failed(e);
-        let delay = self.publish_backoff.next_delay();
+        let delay = self.report.failed(e);
         tracing::warn!(error = %e, retry_in = ?delay, "cannot publish TeeCapacity; scanning goes on");
-        self.publish_retry_at = Some(Instant::now() + delay);
     }
-}
-
-fn due(retry_at: Option<Instant>) -> bool {
-    retry_at.is_none_or(|t| Instant::now() >= t)
 }
 
 fn rv(n: &Node) -> u64 {

@@ -2,7 +2,7 @@
 //! ≥ 1.26): at `CreateContainer` the agent answers with `linux.resources.unified["misc.max"]`, which
 //! the runtime writes into the container's cgroup. What to answer is decided above (`enforce`).
 //!
-//! - [`wire`]: the NRI messages used, in protobuf wire format, with upstream's field numbers;
+//! - [`wire`]: the NRI messages used (prost structs, the fields used, upstream's numbers);
 //! - [`transport`]: the multiplexed ttrpc framing;
 //! - [`plugin`]: the connection (register, serve, reconnect);
 //! - [`sync`]: `Synchronize`, which gives containers that already run their limits.

@@ -229,9 +229,9 @@ async fn existing_limits(
 fn updated(payload: &[u8]) {
     let failed = t::decode_response(payload)
         .map_err(|e| e.to_string())
-        .and_then(|r| match r.code {
-            0 => wire::failed_updates(r.payload).map_err(|e| e.to_string()),
-            code => Err(format!("code {code}: {}", r.message)),
+        .and_then(|r| match r.code() {
+            0 => wire::failed_updates(&r.payload).map_err(|e| e.to_string()),
+            code => Err(format!("code {code}: {}", r.message())),
         });
     match failed {
         Ok(failed) if failed.is_empty() => tracing::debug!("the runtime applied the update"),
@@ -287,10 +287,11 @@ impl Session {
             (t::RUNTIME_CONN, t::TYPE_RESPONSE) => {
                 let resp = t::decode_response(&m.payload)
                     .map_err(|e| format!("bad RegisterPlugin response: {e}"))?;
-                if resp.code != 0 {
+                if resp.code() != 0 {
                     return Err(format!(
                         "the runtime refused the registration (code {}): {}",
-                        resp.code, resp.message
+                        resp.code(),
+                        resp.message()
                     ));
                 }
                 self.registered = true;
@@ -300,7 +301,7 @@ impl Session {
                 let req = t::decode_request(&m.payload)
                     .map_err(|e| format!("bad request from the runtime: {e}"))?;
                 let (code, message, body, end) =
-                    self.serve(req.method, req.payload, m.stream, state)?;
+                    self.serve(&req.method, &req.payload, m.stream, state)?;
                 if let Some(body) = body {
                     self.reply(m.stream, code, &message, &body).await?;
                 }
@@ -329,7 +330,7 @@ impl Session {
         let ok = |body: Vec<u8>| Ok((0, String::new(), Some(body), false));
         match method {
             "Configure" => {
-                let req = wire::ConfigureRequest::decode(payload)
+                let req = <wire::ConfigureRequest as prost::Message>::decode(payload)
                     .map_err(|e| format!("bad Configure request: {e}"))?;
                 self.runtime = format!("{} {}", req.runtime_name, req.runtime_version)
                     .trim()
@@ -339,8 +340,8 @@ impl Session {
                 } else {
                     req.nri_version
                 };
-                if req.request_timeout_ms > 0 {
-                    let half = Duration::from_millis(req.request_timeout_ms as u64) / 2;
+                if req.request_timeout > 0 {
+                    let half = Duration::from_millis(req.request_timeout as u64) / 2;
                     self.lookup_timeout = half.min(MAX_LOOKUP);
                 }
                 ok(wire::configure_response(wire::event_mask(&[

@@ -3,13 +3,12 @@
 //! them. Containers created while the plugin was not registered (the agent started after them, was
 //! restarted, or was closed by the runtime for a late answer) get their limit this way.
 
-use super::wire::{
-    CreateContainer, DecodeError, Reader, Writer, container_update, create_container as cc,
-    synchronize as f,
-};
+use prost::Message as _;
+
+use super::wire::{self, CreateContainer, DecodeError, SynchronizeResponse, container_update};
 
 /// `ContainerState` values of containers that still run (`CONTAINER_CREATED`, `_PAUSED`, `_RUNNING`).
-const LIVE_STATES: [i64; 3] = [1, 2, 3];
+const LIVE_STATES: [i32; 3] = [1, 2, 3];
 
 /// One part of a `SynchronizeRequest`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -32,49 +31,31 @@ pub struct ExistingContainer {
     /// Its name in the pod.
     pub name: String,
     /// `ContainerState`.
-    pub state: i64,
+    pub state: i32,
 }
 
 impl SynchronizeRequest {
     /// Decode one part, keeping the pods' annotations whose key starts with `keep_prefix`.
     pub fn decode(bytes: &[u8], keep_prefix: &str) -> Result<SynchronizeRequest, DecodeError> {
-        let mut out = SynchronizeRequest::default();
-        let mut r = Reader::new(bytes);
-        while let Some((n, v)) = r.next_field()? {
-            match n {
-                _ if n == f::REQ_PODS.number => {
-                    let mut pod = CreateContainer::default();
-                    pod.decode_pod(v.message()?, keep_prefix)?;
-                    out.pods.push(pod);
-                }
-                _ if n == f::REQ_CONTAINERS.number => {
-                    out.containers
-                        .push(ExistingContainer::decode(v.message()?)?);
-                }
-                _ if n == f::REQ_MORE.number => out.more = v.int()? != 0,
-                _ => {}
-            }
-        }
-        Ok(out)
-    }
-}
-
-impl ExistingContainer {
-    fn decode(bytes: &[u8]) -> Result<ExistingContainer, DecodeError> {
-        let mut out = ExistingContainer::default();
-        let mut r = Reader::new(bytes);
-        while let Some((n, v)) = r.next_field()? {
-            match n {
-                _ if n == cc::CONTAINER_ID.number => out.id = v.str()?.to_owned(),
-                _ if n == cc::CONTAINER_POD_SANDBOX_ID.number => {
-                    out.pod_sandbox_id = v.str()?.to_owned();
-                }
-                _ if n == cc::CONTAINER_NAME.number => out.name = v.str()?.to_owned(),
-                _ if n == cc::CONTAINER_STATE.number => out.state = v.int()?,
-                _ => {}
-            }
-        }
-        Ok(out)
+        let req = wire::SynchronizeRequest::decode(bytes)?;
+        Ok(SynchronizeRequest {
+            pods: req
+                .pods
+                .into_iter()
+                .map(|p| CreateContainer::of_pod(p, keep_prefix))
+                .collect(),
+            containers: req
+                .containers
+                .into_iter()
+                .map(|c| ExistingContainer {
+                    id: c.id,
+                    pod_sandbox_id: c.pod_sandbox_id,
+                    name: c.name,
+                    state: c.state,
+                })
+                .collect(),
+            more: req.more,
+        })
     }
 }
 
@@ -103,58 +84,58 @@ pub fn live_containers(
 /// `ignore_failure` (a runtime that cannot apply it, e.g. on cgroup v1, leaves the container as it
 /// is, and the plugin stays registered).
 pub fn synchronize_response(more: bool, updates: &[(String, String)]) -> Vec<u8> {
-    let mut w = Writer::new();
-    for (id, value) in updates {
-        w.message(f::RESP_UPDATE, |u| container_update(u, id, value));
+    SynchronizeResponse {
+        update: updates
+            .iter()
+            .map(|(id, value)| container_update(id, value))
+            .collect(),
+        more,
     }
-    w.bool(f::RESP_MORE, more);
-    w.finish()
+    .encode_to_vec()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::runtime::wire::map_entry;
+    use std::collections::BTreeMap;
 
-    fn pod(id: &str, uid: &str) -> Vec<u8> {
-        let mut w = Writer::new();
-        w.string(cc::POD_ID, id)
-            .string(cc::POD_NAME, "virt-launcher-vm-abcde")
-            .string(cc::POD_UID, uid)
-            .string(cc::POD_NAMESPACE, "vms")
-            .string_map(
-                cc::POD_ANNOTATIONS,
-                [("misc-max.teeguard.dev/compute", "tdx 1"), ("other", "x")],
-            );
-        w.finish()
+    use super::*;
+    use crate::runtime::wire::{Container, PodSandbox};
+
+    fn pod(id: &str, uid: &str) -> PodSandbox {
+        PodSandbox {
+            id: id.into(),
+            name: "virt-launcher-vm-abcde".into(),
+            uid: uid.into(),
+            namespace: "vms".into(),
+            annotations: BTreeMap::from([
+                ("misc-max.teeguard.dev/compute".into(), "tdx 1".into()),
+                ("other".into(), "x".into()),
+            ]),
+        }
     }
 
-    fn container(id: &str, pod: &str, name: &str, state: i64) -> Vec<u8> {
-        let mut w = Writer::new();
-        w.string(cc::CONTAINER_ID, id)
-            .string(cc::CONTAINER_POD_SANDBOX_ID, pod)
-            .string(cc::CONTAINER_NAME, name)
-            .int(cc::CONTAINER_STATE, state);
-        w.finish()
+    fn container(id: &str, pod: &str, name: &str, state: i32) -> Container {
+        Container {
+            id: id.into(),
+            pod_sandbox_id: pod.into(),
+            name: name.into(),
+            state,
+        }
     }
 
     #[test]
     fn running_containers_are_joined_with_their_pods() {
-        let mut req = Writer::new();
-        req.message(f::REQ_PODS, |w| {
-            w.raw(&pod("sandbox-1", "uid-1"));
-        })
-        .message(f::REQ_CONTAINERS, |w| {
-            w.raw(&container("c-compute", "sandbox-1", "compute", 3));
-        })
-        .message(f::REQ_CONTAINERS, |w| {
-            w.raw(&container("c-stopped", "sandbox-1", "init", 4));
-        })
-        .message(f::REQ_CONTAINERS, |w| {
-            w.raw(&container("c-orphan", "sandbox-9", "compute", 3));
-        })
-        .bool(f::REQ_MORE, true);
-        let got = SynchronizeRequest::decode(&req.finish(), "misc-max.teeguard.dev/").expect("ok");
+        let req = wire::SynchronizeRequest {
+            pods: vec![pod("sandbox-1", "uid-1")],
+            containers: vec![
+                container("c-compute", "sandbox-1", "compute", 3),
+                container("c-stopped", "sandbox-1", "init", 4),
+                container("c-orphan", "sandbox-9", "compute", 3),
+            ],
+            more: true,
+        };
+        let got =
+            SynchronizeRequest::decode(&req.encode_to_vec(), "misc-max.teeguard.dev/").expect("ok");
         assert!(got.more);
         assert_eq!(got.pods.len(), 1);
         assert_eq!(
@@ -177,35 +158,19 @@ mod tests {
     #[test]
     fn the_response_carries_one_update_per_container_and_more() {
         let bytes = synchronize_response(false, &[("c1".into(), "tdx 1".into())]);
-        let mut r = Reader::new(&bytes);
-        let (n, v) = r.next_field().expect("ok").expect("update");
-        assert_eq!(n, f::RESP_UPDATE.number);
-        // ContainerUpdate: id, linux -> resources -> unified, ignore_failure.
-        let mut u = Reader::new(v.message().expect("msg"));
-        let (n, v) = u.next_field().expect("ok").expect("id");
-        assert_eq!((n, v.str().expect("str")), (1, "c1"));
-        let (n, v) = u.next_field().expect("ok").expect("linux");
-        assert_eq!(n, 2);
-        let (n, v) = Reader::new(v.message().expect("msg"))
-            .next_field()
-            .expect("ok")
-            .expect("resources");
-        assert_eq!(n, 1);
-        let (n, v) = Reader::new(v.message().expect("msg"))
-            .next_field()
-            .expect("ok")
-            .expect("unified");
-        assert_eq!(n, cc::RESOURCES_UNIFIED.number);
+        let got = SynchronizeResponse::decode(bytes.as_slice()).expect("decode");
+        assert_eq!(got.update, [container_update("c1", "tdx 1")]);
+        let unified = got.update[0]
+            .linux
+            .as_ref()
+            .and_then(|l| l.resources.as_ref())
+            .map(|r| r.unified.clone());
         assert_eq!(
-            map_entry(v.message().expect("entry")),
-            Ok(("misc.max", "tdx 1"))
+            unified,
+            Some(BTreeMap::from([("misc.max".into(), "tdx 1".into())]))
         );
-        let (n, v) = u.next_field().expect("ok").expect("ignore_failure");
-        assert_eq!((n, v.int().expect("int")), (3, 1));
-        assert!(
-            r.next_field().expect("ok").is_none(),
-            "more=false is omitted"
-        );
+        assert!(got.update[0].ignore_failure);
+        assert!(!got.more);
         assert_eq!(synchronize_response(true, &[]), vec![0x10, 1]);
     }
 }

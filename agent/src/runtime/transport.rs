@@ -6,13 +6,15 @@
 //! - Connection 1 carries the `Plugin` service (the plugin serves, the runtime calls); connection 2
 //!   the `Runtime` service (the plugin calls `RegisterPlugin`).
 //! - ttrpc message: 10-byte header (payload length `u32`, stream ID `u32`, type `u8`: 1 request,
-//!   2 response; flags `u8`), then a protobuf `Request { service = 1, method = 2, payload = 3,
+//!   2 response; flags `u8`), then a protobuf (prost) `Request { service = 1, method = 2, payload = 3,
 //!   timeout_nano = 4 }` or `Response { status = 1 { code = 1, message = 2 }, payload = 2 }`. Callers
 //!   use odd stream IDs.
 
 use std::collections::HashMap;
 
-use super::wire::{DecodeError, Field, Reader, Writer};
+use prost::Message as _;
+
+use super::wire::DecodeError;
 
 /// Mux connection of the `Plugin` service.
 pub const PLUGIN_CONN: u32 = 1;
@@ -36,24 +38,6 @@ pub const PLUGIN_SERVICE: &str = "nri.pkg.api.v1alpha1.Plugin";
 pub const RUNTIME_SERVICE: &str = "nri.pkg.api.v1alpha1.Runtime";
 /// gRPC status code `UNIMPLEMENTED`.
 pub const CODE_UNIMPLEMENTED: i32 = 12;
-
-const REQ_SERVICE: Field = ttrpc_field("service", 1);
-const REQ_METHOD: Field = ttrpc_field("method", 2);
-const REQ_PAYLOAD: Field = ttrpc_field("payload", 3);
-const REQ_TIMEOUT: Field = ttrpc_field("timeout_nano", 4);
-const RESP_STATUS: Field = ttrpc_field("status", 1);
-const RESP_PAYLOAD: Field = ttrpc_field("payload", 2);
-const STATUS_CODE: Field = ttrpc_field("code", 1);
-const STATUS_MESSAGE: Field = ttrpc_field("message", 2);
-
-const fn ttrpc_field(name: &'static str, number: u32) -> Field {
-    Field {
-        name,
-        number,
-        ty: "",
-        repeated: false,
-    }
-}
 
 /// A transport error: the stream is out of step and must be closed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -159,99 +143,88 @@ pub fn encode_message(conn: u32, stream: u32, kind: u8, payload: &[u8]) -> Vec<u
     out
 }
 
-/// A decoded ttrpc `Request`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Request<'a> {
+/// ttrpc's `Request` envelope.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Request {
     /// Service name.
-    pub service: &'a str,
+    #[prost(string, tag = "1")]
+    pub service: String,
     /// Method name.
-    pub method: &'a str,
+    #[prost(string, tag = "2")]
+    pub method: String,
     /// The method's request message.
-    pub payload: &'a [u8],
+    #[prost(bytes = "vec", tag = "3")]
+    pub payload: Vec<u8>,
+    /// How long the caller waits (nanoseconds).
+    #[prost(int64, tag = "4")]
+    pub timeout_nano: i64,
+}
+
+/// ttrpc's `Response` envelope.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Response {
+    /// The status; absent means OK.
+    #[prost(message, optional, tag = "1")]
+    pub status: Option<Status>,
+    /// The method's response message.
+    #[prost(bytes = "vec", tag = "2")]
+    pub payload: Vec<u8>,
+}
+
+/// `google.rpc.Status`, as ttrpc carries it (its `details` skipped).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Status {
+    /// gRPC status code (0 = OK).
+    #[prost(int32, tag = "1")]
+    pub code: i32,
+    /// Status message.
+    #[prost(string, tag = "2")]
+    pub message: String,
+}
+
+impl Response {
+    /// The status code (0 = OK).
+    pub fn code(&self) -> i32 {
+        self.status.as_ref().map_or(0, |s| s.code)
+    }
+
+    /// The status message.
+    pub fn message(&self) -> &str {
+        self.status.as_ref().map_or("", |s| s.message.as_str())
+    }
 }
 
 /// Decode a ttrpc `Request`.
-pub fn decode_request(bytes: &[u8]) -> Result<Request<'_>, DecodeError> {
-    let mut out = Request {
-        service: "",
-        method: "",
-        payload: &[],
-    };
-    let mut r = Reader::new(bytes);
-    while let Some((n, v)) = r.next_field()? {
-        match n {
-            _ if n == REQ_SERVICE.number => out.service = v.str()?,
-            _ if n == REQ_METHOD.number => out.method = v.str()?,
-            _ if n == REQ_PAYLOAD.number => out.payload = v.message()?,
-            _ => {}
-        }
-    }
-    Ok(out)
+pub fn decode_request(bytes: &[u8]) -> Result<Request, DecodeError> {
+    Request::decode(bytes)
 }
 
 /// Encode a ttrpc `Request`.
 pub fn encode_request(service: &str, method: &str, payload: &[u8], timeout_nanos: i64) -> Vec<u8> {
-    let mut w = Writer::new();
-    w.string(REQ_SERVICE, service)
-        .string(REQ_METHOD, method)
-        .message(REQ_PAYLOAD, |p| {
-            p.raw(payload);
-        })
-        .int(REQ_TIMEOUT, timeout_nanos);
-    w.finish()
+    Request {
+        service: service.to_owned(),
+        method: method.to_owned(),
+        payload: payload.to_vec(),
+        timeout_nano: timeout_nanos,
+    }
+    .encode_to_vec()
 }
 
 /// Encode a ttrpc `Response`: status `code` (0 = OK) with `message`, and the method's response.
 pub fn encode_response(code: i32, message: &str, payload: &[u8]) -> Vec<u8> {
-    let mut w = Writer::new();
-    if code != 0 {
-        w.message(RESP_STATUS, |s| {
-            s.int(STATUS_CODE, i64::from(code))
-                .string(STATUS_MESSAGE, message);
-        });
+    Response {
+        status: (code != 0).then(|| Status {
+            code,
+            message: message.to_owned(),
+        }),
+        payload: payload.to_vec(),
     }
-    w.message(RESP_PAYLOAD, |p| {
-        p.raw(payload);
-    });
-    w.finish()
-}
-
-/// A decoded ttrpc `Response`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Response<'a> {
-    /// Status code (0 = OK).
-    pub code: i32,
-    /// Status message.
-    pub message: &'a str,
-    /// The method's response message.
-    pub payload: &'a [u8],
+    .encode_to_vec()
 }
 
 /// Decode a ttrpc `Response`.
-pub fn decode_response(bytes: &[u8]) -> Result<Response<'_>, DecodeError> {
-    let mut out = Response {
-        code: 0,
-        message: "",
-        payload: &[],
-    };
-    let mut r = Reader::new(bytes);
-    while let Some((n, v)) = r.next_field()? {
-        match n {
-            _ if n == RESP_STATUS.number => {
-                let mut s = Reader::new(v.message()?);
-                while let Some((n, v)) = s.next_field()? {
-                    match n {
-                        _ if n == STATUS_CODE.number => out.code = v.int()? as i32,
-                        _ if n == STATUS_MESSAGE.number => out.message = v.str()?,
-                        _ => {}
-                    }
-                }
-            }
-            _ if n == RESP_PAYLOAD.number => out.payload = v.message()?,
-            _ => {}
-        }
-    }
-    Ok(out)
+pub fn decode_response(bytes: &[u8]) -> Result<Response, DecodeError> {
+    Response::decode(bytes)
 }
 
 #[cfg(test)]
@@ -325,20 +298,21 @@ mod tests {
         let req = encode_request(RUNTIME_SERVICE, "RegisterPlugin", b"\x0a\x01x", 5);
         let got = decode_request(&req).expect("decode");
         assert_eq!(
-            (got.service, got.method, got.payload),
+            (
+                got.service.as_str(),
+                got.method.as_str(),
+                got.payload.as_slice()
+            ),
             (RUNTIME_SERVICE, "RegisterPlugin", &b"\x0a\x01x"[..])
         );
-        let ok = encode_response(0, "", b"pp");
+        assert_eq!(got.timeout_nano, 5);
+        let ok = decode_response(&encode_response(0, "", b"pp")).expect("ok");
         assert_eq!(
-            decode_response(&ok).expect("ok"),
-            Response {
-                code: 0,
-                message: "",
-                payload: b"pp"
-            }
+            (ok.code(), ok.message(), ok.payload.as_slice()),
+            (0, "", &b"pp"[..])
         );
         let err = encode_response(CODE_UNIMPLEMENTED, "no such method", &[]);
         let got = decode_response(&err).expect("err");
-        assert_eq!((got.code, got.message), (12, "no such method"));
+        assert_eq!((got.code(), got.message()), (12, "no such method"));
     }
 }

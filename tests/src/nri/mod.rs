@@ -2,8 +2,7 @@
 //! without containerd.
 //!
 //! - [`proto`]: a parser of `.proto` files ([`proto::parse`], [`proto::load_upstream`] for NRI's
-//!   `api.proto` kept in the shared reference folder) and [`proto::diff`], which compares a hand-written
-//!   table of message fields against the parsed definitions (drift tests).
+//!   `api.proto` kept in the shared reference folder).
 //! - [`codec`]: protobuf encoding/decoding of messages given as JSON, driven by the parsed schema;
 //!   [`wire`]: the schema-less protobuf wire format underneath.
 //! - [`ttrpc`]: the transport — NRI's connection multiplexing over one Unix stream and ttrpc framing

@@ -1,5 +1,4 @@
-//! A small parser of `.proto` files (proto3, as NRI's `api.proto` uses it) into a [`Schema`], and
-//! [`diff`], which compares a hand-written table of message fields against a parsed schema.
+//! A small parser of `.proto` files (proto3, as NRI's `api.proto` uses it) into a [`Schema`].
 //!
 //! Supported: `syntax`/`package`/`import`/`option` statements, messages (nested ones are registered under
 //! their qualified name `Outer.Inner` and, unless a top-level type has it, their simple name), enums
@@ -8,7 +7,7 @@
 //! options in `[...]`, `reserved`/`extensions`/`extend` (skipped), services with `rpc` methods (with or
 //! without an option block), `//` and `/* */` comments.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Where the upstream NRI `api.proto` is kept: the shared reference folder beside the repository.
@@ -217,58 +216,6 @@ pub fn parse(text: &str) -> Result<Schema, ProtoError> {
         }
     }
     Ok(schema)
-}
-
-/// One line per difference between `ours` — `(message, field, number, type, repeated)` rows of a
-/// hand-written table — and `schema`: message or field missing upstream, number, type or `repeated`
-/// differing. Types are compared without whitespace, a leading dot or the package prefix.
-pub fn diff(schema: &Schema, ours: &[(&str, &str, u32, &str, bool)]) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut missing_messages = BTreeSet::new();
-    for &(message, field, number, ty, repeated) in ours {
-        let Some(upstream) = schema.message(message) else {
-            if missing_messages.insert(message) {
-                out.push(format!("message {message}: missing upstream"));
-            }
-            continue;
-        };
-        let Some(f) = upstream.field(field) else {
-            out.push(format!(
-                "{message}.{field}: field missing upstream (ours: {number} {ty})"
-            ));
-            continue;
-        };
-        if f.number != number {
-            out.push(format!(
-                "{message}.{field}: number differs: ours {number}, upstream {}",
-                f.number
-            ));
-        }
-        let (ours_ty, up_ty) = (normalise_type(schema, ty), normalise_type(schema, &f.ty));
-        if ours_ty != up_ty {
-            out.push(format!(
-                "{message}.{field}: type differs: ours {ty}, upstream {}",
-                f.ty
-            ));
-        }
-        if f.repeated != repeated {
-            out.push(format!(
-                "{message}.{field}: repeated differs: ours {repeated}, upstream {}",
-                f.repeated
-            ));
-        }
-    }
-    out
-}
-
-fn normalise_type(schema: &Schema, ty: &str) -> String {
-    let compact: String = ty.chars().filter(|c| !c.is_whitespace()).collect();
-    let bare = compact.strip_prefix('.').unwrap_or(&compact);
-    let prefix = format!("{}.", schema.package);
-    match bare.strip_prefix(&prefix) {
-        Some(local) if !schema.package.is_empty() => local.to_string(),
-        _ => bare.to_string(),
-    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Tests of the `.proto` parser (against the upstream NRI `api.proto`) and of `diff`.
+//! Tests of the `.proto` parser (against the upstream NRI `api.proto`).
 
 use super::*;
 
@@ -147,40 +147,4 @@ fn reports_parse_errors_with_lines() {
     assert!(parse("message A { string x = 1;").is_err());
     assert!(parse("/* never closed").is_err());
     assert!(parse("message A { string x = 0; }").is_err());
-}
-
-#[test]
-fn diff_reports_each_kind_of_difference() {
-    let s = upstream();
-    let good = [
-        ("CreateContainerRequest", "pod", 1, "PodSandbox", false),
-        ("LinuxResources", "unified", 6, "map<string, string>", false),
-        ("PodSandbox", "ips", 10, "string", true),
-        (
-            "ContainerAdjustment",
-            "linux",
-            6,
-            ".nri.pkg.api.v1alpha1.LinuxContainerAdjustment",
-            false,
-        ),
-    ];
-    assert_eq!(diff(&s, &good), Vec::<String>::new());
-    let bad = [
-        ("CreateContainerRequest", "pod", 2, "PodSandbox", false),
-        ("LinuxResources", "unified", 6, "map<string,int64>", false),
-        ("PodSandbox", "ips", 10, "string", false),
-        ("PodSandbox", "no_such_field", 42, "string", false),
-        ("NoSuchMessage", "a", 1, "string", false),
-        ("NoSuchMessage", "b", 2, "string", false),
-    ];
-    assert_eq!(
-        diff(&s, &bad),
-        [
-            "CreateContainerRequest.pod: number differs: ours 2, upstream 1",
-            "LinuxResources.unified: type differs: ours map<string,int64>, upstream map<string,string>",
-            "PodSandbox.ips: repeated differs: ours false, upstream true",
-            "PodSandbox.no_such_field: field missing upstream (ours: 42 string)",
-            "message NoSuchMessage: missing upstream",
-        ]
-    );
 }

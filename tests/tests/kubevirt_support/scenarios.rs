@@ -225,8 +225,18 @@ pub async fn overhead_key_is_counted_once() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    w.create_vmi("vmi-kata-rc", Tee::Tdx, Size::SMALL).await;
-    let pod = w.wait_running("vmi-kata-rc").await;
+    runs_with_the_overhead_key_only(&w, "vmi-kata-rc").await;
+    w.create_vmi("vmi-second", Tee::Tdx, Size::SMALL).await;
+    w.wait_refused("vmi-second", 1).await;
+    assert!(w.launchers("vmi-second").await.is_empty());
+}
+
+/// With `defaultRuntimeClass` naming [`super::full::KATA_TDX`] (its key in the overhead): TDX VMI
+/// `name` runs with that key as its only one (none on `compute`, the annotation and `misc.max` say one
+/// key) and the TDX node's report counts one key for it.
+pub async fn runs_with_the_overhead_key_only(w: &KubeVirtWorld, name: &str) {
+    w.create_vmi(name, Tee::Tdx, Size::SMALL).await;
+    let pod = w.wait_running(name).await;
     let spec = pod.spec.as_ref().expect("spec");
     assert_eq!(
         spec.runtime_class_name.as_deref(),
@@ -277,9 +287,6 @@ pub async fn overhead_key_is_counted_once() {
         (1, 0),
         "one key counted for the VM"
     );
-    w.create_vmi("vmi-second", Tee::Tdx, Size::SMALL).await;
-    w.wait_refused("vmi-second", 1).await;
-    assert!(w.launchers("vmi-second").await.is_empty());
 }
 
 /// Scenario 1 in DRA mode: the nodes' agents are their DRA drivers; the scheduler allocates the key

@@ -123,37 +123,5 @@ pub async fn older_release_renders_runs_limited_refuses_and_starts(version: Vers
     )
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    w.create_vmi("vmi-kata-rc", Tee::Tdx, Size::SMALL).await;
-    let pod = w.wait_running("vmi-kata-rc").await;
-    let spec = pod.spec.as_ref().expect("spec");
-    assert_eq!(spec.runtime_class_name.as_deref(), Some(KATA_TDX));
-    assert_eq!(
-        compute_request(&pod, "tdx.intel.com/keys"),
-        None,
-        "no second key on compute"
-    );
-    let got = limits(&w.records(&w.tdx, &pod).await);
-    assert_eq!(
-        got.get("compute").map(String::as_str),
-        Some("tdx 1"),
-        "{got:?}"
-    );
-    assert!(
-        got.iter()
-            .filter(|(c, _)| *c != "compute")
-            .all(|(_, l)| l == "-"),
-        "{got:?}"
-    );
-    let uid = pod.metadata.uid.clone().expect("uid");
-    let report = w
-        .wait_report(&w.tdx, "counts the pod", Duration::from_secs(30), |r| {
-            r.counted_pods.contains(&uid)
-        })
-        .await;
-    let tdx = report.tdx.expect("tdx figures");
-    assert_eq!(
-        (tdx.pending + tdx.pods_used, tdx.free),
-        (1, 0),
-        "one key counted"
-    );
+    super::scenarios::runs_with_the_overhead_key_only(&w, "vmi-kata-rc").await;
 }
