@@ -30,40 +30,28 @@ _teeguard_control_plane() {
     return 1
   fi
   dest="$root/.tools/control-plane"
-  mkdir -p "$dest" || return 1
-  # Unpack again only what is missing or differs from the published checksums.
-  if ! (cd "$dest" && sha256sum --quiet -c "$src/SHA256SUMS" >/dev/null 2>&1); then
-    local b
-    for b in etcd kube-apiserver kube-scheduler kube-controller-manager; do
-      xz -T0 -dc "$src/$b.xz" > "$dest/$b.part" && chmod +x "$dest/$b.part" && mv "$dest/$b.part" "$dest/$b" || {
-        echo "control-plane: cannot unpack $src/$b.xz" >&2
-        return 1
-      }
-    done
-    if ! (cd "$dest" && sha256sum --quiet -c "$src/SHA256SUMS"); then
-      echo "control-plane: the unpacked binaries do not match $src/SHA256SUMS" >&2
-      return 1
-    fi
-  fi
-  # Kubernetes v1.30.14 (kube-apiserver, kube-scheduler, kube-controller-manager; etcd is the top one's)
-  # for TEEGUARD_KUBE_VERSION=v1.30.14 (scripts/test.sh runs the cluster tests on it too).
-  local v=v1.30.14
-  if [ -f "$src/versions/$v/SHA256SUMS" ]; then
-    mkdir -p "$dest/versions/$v" || return 1
-    if ! (cd "$dest/versions/$v" && sha256sum --quiet -c "$src/versions/$v/SHA256SUMS" >/dev/null 2>&1); then
-      for b in kube-apiserver kube-scheduler kube-controller-manager; do
-        xz -T0 -dc "$src/versions/$v/$b.xz" > "$dest/versions/$v/$b.part" && chmod +x "$dest/versions/$v/$b.part" \
-          && mv "$dest/versions/$v/$b.part" "$dest/versions/$v/$b" || {
-          echo "control-plane: cannot unpack $src/versions/$v/$b.xz" >&2
+  # The top level (v1.36.2 and etcd) and Kubernetes v1.30.14 under versions/ (kube-apiserver,
+  # kube-scheduler, kube-controller-manager; TEEGUARD_KUBE_VERSION=v1.30.14, which scripts/test.sh runs
+  # the cluster tests on too), each directory's binaries named by its SHA256SUMS. Unpack again only what
+  # is missing or differs from the published checksums.
+  local sub b
+  for sub in . versions/v1.30.14; do
+    [ -f "$src/$sub/SHA256SUMS" ] || continue
+    mkdir -p "$dest/$sub" || return 1
+    if ! (cd "$dest/$sub" && sha256sum --quiet -c "$src/$sub/SHA256SUMS" >/dev/null 2>&1); then
+      for b in $(awk '{ print $2 }' "$src/$sub/SHA256SUMS"); do
+        xz -T0 -dc "$src/$sub/$b.xz" > "$dest/$sub/$b.part" && chmod +x "$dest/$sub/$b.part" \
+          && mv "$dest/$sub/$b.part" "$dest/$sub/$b" || {
+          echo "control-plane: cannot unpack $src/$sub/$b.xz" >&2
           return 1
         }
       done
-      if ! (cd "$dest/versions/$v" && sha256sum --quiet -c "$src/versions/$v/SHA256SUMS"); then
-        echo "control-plane: the unpacked $v binaries do not match $src/versions/$v/SHA256SUMS" >&2
+      if ! (cd "$dest/$sub" && sha256sum --quiet -c "$src/$sub/SHA256SUMS"); then
+        echo "control-plane: the unpacked binaries in $dest/$sub do not match $src/$sub/SHA256SUMS" >&2
         return 1
       fi
     fi
-  fi
+  done
   export TEEGUARD_CONTROL_PLANE="$dest"
   echo "control-plane: TEEGUARD_CONTROL_PLANE=$TEEGUARD_CONTROL_PLANE ($("$dest/kube-apiserver" --version 2>/dev/null))" >&2
 }
