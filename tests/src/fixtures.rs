@@ -2223,6 +2223,12 @@ pub fn binding_create(pod: &Pod, node: &str) -> Value {
 // Sample files
 // ---------------------------------------------------------------------------------------------------
 
+/// Whether `TEEGUARD_REGENERATE_FIXTURES=1` asks the fixture tests to rewrite the committed files
+/// instead of failing on a difference (`scripts/kubevirt-fixtures.sh`, `fixtures_files`).
+pub fn regenerate() -> bool {
+    std::env::var("TEEGUARD_REGENERATE_FIXTURES").is_ok_and(|v| v == "1")
+}
+
 /// Every sample file under `tests/fixtures/` as (path relative to that directory, content). The
 /// `fixtures_files` test keeps the committed files equal to this.
 pub fn sample_files() -> Vec<(String, String)> {

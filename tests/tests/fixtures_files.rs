@@ -7,17 +7,13 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use teeguard_tests::fixtures::{Tee, sample_files, vmi};
+use teeguard_tests::fixtures::{Tee, regenerate, sample_files, vmi};
 
 /// Directories whose every file is generated.
 const MANAGED: [&str; 2] = ["admission", "vmis"];
 
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
-}
-
-fn regenerate() -> bool {
-    std::env::var("TEEGUARD_REGENERATE_FIXTURES").is_ok_and(|v| v == "1")
 }
 
 fn first_difference(committed: &str, generated: &str) -> String {

@@ -16,9 +16,6 @@ use serde_json::Value;
 use super::Version;
 use crate::fixtures::Tee;
 
-/// The directory under `tests/fixtures/` of v1.9.0's objects.
-pub const DIR: &str = "kubevirt-v1.9.0";
-
 /// The directory under `tests/fixtures/` of `version`'s objects (`kubevirt-v1.8.4`).
 pub fn dir(version: Version) -> String {
     format!("kubevirt-{}", version.tag())
@@ -164,16 +161,10 @@ pub fn normalise(mut object: Value, real_uid: &str, fixture_uid: &str) -> Value 
     crate::fixtures::canonical(serde_json::from_str(&text).unwrap_or(Value::Null))
 }
 
-/// Whether `TEEGUARD_REGENERATE_FIXTURES=1` asks for the committed files to be rewritten
-/// (`scripts/kubevirt-fixtures.sh`).
-pub fn regenerate() -> bool {
-    std::env::var("TEEGUARD_REGENERATE_FIXTURES").is_ok_and(|v| v == "1")
-}
-
 /// Render each sample VMI of [`KINDS`] with the running KubeVirt (`kv`: its virt-api stand-in defaults
 /// the VMI, its virt-controller renders the pod, which stays unscheduled while no node is labelled for
 /// it) in `namespace`, compare both objects with `kv`'s release's committed files, and delete the VMIs.
-/// `Err` lists every drifted file with what KubeVirt renders; with [`regenerate`] the files are
+/// `Err` lists every drifted file with what KubeVirt renders; with [`crate::fixtures::regenerate`] the files are
 /// rewritten instead.
 pub async fn compare_with_committed(
     kv: &super::KubeVirt,
@@ -187,10 +178,10 @@ pub async fn compare_with_committed(
     use kube::api::ListParams;
 
     use super::vmis::{self, Size};
-    use crate::fixtures::{Vmi, to_pretty_json};
+    use crate::fixtures::{Vmi, regenerate, to_pretty_json};
 
     let version = kv.version;
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+    let files = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("fixtures")
         .join(dir(version));
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), namespace);
@@ -258,13 +249,13 @@ pub async fn compare_with_committed(
                 continue;
             }
             if regenerate() {
-                std::fs::create_dir_all(&dir)
-                    .and_then(|()| std::fs::write(dir.join(&file), to_pretty_json(value)))
-                    .map_err(|e| format!("write {}: {e}", dir.join(&file).display()))?;
+                std::fs::create_dir_all(&files)
+                    .and_then(|()| std::fs::write(files.join(&file), to_pretty_json(value)))
+                    .map_err(|e| format!("write {}: {e}", files.join(&file).display()))?;
             } else {
                 problems.push(format!(
                     "{}/{file}: virt-controller {version} renders\n{}",
-                    super::rendered::dir(version),
+                    dir(version),
                     to_pretty_json(value)
                 ));
             }
