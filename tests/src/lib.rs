@@ -14,6 +14,7 @@ pub mod node;
 pub mod nri;
 pub mod ports;
 pub mod prom;
+pub mod proto;
 pub mod realcluster;
 pub mod standalone;
 pub mod structure;

@@ -1,7 +1,7 @@
 //! The agent's NRI messages (`teeguard_agent::runtime::wire`, prost structs with only the fields it
 //! uses) agree with upstream's `api.proto` (containerd/nri v0.12.2, in the shared reference folder):
-//! each message, every field of ours populated, is read by the test kit's codec driven by upstream's
-//! schema as exactly the fields we mean (by name: a wrong number is dropped as unknown, a wrong type
+//! each message, every field of ours populated, is read through upstream's
+//! schema (`teeguard_tests::proto`) as exactly the fields we mean (by name: a wrong number is dropped as unknown, a wrong type
 //! is an error or another value), and upstream's encoding of those fields is read back by ours.
 
 use std::fmt::Debug;
@@ -9,8 +9,7 @@ use std::fmt::Debug;
 use prost::Message;
 use serde_json::{Value, json};
 use teeguard_agent::runtime::wire::*;
-use teeguard_tests::nri::codec;
-use teeguard_tests::nri::proto::{Schema, load_upstream};
+use teeguard_tests::proto::Schema;
 
 fn agrees<M: Message + Default + PartialEq + Debug>(
     schema: &Schema,
@@ -18,13 +17,15 @@ fn agrees<M: Message + Default + PartialEq + Debug>(
     ours: M,
     upstream: Value,
 ) {
-    let read = codec::decode(schema, name, &ours.encode_to_vec())
+    let read = schema
+        .decode(name, &ours.encode_to_vec())
         .unwrap_or_else(|e| panic!("{name}: upstream cannot read ours: {e}"));
     assert_eq!(
         read, upstream,
         "{name}: ours as upstream's api.proto reads it"
     );
-    let bytes = codec::encode(schema, name, &upstream)
+    let bytes = schema
+        .encode(name, &upstream)
         .unwrap_or_else(|e| panic!("{name}: upstream cannot encode {upstream}: {e}"));
     let back = M::decode(bytes.as_slice())
         .unwrap_or_else(|e| panic!("{name}: ours cannot read upstream's: {e}"));
@@ -71,7 +72,7 @@ fn update() -> (ContainerUpdate, Value) {
 
 #[test]
 fn the_agents_nri_messages_mean_what_upstream_api_proto_says() {
-    let s = &load_upstream().expect("upstream api.proto parses");
+    let s = &Schema::nri().expect("upstream api.proto compiles");
     agrees(
         s,
         "RegisterPluginRequest",
@@ -169,17 +170,17 @@ fn the_agents_nri_messages_mean_what_upstream_api_proto_says() {
     );
     agrees(s, "Empty", Empty {}, json!({}));
 
-    let event = s.enumeration("Event").expect("enum Event");
+    let value = |e: &str, v: &str| s.enum_value(e, v).expect("enum value");
     assert_eq!(
-        event.value("CREATE_CONTAINER"),
-        Some(EVENT_CREATE_CONTAINER as i32)
+        value("Event", "CREATE_CONTAINER"),
+        EVENT_CREATE_CONTAINER as i32
     );
     assert_eq!(
-        event.value("POST_START_CONTAINER"),
-        Some(EVENT_POST_START_CONTAINER as i32)
+        value("Event", "POST_START_CONTAINER"),
+        EVENT_POST_START_CONTAINER as i32
     );
-    let state = s
-        .enumeration("ContainerState")
-        .expect("enum ContainerState");
-    assert_eq!(state.value("CONTAINER_CREATED"), Some(CONTAINER_CREATED));
+    assert_eq!(
+        value("ContainerState", "CONTAINER_CREATED"),
+        CONTAINER_CREATED
+    );
 }

@@ -13,7 +13,7 @@
 //! request timeout fails with [`NriError::Timeout`] and, as containerd does, closes the plugin;
 //! [`NriRuntime::create_container_as_runtime`] gives what the container then gets (no adjustment).
 //!
-//! Messages are JSON in the form of [`super::codec`], encoded with the upstream `api.proto`.
+//! Messages are JSON in the form of [`crate::proto`], encoded with the upstream `api.proto`.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -25,10 +25,9 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::codec::{decode, encode};
-use super::proto::{ProtoError, Schema, load_upstream};
 use super::runtime_conn::{PluginConn, accept_loop};
 use super::ttrpc::MESSAGE_LENGTH_MAX;
+use crate::proto::{ProtoError, Schema};
 
 /// `ConfigureRequest.runtime_name`.
 pub const RUNTIME_NAME: &str = "teeguard-test-runtime";
@@ -57,9 +56,6 @@ pub enum NriError {
     /// Loading the API definition, or encoding/decoding a message, failed.
     #[error(transparent)]
     Proto(#[from] ProtoError),
-    /// The upstream API definition lacks something the runtime needs.
-    #[error("the NRI API definition has no {0}")]
-    Schema(String),
     /// No plugin completed registration in time.
     #[error("timed out waiting for the plugin to register on {socket}")]
     RegisterTimeout {
@@ -198,15 +194,8 @@ impl NriRuntime {
     /// Parses the upstream `api.proto`, binds `socket` (removing a stale file, creating its directory)
     /// and accepts plugin connections in the background, on the current tokio runtime.
     pub async fn start(socket: impl Into<PathBuf>) -> Result<NriRuntime, NriError> {
-        let schema = load_upstream()?;
-        let event = schema
-            .enumeration("Event")
-            .ok_or_else(|| NriError::Schema("enum Event".into()))?;
-        let value = |name: &str| {
-            event
-                .value(name)
-                .ok_or_else(|| NriError::Schema(format!("Event value {name}")))
-        };
+        let schema = Schema::nri()?;
+        let value = |name: &str| schema.enum_value("Event", name);
         let (create_event, post_start_event, last) = (
             value("CREATE_CONTAINER")?,
             value("POST_START_CONTAINER")?,
@@ -465,9 +454,9 @@ impl Inner {
         response_message: &str,
         body: &Value,
     ) -> Result<Value, NriError> {
-        let payload = encode(&self.schema, request_message, body)?;
+        let payload = self.schema.encode(request_message, body)?;
         match conn.call(method, payload, REQUEST_TIMEOUT).await {
-            Ok(bytes) => Ok(decode(&self.schema, response_message, &bytes)?),
+            Ok(bytes) => Ok(self.schema.decode(response_message, &bytes)?),
             Err(e) => {
                 if matches!(e, NriError::Timeout { .. }) {
                     self.disconnect(conn, &e.to_string());

@@ -13,7 +13,6 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 
-use super::codec::decode;
 use super::runtime::{
     Inner, NRI_VERSION, NriError, REGISTRATION_TIMEOUT, REQUEST_TIMEOUT, RUNTIME_NAME,
     RUNTIME_VERSION, Registration, lock,
@@ -120,7 +119,7 @@ impl Inner {
                 return Ok(());
             }
         };
-        let body = match decode(&self.schema, input, &req.payload) {
+        let body = match self.schema.decode(input, &req.payload) {
             Ok(body) => body,
             Err(e) => {
                 tracing::warn!(error = %e, "NRI plugin sent an undecodable {input}");
@@ -209,11 +208,12 @@ impl PluginConn {
                 });
             }
         };
-        if response.status.code != 0 {
+        let status = response.status();
+        if status.code != 0 {
             return Err(NriError::Status {
                 method: method.to_string(),
-                code: response.status.code,
-                message: response.status.message,
+                code: status.code,
+                message: status.message,
             });
         }
         Ok(response.payload)

@@ -9,14 +9,13 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use super::codec::{decode, encode};
-use super::proto::{Schema, load_upstream};
 use super::runtime::{NRI_VERSION, NriError, NriRuntime, RUNTIME_NAME, event_bit, misc_max};
 use super::ttrpc::{
     CODE_UNIMPLEMENTED, Demux, MESSAGE_TYPE_REQUEST, MESSAGE_TYPE_RESPONSE, PLUGIN_SERVICE_CONN,
     RUNTIME_SERVICE, RUNTIME_SERVICE_CONN, Request, Response, Status, encode_frames,
     encode_message, read_frame,
 };
+use crate::proto::Schema;
 
 const CREATE_CONTAINER: i32 = 4;
 const START_CONTAINER: i32 = 6;
@@ -75,7 +74,7 @@ impl Seen {
 }
 
 fn schema() -> Arc<Schema> {
-    Arc::new(load_upstream().expect("the upstream NRI api.proto parses"))
+    Arc::new(Schema::nri().expect("the upstream NRI api.proto compiles"))
 }
 
 async fn connect(socket: &Path) -> UnixStream {
@@ -96,12 +95,12 @@ async fn run_plugin(socket: PathBuf, b: Behaviour, seen: Arc<Mutex<Seen>>) {
     let schema = schema();
     let stream = connect(&socket).await;
     let (mut rd, mut wr) = stream.into_split();
-    let register = encode(
-        &schema,
-        "RegisterPluginRequest",
-        &json!({"plugin_name": b.name, "plugin_idx": b.idx, "NRI_version": "v0.10.0"}),
-    )
-    .expect("encodes");
+    let register = schema
+        .encode(
+            "RegisterPluginRequest",
+            &json!({"plugin_name": b.name, "plugin_idx": b.idx, "NRI_version": "v0.10.0"}),
+        )
+        .expect("encodes");
     let request = |stream_id, method: &str, payload| {
         let req = Request {
             service: RUNTIME_SERVICE.into(),
@@ -124,14 +123,14 @@ async fn run_plugin(socket: PathBuf, b: Behaviour, seen: Arc<Mutex<Seen>>) {
         while let Some(msg) = demux.next_message(cid).expect("well-formed ttrpc") {
             if cid == RUNTIME_SERVICE_CONN && msg.kind == MESSAGE_TYPE_RESPONSE {
                 let rsp = Response::decode(&msg.payload).expect("a response");
-                seen.lock().expect("lock").statuses.push(rsp.status);
+                seen.lock().expect("lock").statuses.push(rsp.status());
                 if !registered {
                     registered = true;
                     // Several requests sharing one frame.
                     let mut all = Vec::new();
                     for (i, (method, body)) in b.runtime_calls.iter().enumerate() {
                         let input = format!("{method}Request");
-                        let payload = encode(&schema, &input, body).unwrap_or_default();
+                        let payload = schema.encode(&input, body).unwrap_or_default();
                         all.extend(request(3 + 2 * i as u32, method, payload));
                     }
                     if !all.is_empty() {
@@ -144,17 +143,22 @@ async fn run_plugin(socket: PathBuf, b: Behaviour, seen: Arc<Mutex<Seen>>) {
             }
             assert_eq!((cid, msg.kind), (PLUGIN_SERVICE_CONN, MESSAGE_TYPE_REQUEST));
             let req = Request::decode(&msg.payload).expect("a request");
-            let rpc = schema.services["Plugin"].method(&req.method).cloned();
+            let rpc = schema
+                .methods("Plugin")
+                .expect("service Plugin")
+                .into_iter()
+                .find(|(name, _, _)| *name == req.method);
             let body = rpc
                 .as_ref()
-                .map(|m| decode(&schema, &m.input, &req.payload).expect("decodes"));
+                .map(|(_, input, _)| schema.decode(input, &req.payload).expect("decodes"));
             seen.lock()
                 .expect("lock")
                 .calls
                 .push((req.method.clone(), body.clone().unwrap_or(Value::Null)));
             let rsp = match (req.method.as_str(), rpc) {
                 ("Configure", _) => Response::ok(
-                    encode(&schema, "ConfigureResponse", &json!({"events": b.events}))
+                    schema
+                        .encode("ConfigureResponse", &json!({"events": b.events}))
                         .expect("encodes"),
                 ),
                 ("CreateContainer", _) if b.hang_on_create => continue,
@@ -163,15 +167,12 @@ async fn run_plugin(socket: PathBuf, b: Behaviour, seen: Arc<Mutex<Seen>>) {
                     Response::error(code, message)
                 }
                 ("CreateContainer", _) => Response::ok(
-                    encode(
-                        &schema,
-                        "CreateContainerResponse",
-                        &json!({"adjust": b.adjust}),
-                    )
-                    .expect("encodes"),
+                    schema
+                        .encode("CreateContainerResponse", &json!({"adjust": b.adjust}))
+                        .expect("encodes"),
                 ),
-                (_, Some(m)) => {
-                    Response::ok(encode(&schema, &m.output, &json!({})).expect("encodes"))
+                (_, Some((_, _, output))) => {
+                    Response::ok(schema.encode(&output, &json!({})).expect("encodes"))
                 }
                 (other, None) => Response::error(CODE_UNIMPLEMENTED, format!("method {other}")),
             };

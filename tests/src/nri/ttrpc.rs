@@ -15,8 +15,6 @@ use std::collections::HashMap;
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-use super::wire::{RawValue, put_len_field, put_varint_field, raw_fields};
-
 /// The logical connection on which the plugin serves the `Plugin` service.
 pub const PLUGIN_SERVICE_CONN: u32 = 1;
 /// The logical connection on which the runtime serves the `Runtime` service.
@@ -190,99 +188,71 @@ impl Demux {
     }
 }
 
-/// ttrpc's `Request` envelope.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// ttrpc's `Request` envelope (ttrpc's `request.proto`).
+#[derive(Clone, PartialEq, prost::Message)]
 pub struct Request {
-    /// Fully qualified service name (field 1).
+    /// Fully qualified service name.
+    #[prost(string, tag = "1")]
     pub service: String,
-    /// Method name (field 2).
+    /// Method name.
+    #[prost(string, tag = "2")]
     pub method: String,
-    /// The encoded request message (field 3).
+    /// The encoded request message.
+    #[prost(bytes = "vec", tag = "3")]
     pub payload: Vec<u8>,
-    /// Client deadline in nanoseconds, 0 for none (field 4).
+    /// Client deadline in nanoseconds, 0 for none.
+    #[prost(int64, tag = "4")]
     pub timeout_nano: i64,
-    /// Metadata key/value pairs (field 5, `KeyValue { key = 1; value = 2; }`).
-    pub metadata: Vec<(String, String)>,
+    /// Metadata key/value pairs.
+    #[prost(message, repeated, tag = "5")]
+    pub metadata: Vec<KeyValue>,
+}
+
+/// A metadata pair of a [`Request`].
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct KeyValue {
+    /// The key.
+    #[prost(string, tag = "1")]
+    pub key: String,
+    /// The value.
+    #[prost(string, tag = "2")]
+    pub value: String,
 }
 
 /// ttrpc's `Response` envelope.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, PartialEq, prost::Message)]
 pub struct Response {
-    /// The call's status (field 1).
-    pub status: Status,
-    /// The encoded response message (field 2).
+    /// The call's status (always written, as ttrpc's server does; absent means OK).
+    #[prost(message, optional, tag = "1")]
+    pub status: Option<Status>,
+    /// The encoded response message.
+    #[prost(bytes = "vec", tag = "2")]
     pub payload: Vec<u8>,
 }
 
 /// `google.rpc.Status` as ttrpc carries it (details are dropped).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, prost::Message)]
 pub struct Status {
-    /// gRPC code, [`CODE_OK`] for success (field 1).
+    /// gRPC code, [`CODE_OK`] for success.
+    #[prost(int32, tag = "1")]
     pub code: i32,
-    /// Error message (field 2).
+    /// Error message.
+    #[prost(string, tag = "2")]
     pub message: String,
-}
-
-fn string(what: &'static str, bytes: &[u8]) -> Result<String, WireError> {
-    String::from_utf8(bytes.to_vec()).map_err(|e| WireError::Envelope {
-        what,
-        message: e.to_string(),
-    })
-}
-
-fn envelope_err(what: &'static str) -> impl Fn(String) -> WireError {
-    move |message| WireError::Envelope { what, message }
 }
 
 impl Request {
     /// Encodes the envelope.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::new();
-        put_len_field(&mut out, 1, self.service.as_bytes());
-        put_len_field(&mut out, 2, self.method.as_bytes());
-        put_len_field(&mut out, 3, &self.payload);
-        if self.timeout_nano != 0 {
-            put_varint_field(&mut out, 4, self.timeout_nano as u64);
-        }
-        for (key, value) in &self.metadata {
-            let mut kv = Vec::new();
-            put_len_field(&mut kv, 1, key.as_bytes());
-            put_len_field(&mut kv, 2, value.as_bytes());
-            put_len_field(&mut out, 5, &kv);
-        }
-        out
+        prost::Message::encode_to_vec(self)
     }
 
     /// Decodes an envelope; unknown fields are skipped.
     pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
-        let what = "request";
-        let mut req = Request::default();
-        for item in raw_fields(bytes) {
-            match item.map_err(envelope_err(what))? {
-                (1, RawValue::Len(b)) => req.service = string(what, b)?,
-                (2, RawValue::Len(b)) => req.method = string(what, b)?,
-                (3, RawValue::Len(b)) => req.payload = b.to_vec(),
-                (4, RawValue::Varint(v)) => req.timeout_nano = v as i64,
-                (5, RawValue::Len(b)) => {
-                    let (mut key, mut value) = (String::new(), String::new());
-                    for kv in raw_fields(b) {
-                        match kv.map_err(envelope_err(what))? {
-                            (1, RawValue::Len(k)) => key = string(what, k)?,
-                            (2, RawValue::Len(v)) => value = string(what, v)?,
-                            _ => {}
-                        }
-                    }
-                    req.metadata.push((key, value));
-                }
-                (n @ 1..=5, raw) => {
-                    return Err(envelope_err(what)(format!(
-                        "field {n} has wire value {raw:?}"
-                    )));
-                }
-                _ => {}
-            }
-        }
-        Ok(req)
+        <Self as prost::Message>::decode(bytes).map_err(|e| WireError::Envelope {
+            what: "request",
+            message: e.to_string(),
+        })
     }
 }
 
@@ -290,7 +260,7 @@ impl Response {
     /// A successful response carrying `payload`.
     pub fn ok(payload: Vec<u8>) -> Self {
         Response {
-            status: Status::default(),
+            status: Some(Status::default()),
             payload,
         }
     }
@@ -298,56 +268,30 @@ impl Response {
     /// A failed response.
     pub fn error(code: i32, message: impl Into<String>) -> Self {
         Response {
-            status: Status {
+            status: Some(Status {
                 code,
                 message: message.into(),
-            },
+            }),
             payload: Vec::new(),
         }
     }
 
-    /// Encodes the envelope (the status is always present, as ttrpc's server writes it).
-    pub fn encode(&self) -> Vec<u8> {
-        let mut status = Vec::new();
-        if self.status.code != 0 {
-            put_varint_field(&mut status, 1, self.status.code as i64 as u64);
-        }
-        if !self.status.message.is_empty() {
-            put_len_field(&mut status, 2, self.status.message.as_bytes());
-        }
-        let mut out = Vec::new();
-        put_len_field(&mut out, 1, &status);
-        if !self.payload.is_empty() {
-            put_len_field(&mut out, 2, &self.payload);
-        }
-        out
+    /// The call's status (OK when absent).
+    pub fn status(&self) -> Status {
+        self.status.clone().unwrap_or_default()
     }
 
-    /// Decodes an envelope; a missing status means OK.
+    /// Encodes the envelope.
+    pub fn encode(&self) -> Vec<u8> {
+        prost::Message::encode_to_vec(self)
+    }
+
+    /// Decodes an envelope.
     pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
-        let what = "response";
-        let mut rsp = Response::default();
-        for item in raw_fields(bytes) {
-            match item.map_err(envelope_err(what))? {
-                (1, RawValue::Len(b)) => {
-                    for st in raw_fields(b) {
-                        match st.map_err(envelope_err(what))? {
-                            (1, RawValue::Varint(v)) => rsp.status.code = v as i32,
-                            (2, RawValue::Len(m)) => rsp.status.message = string(what, m)?,
-                            _ => {}
-                        }
-                    }
-                }
-                (2, RawValue::Len(b)) => rsp.payload = b.to_vec(),
-                (n @ 1..=2, raw) => {
-                    return Err(envelope_err(what)(format!(
-                        "field {n} has wire value {raw:?}"
-                    )));
-                }
-                _ => {}
-            }
-        }
-        Ok(rsp)
+        <Self as prost::Message>::decode(bytes).map_err(|e| WireError::Envelope {
+            what: "response",
+            message: e.to_string(),
+        })
     }
 }
 
@@ -425,7 +369,10 @@ mod tests {
             method: "Configure".into(),
             payload: vec![1, 2, 3],
             timeout_nano: 2_000_000_000,
-            metadata: vec![("k".into(), "v".into())],
+            metadata: vec![KeyValue {
+                key: "k".into(),
+                value: "v".into(),
+            }],
         };
         assert_eq!(Request::decode(&req.encode()).expect("decodes"), req);
         let ok = Response::ok(vec![4]);
@@ -433,7 +380,10 @@ mod tests {
         assert_eq!(Response::decode(&ok.encode()).expect("decodes"), ok);
         let failed = Response::error(CODE_UNIMPLEMENTED, "no");
         assert_eq!(Response::decode(&failed.encode()).expect("decodes"), failed);
-        assert_eq!(Response::decode(&[]).expect("decodes"), Response::default());
+        assert_eq!(
+            Response::decode(&[]).expect("decodes").status(),
+            Status::default()
+        );
         assert!(Request::decode(&[0x0a, 0x09]).is_err());
         assert!(Request::decode(&[0x08, 0x01]).is_err());
     }
