@@ -31,7 +31,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
 use kubevirt_support::{KubeVirtWorld, Options, running};
-use support::{Stats, fmt_dur, section};
+use support::{Side, report_sides, section};
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::kubevirt::vmis::Size;
 
@@ -40,26 +40,13 @@ const BATCH: usize = 10;
 const SETTLE: Duration = Duration::from_secs(2);
 const TARGET_RATIO: f64 = 1.05;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Side {
-    With,
-    Without,
-}
-
-impl Side {
-    fn label(self) -> &'static str {
-        match self {
-            Side::With => "with teeguard",
-            Side::Without => "without",
-        }
-    }
-}
+const LABELS: [&str; 2] = ["with teeguard", "without"];
 
 /// Per side: VMI created → pod created, and → pod running.
 #[derive(Default)]
 struct Samples {
-    pod_created: Vec<Duration>,
-    running: Vec<Duration>,
+    pod_created: HashMap<Side, Vec<Duration>>,
+    running: HashMap<Side, Vec<Duration>>,
 }
 
 fn main() {
@@ -72,13 +59,9 @@ async fn run(per_side: usize) {
     section(&format!(
         "VMI created → launcher pod running (KubeVirt v1.9.0's virt-controller, two real nodes), {per_side} VMIs per side, batches of {BATCH}"
     ));
-    let mut samples: HashMap<Side, Samples> = HashMap::new();
+    let mut samples = Samples::default();
     for round in 0..per_side / BATCH {
-        let order = if round % 2 == 0 {
-            [Side::With, Side::Without]
-        } else {
-            [Side::Without, Side::With]
-        };
+        let order = Side::order(round);
         for side in order {
             let options = Options {
                 teeguard: side == Side::With,
@@ -95,47 +78,24 @@ async fn run(per_side: usize) {
                 warm_up(&w).await;
             }
             tokio::time::sleep(SETTLE).await;
-            let s = samples.entry(side).or_default();
-            batch(&w, round, side, s).await;
+            batch(&w, round, side, &mut samples).await;
         }
     }
-    for (what, pick) in [
-        (
-            "VMI CREATE answered → launcher pod created",
-            (|s: &mut Samples| &mut s.pod_created) as fn(&mut Samples) -> &mut Vec<Duration>,
-        ),
-        (
-            "VMI CREATE answered → launcher pod running, every container started",
-            |s: &mut Samples| &mut s.running,
-        ),
-    ] {
-        println!("  {what}:");
-        let mut stats = HashMap::new();
-        for side in [Side::With, Side::Without] {
-            let Some(v) = samples.get_mut(&side).map(pick).filter(|v| !v.is_empty()) else {
-                println!("    {:14} no samples", side.label());
-                continue;
-            };
-            let st = Stats::from_samples(v);
-            println!(
-                "    {:14} n={:3}  p50 {:>10}  p99 {:>10}  max {:>10}",
-                side.label(),
-                st.count,
-                fmt_dur(st.p50),
-                fmt_dur(st.p99),
-                fmt_dur(st.max)
-            );
-            stats.insert(side, st);
-        }
-        if let (Some(a), Some(b)) = (stats.get(&Side::With), stats.get(&Side::Without)) {
-            let ratio = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
-            println!(
-                "    ratio with/without: p50 {:.3}, p99 {:.3} (goal <= {TARGET_RATIO})",
-                ratio(a.p50, b.p50),
-                ratio(a.p99, b.p99)
-            );
-        }
-    }
+    let what = "VMI CREATE answered → launcher pod";
+    report_sides(
+        &format!("{what} created"),
+        &mut samples.pod_created,
+        LABELS,
+        TARGET_RATIO,
+        None,
+    );
+    report_sides(
+        &format!("{what} running, every container started"),
+        &mut samples.running,
+        LABELS,
+        TARGET_RATIO,
+        None,
+    );
 }
 
 /// One VMI of each shape, run and deleted before anything is timed: the virt-api stand-in runs kvtool
@@ -202,10 +162,16 @@ async fn batch(w: &KubeVirtWorld, round: usize, side: Side, s: &mut Samples) {
     }
     for (uid, (_, at)) in &created {
         if let Some(t) = seen.get(uid) {
-            s.pod_created.push(t.saturating_duration_since(*at));
+            s.pod_created
+                .entry(side)
+                .or_default()
+                .push(t.saturating_duration_since(*at));
         }
         if let Some(t) = ran.get(uid) {
-            s.running.push(t.saturating_duration_since(*at));
+            s.running
+                .entry(side)
+                .or_default()
+                .push(t.saturating_duration_since(*at));
         }
     }
 }

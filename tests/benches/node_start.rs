@@ -34,7 +34,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use node_support::{NodeWorld, Options, running};
-use support::{Stats, fmt_dur, section};
+use support::{Side, fmt_dur, report_sides, section};
 use teeguard_tests::node::{Runtime, pods};
 
 const BATCH: usize = 10;
@@ -42,20 +42,7 @@ const BATCH: usize = 10;
 const SETTLE: Duration = Duration::from_secs(2);
 const TARGET_RATIO: f64 = 1.05;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Side {
-    With,
-    Without,
-}
-
-impl Side {
-    fn label(self) -> &'static str {
-        match self {
-            Side::With => "with the plugin",
-            Side::Without => "without",
-        }
-    }
-}
+const LABELS: [&str; 2] = ["with the plugin", "without"];
 
 fn main() {
     let full = support::run_mode("node_start");
@@ -81,12 +68,7 @@ async fn run(runtime: Runtime, per_side: usize) {
     let mut e2e: HashMap<Side, Vec<Duration>> = HashMap::new();
     let mut plugin = true;
     for round in 0..per_side / BATCH {
-        let order = if round % 2 == 0 {
-            [Side::With, Side::Without]
-        } else {
-            [Side::Without, Side::With]
-        };
-        for side in order {
+        for side in Side::order(round) {
             match (side, plugin) {
                 (Side::With, false) => w.restart_agent().await,
                 (Side::Without, true) => {
@@ -151,36 +133,13 @@ async fn run(runtime: Runtime, per_side: usize) {
             &mut e2e,
         ),
     ] {
-        println!("  {what}:");
-        let mut stats = HashMap::new();
-        for side in [Side::With, Side::Without] {
-            let samples = series
-                .get_mut(&side)
-                .map(Vec::as_mut_slice)
-                .unwrap_or_default();
-            if samples.is_empty() {
-                println!("    {:16} no samples", side.label());
-                continue;
-            }
-            let s = Stats::from_samples(samples);
-            println!(
-                "    {:16} n={:3}  p50 {:>10}  p99 {:>10}  max {:>10}",
-                side.label(),
-                s.count,
-                fmt_dur(s.p50),
-                fmt_dur(s.p99),
-                fmt_dur(s.max)
-            );
-            stats.insert(side, s);
-        }
-        if let (Some(a), Some(b)) = (stats.get(&Side::With), stats.get(&Side::Without)) {
-            let ratio = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
-            let (p50, p99) = (ratio(a.p50, b.p50), ratio(a.p99, b.p99));
-            println!(
-                "    ratio with/without: p50 {p50:.3}, p99 {p99:.3} (target <= {TARGET_RATIO}); p50 difference {}",
-                signed(a.p50, b.p50)
-            );
-        }
+        report_sides(
+            what,
+            series,
+            LABELS,
+            TARGET_RATIO,
+            Some(|a, b| format!("p50 difference {}", signed(a, b))),
+        );
     }
 }
 

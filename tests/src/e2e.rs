@@ -1014,6 +1014,54 @@ impl AgentProcess {
             .map(|(_, body)| body)
             .unwrap_or_default()
     }
+
+    /// Wait (up to `timeout`) for the agent's log to say it registered with the node's runtime over
+    /// NRI.
+    pub async fn wait_nri_registered(&mut self, timeout: Duration) -> Result<()> {
+        self.proc
+            .wait_for_log("its NRI registration", timeout, |line| {
+                json_log_line(line, "NRI plugin registered").map(|_| ())
+            })
+            .await
+    }
+}
+
+/// The backends of a [`balance`]r, by slot: `None` for one that is down.
+pub type Backends = Arc<Mutex<Vec<Option<SocketAddr>>>>;
+
+/// A TCP balancer on 127.0.0.1 over `backends`, as a Service's kube-proxy balances the replicas of a
+/// Deployment: each new connection goes to the next backend that is up (round robin) and stays with
+/// it (TLS passes through). Runs until the test process ends.
+pub async fn balance(backends: Backends) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("balancer listens");
+    let addr = listener.local_addr().expect("balancer address");
+    tokio::spawn(async move {
+        let mut next = 0usize;
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let to = {
+                let b = backends.lock().unwrap_or_else(|e| e.into_inner());
+                let up: Vec<SocketAddr> = b.iter().flatten().copied().collect();
+                next = next.wrapping_add(1);
+                (!up.is_empty()).then(|| up[next % up.len()])
+            };
+            tokio::spawn(async move {
+                if let Some(to) = to
+                    && let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await
+                {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The last `n` lines of `text`.
+pub fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().rev().take(n).collect();
+    lines.into_iter().rev().collect::<Vec<_>>().join("\n")
 }
 
 // ------------------------------------------------------------------------------------------------

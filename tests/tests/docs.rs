@@ -1,7 +1,7 @@
 //! The documentation cannot rot unnoticed (issue 32):
 //!
 //! - `README.md` stays an operator's first day: at most 12 KB;
-//! - every relative link in `README.md`, `docs/*.md` and `charts/teeguard/README.md` points at a file
+//! - every relative link in `README.md`, `docs/*.md`, `docs/records/*.md` and `charts/teeguard/README.md` points at a file
 //!   that exists and, with `#anchor`, at a heading that exists (GitHub's anchors);
 //! - the configuration tables of the README and the chart README name exactly the fields of the
 //!   configuration file. The fields come from the code: the loader (`teeguard_shared::Config`) rejects
@@ -32,24 +32,21 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("read {rel}: {e}"))
 }
 
-/// The Markdown files whose links must resolve, relative to the root: `README.md`, `docs/*.md` and the
-/// chart's README.
+/// The Markdown files whose links must resolve, relative to the root: `README.md`, `docs/*.md`, the
+/// lab records `docs/records/*.md` and the chart's README.
 fn markdown_files() -> Vec<String> {
     let mut files = vec!["README.md".to_string()];
-    let mut docs: Vec<String> = std::fs::read_dir(root().join("docs"))
-        .expect("read docs/")
-        .map(|entry| {
-            entry
-                .expect("docs/ entry")
-                .file_name()
-                .to_string_lossy()
-                .into_owned()
-        })
-        .filter(|name| name.ends_with(".md"))
-        .map(|name| format!("docs/{name}"))
-        .collect();
-    docs.sort();
-    files.extend(docs);
+    for dir in ["docs", "docs/records"] {
+        let mut docs: Vec<String> = std::fs::read_dir(root().join(dir))
+            .unwrap_or_else(|e| panic!("read {dir}/: {e}"))
+            .map(|entry| entry.expect("directory entry").file_name())
+            .map(|name| name.to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".md"))
+            .map(|name| format!("{dir}/{name}"))
+            .collect();
+        docs.sort();
+        files.extend(docs);
+    }
     files.push("charts/teeguard/README.md".to_string());
     files
 }

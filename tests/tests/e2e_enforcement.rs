@@ -135,7 +135,7 @@ async fn nri_world_with(
     (w, reg)
 }
 
-// Fast layer of the real-node launchers test (node_containerd, node_crio; docs/real-node.md).
+// Fast layer of the real-node launchers test (node_containerd, node_crio; docs/records/real-node.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nri_plugin_registers_and_sets_misc_max_for_tee_compute_containers_only() {
     bounded(async {
@@ -181,7 +181,7 @@ async fn nri_plugin_registers_and_sets_misc_max_for_tee_compute_containers_only(
     .await;
 }
 
-// Fast layer of the real-node launchers test (node_containerd, node_crio; docs/real-node.md).
+// Fast layer of the real-node launchers test (node_containerd, node_crio; docs/records/real-node.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nri_plugin_gives_snp_sev_es_and_applies_the_requests_when_the_annotation_disagrees() {
     bounded(async {
@@ -229,7 +229,7 @@ async fn nri_plugin_gives_snp_sev_es_and_applies_the_requests_when_the_annotatio
     .await;
 }
 
-// Fast layer of the real-node runtime-restart test (node_containerd, node_crio; docs/real-node.md).
+// Fast layer of the real-node runtime-restart test (node_containerd, node_crio; docs/records/real-node.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nri_plugin_registers_again_within_two_seconds_of_a_runtime_restart() {
     bounded(async {

@@ -12,7 +12,6 @@ use std::time::Duration;
 use k8s_openapi::api::node::v1::RuntimeClass;
 use kube::Api;
 use kube::api::PostParams;
-use node_support::faults;
 use node_support::scenarios::{self, DEADLINE};
 use node_support::{NodeWorld, Options, dra};
 use serde_json::json;
@@ -22,10 +21,7 @@ use teeguard_tests::realcluster::within;
 
 const RUNTIME: Runtime = Runtime::Crio;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tdx_and_snp_launchers_run_with_misc_max_on_compute_only_and_a_mismatch_gets_the_request() {
-    within(DEADLINE, scenarios::launchers(RUNTIME)).await;
-}
+every_runtime_runs!(RUNTIME);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_dra_mode_a_tdx_launcher_is_allocated_prepared_and_gets_misc_max_on_crio() {
@@ -53,11 +49,6 @@ async fn in_dra_mode_a_pod_holding_a_key_through_its_own_claim_is_limited_to_it_
         dra::end(&w).await;
     })
     .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_the_machines_own_cgroups_without_misc_nothing_is_adjusted_and_every_pod_starts() {
-    within(DEADLINE, scenarios::machine_without_misc(RUNTIME)).await;
 }
 
 /// The RuntimeClass of the CRI-O handler that allows the unified-cgroup annotations.
@@ -139,53 +130,4 @@ async fn crio_1_37_ignores_the_legacy_dotted_annotation_even_where_the_handler_a
         crio_annotation("legacy", "io.kubernetes.cri-o.UnifiedCgroup.compute", "-"),
     )
     .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tee_vm_running_before_the_agent_registers_gets_its_limit_through_synchronize() {
-    within(DEADLINE, scenarios::synchronize(RUNTIME)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tee_container_created_while_the_agent_was_away_gets_its_limit_when_it_starts() {
-    within(
-        DEADLINE,
-        scenarios::created_while_away_started_after(RUNTIME),
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn agent_stopped_while_containers_are_created_delays_none_past_the_request_timeout() {
-    within(DEADLINE, faults::agent_stopped(RUNTIME)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn agent_killed_and_restarted_while_containers_are_created_harms_none() {
-    within(DEADLINE, faults::agent_killed(RUNTIME)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_runtime_restart_the_agent_registers_again_within_two_seconds() {
-    within(DEADLINE, faults::runtime_restarted(RUNTIME)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn across_a_kubelet_restart_the_node_keeps_the_key_resource() {
-    within(DEADLINE, faults::kubelet_restarted(RUNTIME)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_deleted_and_registered_again_gets_the_key_resource_within_one_poll() {
-    within(DEADLINE, faults::node_deleted(RUNTIME)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn strict_mode_gives_keyless_pods_tdx_0_and_exempt_pods_nothing() {
-    within(DEADLINE, scenarios::strict(RUNTIME)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn more_keys_than_advertised_are_refused_by_the_scheduler_and_the_kubelets_admission() {
-    within(DEADLINE, scenarios::kubelet_admission(RUNTIME)).await;
 }

@@ -55,6 +55,63 @@ impl Stats {
     }
 }
 
+/// The two sides of an A/B bench on real components: with teeguard's part, and without.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    With,
+    Without,
+}
+
+impl Side {
+    /// The order of round `round`: which side goes first alternates, so drift falls on both.
+    pub fn order(round: usize) -> [Side; 2] {
+        if round.is_multiple_of(2) {
+            [Side::With, Side::Without]
+        } else {
+            [Side::Without, Side::With]
+        }
+    }
+}
+
+/// Prints each side's p50/p99/max of `samples` under `what` (`labels`: with, without) and the ratio
+/// with/without against `target`, followed by `extra` of the two p50s when given.
+pub fn report_sides(
+    what: &str,
+    samples: &mut std::collections::HashMap<Side, Vec<Duration>>,
+    labels: [&str; 2],
+    target: f64,
+    extra: Option<fn(Duration, Duration) -> String>,
+) {
+    println!("  {what}:");
+    let mut stats = std::collections::HashMap::new();
+    for (side, label) in [Side::With, Side::Without].into_iter().zip(labels) {
+        let Some(v) = samples.get_mut(&side).filter(|v| !v.is_empty()) else {
+            println!("    {label:16} no samples");
+            continue;
+        };
+        let s = Stats::from_samples(v);
+        println!(
+            "    {label:16} n={:3}  p50 {:>10}  p99 {:>10}  max {:>10}",
+            s.count,
+            fmt_dur(s.p50),
+            fmt_dur(s.p99),
+            fmt_dur(s.max)
+        );
+        stats.insert(side, s);
+    }
+    if let (Some(a), Some(b)) = (stats.get(&Side::With), stats.get(&Side::Without)) {
+        let ratio = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
+        println!(
+            "    ratio with/without: p50 {:.3}, p99 {:.3} (goal <= {target}){}",
+            ratio(a.p50, b.p50),
+            ratio(a.p99, b.p99),
+            extra
+                .map(|f| format!("; {}", f(a.p50, b.p50)))
+                .unwrap_or_default()
+        );
+    }
+}
+
 /// A multi-threaded Tokio runtime with `workers` threads (most benches: 2, the machine's cores).
 pub fn runtime(workers: usize) -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

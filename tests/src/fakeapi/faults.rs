@@ -3,6 +3,8 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use super::record::RequestFilter;
+
 /// The API verb of a request, derived from method and path like the real server's authorizer does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Verb {
@@ -84,17 +86,9 @@ pub enum FaultTimes {
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FaultRule {
-    /// Verb to match.
-    pub verb: Option<Verb>,
-    /// Resource plural to match (`pods`).
-    pub resource: Option<String>,
-    /// Namespace to match.
-    pub namespace: Option<String>,
-    /// Object name to match.
-    pub name: Option<String>,
-    /// Subresource to match; `Some("")` matches only the main resource.
-    pub subresource: Option<String>,
-    /// The effect.
+    /// Which requests it applies to.
+    pub filter: RequestFilter,
+    /// What it does to them.
     pub action: FaultAction,
     /// How long it stays armed.
     pub times: FaultTimes,
@@ -103,11 +97,7 @@ pub struct FaultRule {
 impl FaultRule {
     fn with(action: FaultAction) -> Self {
         Self {
-            verb: None,
-            resource: None,
-            namespace: None,
-            name: None,
-            subresource: None,
+            filter: RequestFilter::new(),
             action,
             times: FaultTimes::UntilCleared,
         }
@@ -138,31 +128,31 @@ impl FaultRule {
 
     /// Only this verb.
     pub fn verb(mut self, v: Verb) -> Self {
-        self.verb = Some(v);
+        self.filter = self.filter.verb(v);
         self
     }
 
     /// Only this resource (plural).
     pub fn resource(mut self, r: &str) -> Self {
-        self.resource = Some(r.to_string());
+        self.filter = self.filter.resource(r);
         self
     }
 
     /// Only this namespace.
     pub fn namespace(mut self, ns: &str) -> Self {
-        self.namespace = Some(ns.to_string());
+        self.filter = self.filter.namespace(ns);
         self
     }
 
     /// Only this object name.
     pub fn name(mut self, n: &str) -> Self {
-        self.name = Some(n.to_string());
+        self.filter = self.filter.name(n);
         self
     }
 
     /// Only this subresource (`""`: only the main resource).
     pub fn subresource(mut self, s: &str) -> Self {
-        self.subresource = Some(s.to_string());
+        self.filter = self.filter.subresource(s);
         self
     }
 
@@ -187,24 +177,11 @@ impl FaultRule {
     }
 
     pub(crate) fn matches(&self, r: &RequestKey<'_>) -> bool {
-        self.verb.is_none_or(|v| v == r.verb)
-            && self
-                .resource
-                .as_deref()
-                .is_none_or(|x| Some(x) == r.resource)
-            && self
-                .namespace
-                .as_deref()
-                .is_none_or(|x| Some(x) == r.namespace)
-            && self.name.as_deref().is_none_or(|x| Some(x) == r.name)
-            && self
-                .subresource
-                .as_deref()
-                .is_none_or(|x| x == r.subresource.unwrap_or(""))
+        self.filter.matches_key(r)
     }
 }
 
-/// The parts of a request faults match on.
+/// The parts of a request filters match on.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RequestKey<'a> {
     pub verb: Verb,
@@ -212,6 +189,8 @@ pub(crate) struct RequestKey<'a> {
     pub namespace: Option<&'a str>,
     pub name: Option<&'a str>,
     pub subresource: Option<&'a str>,
+    /// `fieldManager` (faults do not match on it).
+    pub field_manager: Option<&'a str>,
 }
 
 /// Handle of an added fault rule.
@@ -307,6 +286,7 @@ mod tests {
             namespace: None,
             name,
             subresource: sub,
+            field_manager: None,
         }
     }
 

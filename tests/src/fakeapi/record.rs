@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 
-use super::faults::Verb;
+use super::faults::{RequestKey, Verb};
 
 /// One request as the server received it.
 #[derive(Clone, Debug, PartialEq)]
@@ -71,7 +71,7 @@ impl RecordedRequest {
 }
 
 /// A reusable filter over recorded requests; unset fields match anything.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RequestFilter {
     /// Verb.
     pub verb: Option<Verb>,
@@ -131,27 +131,27 @@ impl RequestFilter {
 
     /// Whether `r` passes.
     pub fn matches(&self, r: &RecordedRequest) -> bool {
+        self.matches_key(&RequestKey {
+            verb: r.verb,
+            resource: r.resource.as_deref(),
+            namespace: r.namespace.as_deref(),
+            name: r.name.as_deref(),
+            subresource: r.subresource.as_deref(),
+            field_manager: r.field_manager.as_deref(),
+        })
+    }
+
+    /// Whether a request with these parts passes.
+    pub(crate) fn matches_key(&self, r: &RequestKey<'_>) -> bool {
+        let is = |want: &Option<String>, got: Option<&str>| {
+            want.as_deref().is_none_or(|x| Some(x) == got)
+        };
         self.verb.is_none_or(|v| v == r.verb)
-            && self
-                .resource
-                .as_deref()
-                .is_none_or(|x| Some(x) == r.resource.as_deref())
-            && self
-                .subresource
-                .as_deref()
-                .is_none_or(|x| x == r.subresource.as_deref().unwrap_or(""))
-            && self
-                .namespace
-                .as_deref()
-                .is_none_or(|x| Some(x) == r.namespace.as_deref())
-            && self
-                .name
-                .as_deref()
-                .is_none_or(|x| Some(x) == r.name.as_deref())
-            && self
-                .field_manager
-                .as_deref()
-                .is_none_or(|x| Some(x) == r.field_manager.as_deref())
+            && is(&self.resource, r.resource)
+            && is(&self.namespace, r.namespace)
+            && is(&self.name, r.name)
+            && is(&self.subresource, Some(r.subresource.unwrap_or("")))
+            && is(&self.field_manager, r.field_manager)
     }
 }
 

@@ -439,33 +439,28 @@ async fn serve(ctx: &Ctx, p: &Parsed) -> Response {
             "the fake API server is unavailable (switched off by the test)",
         ));
     }
-    let key = match &p.target {
+    let (resource, namespace, name, subresource) = match &p.target {
         Target::Resource {
             namespace,
             name,
             sub,
             ..
-        } => RequestKey {
-            verb: p.verb,
-            resource: p.resource.as_deref(),
-            namespace: namespace.as_deref(),
-            name: name.as_deref(),
-            subresource: sub.as_deref(),
-        },
-        Target::Bindings { namespace } => RequestKey {
-            verb: p.verb,
-            resource: Some("bindings"),
-            namespace: Some(namespace),
-            name: None,
-            subresource: None,
-        },
-        _ => RequestKey {
-            verb: p.verb,
-            resource: None,
-            namespace: None,
-            name: None,
-            subresource: None,
-        },
+        } => (
+            p.resource.as_deref(),
+            namespace.as_deref(),
+            name.as_deref(),
+            sub.as_deref(),
+        ),
+        Target::Bindings { namespace } => (Some("bindings"), Some(namespace.as_str()), None, None),
+        _ => (None, None, None, None),
+    };
+    let key = RequestKey {
+        verb: p.verb,
+        resource,
+        namespace,
+        name,
+        subresource,
+        field_manager: None,
     };
     let (fault, generation) = {
         let mut plan = inner.lock_faults();

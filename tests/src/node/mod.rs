@@ -257,6 +257,37 @@ impl RealNode {
         serde_json::from_slice(&bytes).ok()
     }
 
+    /// The recorded configs of `pod` once every container of its spec (init containers too) has one,
+    /// waiting up to `timeout` (its sandbox's too, if the runtime ran one: CRI-O drops the infra
+    /// container of pods that need none, `drop_infra_ctr`).
+    pub async fn records_of_pod(
+        &self,
+        pod: &k8s_openapi::api::core::v1::Pod,
+        timeout: Duration,
+    ) -> Vec<Recorded> {
+        let uid = pod.metadata.uid.clone().expect("uid");
+        let spec = pod.spec.as_ref().expect("spec");
+        let want: Vec<&str> = spec
+            .containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+            .map(|c| c.name.as_str())
+            .collect();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let got = self.records_of(&uid);
+            if want.iter().all(|w| got.iter().any(|r| r.container == *w)) {
+                return got;
+            }
+            let recorded: Vec<&str> = got.iter().map(|r| r.container.as_str()).collect();
+            assert!(
+                Instant::now() < deadline,
+                "pod {uid}: containers {want:?}, configs recorded for {recorded:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// The recorded configs of the pod with UID `pod_uid` (sandbox and containers), oldest first.
     pub fn records_of(&self, pod_uid: &str) -> Vec<Recorded> {
         self.records()

@@ -9,7 +9,6 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,7 +19,9 @@ use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 use teeguard_shared::TeeCapacity;
 use teeguard_shared::crd::TeeCapacityStatus;
-use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess, json_log_line};
+use teeguard_tests::e2e::{
+    AgentProcess, Backends, ProcessEnv, WebhookProcess, balance, last_lines,
+};
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::host::{SEV, SEV_ES, SimHost, TDX};
 use teeguard_tests::kubevirt::{self, KubeVirt, vmis};
@@ -116,7 +117,7 @@ pub struct KubeVirtWorld {
     pub webhooks: Vec<Option<WebhookProcess>>,
     /// Where the API servers' webhook calls go: a connection-level balancer over the replicas, as a
     /// Service spreads them (a stopped replica has no address).
-    pub webhook_backends: Arc<Mutex<Vec<Option<SocketAddr>>>>,
+    pub webhook_backends: Backends,
     pub tdx: TeeNode,
     pub snp: TeeNode,
     pub kv: &'static KubeVirt,
@@ -258,10 +259,7 @@ impl KubeVirtWorld {
             .await
             .expect("the agent starts again");
         agent
-            .proc
-            .wait_for_log("its NRI registration", Duration::from_secs(30), |line| {
-                json_log_line(line, "NRI plugin registered").map(|_| ())
-            })
+            .wait_nri_registered(Duration::from_secs(30))
             .await
             .expect("the agent registers with the runtime again");
         node.agent = agent;
@@ -335,27 +333,7 @@ impl KubeVirtWorld {
 
     /// The recorded OCI configs of `pod` once each of its containers has one (node `node`).
     pub async fn records(&self, node: &TeeNode, pod: &Pod) -> Vec<Recorded> {
-        let uid = pod.metadata.uid.clone().expect("uid");
-        let spec = pod.spec.as_ref().expect("spec");
-        let want: Vec<&str> = spec
-            .containers
-            .iter()
-            .chain(spec.init_containers.iter().flatten())
-            .map(|c| c.name.as_str())
-            .collect();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let got = node.turn.records_of(&uid);
-            if want.iter().all(|w| got.iter().any(|r| r.container == *w)) {
-                return got;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "pod {uid}: containers {want:?}, configs recorded for {:?}",
-                got.iter().map(|r| r.container.as_str()).collect::<Vec<_>>()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        node.turn.records_of_pod(pod, Duration::from_secs(30)).await
     }
 
     /// The node's `TeeCapacity` status, if published.
@@ -475,10 +453,7 @@ impl KubeVirtWorld {
 
     /// Logs for a failure: virt-controller's last lines, both kubelets', every process.
     pub fn diagnostics(&self) -> String {
-        let tail = |log: String, n: usize| {
-            let lines: Vec<&str> = log.lines().rev().take(n).collect();
-            lines.into_iter().rev().collect::<Vec<_>>().join("\n")
-        };
+        let tail = |log: String, n| last_lines(&log, n);
         format!(
             "----- virt-controller (last lines) -----\n{}\n----- kubelet {} -----\n{}\n----- kubelet {} -----\n{}\n{}\n{}",
             tail(self.kv.log(), 20),
@@ -535,10 +510,7 @@ impl TeeNode {
             .expect("agent starts");
         if options.teeguard {
             agent
-                .proc
-                .wait_for_log("its NRI registration", Duration::from_secs(30), |line| {
-                    json_log_line(line, "NRI plugin registered").map(|_| ())
-                })
+                .wait_nri_registered(Duration::from_secs(30))
                 .await
                 .expect("the agent registers with the runtime");
         }
@@ -688,34 +660,6 @@ async fn start_replica(cluster: &Cluster, env: &ProcessEnv, i: usize) -> Webhook
     env.start_webhook_via(&[], &kubeconfig, &[pod_name.as_str()])
         .await
         .unwrap_or_else(|e| panic!("webhook replica {i} starts: {e}"))
-}
-
-/// A TCP balancer over `backends`, as a Service's kube-proxy balances: each new connection goes to the
-/// next backend that is up (round robin), and stays with it.
-async fn balance(backends: Arc<Mutex<Vec<Option<SocketAddr>>>>) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("balancer listens");
-    let addr = listener.local_addr().expect("balancer address");
-    tokio::spawn(async move {
-        let mut next = 0usize;
-        while let Ok((mut inbound, _)) = listener.accept().await {
-            let to = {
-                let b = backends.lock().unwrap_or_else(|e| e.into_inner());
-                let up: Vec<SocketAddr> = b.iter().flatten().copied().collect();
-                next = next.wrapping_add(1);
-                (!up.is_empty()).then(|| up[next % up.len()])
-            };
-            tokio::spawn(async move {
-                if let Some(to) = to
-                    && let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await
-                {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                }
-            });
-        }
-    });
-    addr
 }
 
 /// Wait until the API server calls teeguard's webhooks for namespace `ns`: a TDX VMI's launcher pod

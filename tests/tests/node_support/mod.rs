@@ -19,7 +19,7 @@ use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use teeguard_shared::TeeCapacity;
-use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess, json_log_line};
+use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess, balance, last_lines};
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::host::{SEV_ES, SimHost, TDX};
 use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime, pods};
@@ -119,29 +119,6 @@ pub struct NodeWorld {
     pub turn: NodeTurn,
 }
 
-/// A TCP proxy on 127.0.0.1 handing each connection to the next of `backends` in turn (TLS passes
-/// through to the webhook process), as a Service spreads connections over replicas. Runs until the
-/// test process ends.
-async fn round_robin_proxy(backends: Vec<std::net::SocketAddr>) -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("proxy listens");
-    let addr = listener.local_addr().expect("proxy address");
-    tokio::spawn(async move {
-        let mut next = 0usize;
-        while let Ok((mut inbound, _)) = listener.accept().await {
-            let backend = backends[next % backends.len()];
-            next += 1;
-            tokio::spawn(async move {
-                if let Ok(mut outbound) = tokio::net::TcpStream::connect(backend).await {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                }
-            });
-        }
-    });
-    addr
-}
-
 /// The agent's extra arguments: in DRA mode the node's kubelet root directory.
 fn agent_args(turn: &NodeTurn, dra: bool) -> Vec<String> {
     if dra {
@@ -215,10 +192,11 @@ impl NodeWorld {
         let address = if replicas.is_empty() {
             webhook.https
         } else {
-            let backends: Vec<std::net::SocketAddr> = std::iter::once(webhook.https)
+            let backends = std::iter::once(webhook.https)
                 .chain(replicas.iter().map(|r| r.https))
+                .map(Some)
                 .collect();
-            round_robin_proxy(backends).await
+            balance(std::sync::Arc::new(std::sync::Mutex::new(backends))).await
         };
         let rendered = chart_support::render("default", options.chart_args);
         cluster
@@ -339,31 +317,9 @@ impl NodeWorld {
         }
     }
 
-    /// The recorded OCI configs of `pod` (its sandbox's, if the runtime ran one: CRI-O drops the
-    /// infra container of pods that need none, `drop_infra_ctr`) once every container of its spec has
-    /// one.
+    /// The recorded OCI configs of `pod` once every container of its spec has one.
     pub async fn records(&self, pod: &Pod) -> Vec<Recorded> {
-        let uid = pod.metadata.uid.clone().expect("uid");
-        let spec = pod.spec.as_ref().expect("spec");
-        let want: Vec<&str> = spec
-            .containers
-            .iter()
-            .chain(spec.init_containers.iter().flatten())
-            .map(|c| c.name.as_str())
-            .collect();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let got = self.turn.records_of(&uid);
-            if want.iter().all(|w| got.iter().any(|r| r.container == *w)) {
-                return got;
-            }
-            let recorded: Vec<&str> = got.iter().map(|r| r.container.as_str()).collect();
-            assert!(
-                Instant::now() < deadline,
-                "pod {uid}: containers {want:?}, configs recorded for {recorded:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.turn.records_of_pod(pod, Duration::from_secs(10)).await
     }
 
     /// `reason: message` of the events about `ns/name`.
@@ -434,11 +390,7 @@ impl NodeWorld {
 
     /// The last lines of the kubelet's and the runtime's logs and every process log, for failures.
     pub fn diagnostics(&self) -> String {
-        let tail = |c: &str| {
-            let log = self.turn.log(c);
-            let lines: Vec<&str> = log.lines().rev().take(30).collect();
-            lines.into_iter().rev().collect::<Vec<_>>().join("\n")
-        };
+        let tail = |c: &str| last_lines(&self.turn.log(c), 30);
         format!(
             "----- kubelet (last lines) -----\n{}\n----- {} (last lines) -----\n{}\n{}",
             tail("kubelet"),
@@ -519,10 +471,40 @@ pub async fn prepare_node(cluster: &Cluster, turn: &NodeTurn, test: &str) {
 /// Wait until the agent logs its registration with the runtime's NRI.
 pub async fn wait_registered(agent: &mut AgentProcess) {
     agent
-        .proc
-        .wait_for_log("its NRI registration", Duration::from_secs(15), |line| {
-            json_log_line(line, "NRI plugin registered").map(|_| ())
-        })
+        .wait_nri_registered(Duration::from_secs(15))
         .await
         .expect("the agent registers with the runtime");
+}
+
+/// The scenarios every runtime runs, one test each in the runtime's binary (`node_containerd`,
+/// `node_crio`): `every_runtime_runs!(Runtime::Crio);` at the binary's top level.
+#[macro_export]
+macro_rules! every_runtime_runs {
+    ($runtime:expr) => {
+        $crate::every_runtime_runs!(@tests $runtime;
+        tdx_and_snp_launchers_run_with_misc_max_on_compute_only_and_a_mismatch_gets_the_request => scenarios::launchers;
+        on_the_machines_own_cgroups_without_misc_nothing_is_adjusted_and_every_pod_starts => scenarios::machine_without_misc;
+        a_tee_vm_running_before_the_agent_registers_gets_its_limit_through_synchronize => scenarios::synchronize;
+        a_tee_container_created_while_the_agent_was_away_gets_its_limit_when_it_starts => scenarios::created_while_away_started_after;
+        agent_stopped_while_containers_are_created_delays_none_past_the_request_timeout => faults::agent_stopped;
+        agent_killed_and_restarted_while_containers_are_created_harms_none => faults::agent_killed;
+        after_a_runtime_restart_the_agent_registers_again_within_two_seconds => faults::runtime_restarted;
+        across_a_kubelet_restart_the_node_keeps_the_key_resource => faults::kubelet_restarted;
+        a_node_deleted_and_registered_again_gets_the_key_resource_within_one_poll => faults::node_deleted;
+        strict_mode_gives_keyless_pods_tdx_0_and_exempt_pods_nothing => scenarios::strict;
+        more_keys_than_advertised_are_refused_by_the_scheduler_and_the_kubelets_admission => scenarios::kubelet_admission;
+        );
+    };
+    (@tests $runtime:expr; $($name:ident => $($scenario:ident)::+;)+) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                ::teeguard_tests::realcluster::within(
+                    $crate::node_support::scenarios::DEADLINE,
+                    $crate::node_support::$($scenario)::+($runtime),
+                )
+                .await;
+            }
+        )+
+    };
 }
