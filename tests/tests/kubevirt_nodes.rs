@@ -70,7 +70,8 @@ async fn with_the_webhook_down_a_vmi_waits_and_starts_when_it_is_back_losing_not
 async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart_with_no_key_given_twice()
  {
     within(
-        DEADLINE + std::time::Duration::from_secs(600),
+        // Set-up, the chaos itself (3 minutes in CI, 30 as a bench) and the settling after it.
+        DEADLINE + chaos::duration() + std::time::Duration::from_secs(420),
         chaos::vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart(),
     )
     .await;

@@ -107,14 +107,19 @@ impl Writer {
         // A quick second look at a suspect cgroup (its files were likely still being created).
         let mut recheck: Option<tokio::time::Instant> = None;
         loop {
-            let created_dir = tokio::select! {
+            let (created_dir, swept) = tokio::select! {
                 () = shutdown.cancelled() => return,
-                _ = sweep.tick() => None,
-                () = sleep_until(recheck) => { recheck = None; None }
-                r = self.desired.changed() => { if r.is_err() { return } None }
-                r = self.host.changed() => { if r.is_err() { return } None }
-                Some(p) = created.recv() => Some(p),
+                _ = sweep.tick() => (None, true),
+                () = sleep_until(recheck) => { recheck = None; (None, false) }
+                r = self.desired.changed() => { if r.is_err() { return } (None, false) }
+                r = self.host.changed() => { if r.is_err() { return } (None, false) }
+                Some(p) = created.recv() => (Some(p), false),
             };
+            // The sweep is the backstop for pods still waiting for their limits; with none waiting it
+            // has nothing to do (for 500 pods it would clone and walk them all every poll).
+            if swept && self.status.borrow().waiting == 0 {
+                continue;
+            }
             let host = self.host.borrow().clone();
             let (Some(kubepods), Some(driver)) = (host.kubepods.clone(), host.driver) else {
                 continue;

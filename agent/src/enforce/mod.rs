@@ -264,17 +264,19 @@ impl Enforcement {
     }
 
     /// After every scan: what the host allows (a failed scan keeps the previous facts).
-    pub fn observe_scan(&mut self, state: &HostState) {
-        if let Some(facts) = HostFacts::from_scan(state) {
-            // The first scan is news even when it finds the defaults: the NRI plugin waits for it.
-            let first = !self.host_seen;
-            self.host_seen = true;
-            self.host_tx.send_if_modified(|f| {
-                let changed = first || *f != facts;
-                *f = facts;
-                changed
-            });
-        }
+    /// Whether the host's facts changed (the pod cgroups' limits then follow, [`Self::set_pods`]).
+    pub fn observe_scan(&mut self, state: &HostState) -> bool {
+        let Some(facts) = HostFacts::from_scan(state) else {
+            return false;
+        };
+        // The first scan is news even when it finds the defaults: the NRI plugin waits for it.
+        let first = !self.host_seen;
+        self.host_seen = true;
+        self.host_tx.send_if_modified(|f| {
+            let changed = first || *f != facts;
+            *f = facts;
+            changed
+        })
     }
 
     /// After the pods, the host or the prepared claims changed: the pod cgroups' limits (cgroup

@@ -193,12 +193,16 @@ impl Agent {
             }
         }
         if let Ok(state) = &result {
-            self.enforcement.observe_scan(state);
+            let host_changed = self.enforcement.observe_scan(state);
             if let HostState::Scanned(s) = state {
                 self.enforcement
                     .observe_refusals(&s.refusals, &self.pods_view);
             }
-            self.update_limits();
+            // The limits follow the host's facts (its kinds, its kubepods), not its usage: recomputed
+            // only when those changed (for 500 pods, ~2 ms of CPU per poll otherwise).
+            if host_changed {
+                self.update_limits();
+            }
         }
         self.kernel.record(result);
     }

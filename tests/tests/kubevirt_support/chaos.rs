@@ -19,7 +19,7 @@ use super::full::{BIND_BOUND, WILL_START};
 use super::{KubeVirtWorld, Options};
 
 /// How long the chaos lasts: 3 minutes in CI, `TEEGUARD_CHAOS_SECONDS` for the 30-minute bench.
-fn duration() -> Duration {
+pub fn duration() -> Duration {
     let secs = std::env::var("TEEGUARD_CHAOS_SECONDS")
         .ok()
         .and_then(|s| s.parse().ok())
