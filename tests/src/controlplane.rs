@@ -493,11 +493,10 @@ impl ControlPlane {
                 Some(last) => last,
             };
             let log = self.log("kube-apiserver");
-            let tail: Vec<&str> = log.lines().rev().take(5).collect();
             Err(ControlPlaneError::NotReady {
                 what: format!(
                     "kube-apiserver's /readyz is not ok ({last}); its last log lines:\n{}",
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    crate::e2e::last_lines(&log, 5)
                 ),
                 logs: self.dir.join("log"),
             })

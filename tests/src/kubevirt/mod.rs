@@ -375,12 +375,11 @@ impl KubeVirt {
             };
             if Instant::now() >= deadline {
                 let log = self.log();
-                let tail: Vec<&str> = log.lines().rev().take(10).collect();
                 return Err(KubeVirtError::NotReady {
                     what: format!(
                         "virt-controller does not lead within {READY_DEADLINE:?} (GET /leader: {last}); \
                          its last log lines:\n{}",
-                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                        crate::e2e::last_lines(&log, 10)
                     ),
                     logs: self.dir.join("log"),
                 });

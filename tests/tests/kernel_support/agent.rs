@@ -13,6 +13,7 @@ use kube::Api;
 use kube::api::{ListParams, PostParams};
 use serde_json::{Value, json};
 use teeguard_shared::TeeCapacity;
+use teeguard_tests::e2e::last_lines;
 use teeguard_tests::fixtures::NodeBuilder;
 use teeguard_tests::realcluster::Cluster;
 use teeguard_tests::teevm::{AGENT, API_ADDRESS, Guest, GuestOptions, Kernel, Kit, Spawned};
@@ -218,14 +219,10 @@ impl AgentWorld {
 
     /// The agent's log (its last lines) and the guest's console, for failures.
     pub fn diagnostics(&self) -> String {
-        let log = self.agent.output();
-        let tail: Vec<&str> = log.lines().rev().take(40).collect();
-        let console = self.guest.console();
-        let ctail: Vec<&str> = console.lines().rev().take(10).collect();
         format!(
             "----- the agent's log (last lines) -----\n{}\n----- the guest's console (last lines) -----\n{}",
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
-            ctail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            last_lines(&self.agent.output(), 40),
+            last_lines(&self.guest.console(), 10)
         )
     }
 }

@@ -51,11 +51,9 @@ pub async fn boot(kernel: Kernel, options: GuestOptions) -> Option<Guest> {
 /// Unwrap a guest operation, with the guest's console tail on failure.
 pub fn ok<T>(guest: &Guest, r: Result<T, TeeVmError>) -> T {
     r.unwrap_or_else(|e| {
-        let console = guest.console();
-        let tail: Vec<&str> = console.lines().rev().take(20).collect();
         panic!(
             "{e}\n----- console (last lines) -----\n{}",
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            teeguard_tests::e2e::last_lines(&guest.console(), 20)
         )
     })
 }
