@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
-use tokio::net::unix::OwnedWriteHalf;
-use tokio::sync::{Mutex, watch};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Mutex, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::sync::{ExistingContainer, SynchronizeRequest, live_containers, synchronize_response};
@@ -38,7 +38,11 @@ pub const MAX_LOOKUP: Duration = Duration::from_secs(1);
 /// The ttrpc stream of the plugin's `RegisterPlugin` call; its later calls (`UpdateContainers`) take
 /// the next odd numbers, as a ttrpc client's streams do.
 const REGISTER_STREAM: u32 = 1;
-/// Registration must complete (RegisterPlugin answered, Configure and Synchronize received) within this.
+/// The runtime must answer `RegisterPlugin` within this. Once it has, the plugin waits for `Configure`
+/// and `Synchronize` as long as the connection stays open, as NRI's own plugin stub does: containerd
+/// synchronizes a new plugin only when no container operation holds NRI's lock (a sandbox teardown
+/// stuck on its CNI plugin held it 30 s on a loaded node), and a plugin that gave up and reconnected
+/// would queue behind the same lock again.
 pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
 /// First reconnect delay; doubles up to [`RECONNECT_MAX`].
 pub const RECONNECT_INITIAL: Duration = Duration::from_millis(100);
@@ -130,7 +134,7 @@ async fn session(
     let stream = UnixStream::connect(&config.socket)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", config.socket.display()))?;
-    let (mut reader, writer) = stream.into_split();
+    let (reader, writer) = stream.into_split();
     let writer: Writer = Arc::new(Mutex::new(writer));
     let register = t::encode_request(
         t::RUNTIME_SERVICE,
@@ -160,27 +164,34 @@ async fn session(
         next_stream: REGISTER_STREAM + 2,
     };
     let mut demux = Demux::default();
-    let mut header = [0u8; t::MUX_HEADER_LEN];
-    let mut payload = Vec::new();
+    let (frames_tx, mut frames) = mpsc::channel(8);
+    let _reader = AbortOnDrop(tokio::spawn(read_frames(reader, frames_tx)));
+    let mut slow_noted = false;
     loop {
-        let read = async {
-            reader.read_exact(&mut header).await?;
-            let (conn, len) = t::parse_mux_header(header).map_err(std::io::Error::other)?;
-            payload.resize(len, 0);
-            reader.read_exact(&mut payload).await?;
-            Ok::<_, std::io::Error>(conn)
-        };
-        let deadline = (!session.synchronized).then(|| started + REGISTER_TIMEOUT);
-        let conn = tokio::select! {
+        // Until RegisterPlugin is answered the deadline ends the session; after it, it only notes
+        // once that synchronization is slow (see REGISTER_TIMEOUT).
+        let deadline = (!session.registered || (!session.synchronized && !slow_noted))
+            .then_some(started + REGISTER_TIMEOUT);
+        let frame = tokio::select! {
             () = shutdown.cancelled() => return Ok(false),
             () = sleep_until(deadline) => {
-                return Err(format!("the runtime did not complete registration within {REGISTER_TIMEOUT:?}"));
+                if !session.registered {
+                    return Err(format!("the runtime did not answer RegisterPlugin within {REGISTER_TIMEOUT:?}"));
+                }
+                slow_noted = true;
+                tracing::warn!(
+                    socket = %config.socket.display(),
+                    waited = ?REGISTER_TIMEOUT,
+                    "the runtime accepted the NRI registration but has not synchronized the plugin yet; waiting on this connection (a runtime synchronizes a new plugin once none of its container operations holds NRI's lock)"
+                );
+                continue;
             }
-            r = read => match r {
-                Ok(conn) => conn,
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(true),
-                Err(e) => return Err(format!("reading from the runtime failed: {e}")),
-            },
+            frame = frames.recv() => frame,
+        };
+        let (conn, payload) = match frame {
+            Some(Ok(frame)) => frame,
+            Some(Err(e)) => return Err(format!("reading from the runtime failed: {e}")),
+            None => return Ok(true),
         };
         let messages = demux
             .push(conn, &payload)
@@ -190,6 +201,44 @@ async fn session(
                 return Ok(true);
             }
         }
+    }
+}
+
+/// Reads mux frames `(logical connection, payload)` into `frames` until the connection ends (the
+/// channel closes on end of file), so the session's loop can wait on a timer without cancelling a read
+/// halfway through a frame.
+async fn read_frames(
+    mut reader: OwnedReadHalf,
+    frames: mpsc::Sender<Result<(u32, Vec<u8>), std::io::Error>>,
+) {
+    loop {
+        let mut header = [0u8; t::MUX_HEADER_LEN];
+        let frame: std::io::Result<(u32, Vec<u8>)> = async {
+            reader.read_exact(&mut header).await?;
+            let (conn, len) = t::parse_mux_header(header).map_err(std::io::Error::other)?;
+            let mut payload = vec![0; len];
+            reader.read_exact(&mut payload).await?;
+            Ok((conn, payload))
+        }
+        .await;
+        match frame {
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return,
+            frame => {
+                let failed = frame.is_err();
+                if frames.send(frame).await.is_err() || failed {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Aborts its task when dropped (the session's reader ends with the session).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

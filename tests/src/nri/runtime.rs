@@ -5,7 +5,7 @@
 //! logical connection 2 and waits for `RegisterPlugin` (empty name or an index that is not two digits is
 //! refused, and the plugin closed); calls `Configure` on connection 1 and records the event mask (0
 //! means every event; unknown bits are refused); calls `Synchronize` with the pods and containers set by
-//! [`NriRuntime::set_existing`]; only then is the plugin registered ([`NriRuntime::wait_registered`]).
+//! [`NriRuntime::set_existing`], under NRI's sync lock ([`NriRuntime::hold_sync_lock`]); only then is the plugin registered ([`NriRuntime::wait_registered`]).
 //! The test then drives calls: [`NriRuntime::create_container`] (skipped, answering `{}`, when the plugin
 //! did not subscribe to `CREATE_CONTAINER`), [`NriRuntime::start_container`] (the post-start event) and
 //! [`NriRuntime::call`]; the plugin's `UpdateContainers` calls are recorded and answered with success
@@ -173,6 +173,9 @@ pub(super) struct Inner {
     pub(super) state: Mutex<State>,
     pub(super) registered: watch::Sender<Option<Registration>>,
     pub(super) next_conn: AtomicU64,
+    /// NRI's lock that containerd's container operations hold while they run, and that synchronizing a
+    /// new plugin takes ([`NriRuntime::hold_sync_lock`]).
+    pub(super) sync_lock: Arc<tokio::sync::Mutex<()>>,
 }
 
 #[derive(Default)]
@@ -211,6 +214,7 @@ impl NriRuntime {
             state: Mutex::new(State::default()),
             registered: watch::Sender::new(None),
             next_conn: AtomicU64::new(1),
+            sync_lock: Arc::default(),
         });
         inner.listen()?;
         Ok(NriRuntime { inner })
@@ -231,6 +235,26 @@ impl NriRuntime {
         let mut st = lock(&self.inner.state);
         st.pods = pods;
         st.containers = containers;
+    }
+
+    /// Takes NRI's sync lock as a container operation of containerd's does while it runs (until the
+    /// guard drops): a plugin that registers meanwhile is configured at once and synchronized only once
+    /// the lock is free (NRI's adaptation calls `Synchronize` under it). On a real node a sandbox
+    /// teardown stuck on its CNI plugin held it 30 s.
+    pub fn hold_sync_lock(&self) -> tokio::sync::OwnedMutexGuard<()> {
+        self.inner
+            .sync_lock
+            .clone()
+            .try_lock_owned()
+            .expect("the sync lock is held by one test at a time")
+    }
+
+    /// Plugin connections accepted so far.
+    pub fn connections(&self) -> u64 {
+        self.inner
+            .next_conn
+            .load(std::sync::atomic::Ordering::Relaxed)
+            - 1
     }
 
     /// The current registration, if a registered plugin is connected.

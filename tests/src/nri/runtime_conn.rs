@@ -398,6 +398,7 @@ async fn register(
             events & !inner.valid_events
         ));
     }
+    let _sync_lock = inner.sync_lock.clone().lock_owned().await;
     let (pods, containers) = {
         let st = lock(&inner.state);
         (st.pods.clone(), st.containers.clone())

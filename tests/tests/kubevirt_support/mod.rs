@@ -258,8 +258,10 @@ impl KubeVirtWorld {
             .start_agent_with(&node.turn.name, node.host.root(), &args)
             .await
             .expect("the agent starts again");
+        // containerd synchronizes a new plugin once none of its container operations holds NRI's
+        // lock: a sandbox teardown stuck on its CNI plugin (a 30 s context) held it in one chaos run.
         agent
-            .wait_nri_registered(Duration::from_secs(30))
+            .wait_nri_registered(Duration::from_secs(90))
             .await
             .expect("the agent registers with the runtime again");
         node.agent = agent;
