@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 source scripts/control-plane.sh
 # shellcheck source=scripts/kubevirt.sh
 source scripts/kubevirt.sh
-TEEGUARD_REGENERATE_FIXTURES=1 CI=true cargo test -p teeguard-tests --test kubevirt_fixtures \
-  --test kubevirt_v1_7 --test kubevirt_v1_8
+export TEEGUARD_REGENERATE_FIXTURES=1 CI=true
+cargo test -p teeguard-tests --test kubevirt_nodes -- --exact \
+  the_committed_kubevirt_objects_are_what_kubevirt_v1_9_renders
+cargo test -p teeguard-tests --test kubevirt_v1_7 --test kubevirt_v1_8
 git status --short tests/fixtures/kubevirt-v1.*

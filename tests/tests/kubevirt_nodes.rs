@@ -2,7 +2,9 @@
 //! containerd each; one a TDX host, one an SEV-SNP host, each with its own agent): VMIs as users write
 //! them become the controller's launcher pods, go through teeguard's webhook (the chart's 2 replicas
 //! behind a connection-level balancer, called by two API servers on one etcd), the scheduler, the
-//! kubelet and containerd, which asks the agent over NRI. Skipped (one line) without the KubeVirt kit, the
+//! kubelet and containerd, which asks the agent over NRI. And the committed KubeVirt v1.9.0 objects
+//! (`tests/fixtures/kubevirt-v1.9.0/`, read by `teeguard_tests::kubevirt::rendered` and the webhook's
+//! tests) are what KubeVirt's own code renders (regenerate with `scripts/kubevirt-fixtures.sh`). Skipped (one line) without the KubeVirt kit, the
 //! node's binaries or root, unless `CI=true`.
 
 mod chart_support;
@@ -11,6 +13,15 @@ mod kubevirt_support;
 use kubevirt_support::scenarios::{self, DEADLINE};
 use kubevirt_support::{chaos, full, lifecycle};
 use teeguard_tests::realcluster::within;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_committed_kubevirt_objects_are_what_kubevirt_v1_9_renders() {
+    within(
+        DEADLINE,
+        kubevirt_support::committed_objects_are_what_kubevirt_renders(),
+    )
+    .await;
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vmis_of_each_kind_run_on_the_node_of_their_kind_with_one_key_on_compute() {

@@ -2,7 +2,7 @@
 //! v1.9.0): for each
 //! TEE kind, the VMI as virt-api stores it (`kvtool default-vmi`) and the virt-launcher pod
 //! virt-controller renders for it, as teeguard's mutating webhook receives it (no name yet, no status).
-//! [`compare_with_committed`] renders them again with the real controller (`tests/tests/kubevirt_fixtures.rs`
+//! [`compare_with_committed`] renders them again with the real controller (`tests/tests/kubevirt_nodes.rs`
 //! for v1.9.0, `kubevirt_v1_7.rs` and `kubevirt_v1_8.rs` for the others) and fails when they drift;
 //! `scripts/kubevirt-fixtures.sh` rewrites them.
 //!

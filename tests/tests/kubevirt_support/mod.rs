@@ -527,6 +527,44 @@ impl TeeNode {
     }
 }
 
+/// KubeVirt's rendering of the sample VMIs compared with the committed objects
+/// ([`kubevirt::rendered`]), in the binary of the node tests to share their control plane and
+/// virt-controller. It holds both nodes as a world does (the other tests change KubeVirt's
+/// configuration and delete VMIs everywhere) and takes `kubevirt.io/schedulable` off them, so the pods
+/// stay unscheduled as on a cluster no world has labelled; the next world labels them again.
+pub async fn committed_objects_are_what_kubevirt_renders() {
+    teeguard_tests::controlplane::want_two_api_servers();
+    let Some(kv) = KubeVirt::shared() else {
+        return;
+    };
+    let (Some(first), Some(second)) = (
+        RealNode::shared_nth(Runtime::Containerd, 0),
+        RealNode::shared_nth(Runtime::Containerd, 1),
+    ) else {
+        return;
+    };
+    let Some(cluster) = Cluster::connect().await else {
+        return;
+    };
+    let turns = [first.acquire().await, second.acquire().await];
+    remove_kubevirt_objects(&cluster).await;
+    kv.configure(&cluster.client, json!({"defaultRuntimeClass": null}))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let nodes: Api<Node> = Api::all(cluster.client.clone());
+    for turn in &turns {
+        let unlabel = json!({"metadata": {"labels": {"kubevirt.io/schedulable": null}}});
+        nodes
+            .patch(&turn.name, &PatchParams::default(), &Patch::Merge(unlabel))
+            .await
+            .expect("take kubevirt.io/schedulable off the Node");
+    }
+    let namespace = teeguard_tests::fixtures::DEFAULT_NAMESPACE;
+    if let Err(e) = kubevirt::rendered::compare_with_committed(kv, &cluster, namespace).await {
+        panic!("{e}");
+    }
+}
+
 /// Label and equip the Node as virt-handler does on a host of kind `tee` with `keys` keys: the TEE
 /// labels, `kubevirt.io/schedulable`, the q35 machine type, the device-plugin resources (KubeVirt v1.9
 /// sizes `devices.kubevirt.io/tdx` from `misc.capacity`; `devices.kubevirt.io/sev` is a fixed 1000).

@@ -16,6 +16,24 @@ use super::full::{KATA_TDX, WILL_START};
 use super::scenarios::{compute_request, key_of, limits};
 use super::{KubeVirtWorld, Options};
 
+/// Step 1 of [`older_release_renders_runs_limited_refuses_and_starts`] alone: `version`'s own code
+/// renders the committed objects (rewritten with [`teeguard_tests::fixtures::regenerate`]). `false`
+/// when the test skips (no KubeVirt kit or control plane).
+pub async fn older_release_renders_the_committed_objects(version: Version) -> bool {
+    kubevirt::choose(version);
+    teeguard_tests::controlplane::want_two_api_servers();
+    let Some(kv) = KubeVirt::shared() else {
+        return false;
+    };
+    let Some(cluster) = Cluster::connect().await else {
+        return false;
+    };
+    if let Err(e) = rendered::compare_with_committed(kv, &cluster, DEFAULT_NAMESPACE).await {
+        panic!("{e}");
+    }
+    true
+}
+
 /// One release, in order:
 /// 1. its own code renders the committed objects (`tests/fixtures/kubevirt-<release>/`), before any
 ///    node is labelled for a launcher pod (the pods stay unscheduled);
@@ -27,18 +45,9 @@ use super::{KubeVirtWorld, Options};
 /// 4. with `defaultRuntimeClass` naming a RuntimeClass whose overhead carries the key, a TDX VMI runs
 ///    with that one key: none more on `compute`, `misc.max` `tdx 1`, one key counted.
 pub async fn older_release_renders_runs_limited_refuses_and_starts(version: Version) {
-    kubevirt::choose(version);
-    teeguard_tests::controlplane::want_two_api_servers();
-    let Some(kv) = KubeVirt::shared() else {
-        return;
-    };
-    let Some(cluster) = Cluster::connect().await else {
-        return;
-    };
-    if let Err(e) = rendered::compare_with_committed(kv, &cluster, DEFAULT_NAMESPACE).await {
-        panic!("{e}");
-    }
-    if teeguard_tests::fixtures::regenerate() {
+    if !older_release_renders_the_committed_objects(version).await
+        || teeguard_tests::fixtures::regenerate()
+    {
         return;
     }
     let test = format!("kv-{}", version.tag().replace('.', "-"));
