@@ -396,13 +396,15 @@ impl ControlPlane {
         }
     }
 
-    /// Stop the second kube-apiserver (its clients' requests fail until [`ControlPlane::start_second`]).
+    /// Kill the second kube-apiserver (SIGKILL, as a crash; its clients' requests fail until
+    /// [`ControlPlane::restart_second`]). Not SIGTERM: a graceful shutdown closes the listener at once
+    /// but kept the process up to a minute on this machine, so "an outage of 3 s" lasted 60-70 s.
     pub async fn stop_second(&self) -> Result<()> {
         let pid_file = self.dir.join("log").join("kube-apiserver-b.log.pid");
         let pid = std::fs::read_to_string(&pid_file)
             .map_err(io(format!("read {}", pid_file.display())))?;
         let proc_dir = PathBuf::from(format!("/proc/{}", pid.trim()));
-        let _ = Command::new("kill").arg(pid.trim()).status();
+        let _ = Command::new("kill").args(["-KILL", pid.trim()]).status();
         let deadline = Instant::now() + READY_DEADLINE;
         while proc_dir.exists() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;

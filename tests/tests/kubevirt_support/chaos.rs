@@ -171,7 +171,7 @@ pub async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart(
                     .await
                     .expect("the API server comes back");
                 format!(
-                    "the second API server (the scheduler's, a replica's watches) stopped for {outage:?}"
+                    "the second API server (the scheduler's, a replica's watches) killed for {outage:?}"
                 )
             }
         };
@@ -241,6 +241,15 @@ pub async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart(
         s.started.len() >= 4 && !s.refused.is_empty(),
         "the run exercised the keys: {s:?}"
     );
+}
+
+/// The kind of the chaos clients' VMI `name` (`c<client>-<n>-<tdx|snp>`): TDX, or SEV-ES for SNP.
+fn kind_of(name: &str) -> TeeKind {
+    if name.ends_with("tdx") {
+        TeeKind::Tdx
+    } else {
+        TeeKind::SevEs
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -357,26 +366,46 @@ async fn sample(
                 }
             }
         }
-        // Free keys per kind, from the reports.
+        // Launcher pods admitted and not bound yet, per kind: each holds a key on the node of its kind
+        // (teeguard's `Admitted` hold) that the node's report does not count until the scheduler binds
+        // it. After an API server restart the scheduler's informers reconnect with their backoff (up
+        // to 30 s), so such pods can wait unbound while the report shows their keys free.
+        let mut unbound: BTreeMap<TeeKind, u64> = BTreeMap::new();
+        for pod in &p.items {
+            let spec_node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+            let ended = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.as_deref())
+                .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
+            let vmi = pod
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("kubevirt.io/domain"));
+            if let (None, false, Some(vmi)) = (spec_node, ended, vmi) {
+                *unbound.entry(kind_of(vmi)).or_default() += 1;
+            }
+        }
+        // Keys free for a waiting VMI per kind: the reports' free less the unbound pods' holds (each
+        // kind has one node here).
         let mut free_kind: BTreeMap<TeeKind, bool> = BTreeMap::new();
         for c in &r.items {
             let node = c.metadata.name.clone().unwrap_or_default();
-            let free = c.status.as_ref().is_some_and(|st| {
-                [TeeKind::Tdx, TeeKind::SevEs]
-                    .iter()
-                    .any(|k| st.kind(*k).is_some_and(|k| k.free > 0))
-            });
+            let mut free = false;
+            if let Some(st) = &c.status {
+                for k in [TeeKind::Tdx, TeeKind::SevEs] {
+                    let reported = st.kind(k).map_or(0, |k| k.free);
+                    if reported > unbound.get(&k).copied().unwrap_or(0) {
+                        free_kind.insert(k, true);
+                        free = true;
+                    }
+                }
+            }
             if free {
                 free_since.entry(node.clone()).or_insert(now);
             } else {
                 free_since.remove(&node);
-            }
-            if let Some(st) = &c.status {
-                for k in [TeeKind::Tdx, TeeKind::SevEs] {
-                    if st.kind(k).is_some_and(|k| k.free > 0) {
-                        free_kind.insert(k, true);
-                    }
-                }
             }
         }
         // VMIs waiting with teeguard's refusal, no pod.
@@ -404,11 +433,7 @@ async fn sample(
                 s.refused.insert(name.clone());
                 refused_at.entry(name.clone()).or_insert(now);
             }
-            let kind = if name.ends_with("tdx") {
-                TeeKind::Tdx
-            } else {
-                TeeKind::SevEs
-            };
+            let kind = kind_of(&name);
             if refused && !has_pod && free_kind.get(&kind).copied().unwrap_or(false) {
                 waiting_now.insert(name.clone());
                 let since = *beside.entry(name.clone()).or_insert(now);
