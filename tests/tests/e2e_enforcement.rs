@@ -285,7 +285,7 @@ async fn nri_plugin_keeps_a_registered_connection_that_the_runtime_synchronizes_
             .expect("runtime listens");
         let env = E2eEnv::new(&nri_config(runtime.socket())).await.expect("env");
         seed_node(&env, NODE);
-        let held = runtime.hold_sync_lock();
+        let held = runtime.hold_sync_lock().await;
         let agent = env.start_agent(NODE, &host).await.expect("agent starts");
         // The agent's own registration timeout (5 s) passes while the lock is held: its log says so,
         // on the connection it opened first (a second connection is the agent giving up).

@@ -240,13 +240,9 @@ impl NriRuntime {
     /// Takes NRI's sync lock as a container operation of containerd's does while it runs (until the
     /// guard drops): a plugin that registers meanwhile is configured at once and synchronized only once
     /// the lock is free (NRI's adaptation calls `Synchronize` under it). On a real node a sandbox
-    /// teardown stuck on its CNI plugin held it 30 s.
-    pub fn hold_sync_lock(&self) -> tokio::sync::OwnedMutexGuard<()> {
-        self.inner
-            .sync_lock
-            .clone()
-            .try_lock_owned()
-            .expect("the sync lock is held by one test at a time")
+    /// teardown stuck on its CNI plugin held it 30 s. Waits for a `Synchronize` in flight.
+    pub async fn hold_sync_lock(&self) -> tokio::sync::OwnedMutexGuard<()> {
+        self.inner.sync_lock.clone().lock_owned().await
     }
 
     /// Plugin connections accepted so far.

@@ -134,25 +134,10 @@ impl KubeVirtWorld {
     /// Take both nodes, start their agents and the webhook for test `test`; `None` when the test
     /// should skip (no KubeVirt kit or no real node here).
     pub async fn start(test: &str, options: Options) -> Option<KubeVirtWorld> {
-        // Two API servers on one etcd: calls to the webhook really spread (virt-controller's pod
-        // CREATEs through the first, the scheduler's bindings through the second).
-        teeguard_tests::controlplane::want_two_api_servers();
-        let kv = KubeVirt::shared()?;
-        let first = RealNode::shared_nth(Runtime::Containerd, 0)?;
-        let second = RealNode::shared_nth(Runtime::Containerd, 1)?;
-        let cluster = Cluster::connect().await?;
-        // Every KubeVirt test takes both nodes: holding them, this test is the only one running.
-        let tdx_turn = first.acquire().await;
-        let snp_turn = second.acquire().await;
-        // An earlier test's VirtualMachines would start their VMIs again on the nodes.
-        remove_kubevirt_objects(&cluster).await;
+        let (kv, cluster, [tdx_turn, snp_turn]) = kubevirt_to_this_test().await?;
         for turn in [&tdx_turn, &snp_turn] {
             stand_in_images(turn);
         }
-        // An earlier test may have pointed KubeVirt at a RuntimeClass.
-        kv.configure(&cluster.client, json!({"defaultRuntimeClass": null}))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
         let ns = cluster.namespace(test, test, &[]).await.expect("namespace");
         let tdx = TeeNode::start(&cluster, tdx_turn, Tee::Tdx, options).await;
         let snp = TeeNode::start(&cluster, snp_turn, Tee::Snp, options).await;
@@ -527,30 +512,35 @@ impl TeeNode {
     }
 }
 
+/// The KubeVirt cluster to this test alone: both nodes taken (every KubeVirt test takes both, so
+/// holding them this test is the only one running), the earlier tests' VirtualMachines and VMIs removed
+/// (they would start again on the nodes), KubeVirt's `defaultRuntimeClass` reset (a test may have set
+/// it). Two API servers on one etcd: calls to the webhook really spread (virt-controller's pod CREATEs
+/// through the first, the scheduler's bindings through the second). `None` when the test should skip
+/// (no KubeVirt kit or no real node here).
+async fn kubevirt_to_this_test() -> Option<(&'static KubeVirt, Cluster, [NodeTurn; 2])> {
+    teeguard_tests::controlplane::want_two_api_servers();
+    let kv = KubeVirt::shared()?;
+    let first = RealNode::shared_nth(Runtime::Containerd, 0)?;
+    let second = RealNode::shared_nth(Runtime::Containerd, 1)?;
+    let cluster = Cluster::connect().await?;
+    let turns = [first.acquire().await, second.acquire().await];
+    remove_kubevirt_objects(&cluster).await;
+    kv.configure(&cluster.client, json!({"defaultRuntimeClass": null}))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    Some((kv, cluster, turns))
+}
+
 /// KubeVirt's rendering of the sample VMIs compared with the committed objects
 /// ([`kubevirt::rendered`]), in the binary of the node tests to share their control plane and
 /// virt-controller. It holds both nodes as a world does (the other tests change KubeVirt's
 /// configuration and delete VMIs everywhere) and takes `kubevirt.io/schedulable` off them, so the pods
 /// stay unscheduled as on a cluster no world has labelled; the next world labels them again.
 pub async fn committed_objects_are_what_kubevirt_renders() {
-    teeguard_tests::controlplane::want_two_api_servers();
-    let Some(kv) = KubeVirt::shared() else {
+    let Some((kv, cluster, turns)) = kubevirt_to_this_test().await else {
         return;
     };
-    let (Some(first), Some(second)) = (
-        RealNode::shared_nth(Runtime::Containerd, 0),
-        RealNode::shared_nth(Runtime::Containerd, 1),
-    ) else {
-        return;
-    };
-    let Some(cluster) = Cluster::connect().await else {
-        return;
-    };
-    let turns = [first.acquire().await, second.acquire().await];
-    remove_kubevirt_objects(&cluster).await;
-    kv.configure(&cluster.client, json!({"defaultRuntimeClass": null}))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
     let nodes: Api<Node> = Api::all(cluster.client.clone());
     for turn in &turns {
         let unlabel = json!({"metadata": {"labels": {"kubevirt.io/schedulable": null}}});
