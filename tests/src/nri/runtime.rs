@@ -5,7 +5,8 @@
 //! logical connection 2 and waits for `RegisterPlugin` (empty name or an index that is not two digits is
 //! refused, and the plugin closed); calls `Configure` on connection 1 and records the event mask (0
 //! means every event; unknown bits are refused); calls `Synchronize` with the pods and containers set by
-//! [`NriRuntime::set_existing`], under NRI's sync lock ([`NriRuntime::hold_sync_lock`]); only then is the plugin registered ([`NriRuntime::wait_registered`]).
+//! [`NriRuntime::set_existing`], under NRI's sync lock ([`NriRuntime::hold_sync_lock`]); only then is
+//! the plugin registered ([`NriRuntime::wait_registered`]).
 //! The test then drives calls: [`NriRuntime::create_container`] (skipped, answering `{}`, when the plugin
 //! did not subscribe to `CREATE_CONTAINER`), [`NriRuntime::start_container`] (the post-start event) and
 //! [`NriRuntime::call`]; the plugin's `UpdateContainers` calls are recorded and answered with success

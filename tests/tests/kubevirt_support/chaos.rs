@@ -323,24 +323,30 @@ async fn sample(
             continue;
         };
         let now = Instant::now();
-        // Pods bound per node (terminating ones still hold their key).
+        // Pods bound per node (terminating ones still hold their key), and launcher pods admitted
+        // and not bound yet, per kind: each of those holds a key on the node of its kind (teeguard's
+        // `Admitted` hold) that the node's report does not count until the scheduler binds it. After
+        // an API server restart the scheduler's informers reconnect with their backoff (up to 30 s),
+        // so such pods can wait unbound while the report shows their keys free.
         let mut bound: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut unbound: BTreeMap<TeeKind, u64> = BTreeMap::new();
         for pod in &p.items {
             let ended = pod
                 .status
                 .as_ref()
                 .and_then(|s| s.phase.as_deref())
                 .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
-            if let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone())
-                && !ended
-            {
-                let vmi = pod
-                    .metadata
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get("kubevirt.io/domain").cloned())
-                    .unwrap_or_default();
-                bound.entry(node).or_default().push(vmi);
+            let vmi = pod
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("kubevirt.io/domain").cloned())
+                .unwrap_or_default();
+            match pod.spec.as_ref().and_then(|s| s.node_name.clone()) {
+                _ if ended => {}
+                Some(node) => bound.entry(node).or_default().push(vmi),
+                None if !vmi.is_empty() => *unbound.entry(kind_of(&vmi)).or_default() += 1,
+                None => {}
             }
         }
         let mut s = lock(&seen);
@@ -364,27 +370,6 @@ async fn sample(
                 if super::running_named(&p.items, v) {
                     s.started.insert(v.clone());
                 }
-            }
-        }
-        // Launcher pods admitted and not bound yet, per kind: each holds a key on the node of its kind
-        // (teeguard's `Admitted` hold) that the node's report does not count until the scheduler binds
-        // it. After an API server restart the scheduler's informers reconnect with their backoff (up
-        // to 30 s), so such pods can wait unbound while the report shows their keys free.
-        let mut unbound: BTreeMap<TeeKind, u64> = BTreeMap::new();
-        for pod in &p.items {
-            let spec_node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
-            let ended = pod
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.as_deref())
-                .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
-            let vmi = pod
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get("kubevirt.io/domain"));
-            if let (None, false, Some(vmi)) = (spec_node, ended, vmi) {
-                *unbound.entry(kind_of(vmi)).or_default() += 1;
             }
         }
         // Keys free for a waiting VMI per kind: the reports' free less the unbound pods' holds (each
