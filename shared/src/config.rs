@@ -20,6 +20,8 @@
 //!   staleReportPolicy: { podCreate: deny, binding: allow }
 //!   ledgerTtl: 30s
 //!   sharedReservations: true # reservations shared by webhook replicas (TeeReservation per node)
+//!   decider: shared          # shared (every replica decides, one API write per hold) | leader
+//!   deciderLease: 15s        # leader: the Lease's duration (renew deadline 2/3 of it, retry 2/15)
 //!   retryRefusedVmis: true   # when a key frees, have KubeVirt retry the VMIs whose pods were refused
 //!   teeRuntimeClasses: {}    # RuntimeClass → kind: the webhook gives those pods a container key request
 //! agent:
@@ -171,6 +173,19 @@ pub enum Accounting {
     Dra,
 }
 
+/// Who decides the admissions that take a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Decider {
+    /// Every replica decides; each hold is written into the node's `TeeReservation` before the
+    /// answer (one API write per admission that takes a key).
+    #[default]
+    Shared,
+    /// One replica, elected through a Lease, decides in memory and writes its holds behind; the
+    /// others forward it the reviews that take a key.
+    Leader,
+}
+
 /// Validating webhook policy.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdmissionConfig {
@@ -187,6 +202,10 @@ pub struct AdmissionConfig {
     /// Share reservations between webhook replicas through a `TeeReservation` per node (exact with
     /// any replica count; one API write per admitted TEE binding).
     pub shared_reservations: bool,
+    /// Who decides the admissions that take a key.
+    pub decider: Decider,
+    /// With [`Decider::Leader`]: the decider Lease's duration.
+    pub decider_lease: Duration,
     /// When a key is free again, annotate the VMIs whose launcher pods teeguard refused (oldest first,
     /// one per free key), so KubeVirt creates their pods at once instead of after its backoff.
     pub retry_refused_vmis: bool,
@@ -297,6 +316,8 @@ impl Default for AdmissionConfig {
             stale_on_binding: StalePolicy::Allow,
             ledger_ttl: Duration::from_secs(30),
             shared_reservations: true,
+            decider: Decider::Shared,
+            decider_lease: Duration::from_secs(15),
             retry_refused_vmis: true,
             tee_runtime_classes: Default::default(),
         }
@@ -359,6 +380,8 @@ struct RawAdmission {
     stale_report_policy: Option<RawStalePolicy>,
     ledger_ttl: Option<String>,
     shared_reservations: Option<bool>,
+    decider: Option<Decider>,
+    decider_lease: Option<String>,
     retry_refused_vmis: Option<bool>,
     tee_runtime_classes: Option<std::collections::BTreeMap<String, RawKindName>>,
 }
@@ -528,6 +551,19 @@ impl Config {
             }
             if let Some(v) = a.shared_reservations {
                 cfg.admission.shared_reservations = v;
+            }
+            if let Some(v) = a.decider {
+                cfg.admission.decider = v;
+            }
+            if let Some(s) = a.decider_lease {
+                let lease = parse_duration(&s).map_err(|r| err("admission.deciderLease".into(), r))?;
+                if lease < Duration::from_secs(3) {
+                    return Err(err(
+                        "admission.deciderLease".into(),
+                        format!("{s} is too short: at least 3s (the renewals come every 2/15 of it)"),
+                    ));
+                }
+                cfg.admission.decider_lease = lease;
             }
             if let Some(v) = a.retry_refused_vmis {
                 cfg.admission.retry_refused_vmis = v;

@@ -231,6 +231,7 @@ fn main() {
         hints: &hints,
         replica: "bench",
         api_timeout: Duration::from_secs(2),
+        decider: None,
     };
 
     // The mutating reviews: one per kind and size, each checked to be a patch from a cache hit (or the

@@ -14,9 +14,10 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use kube::Client;
+use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use teeguard_shared::Config;
+use teeguard_shared::config::Decider;
 use teeguard_shared::ops::{Readiness, admin_router, bind_admin, cancel_on_signal, serve_admin};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -26,6 +27,9 @@ use crate::cluster::caches::Caches;
 use crate::cluster::events::EventSink;
 use crate::cluster::holds::ApiHolds;
 use crate::cluster::index::{KeyIndex, wall_clock};
+use crate::cluster::lead::Leadership;
+use crate::decide::lead::Elector;
+use crate::web::forward::Forwarder;
 use crate::cluster::retry::Retrier;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -87,11 +91,11 @@ pub async fn start(
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
 
-    let (reloader, store) = CertReloader::load(&args.cert_dir, metrics.clone())?;
+    let (reloader, served) = CertReloader::load(&args.cert_dir, metrics.clone())?;
     // Watching before the port is served: a rotation right after start-up is not left to the
     // periodic check.
     let cert_watch = reloader.watch(args.cert_check_interval);
-    let tls = server_config(store)?;
+    let tls = server_config(served.clone())?;
 
     let listener = crate::web::server::bind(args.listen).await?;
     let https_addr = listener.local_addr().map_err(|source| Error::Bind {
@@ -110,7 +114,11 @@ pub async fn start(
 
     // Stopped once the HTTPS server has drained, not at SIGTERM: requests are still answered until then.
     let background = CancellationToken::new();
-    let index = KeyIndex::new(config.admission.ledger_ttl, wall_clock());
+    let index = KeyIndex::with_key_resources(
+        config.admission.ledger_ttl,
+        wall_clock(),
+        config.resources.resource_names(),
+    );
     let (caches, cache_tasks) = Caches::start(
         client.clone(),
         metrics.clone(),
@@ -171,6 +179,34 @@ pub async fn start(
         .shared_reservations
         .then(|| ApiHolds::new(client.clone()));
     let replica = replica_name();
+    // admission.decider: leader: one replica decides in memory, writing its holds behind; the
+    // others forward (crate::cluster::lead, crate::web::forward).
+    let (leadership, lead_tasks) = match config.admission.decider {
+        Decider::Shared => (None, Vec::new()),
+        Decider::Leader => {
+            let address = decider_address(args, https_addr)?;
+            let terms = crate::cluster::lead::terms(config.admission.decider_lease);
+            let leadership =
+                Leadership::new(Elector::new(replica.clone(), address, terms), wall_clock());
+            let lease = leadership.clone().run(
+                Api::namespaced(client.clone(), client.default_namespace()),
+                crate::cluster::lead::LEASE_NAME.to_string(),
+                args.api_timeout,
+                background.clone(),
+            );
+            let behind = tokio::spawn(crate::cluster::holds::write_behind(
+                index.clone(),
+                ApiHolds::new(client.clone()),
+                args.api_timeout,
+                metrics.clone(),
+                background.clone(),
+            ));
+            (Some(leadership), vec![lease, behind])
+        }
+    };
+    let forwarder = leadership
+        .as_ref()
+        .map(|_| Forwarder::new(served.clone(), args.api_timeout));
     let config = Arc::new(config);
     // Promises free keys to the waiting VMIs and retries them (crate::cluster::retry), and publishes
     // the holds and waiting gauges; stopped with the caches.
@@ -185,6 +221,7 @@ pub async fn start(
             metrics: metrics.clone(),
             events: events.clone(),
             api_timeout: args.api_timeout,
+            leadership: leadership.clone(),
         }
         .start(
             async move { synced.wait_synced().await },
@@ -201,10 +238,13 @@ pub async fn start(
         },
         validation: ValidationState {
             events: Some(events),
-            store,
+            // The decider keeps its holds in its index and writes them behind.
+            store: if leadership.is_some() { None } else { store },
             hints: Arc::default(),
             replica,
             api_timeout: args.api_timeout,
+            leadership,
+            forwarder,
         },
     };
     let settings = ServerSettings {
@@ -229,6 +269,9 @@ pub async fn start(
         let _ = events_task.await;
         let _ = sweep_task.await;
         let _ = retry_task.await;
+        for t in lead_tasks {
+            let _ = t.await;
+        }
         served?;
         match admin {
             Ok(r) => r.map_err(Error::from),
@@ -275,6 +318,28 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     tracing::info!(https = %running.https_addr, admin = %running.admin_addr, "teeguard-webhook started");
     tokio::spawn(cancel_on_signal(shutdown));
     running.wait().await
+}
+
+/// Where the other replicas reach this one: `--decider-address`, else `https://$POD_IP:<port>`, else
+/// the listen address when it names one host.
+fn decider_address(args: &ServeArgs, https: SocketAddr) -> Result<String> {
+    if let Some(a) = args.decider_address.as_ref().filter(|a| !a.is_empty()) {
+        return Ok(a.clone());
+    }
+    let ip = match std::env::var("POD_IP").ok().filter(|ip| !ip.is_empty()) {
+        Some(ip) => ip.parse::<std::net::IpAddr>().map_err(|e| Error::DeciderAddress(format!(
+            "POD_IP={ip:?} is not an IP address ({e}); set --decider-address"
+        )))?,
+        None if !https.ip().is_unspecified() => https.ip(),
+        None => {
+            return Err(Error::DeciderAddress(
+                "other replicas need the address to reach this one at: set POD_IP (the chart \
+                 does) or --decider-address"
+                    .into(),
+            ));
+        }
+    };
+    Ok(format!("https://{}", SocketAddr::new(ip, https.port())))
 }
 
 /// This replica's name in its holds: the pod's name (`POD_NAME`, from the downward API), else

@@ -50,6 +50,10 @@ pub struct ServeArgs {
     /// HTTPS listen address.
     #[arg(long, env = "TEEGUARD_LISTEN_ADDR", default_value = "0.0.0.0:8443")]
     pub listen: SocketAddr,
+    /// With `admission.decider: leader`, where the other replicas reach this one
+    /// (`https://host:port`); by default `https://$POD_IP:<the listen port>`.
+    #[arg(long, env = "TEEGUARD_DECIDER_ADDRESS")]
+    pub decider_address: Option<String>,
     /// Plain-HTTP address for /livez, /readyz and /metrics.
     #[arg(long, env = "TEEGUARD_ADMIN_ADDR", default_value = "0.0.0.0:8080")]
     pub admin_listen: SocketAddr,

@@ -66,6 +66,9 @@ pub enum Error {
     /// The rustls server configuration could not be built.
     #[error("cannot configure TLS: {0}")]
     TlsConfig(String),
+    /// The decider's address (`admission.decider: leader`) is missing or unusable.
+    #[error("admission.decider: leader: {0}")]
+    DeciderAddress(String),
     /// The certificate directory could not be watched.
     #[error("cannot watch the certificate directory {path}: {source}")]
     CertWatch {

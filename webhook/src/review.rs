@@ -478,6 +478,7 @@ pub async fn review_document(
                 hints: &hints,
                 replica: "offline",
                 api_timeout: std::time::Duration::from_secs(2),
+                decider: None,
             };
             let validated = review_validation(&vbody, lookups, &ctx)
                 .await

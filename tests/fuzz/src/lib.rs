@@ -160,6 +160,7 @@ pub fn validate(data: &[u8]) -> Seen {
         hints: hints(),
         replica: "fuzz",
         api_timeout: std::time::Duration::from_secs(2),
+        decider: None,
     };
     let result = run_now(
         teeguard_webhook::web::handlers::validate::review_validation(data, lookups(), &ctx),

@@ -127,11 +127,7 @@ pub async fn check<S: HoldStore>(
             if d.reserve
                 && let Some(w) = &planned.write
             {
-                index.update(|ix, now| {
-                    for hold in &w.added {
-                        ix.hold_locally(&w.node, hold.clone(), now);
-                    }
-                });
+                index.hold_locally(&w.node, &w.added);
             }
             d
         }

@@ -89,11 +89,7 @@ pub async fn commit<T, S: HoldStore>(
             return (answer, Committed::Nothing);
         };
         let Some(store) = store else {
-            index.update(|ix, now| {
-                for hold in &write.added {
-                    ix.hold_locally(&write.node, hold.clone(), now);
-                }
-            });
+            index.hold_locally(&write.node, &write.added);
             return (answer, Committed::Written);
         };
         let left = within.saturating_sub(started.elapsed());
@@ -132,6 +128,51 @@ pub async fn commit<T, S: HoldStore>(
         };
         count(HoldWriteResult::Failed);
         return (answer, Committed::Failed(why));
+    }
+}
+
+/// How often the write-behind looks for holds to write even without a wake-up (a write that failed).
+pub const BEHIND_RETRY: Duration = Duration::from_millis(250);
+
+/// The decider's write-behind (`admission.decider: leader`): the holds it admitted in memory, written
+/// into their nodes' `TeeReservation`s soon after, so every replica counts them and a successor
+/// starts from them. Each node's write carries all its unwritten holds (a burst is one write), on the
+/// version read; a conflict reads again ([`commit`]). Runs until `shutdown`, whoever decides: holds
+/// a replica admitted are real whichever replica decides next.
+pub async fn write_behind<S: HoldStore>(
+    index: KeyIndex,
+    store: S,
+    within: Duration,
+    metrics: std::sync::Arc<Metrics>,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    loop {
+        let pending = {
+            let ix = index.read();
+            ix.unwritten(index.now())
+        };
+        let mut failed = false;
+        for (node, _) in pending {
+            let (_, committed) = commit(&index, Some(&store), within, Some(&metrics), |ix, now| {
+                let live = ix
+                    .unwritten(now)
+                    .into_iter()
+                    .find(|(n, _)| *n == node)
+                    .map(|(_, live)| live);
+                ((), live.map(|live| crate::decide::admit::write(ix, &node, live, now)))
+            })
+            .await;
+            if let Committed::Failed(why) = committed {
+                failed = true;
+                tracing::warn!(node, error = %why, "cannot write the decider's holds behind; trying again shortly");
+            }
+        }
+        let again = if failed { BEHIND_RETRY } else { Duration::from_secs(5) };
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = index.held_locally() => {}
+            _ = tokio::time::sleep(again) => {}
+        }
     }
 }
 

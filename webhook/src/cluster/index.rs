@@ -35,7 +35,11 @@ pub struct KeyIndex {
 struct Inner {
     index: RwLock<Index>,
     changed: Notify,
+    /// A hold was kept here only (for the decider's write-behind).
+    held_locally: Notify,
     clock: Clock,
+    /// The extended resources that are TEE keys (a launcher pod requesting one takes a key).
+    key_resources: Vec<String>,
 }
 
 impl std::fmt::Debug for KeyIndex {
@@ -47,13 +51,30 @@ impl std::fmt::Debug for KeyIndex {
 impl KeyIndex {
     /// An empty index whose holds last at most `ttl`, read with `clock`.
     pub fn new(ttl: std::time::Duration, clock: Clock) -> KeyIndex {
+        let names = teeguard_shared::Config::default().resources.resource_names();
+        KeyIndex::with_key_resources(ttl, clock, names)
+    }
+
+    /// [`KeyIndex::new`] with the configured names of the key resources.
+    pub fn with_key_resources(
+        ttl: std::time::Duration,
+        clock: Clock,
+        key_resources: Vec<String>,
+    ) -> KeyIndex {
         KeyIndex {
             inner: Arc::new(Inner {
                 index: RwLock::new(Index::new(ttl)),
                 changed: Notify::new(),
+                held_locally: Notify::new(),
                 clock,
+                key_resources,
             }),
         }
+    }
+
+    /// Whether `name` is the extended resource of a TEE key.
+    pub fn is_key_resource(&self, name: &str) -> bool {
+        self.inner.key_resources.iter().any(|k| k == name)
     }
 
     /// A separate index holding a copy of this one's state, on the same clock (the simulation's model
@@ -64,7 +85,9 @@ impl KeyIndex {
             inner: Arc::new(Inner {
                 index: RwLock::new(index),
                 changed: Notify::new(),
+                held_locally: Notify::new(),
                 clock: self.inner.clock.clone(),
+                key_resources: self.inner.key_resources.clone(),
             }),
         }
     }
@@ -96,6 +119,21 @@ impl KeyIndex {
         };
         self.inner.changed.notify_one();
         out
+    }
+
+    /// Keep `holds` on `node` in this replica's index only (not written, or not yet).
+    pub fn hold_locally(&self, node: &str, holds: &[teeguard_shared::reservation::KeyReservation]) {
+        self.update(|ix, now| {
+            for hold in holds {
+                ix.hold_locally(node, hold.clone(), now);
+            }
+        });
+        self.inner.held_locally.notify_one();
+    }
+
+    /// Wait until a hold is kept locally (one made while nobody waited is kept for the next call).
+    pub async fn held_locally(&self) {
+        self.inner.held_locally.notified().await;
     }
 
     /// Forget what the index no longer needs (see [`Index::sweep`]); wakes nobody.

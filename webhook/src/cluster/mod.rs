@@ -10,4 +10,5 @@ pub mod caches;
 pub mod events;
 pub mod holds;
 pub mod index;
+pub mod lead;
 pub mod retry;

@@ -28,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::holds::{ApiHolds, Committed, HoldStore, commit};
 use super::index::KeyIndex;
+use super::lead::Leadership;
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
 use crate::decide::admit;
 use crate::decide::mutation::VmiRef;
@@ -186,6 +187,8 @@ pub struct Retrier {
     pub events: EventSink,
     /// Longest one API call may take.
     pub api_timeout: Duration,
+    /// With `admission.decider: leader`, the election: only the decider plans (`None`: every replica).
+    pub leadership: Option<Leadership>,
 }
 
 impl std::fmt::Debug for Retrier {
@@ -257,6 +260,12 @@ impl Retrier {
         ] {
             let n = holds.get(&reason).copied().unwrap_or(0);
             self.metrics.set_holds(reason.as_str(), n);
+        }
+        // Only the decider plans, once it has found no orphan launcher pod (see Index::orphans).
+        if let Some(l) = &self.leadership
+            && l.route_create(&self.index) != Ok(crate::decide::lead::Route::Here)
+        {
+            return false;
         }
         let untidy = tidy(
             &self.index,

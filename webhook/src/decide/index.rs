@@ -84,6 +84,8 @@ pub struct PodState {
     pub node: Option<String>,
     /// It ended (`Succeeded`, `Failed`).
     pub ended: bool,
+    /// It requests TEE keys.
+    pub keys: bool,
 }
 
 /// What the index knows of a VMI.
@@ -103,6 +105,8 @@ pub struct Index {
     /// By name, in name order: scans visit nodes alike in every replica and run.
     nodes: BTreeMap<String, NodeState>,
     pods: HashMap<String, PodState>,
+    /// When this replica first saw each pod of `pods`.
+    pods_seen: HashMap<String, Timestamp>,
     gone_pods: HashMap<String, Timestamp>,
     vmis: HashMap<String, VmiState>,
     gone_vmis: HashMap<String, Timestamp>,
@@ -122,6 +126,7 @@ impl Index {
             synced: false,
             nodes: BTreeMap::new(),
             pods: HashMap::new(),
+            pods_seen: HashMap::new(),
             gone_pods: HashMap::new(),
             vmis: HashMap::new(),
             gone_vmis: HashMap::new(),
@@ -280,10 +285,12 @@ impl Index {
         match pod {
             Some(p) => {
                 self.gone_pods.remove(uid);
+                self.pods_seen.entry(uid.to_string()).or_insert(now);
                 self.pods.insert(uid.to_string(), p);
             }
             None => {
                 self.pods.remove(uid);
+                self.pods_seen.remove(uid);
                 self.gone_pods.insert(uid.to_string(), now);
             }
         }
@@ -338,6 +345,26 @@ impl Index {
         state.local.retain(|(e, _)| !claimant.owns(e));
         state.local.push((hold, now));
         self.locate(node, true);
+    }
+
+    /// The live holds this replica keeps but that no `TeeReservation` records yet, per node: what the
+    /// decider writes behind (`crate::cluster::holds::write_behind`).
+    pub fn unwritten(&self, now: Timestamp) -> Vec<(String, Vec<KeyReservation>)> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| !n.local.is_empty())
+            .map(|(name, n)| {
+                let live = n
+                    .local
+                    .iter()
+                    .map(|(e, _)| e)
+                    .filter(|e| self.end(name, e, now).is_none())
+                    .cloned()
+                    .collect::<Vec<_>>();
+                (name.clone(), live)
+            })
+            .filter(|(_, live)| !live.is_empty())
+            .collect()
     }
 
     /// Forget what is older than every hold can live, and local holds that ended.
@@ -452,6 +479,31 @@ impl Index {
         counts
     }
 
+    /// How many virt-launcher pods requesting keys are admitted, not bound, not counted by a report
+    /// and hold no key anywhere, first seen less than the TTL ago: pods a decider admitted whose holds
+    /// this replica never saw (it crashed before writing them). A decider that has just taken over
+    /// admits no CREATE while there are any (their bindings, decided here, hold their keys), so it
+    /// gives away no key such a pod was admitted for.
+    pub fn orphans(&self, now: Timestamp) -> usize {
+        self.pods
+            .iter()
+            .filter(|(uid, p)| {
+                p.keys
+                    && p.node.is_none()
+                    && !p.ended
+                    && !self.counted.contains_key(*uid)
+                    && !self
+                        .located(uid)
+                        .iter()
+                        .any(|n| self.live(n, now).any(|e| e.pod_uid == **uid))
+                    && self
+                        .pods_seen
+                        .get(*uid)
+                        .is_some_and(|at| age(now, *at) < self.ttl)
+            })
+            .count()
+    }
+
     /// Every VMI the index knows, by UID.
     pub fn vmis(&self) -> impl Iterator<Item = (&str, &VmiState)> {
         self.vmis.iter().map(|(u, v)| (u.as_str(), v))
@@ -556,7 +608,7 @@ impl Index {
             }
         }
         for (uid, p) in sorted(&self.pods) {
-            (uid, &p.node, p.ended).hash(h);
+            (uid, &p.node, p.ended, p.keys).hash(h);
         }
         for (uid, v) in sorted(&self.vmis) {
             (uid, v.pending).hash(h);

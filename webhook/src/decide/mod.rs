@@ -20,6 +20,7 @@ pub mod admit;
 pub mod affinity;
 pub mod holds;
 pub mod index;
+pub mod lead;
 pub mod mutation;
 pub mod queue;
 #[cfg(test)]

@@ -133,6 +133,7 @@ impl World {
         let state = PodState {
             node: node.map(str::to_string),
             ended: false,
+            keys: true,
         };
         self.ix.apply_pod(uid, Some(state), t0());
         self

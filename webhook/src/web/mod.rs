@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod admitted;
 pub mod handlers;
+pub mod forward;
 pub mod server;
 pub mod stall;
 pub mod state;

@@ -9,7 +9,9 @@ use crate::cluster::admission::FitHints;
 use crate::cluster::caches::Caches;
 use crate::cluster::events::EventSink;
 use crate::cluster::holds::ApiHolds;
+use crate::cluster::lead::Leadership;
 use crate::metrics::Metrics;
+use crate::web::forward::Forwarder;
 
 /// Default request body limit: 7 MiB (the API server sends at most 3 MiB objects, twice in an
 /// UPDATE review, plus the envelope).
@@ -61,4 +63,8 @@ pub struct ValidationState {
     pub replica: String,
     /// Longest the writes of one review may take (`--api-timeout`).
     pub api_timeout: Duration,
+    /// With `admission.decider: leader`, the election (`None`: every replica decides).
+    pub leadership: Option<Leadership>,
+    /// With `admission.decider: leader`, the connection to the deciding replica.
+    pub forwarder: Option<Forwarder>,
 }

@@ -50,9 +50,17 @@ impl Observer<CachedLauncherPod> for KeyIndex {
         let Some(uid) = pod.uid.as_deref() else {
             return;
         };
+        let key = |list: &[(String, _)]| list.iter().any(|(n, _)| self.is_key_resource(n));
+        let keys = key(&pod.overhead)
+            || pod
+                .containers
+                .iter()
+                .chain(pod.init_containers.iter())
+                .any(|c| key(&c.requests) || key(&c.limits));
         let state = PodState {
             node: pod.node_name.clone().filter(|n| !n.is_empty()),
             ended: pod.ended,
+            keys,
         };
         self.update(|ix, now| ix.apply_pod(uid, Some(state), now));
     }

@@ -54,6 +54,7 @@ fn a_hold_ends_when_its_pod_is_deleted_ended_or_never_appears() {
         Some(PodState {
             node: Some("n1".into()),
             ended: true,
+            keys: true,
         }),
         at(1),
     );

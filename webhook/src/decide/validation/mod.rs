@@ -466,13 +466,16 @@ pub mod reason {
     pub const SCHEDULER_ALLOCATED: &str = "scheduler-allocated";
     /// A cgroup-limit annotation teeguard did not write.
     pub const FORGED_LIMIT_ANNOTATION: &str = "forged-limit-annotation";
+    /// `admission.decider: leader`: no replica decides right now (an election, a new decider
+    /// taking over) or the decider could not be reached.
+    pub const NO_DECIDER: &str = "no-decider";
 
     /// Whether a refusal for `reason` is for lack of keys (or of a current report): what a freed key
     /// (or a report) ends. Such refusals put an Event on the VMI, and the VMI is retried.
     pub fn ends_when_a_key_frees(reason: &str) -> bool {
         matches!(
             reason,
-            INSUFFICIENT_KEYS | REPORT_UNKNOWN | NO_CANDIDATE_NODES
+            INSUFFICIENT_KEYS | REPORT_UNKNOWN | NO_CANDIDATE_NODES | NO_DECIDER
         )
     }
 }

@@ -310,6 +310,8 @@ pub struct ReviewResponse {
     pub audit_annotations: BTreeMap<&'static str, Cow<'static, str>>,
     /// Warnings shown to the client (kubectl prints them).
     pub warnings: Vec<String>,
+    /// A whole AdmissionReview another replica answered (a forwarded review), sent as it is.
+    pub forwarded: Option<axum::body::Bytes>,
 }
 
 impl ReviewResponse {
@@ -372,6 +374,9 @@ impl ReviewResponse {
     /// serde_json's escaping, the patch base64-encoded in place (its alphabet needs no escaping).
     /// Field order: uid, allowed, status, patchType, patch, auditAnnotations, warnings.
     pub fn to_json(&self) -> Vec<u8> {
+        if let Some(answer) = &self.forwarded {
+            return answer.to_vec();
+        }
         let patch = self.patch.as_deref().filter(|p| !p.is_empty());
         let strings = self.uid.len()
             + self.status.as_ref().map_or(0, |s| s.message.len())

@@ -55,6 +55,32 @@ pub struct Reviewed {
     pub outcome: Outcome,
 }
 
+impl Reviewed {
+    /// The answer of the deciding replica to a forwarded review, sent as it is.
+    pub fn forwarded(answer: Bytes) -> Reviewed {
+        #[derive(serde::Deserialize)]
+        struct Answer {
+            response: Allowed,
+        }
+        #[derive(serde::Deserialize)]
+        struct Allowed {
+            allowed: bool,
+        }
+        let outcome = match serde_json::from_slice::<Answer>(&answer) {
+            Ok(a) if a.response.allowed => Outcome::Allowed,
+            Ok(_) => Outcome::Denied,
+            Err(_) => Outcome::Error,
+        };
+        Reviewed {
+            response: ReviewResponse {
+                forwarded: Some(answer),
+                ..ReviewResponse::default()
+            },
+            outcome,
+        }
+    }
+}
+
 /// Read the whole body, refusing more than `limit` bytes with [`Error::PayloadTooLarge`] (413).
 ///
 /// A body that arrives as one frame (hyper hands over a body that is already in its read buffer in

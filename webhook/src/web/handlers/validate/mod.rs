@@ -41,6 +41,9 @@ use crate::cluster::admission::{Checker, FitHints, Target, check};
 use crate::cluster::caches::{Lookups, PodLookup};
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
 use crate::cluster::holds::ApiHolds;
+use crate::cluster::lead::Leadership;
+use crate::decide::lead::Route as LeadRoute;
+use crate::web::forward::Forwarder;
 use crate::decide::admit::Ask;
 use crate::decide::holds::Claimant;
 use crate::decide::mutation::{
@@ -79,13 +82,103 @@ pub struct ValidationContext<'a> {
     pub replica: &'a str,
     /// Longest the writes of one review may take.
     pub api_timeout: Duration,
+    /// With `admission.decider: leader`: who decides, and how reviews reach it (`None`: every
+    /// replica decides, sharing its holds through the API server).
+    pub decider: Option<Decider<'a>>,
+}
+
+/// Where reviews that take a key are decided (`admission.decider: leader`).
+#[derive(Clone, Copy, Debug)]
+pub struct Decider<'a> {
+    /// The election.
+    pub leadership: &'a Leadership,
+    /// The connection to the deciding replica.
+    pub forwarder: &'a Forwarder,
+    /// This review was forwarded by another replica: decide it or refuse it, never forward it again.
+    pub forwarded: bool,
+}
+
+/// What a review that takes a key does on this replica.
+enum Route {
+    /// Decide it here.
+    Here,
+    /// Send it to the deciding replica at this address.
+    Forward(String),
+    /// Refuse it: nobody decides now (why).
+    Refuse(String),
+}
+
+/// Where the check of a review that takes a key is made (see [`Decider`]): a binding (`create`
+/// false) is decided by a decider that has just taken over too (it holds the pod's keys on the
+/// scheduler's node, what the pod's lost hold held); a CREATE waits for the orphans.
+fn route(
+    ctx: &ValidationContext<'_>,
+    index: &crate::cluster::index::KeyIndex,
+    create: bool,
+) -> Route {
+    let Some(d) = ctx.decider else {
+        return Route::Here;
+    };
+    let route = if create {
+        match d.leadership.route_create(index) {
+            Ok(r) => r,
+            Err(n) => {
+                return Route::Refuse(format!(
+                    "teeguard's deciding replica has just taken over and waits for {n} launcher \
+                     pod(s) admitted before it to be bound or gone"
+                ));
+            }
+        }
+    } else {
+        d.leadership.route()
+    };
+    match route {
+        LeadRoute::Here => Route::Here,
+        LeadRoute::Forward(address) if !d.forwarded => Route::Forward(address),
+        LeadRoute::Forward(address) => Route::Refuse(format!(
+            "teeguard's replicas disagree on which decides (this one was sent the review, the Lease \
+             names {address})"
+        )),
+        LeadRoute::Nobody => {
+            Route::Refuse("no teeguard replica decides right now (an election)".into())
+        }
+    }
+}
+
+/// A review that takes a key, not decided here: forwarded, or refused.
+fn not_here(request: &'static str, kind: &'static str, route: Route) -> Option<Verdict> {
+    match route {
+        Route::Here => None,
+        Route::Forward(address) => Some(Verdict::Forward(address)),
+        Route::Refuse(why) => Some(Verdict::Answer(Answer::deny(
+            request,
+            kind,
+            reason::NO_DECIDER,
+            format!("{why}; {}", crate::decide::validation::HINT),
+        ))),
+    }
+}
+
+/// A review decided (or refused) here, or to forward.
+enum Verdict {
+    Answer(Answer),
+    Forward(String),
 }
 
 /// The axum handler.
 pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let s = &state;
+    let forwarded = req.headers().contains_key(crate::web::forward::FORWARDED_HEADER);
     serve_review(s, ENDPOINT, req, |body| async move {
         let v = &s.validation;
+        let decider = match (&v.leadership, &v.forwarder) {
+            (Some(leadership), Some(forwarder)) => Some(Decider {
+                leadership,
+                forwarder,
+                forwarded,
+            }),
+            _ => None,
+        };
         let ctx = ValidationContext {
             config: &s.config,
             events: v.events.as_ref(),
@@ -94,6 +187,7 @@ pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Respons
             hints: &v.hints,
             replica: &v.replica,
             api_timeout: v.api_timeout,
+            decider,
         };
         review_validation(&body, &s.caches, &ctx).await
     })
@@ -180,17 +274,51 @@ pub async fn review_validation<L: Lookups>(
     let mut review = AdmittedReview::parse(body)?;
     let req = &review.request;
     let pods = req.resource.group.is_empty() && req.resource.resource == "pods";
-    let answer = match (pods, req.sub_resource.as_str(), req.operation) {
+    let verdict = match (pods, req.sub_resource.as_str(), req.operation) {
         (true, "", Operation::Create) => pod_create(&mut review, lookups, ctx).await?,
-        (true, "", Operation::Update) => pod_update(&mut review, lookups).await?,
+        (true, "", Operation::Update) => Verdict::Answer(pod_update(&mut review, lookups).await?),
         (true, "binding", Operation::Create) => binding(&mut review, lookups, ctx).await?,
-        (true, "", Operation::Delete) => Answer::skip("other", "pod-delete"),
-        _ => Answer::skip("other", "not-validated"),
+        (true, "", Operation::Delete) => Verdict::Answer(Answer::skip("other", "pod-delete")),
+        _ => Verdict::Answer(Answer::skip("other", "not-validated")),
+    };
+    let answer = match verdict {
+        Verdict::Answer(a) => a,
+        Verdict::Forward(address) => return forward(body, &address, ctx, review.request.uid).await,
     };
     if let Some(m) = ctx.metrics {
         m.validation(answer.request, answer.kind, answer.outcome);
     }
     Ok(respond(review.request.uid, answer))
+}
+
+/// Send the review to the deciding replica; its answer is this one's. A forward that fails is a
+/// refusal the new decider's planner ends (the VMI waits its turn like any refused for keys).
+async fn forward(
+    body: &[u8],
+    address: &str,
+    ctx: &ValidationContext<'_>,
+    uid: String,
+) -> Result<Reviewed> {
+    let forwarder = ctx.decider.map(|d| d.forwarder).expect("forwarding needs a decider");
+    match forwarder
+        .forward(address, axum::body::Bytes::copy_from_slice(body))
+        .await
+    {
+        Ok(answer) => Ok(Reviewed::forwarded(answer)),
+        Err(why) => {
+            tracing::warn!(decider = address, error = why, "cannot forward a review to the deciding replica; refused");
+            let mut msg = format!(
+                "{why}; {}",
+                crate::decide::validation::HINT
+            );
+            queue::note_refusal(reason::NO_DECIDER, Some(&mut msg));
+            let a = Answer::deny("forward", "none", reason::NO_DECIDER, msg);
+            if let Some(m) = ctx.metrics {
+                m.validation(a.request, a.kind, a.outcome);
+            }
+            Ok(respond(uid, a))
+        }
+    }
 }
 
 fn respond(uid: String, a: Answer) -> Reviewed {
@@ -238,7 +366,7 @@ async fn pod_create<L: Lookups>(
     review: &mut AdmittedReview<'_>,
     lookups: &L,
     ctx: &ValidationContext<'_>,
-) -> Result<Answer> {
+) -> Result<Verdict> {
     const REQ: &str = "pod_create";
     let mut pod = review.pod()?;
     let req = &review.request;
@@ -248,7 +376,7 @@ async fn pod_create<L: Lookups>(
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let (ns_labels, mut warnings) = namespace(lookups, &ns).await;
     if namespace_exempt(ns_labels.as_ref()) {
-        return Ok(Answer::skip(REQ, "exempt-namespace"));
+        return Ok(Verdict::Answer(Answer::skip(REQ, "exempt-namespace")));
     }
     let config = ctx.config;
     let class = classify_pod(&pod);
@@ -273,30 +401,30 @@ async fn pod_create<L: Lookups>(
             MutationDecision::Inject(i) => i.kind.kernel_name(),
             _ => "none",
         };
-        return Ok(Answer::deny(
+        return Ok(Verdict::Answer(Answer::deny(
             REQ,
             kind,
             reason::FORGED_LIMIT_ANNOTATION,
             msg,
-        ));
+        )));
     }
 
     let vmi_ref = match class {
         Ok(r) => Some(r),
         Err(SkipReason::NotKubeVirt) if tee_runtime_class(&pod, config).is_some() => None, // no VMI
-        Err(skip) => return Ok(Answer::skip(REQ, skip.code())),
+        Err(skip) => return Ok(Verdict::Answer(Answer::skip(REQ, skip.code()))),
     };
     if matches!(mutation, MutationDecision::Skip(SkipReason::ExemptVmi)) {
-        return Ok(Answer::skip(REQ, SkipReason::ExemptVmi.code()));
+        return Ok(Verdict::Answer(Answer::skip(REQ, SkipReason::ExemptVmi.code())));
     }
     let requests = match key_requests(&pod, &config.resources) {
         Ok(r) => r,
         Err(e) => {
-            return Ok(Answer::deny(REQ, "none", "bad-quantity", e.to_string()));
+            return Ok(Verdict::Answer(Answer::deny(REQ, "none", "bad-quantity", e.to_string())));
         }
     };
     if requests.is_empty() {
-        return Ok(Answer::skip(REQ, "no-key-request"));
+        return Ok(Verdict::Answer(Answer::skip(REQ, "no-key-request")));
     }
     let kind = primary_kind(&requests);
     let (mode, mode_warning) = namespace_mode(config.admission.mode, ns_labels.as_ref());
@@ -331,6 +459,9 @@ async fn pod_create<L: Lookups>(
         Some(node) => Target::Node(node, Trigger::PodCreate),
         None => Target::Candidates(spec),
     };
+    if let Some(elsewhere) = not_here(REQ, kind, route(ctx, lookups.index(), bound.is_none())) {
+        return Ok(elsewhere);
+    }
     let (decision, _) = check(&checker(lookups, ctx), &ask, target).await;
 
     // Answer: the planner starts the VM when a key frees (crate::cluster::retry), unless it was bound.
@@ -340,7 +471,7 @@ async fn pod_create<L: Lookups>(
     }
     record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
     log_decision(&answer, pod_name);
-    Ok(answer.with_warnings(warnings))
+    Ok(Verdict::Answer(answer.with_warnings(warnings)))
 }
 
 fn checker<'a, L: Lookups>(lookups: &'a L, ctx: &ValidationContext<'a>) -> Checker<'a, ApiHolds> {
@@ -404,7 +535,7 @@ async fn binding<L: Lookups>(
     review: &mut AdmittedReview<'_>,
     lookups: &L,
     ctx: &ValidationContext<'_>,
-) -> Result<Answer> {
+) -> Result<Verdict> {
     const REQ: &str = "binding";
     // The chart's matchConditions already narrow calls to these names; anything else is not ours.
     if !review
@@ -412,7 +543,7 @@ async fn binding<L: Lookups>(
         .name
         .starts_with(names::VIRT_LAUNCHER_NAME_PREFIX)
     {
-        return Ok(Answer::skip(REQ, "not-virt-launcher"));
+        return Ok(Verdict::Answer(Answer::skip(REQ, "not-virt-launcher")));
     }
     let b = review.binding()?;
     let req = &review.request;
@@ -429,7 +560,7 @@ async fn binding<L: Lookups>(
     let uid = b.metadata.uid.clone().unwrap_or_default();
     let pod = match lookups.launcher_pod(&ns, &req.name, &uid).await {
         PodLookup::Found(p) => p,
-        PodLookup::NotFound => return Ok(Answer::skip(REQ, "pod-not-found")),
+        PodLookup::NotFound => return Ok(Verdict::Answer(Answer::skip(REQ, "pod-not-found"))),
         PodLookup::Failed(e) => {
             // Fail open, like the binding webhook's failurePolicy Ignore: the scheduler's own
             // accounting still applies.
@@ -440,29 +571,29 @@ async fn binding<L: Lookups>(
                 "teeguard could not look up pod {ns}/{} to check free TEE keys on node {node} ({e})",
                 req.name
             ));
-            return Ok(a);
+            return Ok(Verdict::Answer(a));
         }
     };
     let vmi_ref = match classify_pod(&pod) {
         Ok(r) => r,
-        Err(skip) => return Ok(Answer::skip(REQ, skip.code())),
+        Err(skip) => return Ok(Verdict::Answer(Answer::skip(REQ, skip.code()))),
     };
     let (ns_labels, mut warnings) = namespace(lookups, &ns).await;
     if namespace_exempt(ns_labels.as_ref()) {
-        return Ok(Answer::skip(REQ, "exempt-namespace"));
+        return Ok(Verdict::Answer(Answer::skip(REQ, "exempt-namespace")));
     }
     if let VmiLookup::Found(v) = lookups.vmi(&vmi_ref).await
         && namespace_exempt(v.metadata.labels.as_ref())
     {
-        return Ok(Answer::skip(REQ, SkipReason::ExemptVmi.code()));
+        return Ok(Verdict::Answer(Answer::skip(REQ, SkipReason::ExemptVmi.code())));
     }
     let config = ctx.config;
     let requests = match key_requests(&pod, &config.resources) {
         Ok(r) => r,
-        Err(e) => return Ok(Answer::deny(REQ, "none", "bad-quantity", e.to_string())),
+        Err(e) => return Ok(Verdict::Answer(Answer::deny(REQ, "none", "bad-quantity", e.to_string()))),
     };
     if requests.is_empty() {
-        return Ok(Answer::skip(REQ, "no-key-request"));
+        return Ok(Verdict::Answer(Answer::skip(REQ, "no-key-request")));
     }
     let (mode, mode_warning) = namespace_mode(config.admission.mode, ns_labels.as_ref());
     warnings.extend(mode_warning);
@@ -484,6 +615,10 @@ async fn binding<L: Lookups>(
         replica: ctx.replica,
     };
     let target = Target::Node(node, Trigger::Binding);
+    let route = route(ctx, lookups.index(), false);
+    if let Some(elsewhere) = not_here(REQ, primary_kind(&requests), route) {
+        return Ok(elsewhere);
+    }
     let (d, _) = check(&checker(lookups, ctx), &ask, target).await;
     let answer = Answer::from_decision(
         REQ,
@@ -494,7 +629,7 @@ async fn binding<L: Lookups>(
     );
     record_event(&answer, Some(&vmi_ref), req.dry_run, ctx);
     log_decision(&answer, &pod_name);
-    Ok(answer.with_warnings(warnings))
+    Ok(Verdict::Answer(answer.with_warnings(warnings)))
 }
 
 async fn pod_update<L: Lookups>(review: &mut AdmittedReview<'_>, lookups: &L) -> Result<Answer> {

@@ -1,0 +1,248 @@
+//! The decider's Lease (`admission.decider: leader`): read and written every `retry` by each replica,
+//! decided by [`crate::decide::lead::Elector`]; the result is shared as a [`Leadership`] that the
+//! admission handlers ask where a review that takes a key goes, and the planner whether it may plan.
+//!
+//! The Lease is `coordination.k8s.io/v1`, in the webhook's namespace; the holder writes its address
+//! for forwarded reviews into the annotation [`ADDRESS_ANNOTATION`]. Writes carry the
+//! `resourceVersion` read, so two replicas taking an expired Lease over at once cannot both succeed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::Api;
+use kube::api::PostParams;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::index::{Clock, KeyIndex};
+use crate::decide::lead::{Elector, Record, Route, Step, Terms};
+
+/// Where the holder takes forwarded reviews (`https://ip:port`).
+pub const ADDRESS_ANNOTATION: &str = "teeguard.dev/decider-address";
+
+/// The Lease's default name.
+pub const LEASE_NAME: &str = "teeguard-webhook-decider";
+
+/// The election as the handlers see it. Cheap to clone.
+#[derive(Clone)]
+pub struct Leadership {
+    elector: Arc<RwLock<Elector>>,
+    clock: Clock,
+    /// The term in which this replica found no orphan launcher pods (`Index::orphans`): from then on
+    /// it decides CREATEs without looking again.
+    settled: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Leadership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leadership").finish_non_exhaustive()
+    }
+}
+
+impl Leadership {
+    /// The election of `elector`, read with `clock`.
+    pub fn new(elector: Elector, clock: Clock) -> Leadership {
+        Leadership {
+            elector: Arc::new(RwLock::new(elector)),
+            clock,
+            settled: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Where a review that takes a key goes now.
+    pub fn route(&self) -> Route {
+        let now = (self.clock)();
+        self.elector
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .route(now)
+    }
+
+    /// Where a pod CREATE that takes a key goes now: like [`Leadership::route`], but a decider that
+    /// has just taken over refuses (`Err`, with how many) while `index` has launcher pods admitted
+    /// before whose holds it never saw ([`crate::decide::index::Index::orphans`]).
+    pub fn route_create(&self, index: &KeyIndex) -> Result<Route, usize> {
+        let (route, term) = {
+            let e = self.elector.read().unwrap_or_else(PoisonError::into_inner);
+            (e.route((self.clock)()), e.term())
+        };
+        if route != Route::Here || self.settled.load(Ordering::Acquire) == term {
+            return Ok(route);
+        }
+        match index.read().orphans(index.now()) {
+            0 => {
+                self.settled.store(term, Ordering::Release);
+                Ok(Route::Here)
+            }
+            n => Err(n),
+        }
+    }
+
+    /// Whether this replica decides now.
+    pub fn deciding(&self) -> bool {
+        self.route() == Route::Here
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Elector) -> R) -> R {
+        f(&mut self.elector.write().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Read and write the Lease `name` in `namespace` every `retry` until `shutdown`; then give it up
+    /// (a successor need not wait the lease out after a clean stop).
+    pub fn run(
+        self,
+        api: Api<Lease>,
+        name: String,
+        api_timeout: Duration,
+        shutdown: CancellationToken,
+    ) -> JoinHandle<()> {
+        tokio::spawn(async move {
+            let retry = self.with(|e| e.terms().retry);
+            let mut leading = false;
+            loop {
+                let now = self.leading_now(&api, &name, api_timeout).await;
+                if now != leading {
+                    leading = now;
+                    if leading {
+                        tracing::info!(lease = name, "this replica decides the admissions that take a key");
+                    } else {
+                        tracing::info!(lease = name, "this replica no longer decides; it forwards");
+                    }
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(retry) => {}
+                }
+            }
+            if leading {
+                self.release(&api, &name, api_timeout).await;
+            }
+        })
+    }
+
+    /// One round: read the Lease, write it when the elector says so; returns whether this replica
+    /// decides afterwards.
+    async fn leading_now(&self, api: &Api<Lease>, name: &str, within: Duration) -> bool {
+        let read = tokio::time::timeout(within, api.get_opt(name)).await;
+        let lease = match read {
+            Ok(Ok(lease)) => lease,
+            Ok(Err(e)) => {
+                tracing::warn!(lease = name, error = %e, "cannot read the decider Lease; trying again");
+                return self.deciding();
+            }
+            Err(_) => {
+                tracing::warn!(lease = name, "the API server did not answer reading the decider Lease within {within:?}");
+                return self.deciding();
+            }
+        };
+        let started = (self.clock)();
+        let step = self.with(|e| {
+            e.observe(lease.as_ref().map(record), started);
+            e.step(started)
+        });
+        let Step::Write(next) = step else {
+            return self.deciding();
+        };
+        let written = tokio::time::timeout(within, write(api, name, lease, &next)).await;
+        match written {
+            Ok(Ok(())) => self.with(|e| e.written(next, started)),
+            Ok(Err(e)) if e.contains("409") => {
+                tracing::debug!(lease = name, "another replica wrote the decider Lease first");
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(lease = name, error = e, "cannot write the decider Lease; trying again")
+            }
+            Err(_) => tracing::warn!(
+                lease = name,
+                "the API server did not answer writing the decider Lease within {within:?}"
+            ),
+        }
+        self.deciding()
+    }
+
+    /// Give the Lease up: empty holder, so a successor takes it at once.
+    async fn release(&self, api: &Api<Lease>, name: &str, within: Duration) {
+        self.with(Elector::step_down);
+        let Ok(Ok(Some(mut lease))) = tokio::time::timeout(within, api.get_opt(name)).await else {
+            return;
+        };
+        let me = self.with(|e| e.me().to_string());
+        let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+        if spec.holder_identity.as_deref() != Some(me.as_str()) {
+            return;
+        }
+        spec.holder_identity = None;
+        let _ = tokio::time::timeout(within, api.replace(name, &PostParams::default(), &lease)).await;
+        tracing::info!(lease = name, "gave up the decider Lease");
+    }
+}
+
+fn record(lease: &Lease) -> Record {
+    let spec = lease.spec.clone().unwrap_or_default();
+    Record {
+        holder: spec.holder_identity.unwrap_or_default(),
+        address: lease
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ADDRESS_ANNOTATION).cloned())
+            .unwrap_or_default(),
+        renewed: spec.renew_time.map_or(jiff::Timestamp::UNIX_EPOCH, |t| t.0),
+        transitions: spec.lease_transitions.unwrap_or(0),
+    }
+}
+
+/// Write `next` over `base` (the Lease read; `None`: create it). Errors are the API's, with 409 in them
+/// for a lost race.
+async fn write(
+    api: &Api<Lease>,
+    name: &str,
+    base: Option<Lease>,
+    next: &Record,
+) -> Result<(), String> {
+    let taking = base
+        .as_ref()
+        .and_then(|l| l.spec.as_ref())
+        .and_then(|s| s.holder_identity.as_deref())
+        != Some(next.holder.as_str());
+    let mut lease = base.clone().unwrap_or_else(|| Lease {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            ..ObjectMeta::default()
+        },
+        spec: None,
+    });
+    lease
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(ADDRESS_ANNOTATION.into(), next.address.clone());
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    spec.holder_identity = Some(next.holder.clone());
+    spec.renew_time = Some(MicroTime(next.renewed));
+    spec.lease_transitions = Some(next.transitions);
+    if taking {
+        spec.acquire_time = Some(MicroTime(next.renewed));
+    }
+    let result = match base {
+        Some(_) => api.replace(name, &PostParams::default(), &lease).await,
+        None => api.create(&PostParams::default(), &lease).await,
+    };
+    match result {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Err(format!("409: {}", s.message)),
+        Err(e) => Err(format!("writing Lease {name}: {e}")),
+    }
+}
+
+/// The elector's timings, from the lease duration: client-go's proportions (15 s, 10 s, 2 s).
+pub fn terms(lease: Duration) -> Terms {
+    Terms {
+        lease,
+        renew_deadline: lease.mul_f64(2.0 / 3.0),
+        retry: lease.mul_f64(2.0 / 15.0),
+    }
+}
