@@ -15,7 +15,7 @@ mod sim;
 
 use sim::explore::{Budget, explore};
 use sim::run::{Chaos, Outcome, run};
-use sim::world::{NodeSpec, Spec};
+use sim::world::{Defect, NodeSpec, Spec};
 use teeguard_shared::TeeKind;
 
 /// 2 replicas, 1 node with 2 keys for Kubernetes (and one more held outside it, which the scheduler's
@@ -30,6 +30,8 @@ fn small() -> Spec {
             external: 1,
         }],
         shared: true,
+        leader: false,
+        defect: Defect::None,
     }
 }
 
@@ -125,6 +127,8 @@ fn world(seed: u64) -> Spec {
         replicas,
         nodes,
         shared: true,
+        leader: false,
+        defect: Defect::None,
     }
 }
 
@@ -160,7 +164,7 @@ fn report(o: &Outcome) -> String {
             l.split_whitespace()
                 .next()
                 .and_then(|t| t.parse::<u64>().ok())
-                .is_none_or(|t| t + 15_000 >= end)
+                .is_none_or(|t| t + 15_000 >= end || std::env::var("TEEGUARD_SIM_TRACE").is_ok())
         })
         .collect();
     format!(
@@ -255,4 +259,54 @@ fn holds_kept_per_replica_are_caught_admitting_past_the_keys() {
         .find_map(|v| v);
     let v = overcommit.expect("per-replica holds overcommit a node in some run");
     assert!(v.starts_with("I1"), "{v}");
+}
+
+/// The world of seed `seed` with `admission.decider: leader` (and 2-3 replicas: one decides, the
+/// others forward).
+fn leader_world(seed: u64) -> Spec {
+    let mut spec = world(seed);
+    spec.replicas = 2 + (seed % 2) as usize;
+    spec.leader = true;
+    spec
+}
+
+#[test]
+fn seeded_runs_with_one_deciding_replica_killed_at_random_keep_the_invariants() {
+    let seeds: Vec<u64> = seeds(0).into_iter().chain(seeds(1)).take(500).collect();
+    let mut total = sim::check::Figures::default();
+    for seed in &seeds {
+        let o = run(leader_world(*seed), &chaos(), *seed);
+        if !o.violations.is_empty() {
+            panic!("{}", report(&o));
+        }
+        total.started += o.figures.started;
+        total.retried += o.figures.retried;
+        total.longest_to_hold = total.longest_to_hold.max(o.figures.longest_to_hold);
+        total.insufficient += o.figures.insufficient;
+    }
+    println!("{} seeded runs, one decider: {total:?}", seeds.len());
+    assert!(total.started > 0 && total.retried > 0, "{total:?}");
+}
+
+/// The first violation a planted `defect` causes in the seeded leader-mode runs.
+fn caught(defect: Defect) -> String {
+    (0..1_000)
+        .find_map(|seed| {
+            let mut spec = leader_world(seed);
+            spec.defect = defect;
+            run(spec, &chaos(), seed).violations.first().cloned()
+        })
+        .unwrap_or_else(|| panic!("no run caught {defect:?}"))
+}
+
+#[test]
+fn a_new_decider_that_does_not_wait_for_the_pods_admitted_before_it_is_caught_overbooking() {
+    let v = caught(Defect::NoOrphanGate);
+    assert!(v.starts_with("I2"), "{v}");
+}
+
+#[test]
+fn a_replica_taking_the_lease_without_waiting_it_out_is_caught_deciding_beside_the_holder() {
+    let v = caught(Defect::NoLeaseWait);
+    assert!(v.starts_with("I6"), "{v}");
 }

@@ -131,6 +131,9 @@ pub async fn commit<T, S: HoldStore>(
     }
 }
 
+/// How long the write-behind gathers holds before writing them.
+pub const BEHIND_BATCH: Duration = Duration::from_millis(250);
+
 /// How often the write-behind looks for holds to write even without a wake-up (a write that failed).
 pub const BEHIND_RETRY: Duration = Duration::from_millis(250);
 
@@ -147,33 +150,51 @@ pub async fn write_behind<S: HoldStore>(
     shutdown: tokio_util::sync::CancellationToken,
 ) {
     loop {
-        let pending = {
-            let ix = index.read();
-            ix.unwritten(index.now())
-        };
-        let mut failed = false;
-        for (node, _) in pending {
-            let (_, committed) = commit(&index, Some(&store), within, Some(&metrics), |ix, now| {
-                let live = ix
-                    .unwritten(now)
-                    .into_iter()
-                    .find(|(n, _)| *n == node)
-                    .map(|(_, live)| live);
-                ((), live.map(|live| crate::decide::admit::write(ix, &node, live, now)))
-            })
-            .await;
-            if let Committed::Failed(why) = committed {
-                failed = true;
-                tracing::warn!(node, error = %why, "cannot write the decider's holds behind; trying again shortly");
-            }
-        }
+        let failed = write_behind_once(&index, &store, within, Some(&metrics)).await;
         let again = if failed { BEHIND_RETRY } else { Duration::from_secs(5) };
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = index.held_locally() => {}
             _ = tokio::time::sleep(again) => {}
         }
+        // One write for the holds of a burst: each write costs the API server about what a review's
+        // whole call costs, and nobody decides from the written holds while this replica decides.
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(BEHIND_BATCH) => {}
+        }
     }
+}
+
+/// One pass of [`write_behind`]: every node's unwritten live holds, one write each. Returns whether
+/// some write failed.
+pub async fn write_behind_once<S: HoldStore>(
+    index: &KeyIndex,
+    store: &S,
+    within: Duration,
+    metrics: Option<&Metrics>,
+) -> bool {
+    let pending = {
+        let ix = index.read();
+        ix.unwritten(index.now())
+    };
+    let mut failed = false;
+    for (node, _) in pending {
+        let (_, committed) = commit(index, Some(store), within, metrics, |ix, now| {
+            let live = ix
+                .unwritten(now)
+                .into_iter()
+                .find(|(n, _)| *n == node)
+                .map(|(_, live)| live);
+            ((), live.map(|live| crate::decide::admit::write(ix, &node, live, now)))
+        })
+        .await;
+        if let Committed::Failed(why) = committed {
+            failed = true;
+            tracing::warn!(node, error = %why, "cannot write the decider's holds behind; trying again shortly");
+        }
+    }
+    failed
 }
 
 /// The holds in the API server: one `TeeReservation` per node, owned by its Node.

@@ -34,6 +34,8 @@ pub struct Leadership {
     /// The term in which this replica found no orphan launcher pods (`Index::orphans`): from then on
     /// it decides CREATEs without looking again.
     settled: Arc<AtomicU64>,
+    /// Told when this replica starts deciding (the planner plans at once).
+    became: Arc<tokio::sync::Notify>,
 }
 
 impl std::fmt::Debug for Leadership {
@@ -49,6 +51,23 @@ impl Leadership {
             elector: Arc::new(RwLock::new(elector)),
             clock,
             settled: Arc::new(AtomicU64::new(0)),
+            became: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+
+    /// A separate election state holding a copy of this one's, on the same clock (the simulation's
+    /// model checker forks the world at each choice).
+    pub fn fork(&self) -> Leadership {
+        let elector = self
+            .elector
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        Leadership {
+            elector: Arc::new(RwLock::new(elector)),
+            clock: self.clock.clone(),
+            settled: Arc::new(AtomicU64::new(self.settled.load(Ordering::Acquire))),
+            became: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
@@ -123,6 +142,45 @@ impl Leadership {
         })
     }
 
+    /// The Lease as read now (`None`: there is none): the record to write, when this replica should
+    /// renew or take it.
+    pub fn round(&self, lease: Option<Record>) -> Option<Record> {
+        let now = (self.clock)();
+        self.with(|e| {
+            e.observe(lease, now);
+            match e.step(now) {
+                Step::Write(next) => Some(next),
+                Step::Wait => None,
+            }
+        })
+    }
+
+    /// The write of `record`, started at `started`, went through.
+    pub fn written(&self, record: Record, started: jiff::Timestamp) {
+        let began = self.with(|e| {
+            let term = e.term();
+            e.written(record, started);
+            e.term() != term
+        });
+        if began {
+            self.became.notify_one();
+        }
+    }
+
+    /// How many times this replica started deciding.
+    pub fn term(&self) -> u64 {
+        self.elector
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .term()
+    }
+
+    /// Wait until this replica starts deciding (a start while nobody waited is kept for the next
+    /// call).
+    pub async fn began_deciding(&self) {
+        self.became.notified().await;
+    }
+
     /// One round: read the Lease, write it when the elector says so; returns whether this replica
     /// decides afterwards.
     async fn leading_now(&self, api: &Api<Lease>, name: &str, within: Duration) -> bool {
@@ -139,16 +197,13 @@ impl Leadership {
             }
         };
         let started = (self.clock)();
-        let step = self.with(|e| {
-            e.observe(lease.as_ref().map(record), started);
-            e.step(started)
-        });
-        let Step::Write(next) = step else {
+        let Some(next) = self.round(lease.as_ref().map(record)) else {
             return self.deciding();
         };
-        let written = tokio::time::timeout(within, write(api, name, lease, &next)).await;
+        let duration = self.with(|e| e.terms().lease);
+        let written = tokio::time::timeout(within, write(api, name, lease, &next, duration)).await;
         match written {
-            Ok(Ok(())) => self.with(|e| e.written(next, started)),
+            Ok(Ok(())) => self.written(next, started),
             Ok(Err(e)) if e.contains("409") => {
                 tracing::debug!(lease = name, "another replica wrote the decider Lease first");
             }
@@ -202,6 +257,7 @@ async fn write(
     name: &str,
     base: Option<Lease>,
     next: &Record,
+    duration: Duration,
 ) -> Result<(), String> {
     let taking = base
         .as_ref()
@@ -224,6 +280,7 @@ async fn write(
     spec.holder_identity = Some(next.holder.clone());
     spec.renew_time = Some(MicroTime(next.renewed));
     spec.lease_transitions = Some(next.transitions);
+    spec.lease_duration_seconds = Some(i32::try_from(duration.as_secs()).unwrap_or(i32::MAX));
     if taking {
         spec.acquire_time = Some(MicroTime(next.renewed));
     }

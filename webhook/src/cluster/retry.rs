@@ -227,11 +227,18 @@ impl Retrier {
                 } else {
                     until
                 };
+                let began = async {
+                    match &self.leadership {
+                        Some(l) => l.began_deciding().await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = self.index.changed() => {}
                     _ = tick.tick() => {}
                     _ = tokio::time::sleep(again) => {}
+                    _ = began => {}
                 }
                 tokio::select! {
                     _ = shutdown.cancelled() => return,

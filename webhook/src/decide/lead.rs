@@ -153,12 +153,15 @@ impl Elector {
     /// What to do at `now`: renew a Lease this replica holds, take over one whose holder has not renewed
     /// it for the lease duration (or that nobody holds), else wait.
     pub fn step(&self, now: Timestamp) -> Step {
-        let mine = self.observed.as_ref().is_some_and(|(r, _)| r.holder == self.me);
+        // A record in this replica's name that this incarnation never wrote (it restarted) is waited
+        // out like anyone's: the reviews its predecessor answered last may not be in the caches yet.
+        let mine = self.renewed.is_some()
+            && self.observed.as_ref().is_some_and(|(r, _)| r.holder == self.me);
         if !mine && !self.expired(now) {
             return Step::Wait;
         }
         let transitions = match &self.observed {
-            Some((r, _)) if mine => r.transitions,
+            Some((r, _)) if r.holder == self.me => r.transitions,
             Some((r, _)) => r.transitions.saturating_add(1),
             None => 0,
         };
@@ -272,6 +275,18 @@ mod tests {
         b.observe(Some(r2), at(14_000));
         assert_eq!(b.step(at(20_000)), Step::Wait, "r2 first seen at 14 s");
         assert!(matches!(b.step(at(29_000)), Step::Write(_)));
+    }
+
+    #[test]
+    fn a_restarted_replica_waits_out_a_lease_in_its_own_name() {
+        let mut before = Elector::new("a", "https://a", Terms::default());
+        before.observe(None, at(0));
+        let r = written(&mut before, at(0));
+        let mut after = Elector::new("a", "https://a", Terms::default());
+        after.observe(Some(r), at(1_000));
+        assert_eq!(after.step(at(1_000)), Step::Wait);
+        assert_eq!(after.route(at(1_000)), Route::Nobody, "not its own to forward to either");
+        assert!(matches!(after.step(at(16_000)), Step::Write(_)));
     }
 
     #[test]

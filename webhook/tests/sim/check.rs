@@ -2,7 +2,12 @@
 //!
 //! - I1: per node, pods bound there (not gone) + keys held outside Kubernetes ≤ capacity: no VM is
 //!   ever sent where the kernel has no key for it.
-//! - I2: no launcher pod is admitted at its CREATE without a hold recorded for it on some node.
+//! - I2: no launcher pod is admitted at its CREATE without a hold recorded for it on some node (in
+//!   the leader mode: in the decider's index); and, at every step, per kind, the launcher pods admitted
+//!   and not bound yet (less than the TTL ago) fit in the keys the nodes of that kind have left after
+//!   the pods bound there: no key promised at CREATE is given to another pod (a decider that crashed
+//!   before writing its holds behind must not lose them).
+//! - I6 (leader mode): at most one replica decides at a time.
 //! - I3: a VMI a free key serves (first come, first served, as [`admit::promises`] hands keys out on
 //!   the truth) holds a key within [`RETRY_BOUND`] while the webhook is up; in the model checker, no
 //!   state without a next step leaves one waiting.
@@ -83,6 +88,15 @@ impl Checks {
     /// seeded runs); the model checker's worlds have no time.
     pub fn after(&mut self, w: &World, action: &Action, happened: &Happened, timed: bool) {
         self.capacity(w);
+        self.no_overbooking(w);
+        if w.spec.leader {
+            let deciding: Vec<usize> = (0..w.replicas.len())
+                .filter(|r| w.replicas[*r].alive && w.replicas[*r].leadership.deciding())
+                .collect();
+            if deciding.len() > 1 {
+                self.fail(format!("I6: replicas {deciding:?} decide at once ({action:?})"));
+            }
+        }
         if let Some((pod, false)) = &happened.admitted {
             self.fail(format!(
                 "I2: pod {pod} admitted at its CREATE ({action:?}) with no hold recorded for it"
@@ -144,6 +158,46 @@ impl Checks {
         drop(t);
         for b in broken {
             self.figures.overcommits += 1;
+            self.fail(b);
+        }
+    }
+
+    /// I2 over time (see the module).
+    fn no_overbooking(&mut self, w: &World) {
+        let ttl = w.config.admission.ledger_ttl.as_millis() as u64;
+        let t = w.truth();
+        let mut broken = Vec::new();
+        for kind in kinds(w) {
+            let (mut keys, mut bound) = (0u64, 0u64);
+            for (name, n) in t.nodes.iter().filter(|(_, n)| n.spec.kind == kind) {
+                keys += n.spec.capacity.saturating_sub(n.spec.external);
+                bound += t
+                    .pods
+                    .values()
+                    .filter(|p| p.node.as_deref() == Some(name.as_str()))
+                    .count() as u64;
+            }
+            let waiting: Vec<&String> = t
+                .pods
+                .iter()
+                .filter(|(_, p)| {
+                    p.kind == kind
+                        && p.node.is_none()
+                        && !p.deleting
+                        && w.now < p.admitted_at + ttl
+                })
+                .map(|(u, _)| u)
+                .collect();
+            if bound + waiting.len() as u64 > keys {
+                broken.push(format!(
+                    "I2: {kind:?}: {} pods admitted and not bound yet ({waiting:?}) + {bound} bound > \
+                     {keys} keys",
+                    waiting.len()
+                ));
+            }
+        }
+        drop(t);
+        for b in broken {
             self.fail(b);
         }
     }
@@ -251,10 +305,16 @@ impl Checks {
 
     /// I3, and the latency figures.
     fn timely(&mut self, w: &World) {
+        // The webhook is up when a replica with all its watches decides (in the leader mode: the
+        // decider, with no orphan launcher pod to wait for).
+        let deciding = |r: &super::world::Replica| {
+            !w.spec.leader
+                || (r.leadership.deciding() && r.index.read().orphans(r.index.now()) == 0)
+        };
         let healthy = !w.truth().api_down
             && w.replicas
                 .iter()
-                .any(|r| r.alive && r.synced && !r.dropped.iter().any(|d| *d));
+                .any(|r| r.alive && r.synced && !r.dropped.iter().any(|d| *d) && deciding(r));
         self.healthy_since = match (healthy, self.healthy_since) {
             (true, Some(t)) => Some(t),
             (true, None) => Some(w.now),

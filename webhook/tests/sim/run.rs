@@ -98,7 +98,13 @@ pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
     }
     for r in 0..w.replicas.len() {
         q.at(10_000, Action::Plan(r));
+        if w.spec.leader {
+            let d = w.rand(100);
+            q.at(d, Action::Renew(r));
+        }
     }
+    let mut behind: BTreeSet<usize> = BTreeSet::new();
+    let mut terms: BTreeMap<usize, u64> = BTreeMap::new();
     let end = chaos.duration + 20_000;
     let mut next_chaos = 1_000;
     let mut binding_backoff: BTreeMap<String, u64> = BTreeMap::new();
@@ -165,6 +171,15 @@ pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
                 None => {}
             },
             Action::Publish(node) => q.at(w.now + 250, Action::Publish(node.clone())),
+            // Every replica reads the Lease every retry period (2 s), up or not; one that starts
+            // deciding plans at once.
+            Action::Renew(r) => {
+                q.at(w.now + 2_000, Action::Renew(*r));
+                let term = w.replicas[*r].leadership.term();
+                if terms.insert(*r, term) != Some(term) && term > 0 && q.planning.insert(*r) {
+                    q.at(w.now + 100, Action::Plan(*r));
+                }
+            }
             // The backstop pass, every 10 s.
             Action::Plan(r) if due % 10_000 == 0 => q.at(w.now + 10_000, Action::Plan(*r)),
             Action::DeleteVmi(vmi) => {
@@ -206,6 +221,23 @@ pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
                     q.at(ms + 100, Action::Plan(*r));
                 }
             }
+        }
+        // The decider writes its holds behind 250 ms after it kept one (again after a failure).
+        if let Action::WriteBehind(r) = &action {
+            behind.remove(r);
+        }
+        let kept = match (&action, happened.decided_by) {
+            (Action::WriteBehind(r), _) if happened.behind_failed => Some(*r),
+            (Action::Create(..), Some(r)) => Some(r),
+            (Action::Bind(..), _) => (0..w.replicas.len())
+                .find(|r| w.replicas[*r].alive && w.replicas[*r].leadership.deciding()),
+            _ => None,
+        };
+        if let Some(r) = kept
+            && w.spec.leader
+            && behind.insert(r)
+        {
+            q.at(w.now + 250, Action::WriteBehind(r));
         }
         for vmi in &happened.retried {
             let d = 1 + w.rand(30);

@@ -26,7 +26,10 @@ use teeguard_shared::reservation::{TeeReservation, TeeReservationSpec};
 use teeguard_shared::{TeeCapacity, TeeKind, VirtualMachineInstance};
 use teeguard_webhook::cluster::admission::{Checker, FitHints, Target, check};
 use teeguard_webhook::cluster::caches::{Observer, slim_vmi};
-use teeguard_webhook::cluster::holds::{HoldStore, WriteError};
+use teeguard_webhook::cluster::holds::{HoldStore, WriteError, write_behind_once};
+use teeguard_webhook::cluster::lead::Leadership;
+use teeguard_webhook::decide::lead::{Elector, Record, Route, Terms};
+use teeguard_webhook::decide::validation::reason;
 use teeguard_webhook::cluster::index::{Clock, KeyIndex, Sink};
 use teeguard_webhook::cluster::retry::{promise, tidy, withdraw};
 use teeguard_webhook::decide::admit::{Ask, Write};
@@ -70,6 +73,26 @@ pub struct Spec {
     /// Holds shared through the API server (`admission.sharedReservations`); off, each replica keeps
     /// its own (the defect the simulation must catch).
     pub shared: bool,
+    /// `admission.decider: leader`: one replica, elected through the Lease, decides; the others
+    /// forward to it.
+    pub leader: bool,
+    /// A defect to plant in the leader mode (to show the checks catch it).
+    pub defect: Defect,
+}
+
+/// A defect planted on purpose in the leader mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Defect {
+    /// None.
+    #[default]
+    None,
+    /// A decider that has just taken over admits CREATEs at once, without waiting for the launcher
+    /// pods admitted before whose holds it never saw.
+    NoOrphanGate,
+    /// A replica takes the Lease over as soon as it sees it, without waiting the lease duration.
+    NoLeaseWait,
+    /// The decider never writes its holds behind.
+    NoWriteBehind,
 }
 
 /// The four watched kinds, one watch (and queue) each per replica.
@@ -173,6 +196,8 @@ pub struct PodTruth {
     pub unschedulable: bool,
     /// Bindings the webhook refused.
     pub refused_bindings: u32,
+    /// When its CREATE was admitted.
+    pub admitted_at: u64,
 }
 
 /// A VMI as the API server knows it.
@@ -215,6 +240,8 @@ pub struct Truth {
     pub vmis: BTreeMap<String, VmiTruth>,
     /// Writes refused (an API server outage).
     pub api_down: bool,
+    /// The decider Lease.
+    pub lease: Option<Record>,
     /// Changes not yet handed to the watches.
     pub outbox: Vec<Change>,
     next: u64,
@@ -288,6 +315,8 @@ pub struct Replica {
     pub synced: bool,
     /// Per kind: when its watch last listed (its start, or a re-list after a drop).
     pub listed_at: [u64; KINDS],
+    /// Its side of the decider election (leader mode).
+    pub leadership: Leadership,
 }
 
 /// Everything that can happen.
@@ -321,6 +350,10 @@ pub enum Action {
     DropWatch(usize, usize),
     /// It comes back with a re-list.
     Relist(usize, usize),
+    /// A replica reads the decider Lease and renews or takes it when it may (leader mode).
+    Renew(usize),
+    /// The decider writes its holds behind (leader mode).
+    WriteBehind(usize),
     /// The API server refuses every write.
     ApiDown,
     /// It takes writes again.
@@ -355,6 +388,8 @@ pub struct Happened {
     pub decided_by: Option<usize>,
     /// VMIs that got a key (a hold of their own) with this action.
     pub served: Vec<String>,
+    /// The write-behind could not write some node's holds.
+    pub behind_failed: bool,
     /// The VMI a client created.
     pub new_vmi: Option<String>,
 }
@@ -415,6 +450,9 @@ impl World {
         let clock = Arc::new(AtomicI64::new(0));
         let mut config = Config::default();
         config.admission.shared_reservations = spec.shared;
+        if spec.leader {
+            config.admission.decider = teeguard_shared::config::Decider::Leader;
+        }
         let truth = Truth {
             rev: 0,
             nodes: spec
@@ -435,6 +473,7 @@ impl World {
             gone_pods: BTreeMap::new(),
             vmis: BTreeMap::new(),
             api_down: false,
+            lease: None,
             outbox: Vec::new(),
             next: 0,
         };
@@ -457,8 +496,8 @@ impl World {
             w.oracle
                 .update(|ix, _| ix.apply_node(n.name, Some(node_labels(n))));
         }
-        for _ in 0..w.spec.replicas {
-            let r = w.fresh_replica();
+        for i in 0..w.spec.replicas {
+            let r = w.fresh_replica(i);
             w.replicas.push(r);
         }
         // The agents' first reports.
@@ -474,8 +513,21 @@ impl World {
         w
     }
 
-    fn fresh_replica(&self) -> Replica {
+    fn fresh_replica(&self, i: usize) -> Replica {
         let index = KeyIndex::new(self.config.admission.ledger_ttl, sim_clock(&self.clock));
+        let terms = match self.spec.defect {
+            // Takes over as soon as it sees a record (and keeps deciding as long as the holder).
+            Defect::NoLeaseWait => Terms {
+                lease: Duration::from_millis(1),
+                renew_deadline: Duration::from_secs(60),
+                retry: Duration::from_secs(2),
+            },
+            _ => Terms::default(),
+        };
+        let leadership = Leadership::new(
+            Elector::new(format!("replica-{i}"), i.to_string(), terms),
+            sim_clock(&self.clock),
+        );
         // Every Node exists, labelled as virt-handler labels its kind.
         for n in &self.spec.nodes {
             index.update(|ix, _| ix.apply_node(n.name, Some(node_labels(n))));
@@ -488,6 +540,7 @@ impl World {
             dropped: [false; KINDS],
             synced: true,
             listed_at: [self.now; KINDS],
+            leadership,
         };
         // A fresh replica lists every object.
         for c in self.snapshot(None) {
@@ -635,7 +688,9 @@ impl World {
                 rep.alive = false;
                 rep.queues = Default::default();
             }
-            Action::Restart(r) => self.replicas[*r] = self.fresh_replica(),
+            Action::Restart(r) => self.replicas[*r] = self.fresh_replica(*r),
+            Action::Renew(r) => self.renew(*r),
+            Action::WriteBehind(r) => happened.behind_failed = self.write_behind(*r),
             Action::DropWatch(r, k) => {
                 let rep = &mut self.replicas[*r];
                 rep.dropped[*k] = true;
@@ -752,6 +807,19 @@ impl World {
             happened.refused = true;
             return;
         };
+        let r = match self.decider(r, true) {
+            Ok(d) => d,
+            Err(why) => {
+                let mut message = format!("{why}; {}", teeguard_webhook::decide::validation::HINT);
+                note_refusal(reason::NO_DECIDER, Some(&mut message));
+                let quoted = format!(
+                    "failed to create virtual machine pod: admission webhook \"validate.pods.teeguard.dev\" denied the request: {message}"
+                );
+                self.refuse(vmi, quoted);
+                happened.refused = true;
+                return;
+            }
+        };
         happened.decided_by = Some(r);
         let requests = KeyRequests::from([(kind, 1)]);
         let spec = placement(kind);
@@ -775,7 +843,7 @@ impl World {
         let rep = &self.replicas[r];
         let checker = Checker {
             index: &rep.index,
-            store: self.spec.shared.then_some(&store),
+            store: (self.spec.shared && !self.spec.leader).then_some(&store),
             hints: &rep.hints,
             config: &self.config,
             within: Duration::from_secs(2),
@@ -804,12 +872,24 @@ impl World {
             return;
         }
         let now = self.now;
+        // Leader mode: held where nobody else decides, in the decider's index.
+        let held_by_decider = self.spec.leader && {
+            let ix = &self.replicas[r].index;
+            let claimant = Claimant {
+                pod_uid: &pod_uid,
+                vmi_uid: vmi,
+            };
+            ix.read()
+                .own_hold(claimant, ix.now())
+                .is_some_and(|(_, e)| e.pod_uid == pod_uid)
+        };
         let mut t = self.truth();
-        let recorded = t.nodes.values().any(|n| {
-            n.holds
-                .as_ref()
-                .is_some_and(|o| o.spec.reservations.iter().any(|e| e.pod_uid == pod_uid))
-        });
+        let recorded = held_by_decider
+            || t.nodes.values().any(|n| {
+                n.holds
+                    .as_ref()
+                    .is_some_and(|o| o.spec.reservations.iter().any(|e| e.pod_uid == pod_uid))
+            });
         let pod = PodTruth {
             name: format!("virt-launcher-{name}"),
             vmi: vmi.to_string(),
@@ -818,6 +898,7 @@ impl World {
             deleting: false,
             unschedulable: false,
             refused_bindings: 0,
+            admitted_at: now,
         };
         t.outbox.push(Change::Pod(
             pod_uid.clone(),
@@ -831,6 +912,68 @@ impl World {
         let obj = vmi_object(vmi, v, now);
         t.outbox.push(Change::Vmi(vmi.to_string(), Some(obj)));
         happened.admitted = Some((pod_uid, recorded));
+    }
+
+    /// Leader mode: the replica that decides a review replica `r` received (itself, or the holder
+    /// it forwards to), or why nobody does. Shared mode: `r`.
+    fn decider(&self, r: usize, create: bool) -> Result<usize, String> {
+        if !self.spec.leader {
+            return Ok(r);
+        }
+        let route = |i: usize| -> Result<Route, String> {
+            let rep = &self.replicas[i];
+            if create && self.spec.defect != Defect::NoOrphanGate {
+                rep.leadership.route_create(&rep.index).map_err(|n| {
+                    format!("the new decider waits for {n} launcher pod(s) admitted before it")
+                })
+            } else {
+                Ok(rep.leadership.route())
+            }
+        };
+        match route(r)? {
+            Route::Here => Ok(r),
+            Route::Nobody => Err("no teeguard replica decides right now".into()),
+            Route::Forward(address) => {
+                let h: usize = address.parse().expect("the simulation's addresses are indexes");
+                if h >= self.replicas.len() || !self.replicas[h].alive {
+                    return Err(format!("the deciding replica {h} did not answer"));
+                }
+                match route(h)? {
+                    Route::Here => Ok(h),
+                    _ => Err(format!("replica {h} was sent the review but does not decide")),
+                }
+            }
+        }
+    }
+
+    /// Replica `r` reads the Lease and writes it when its elector says so.
+    fn renew(&mut self, r: usize) {
+        if !self.spec.leader || !self.replicas[r].alive {
+            return;
+        }
+        let mut t = lock(&self.truth);
+        if t.api_down {
+            return;
+        }
+        let rep = &self.replicas[r];
+        if let Some(next) = rep.leadership.round(t.lease.clone()) {
+            t.lease = Some(next.clone());
+            rep.leadership.written(next, at(self.now));
+        }
+    }
+
+    /// The decider writes its holds behind; whether a write failed.
+    fn write_behind(&mut self, r: usize) -> bool {
+        if !self.replicas[r].alive || self.spec.defect == Defect::NoWriteBehind {
+            return false;
+        }
+        let store = SimStore(&self.truth);
+        futures::executor::block_on(write_behind_once(
+            &self.replicas[r].index,
+            &store,
+            Duration::from_secs(2),
+            None,
+        ))
     }
 
     fn refuse(&mut self, vmi: &str, message: String) {
@@ -898,7 +1041,9 @@ impl World {
         let allowed = match r {
             // Every replica down: the binding webhook's failurePolicy is Ignore.
             None => true,
-            Some(r) => {
+            Some(r) => match self.decider(r, false) {
+                Err(_) => false,
+                Ok(r) => {
                 let (vmi, name) = {
                     let t = self.truth();
                     let p = &t.pods[pod];
@@ -925,7 +1070,7 @@ impl World {
                 let rep = &self.replicas[r];
                 let checker = Checker {
                     index: &rep.index,
-                    store: self.spec.shared.then_some(&store),
+                    store: (self.spec.shared && !self.spec.leader).then_some(&store),
                     hints: &rep.hints,
                     config: &self.config,
                     within: Duration::from_secs(2),
@@ -936,7 +1081,8 @@ impl World {
                 futures::executor::block_on(check(&checker, &ask, target))
                     .0
                     .allowed
-            }
+                }
+            },
         };
         let mut t = self.truth();
         if t.api_down {
@@ -1043,6 +1189,18 @@ impl World {
     fn plan(&mut self, r: usize) -> (Vec<String>, bool) {
         if !self.replicas[r].alive {
             return (Vec::new(), false);
+        }
+        // Leader mode: only the decider plans, once it found no orphan launcher pod.
+        if self.spec.leader {
+            let rep = &self.replicas[r];
+            let route = if self.spec.defect == Defect::NoOrphanGate {
+                Ok(rep.leadership.route())
+            } else {
+                rep.leadership.route_create(&rep.index)
+            };
+            if route != Ok(Route::Here) {
+                return (Vec::new(), false);
+            }
         }
         let store = SimStore(&self.truth);
         let rep = &self.replicas[r];
@@ -1232,13 +1390,23 @@ impl World {
     /// What each part of the world holds now, for a failure's report.
     pub fn describe(&self) -> String {
         let mut out = String::new();
+        if self.spec.leader {
+            out.push_str(&format!("lease: {:?}\n", self.truth().lease));
+        }
         let stale = self.config.admission.stale_report_after;
         for (who, index) in std::iter::once(("oracle".to_string(), &self.oracle)).chain(
             self.replicas
                 .iter()
                 .enumerate()
                 .filter(|(_, r)| r.alive)
-                .map(|(i, r)| (format!("replica {i} (dropped {:?})", r.dropped), &r.index)),
+                .map(|(i, r)| {
+                    let lead = if self.spec.leader {
+                        format!(", routes {:?}", r.leadership.route())
+                    } else {
+                        String::new()
+                    };
+                    (format!("replica {i} (dropped {:?}{lead})", r.dropped), &r.index)
+                }),
         ) {
             let ix = index.read();
             let now = index.now();
@@ -1289,6 +1457,7 @@ impl World {
                     dropped: r.dropped,
                     synced: r.synced,
                     listed_at: r.listed_at,
+                    leadership: r.leadership.fork(),
                 })
                 .collect(),
             oracle: if self.model {
@@ -1366,11 +1535,13 @@ fn report_object(node: &str, status: &TeeCapacityStatus) -> TeeCapacity {
 }
 
 fn pod_object(uid: &str, p: &PodTruth) -> LauncherPod {
+    let key = Config::default().resources.resource_name(p.kind).to_string();
     serde_json::from_value(json!({
         "metadata": {"name": p.name, "namespace": "vms", "uid": uid,
             "ownerReferences": [{"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
                 "name": p.name, "uid": p.vmi, "controller": true}]},
-        "spec": {"nodeName": p.node},
+        "spec": {"nodeName": p.node, "containers": [{"name": "compute", "resources": {
+            "requests": {key.clone(): "1"}, "limits": {key: "1"}}}]},
         "status": {"phase": if p.node.is_some() { "Running" } else { "Pending" }}
     }))
     .expect("pod")
