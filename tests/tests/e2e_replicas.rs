@@ -10,6 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
 use teeguard_shared::reservation::TeeReservation;
 use teeguard_tests::e2e::{E2eEnv, WebhookProcess};
+use teeguard_tests::standalone::WebhookClient;
 use teeguard_tests::fakeapi::{FaultRule, Verb};
 use teeguard_tests::fixtures;
 
@@ -387,6 +388,157 @@ async fn a_deleted_pods_shared_reservation_is_released() {
             [vm2.metadata.uid.as_deref().expect("uid")],
             "vm-1's entry trimmed"
         );
+    })
+    .await;
+}
+
+/// The name of the replica that holds the decider Lease, once one does.
+async fn decider(env: &E2eEnv, webhooks: &[WebhookProcess]) -> usize {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let lease = env
+            .api
+            .get_typed::<Lease>(Some("default"), "teeguard-webhook-decider")
+            .expect("typed");
+        let address = lease
+            .as_ref()
+            .filter(|l| {
+                l.spec
+                    .as_ref()
+                    .and_then(|s| s.holder_identity.as_deref())
+                    .is_some_and(|h| !h.is_empty())
+            })
+            .and_then(|l| l.metadata.annotations.as_ref())
+            .and_then(|a| a.get("teeguard.dev/decider-address").cloned());
+        if let Some(a) = address
+            && let Some(i) = webhooks
+                .iter()
+                .position(|w| a == format!("https://{}", w.https))
+        {
+            return i;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no replica took the decider Lease: {lease:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Fifty bindings of one node's last key sent at once, spread over `clients` (once `webhooks` hold
+/// `reports` reports): how many were admitted, and the refusals' messages.
+async fn race_for_the_last_key(
+    env: &E2eEnv,
+    webhooks: &[WebhookProcess],
+    clients: &[Arc<WebhookClient>],
+    node: &str,
+    tag: &str,
+    reports: usize,
+) -> (usize, Vec<String>) {
+    const BINDINGS: usize = 50;
+    fixtures::seed_tdx_node(&env.api, node, 31, 1);
+    wait_reports(webhooks, reports).await;
+    let pods: Vec<Pod> = (0..BINDINGS)
+        .map(|i| fixtures::seed_admitted_tdx_vm(&env.api, &format!("{tag}-vm{i:02}")))
+        .collect();
+    let barrier = Arc::new(tokio::sync::Barrier::new(BINDINGS));
+    let mut tasks = Vec::new();
+    for (i, pod) in pods.iter().enumerate() {
+        let body = serde_json::to_vec(&fixtures::binding_create(pod, node)).expect("json");
+        let client = clients[i % clients.len()].clone();
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            client.post_fresh("/validate", &body).await
+        }));
+    }
+    let mut admitted = 0;
+    let mut messages = Vec::new();
+    for t in tasks {
+        let (status, body) = t.await.expect("task").expect("answered");
+        assert_eq!(status, 200);
+        let v: Value = serde_json::from_slice(&body).expect("json");
+        if v["response"]["allowed"] == true {
+            admitted += 1;
+        } else {
+            messages.push(v["response"]["status"]["message"].as_str().unwrap_or("").to_string());
+        }
+    }
+    (admitted, messages)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_over_when_it_dies() {
+    bounded(async {
+        // A 3 s Lease: a successor decides ~3 s after the decider's last renewal.
+        let env = E2eEnv::new("admission:\n  decider: leader\n  deciderLease: 3s\n")
+            .await
+            .expect("env");
+        let mut webhooks = start(&env, 3).await;
+        let first = decider(&env, &webhooks).await;
+        let clients: Vec<_> = webhooks
+            .iter()
+            .map(|w| Arc::new(w.client().expect("client")))
+            .collect();
+        let (admitted, messages) =
+            race_for_the_last_key(&env, &webhooks, &clients, "node-0", "a", 1).await;
+        assert_eq!(admitted, 1, "{messages:?}");
+        assert!(
+            messages.iter().all(|m| m.starts_with("node node-0 cannot host this TDX VM: 0/31 free")),
+            "the decider's own refusals, whichever replica was called: {messages:?}"
+        );
+        // No API write on the requests' path: the hold is written behind, soon after.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let res = env.api.get_typed::<TeeReservation>(None, "node-0").expect("typed");
+            if res.is_some_and(|r| r.spec.reservations.len() == 1) {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the hold was never written behind");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+
+        // The decider dies: the others refuse (no decider) until one of them takes the Lease over,
+        // then decide exactly again.
+        webhooks[first].proc.kill();
+        let rest: Vec<WebhookProcess> = webhooks
+            .drain(..)
+            .enumerate()
+            .filter(|(i, _)| *i != first)
+            .map(|(_, w)| w)
+            .collect();
+        let clients: Vec<_> = rest
+            .iter()
+            .map(|w| Arc::new(w.client().expect("client")))
+            .collect();
+        let t0 = tokio::time::Instant::now();
+        let deadline = t0 + Duration::from_secs(60);
+        loop {
+            let lease = env
+                .api
+                .get_typed::<k8s_openapi::api::coordination::v1::Lease>(
+                    Some("default"),
+                    "teeguard-webhook-decider",
+                )
+                .expect("typed")
+                .expect("the Lease exists");
+            let address = lease
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("teeguard.dev/decider-address").cloned())
+                .unwrap_or_default();
+            if rest.iter().any(|w| address == format!("https://{}", w.https)) {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "no successor: {lease:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        println!("a successor took the Lease {:?} after the decider died", t0.elapsed());
+        let (admitted, messages) =
+            race_for_the_last_key(&env, &rest, &clients, "node-1", "b", 2).await;
+        assert_eq!(admitted, 1, "{messages:?}");
     })
     .await;
 }

@@ -186,8 +186,13 @@ pub async fn start(
         Decider::Leader => {
             let address = decider_address(args, https_addr)?;
             let terms = crate::cluster::lead::terms(config.admission.decider_lease);
-            let leadership =
-                Leadership::new(Elector::new(replica.clone(), address, terms), wall_clock());
+            // Unique per process, as client-go's `hostname_uuid`: a restarted replica is a new holder.
+            let identity = format!(
+                "{replica}_{}-{}",
+                std::process::id(),
+                jiff::Timestamp::now().as_millisecond()
+            );
+            let leadership = Leadership::new(Elector::new(identity, address, terms), wall_clock());
             let lease = leadership.clone().run(
                 Api::namespaced(client.clone(), client.default_namespace()),
                 crate::cluster::lead::LEASE_NAME.to_string(),

@@ -482,6 +482,13 @@ impl TeeNode {
             turn.nri_socket().display(),
             options.extra_config,
         );
+        // TEEGUARD_TEST_DECIDER=leader: the webhook replicas elect one decider (admission.decider).
+        let config = match std::env::var("TEEGUARD_TEST_DECIDER") {
+            Ok(d) if !d.is_empty() && !config.contains("admission:") => {
+                format!("{config}\nadmission:\n  decider: {d}\n")
+            }
+            _ => config,
+        };
         let env = cluster.process_env(&config).expect("process env");
         let args: Vec<String> = if options.dra {
             vec![
