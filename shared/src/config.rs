@@ -556,11 +556,14 @@ impl Config {
                 cfg.admission.decider = v;
             }
             if let Some(s) = a.decider_lease {
-                let lease = parse_duration(&s).map_err(|r| err("admission.deciderLease".into(), r))?;
+                let lease =
+                    parse_duration(&s).map_err(|r| err("admission.deciderLease".into(), r))?;
                 if lease < Duration::from_secs(3) {
                     return Err(err(
                         "admission.deciderLease".into(),
-                        format!("{s} is too short: at least 3s (the renewals come every 2/15 of it)"),
+                        format!(
+                            "{s} is too short: at least 3s (the renewals come every 2/15 of it)"
+                        ),
                     ));
                 }
                 cfg.admission.decider_lease = lease;

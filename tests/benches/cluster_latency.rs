@@ -82,7 +82,11 @@ async fn run(cp: &'static ControlPlane) {
     // calls the one TEEGUARD_LATENCY_CALLS names: `decider` (no forward) or `follower` (every review
     // that takes a key forwarded to the decider).
     let leader = std::env::var("TEEGUARD_LATENCY_DECIDER").is_ok_and(|d| d == "leader");
-    let config = if leader { "admission:\n  decider: leader\n" } else { "" };
+    let config = if leader {
+        "admission:\n  decider: leader\n"
+    } else {
+        ""
+    };
     let env = cluster.process_env(config).expect("process env");
     let mut webhook = env.start_webhook(&[]).await.expect("webhook starts");
     let _second = if leader {
@@ -95,7 +99,9 @@ async fn run(cp: &'static ControlPlane) {
             .expect("decider elected");
         let follower = env.start_webhook(&[]).await.expect("second replica starts");
         if std::env::var("TEEGUARD_LATENCY_CALLS").is_ok_and(|c| c == "follower") {
-            println!("the API server calls the follower: every review that takes a key is forwarded");
+            println!(
+                "the API server calls the follower: every review that takes a key is forwarded"
+            );
             Some(std::mem::replace(&mut webhook, follower))
         } else {
             println!("the API server calls the decider");

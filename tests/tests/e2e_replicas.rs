@@ -10,9 +10,9 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
 use teeguard_shared::reservation::TeeReservation;
 use teeguard_tests::e2e::{E2eEnv, WebhookProcess};
-use teeguard_tests::standalone::WebhookClient;
 use teeguard_tests::fakeapi::{FaultRule, Verb};
 use teeguard_tests::fixtures;
+use teeguard_tests::standalone::WebhookClient;
 
 const TEST_DEADLINE: Duration = Duration::from_secs(240);
 
@@ -462,7 +462,12 @@ async fn race_for_the_last_key(
         if v["response"]["allowed"] == true {
             admitted += 1;
         } else {
-            messages.push(v["response"]["status"]["message"].as_str().unwrap_or("").to_string());
+            messages.push(
+                v["response"]["status"]["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
+            );
         }
     }
     (admitted, messages)
@@ -485,17 +490,25 @@ async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_o
             race_for_the_last_key(&env, &webhooks, &clients, "node-0", "a", 1).await;
         assert_eq!(admitted, 1, "{messages:?}");
         assert!(
-            messages.iter().all(|m| m.starts_with("node node-0 cannot host this TDX VM: 0/31 free")),
+            messages
+                .iter()
+                .all(|m| m.starts_with("node node-0 cannot host this TDX VM: 0/31 free")),
             "the decider's own refusals, whichever replica was called: {messages:?}"
         );
         // No API write on the requests' path: the hold is written behind, soon after.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let res = env.api.get_typed::<TeeReservation>(None, "node-0").expect("typed");
+            let res = env
+                .api
+                .get_typed::<TeeReservation>(None, "node-0")
+                .expect("typed");
             if res.is_some_and(|r| r.spec.reservations.len() == 1) {
                 break;
             }
-            assert!(tokio::time::Instant::now() < deadline, "the hold was never written behind");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the hold was never written behind"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
 
@@ -529,13 +542,22 @@ async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_o
                 .as_ref()
                 .and_then(|a| a.get("teeguard.dev/decider-address").cloned())
                 .unwrap_or_default();
-            if rest.iter().any(|w| address == format!("https://{}", w.https)) {
+            if rest
+                .iter()
+                .any(|w| address == format!("https://{}", w.https))
+            {
                 break;
             }
-            assert!(tokio::time::Instant::now() < deadline, "no successor: {lease:?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no successor: {lease:?}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        println!("a successor took the Lease {:?} after the decider died", t0.elapsed());
+        println!(
+            "a successor took the Lease {:?} after the decider died",
+            t0.elapsed()
+        );
         let (admitted, messages) =
             race_for_the_last_key(&env, &rest, &clients, "node-1", "b", 2).await;
         assert_eq!(admitted, 1, "{messages:?}");

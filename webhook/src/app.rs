@@ -28,11 +28,11 @@ use crate::cluster::events::EventSink;
 use crate::cluster::holds::ApiHolds;
 use crate::cluster::index::{KeyIndex, wall_clock};
 use crate::cluster::lead::Leadership;
-use crate::decide::lead::Elector;
-use crate::web::forward::Forwarder;
 use crate::cluster::retry::Retrier;
+use crate::decide::lead::Elector;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
+use crate::web::forward::Forwarder;
 use crate::web::server::{ServerSettings, serve_https};
 use crate::web::state::{AppState, RequestLimits, ValidationState};
 use crate::web::tls::{CertReloader, install_crypto_provider, server_config};
@@ -209,9 +209,10 @@ pub async fn start(
             (Some(leadership), vec![lease, behind])
         }
     };
-    let forwarder = leadership
-        .as_ref()
-        .map(|_| Forwarder::new(served.clone(), args.api_timeout));
+    let forwarder = match &leadership {
+        Some(_) => Some(Forwarder::new(served.clone(), args.api_timeout)?),
+        None => None,
+    };
     let config = Arc::new(config);
     // Promises free keys to the waiting VMIs and retries them (crate::cluster::retry), and publishes
     // the holds and waiting gauges; stopped with the caches.
@@ -332,9 +333,11 @@ fn decider_address(args: &ServeArgs, https: SocketAddr) -> Result<String> {
         return Ok(a.clone());
     }
     let ip = match std::env::var("POD_IP").ok().filter(|ip| !ip.is_empty()) {
-        Some(ip) => ip.parse::<std::net::IpAddr>().map_err(|e| Error::DeciderAddress(format!(
-            "POD_IP={ip:?} is not an IP address ({e}); set --decider-address"
-        )))?,
+        Some(ip) => ip.parse::<std::net::IpAddr>().map_err(|e| {
+            Error::DeciderAddress(format!(
+                "POD_IP={ip:?} is not an IP address ({e}); set --decider-address"
+            ))
+        })?,
         None if !https.ip().is_unspecified() => https.ip(),
         None => {
             return Err(Error::DeciderAddress(

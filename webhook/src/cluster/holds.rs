@@ -151,7 +151,11 @@ pub async fn write_behind<S: HoldStore>(
 ) {
     loop {
         let failed = write_behind_once(&index, &store, within, Some(&metrics)).await;
-        let again = if failed { BEHIND_RETRY } else { Duration::from_secs(5) };
+        let again = if failed {
+            BEHIND_RETRY
+        } else {
+            Duration::from_secs(5)
+        };
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = index.held_locally() => {}
@@ -186,7 +190,10 @@ pub async fn write_behind_once<S: HoldStore>(
                 .into_iter()
                 .find(|(n, _)| *n == node)
                 .map(|(_, live)| live);
-            ((), live.map(|live| crate::decide::admit::write(ix, &node, live, now)))
+            (
+                (),
+                live.map(|live| crate::decide::admit::write(ix, &node, live, now)),
+            )
         })
         .await;
         if let Committed::Failed(why) = committed {

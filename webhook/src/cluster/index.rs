@@ -51,7 +51,9 @@ impl std::fmt::Debug for KeyIndex {
 impl KeyIndex {
     /// An empty index whose holds last at most `ttl`, read with `clock`.
     pub fn new(ttl: std::time::Duration, clock: Clock) -> KeyIndex {
-        let names = teeguard_shared::Config::default().resources.resource_names();
+        let names = teeguard_shared::Config::default()
+            .resources
+            .resource_names();
         KeyIndex::with_key_resources(ttl, clock, names)
     }
 

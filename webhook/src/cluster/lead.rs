@@ -126,7 +126,10 @@ impl Leadership {
                 if now != leading {
                     leading = now;
                     if leading {
-                        tracing::info!(lease = name, "this replica decides the admissions that take a key");
+                        tracing::info!(
+                            lease = name,
+                            "this replica decides the admissions that take a key"
+                        );
                     } else {
                         tracing::info!(lease = name, "this replica no longer decides; it forwards");
                     }
@@ -192,7 +195,10 @@ impl Leadership {
                 return self.deciding();
             }
             Err(_) => {
-                tracing::warn!(lease = name, "the API server did not answer reading the decider Lease within {within:?}");
+                tracing::warn!(
+                    lease = name,
+                    "the API server did not answer reading the decider Lease within {within:?}"
+                );
                 return self.deciding();
             }
         };
@@ -204,11 +210,18 @@ impl Leadership {
         let written = tokio::time::timeout(within, write(api, name, lease, &next, duration)).await;
         match written {
             Ok(Ok(())) => self.written(next, started),
-            Ok(Err(e)) if e.contains("409") => {
-                tracing::debug!(lease = name, "another replica wrote the decider Lease first");
+            Ok(Err(LeaseWrite::Lost)) => {
+                tracing::debug!(
+                    lease = name,
+                    "another replica wrote the decider Lease first"
+                );
             }
-            Ok(Err(e)) => {
-                tracing::warn!(lease = name, error = e, "cannot write the decider Lease; trying again")
+            Ok(Err(LeaseWrite::Failed(e))) => {
+                tracing::warn!(
+                    lease = name,
+                    error = e,
+                    "cannot write the decider Lease; trying again"
+                )
             }
             Err(_) => tracing::warn!(
                 lease = name,
@@ -230,7 +243,8 @@ impl Leadership {
             return;
         }
         spec.holder_identity = None;
-        let _ = tokio::time::timeout(within, api.replace(name, &PostParams::default(), &lease)).await;
+        let _ =
+            tokio::time::timeout(within, api.replace(name, &PostParams::default(), &lease)).await;
         tracing::info!(lease = name, "gave up the decider Lease");
     }
 }
@@ -250,15 +264,22 @@ fn record(lease: &Lease) -> Record {
     }
 }
 
-/// Write `next` over `base` (the Lease read; `None`: create it). Errors are the API's, with 409 in them
-/// for a lost race.
+/// Why a write of the Lease did not go through.
+enum LeaseWrite {
+    /// Another replica wrote it first (409).
+    Lost,
+    /// The API server could not be asked, or refused (why).
+    Failed(String),
+}
+
+/// Write `next` over `base` (the Lease read; `None`: create it).
 async fn write(
     api: &Api<Lease>,
     name: &str,
     base: Option<Lease>,
     next: &Record,
     duration: Duration,
-) -> Result<(), String> {
+) -> Result<(), LeaseWrite> {
     let taking = base
         .as_ref()
         .and_then(|l| l.spec.as_ref())
@@ -290,8 +311,8 @@ async fn write(
     };
     match result {
         Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Err(format!("409: {}", s.message)),
-        Err(e) => Err(format!("writing Lease {name}: {e}")),
+        Err(kube::Error::Api(s)) if s.code == 409 => Err(LeaseWrite::Lost),
+        Err(e) => Err(LeaseWrite::Failed(format!("writing Lease {name}: {e}"))),
     }
 }
 

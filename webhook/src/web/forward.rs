@@ -27,11 +27,15 @@ pub const FORWARDED_HEADER: &str = "x-teeguard-forwarded";
 /// The server name asked for in the handshake (the certificate is pinned, not matched by name).
 const SERVER_NAME: &str = "teeguard-webhook";
 
+/// The open connection: the decider's address and the HTTP/2 handle to it.
+type Connection = (String, http2::SendRequest<Full<Bytes>>);
+
 /// Forwards reviews to the decider. Cheap to clone.
 #[derive(Clone)]
 pub struct Forwarder {
     tls: Arc<ClientConfig>,
-    conn: Arc<Mutex<Option<(String, http2::SendRequest<Full<Bytes>>)>>>,
+    name: ServerName<'static>,
+    conn: Arc<Mutex<Option<Connection>>>,
     within: Duration,
 }
 
@@ -43,7 +47,7 @@ impl std::fmt::Debug for Forwarder {
 
 impl Forwarder {
     /// A forwarder trusting the certificate `served` serves, giving up after `within` per review.
-    pub fn new(served: Arc<CertStore>, within: Duration) -> Forwarder {
+    pub fn new(served: Arc<CertStore>, within: Duration) -> crate::error::Result<Forwarder> {
         let provider = CryptoProvider::get_default()
             .cloned()
             .unwrap_or_else(|| Arc::new(rustls::crypto::ring::default_provider()));
@@ -53,16 +57,19 @@ impl Forwarder {
         });
         let mut tls = ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
-            .expect("ring supports TLS 1.2 and 1.3")
+            .map_err(|e| crate::error::Error::TlsConfig(e.to_string()))?
             .dangerous()
             .with_custom_certificate_verifier(verifier)
             .with_no_client_auth();
         tls.alpn_protocols = vec![b"h2".to_vec()];
-        Forwarder {
+        let name = ServerName::try_from(SERVER_NAME)
+            .map_err(|e| crate::error::Error::TlsConfig(e.to_string()))?;
+        Ok(Forwarder {
             tls: Arc::new(tls),
+            name,
             conn: Arc::new(Mutex::new(None)),
             within,
-        }
+        })
     }
 
     /// Send `body` to the decider at `address` (`https://host:port`) and return its answer's body.
@@ -91,7 +98,9 @@ impl Forwarder {
             Ok(a) => a,
             Err(e) => {
                 self.conn.lock().await.take();
-                return Err(format!("forwarding to the deciding replica at {address}: {e}"));
+                return Err(format!(
+                    "forwarding to the deciding replica at {address}: {e}"
+                ));
             }
         };
         let status = answer.status();
@@ -126,9 +135,8 @@ impl Forwarder {
             .await
             .map_err(|e| format!("connecting to the deciding replica at {address}: {e}"))?;
         let _ = tcp.set_nodelay(true);
-        let name = ServerName::try_from(SERVER_NAME).expect("a valid DNS name");
         let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
-            .connect(name, tcp)
+            .connect(self.name.clone(), tcp)
             .await
             .map_err(|e| format!("TLS with the deciding replica at {address}: {e}"))?;
         let (sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tls))

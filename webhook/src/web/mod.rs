@@ -6,8 +6,8 @@
 
 pub mod admission;
 pub mod admitted;
-pub mod handlers;
 pub mod forward;
+pub mod handlers;
 pub mod server;
 pub mod stall;
 pub mod state;

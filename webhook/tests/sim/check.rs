@@ -94,7 +94,9 @@ impl Checks {
                 .filter(|r| w.replicas[*r].alive && w.replicas[*r].leadership.deciding())
                 .collect();
             if deciding.len() > 1 {
-                self.fail(format!("I6: replicas {deciding:?} decide at once ({action:?})"));
+                self.fail(format!(
+                    "I6: replicas {deciding:?} decide at once ({action:?})"
+                ));
             }
         }
         if let Some((pod, false)) = &happened.admitted {
@@ -181,10 +183,7 @@ impl Checks {
                 .pods
                 .iter()
                 .filter(|(_, p)| {
-                    p.kind == kind
-                        && p.node.is_none()
-                        && !p.deleting
-                        && w.now < p.admitted_at + ttl
+                    p.kind == kind && p.node.is_none() && !p.deleting && w.now < p.admitted_at + ttl
                 })
                 .map(|(u, _)| u)
                 .collect();

@@ -27,15 +27,15 @@ use teeguard_shared::{TeeCapacity, TeeKind, VirtualMachineInstance};
 use teeguard_webhook::cluster::admission::{Checker, FitHints, Target, check};
 use teeguard_webhook::cluster::caches::{Observer, slim_vmi};
 use teeguard_webhook::cluster::holds::{HoldStore, WriteError, write_behind_once};
-use teeguard_webhook::cluster::lead::Leadership;
-use teeguard_webhook::decide::lead::{Elector, Record, Route, Terms};
-use teeguard_webhook::decide::validation::reason;
 use teeguard_webhook::cluster::index::{Clock, KeyIndex, Sink};
+use teeguard_webhook::cluster::lead::Leadership;
 use teeguard_webhook::cluster::retry::{promise, tidy, withdraw};
 use teeguard_webhook::decide::admit::{Ask, Write};
 use teeguard_webhook::decide::holds::Claimant;
+use teeguard_webhook::decide::lead::{Elector, Record, Route, Terms};
 use teeguard_webhook::decide::queue::{self, note_refusal};
 use teeguard_webhook::decide::validation::Trigger;
+use teeguard_webhook::decide::validation::reason;
 use teeguard_webhook::pods::{CachedLauncherPod, LauncherPod};
 
 /// The simulation's start, as wall-clock time.
@@ -934,13 +934,17 @@ impl World {
             Route::Here => Ok(r),
             Route::Nobody => Err("no teeguard replica decides right now".into()),
             Route::Forward(address) => {
-                let h: usize = address.parse().expect("the simulation's addresses are indexes");
+                let h: usize = address
+                    .parse()
+                    .expect("the simulation's addresses are indexes");
                 if h >= self.replicas.len() || !self.replicas[h].alive {
                     return Err(format!("the deciding replica {h} did not answer"));
                 }
                 match route(h)? {
                     Route::Here => Ok(h),
-                    _ => Err(format!("replica {h} was sent the review but does not decide")),
+                    _ => Err(format!(
+                        "replica {h} was sent the review but does not decide"
+                    )),
                 }
             }
         }
@@ -1044,43 +1048,43 @@ impl World {
             Some(r) => match self.decider(r, false) {
                 Err(_) => false,
                 Ok(r) => {
-                let (vmi, name) = {
-                    let t = self.truth();
-                    let p = &t.pods[pod];
-                    (p.vmi.clone(), p.name.clone())
-                };
-                let kind = self.truth().pods[pod].kind;
-                let requests = KeyRequests::from([(kind, 1)]);
-                let pod_name = format!("vms/{name}");
-                let ask = Ask {
-                    claimant: Claimant {
-                        pod_uid: pod,
-                        vmi_uid: &vmi,
-                    },
-                    pod: &pod_name,
-                    vmi: &vmi,
-                    requests: &requests,
-                    mode: teeguard_shared::config::Mode::Enforce,
-                    policy: Trigger::Binding.stale_policy(&self.config.admission),
-                    dry_run: false,
-                    stale_after: self.config.admission.stale_report_after,
-                    replica: &format!("replica-{r}"),
-                };
-                let store = SimStore(&self.truth);
-                let rep = &self.replicas[r];
-                let checker = Checker {
-                    index: &rep.index,
-                    store: (self.spec.shared && !self.spec.leader).then_some(&store),
-                    hints: &rep.hints,
-                    config: &self.config,
-                    within: Duration::from_secs(2),
-                    metrics: None,
-                    labels_known: true,
-                };
-                let target = Target::Node(&node, Trigger::Binding);
-                futures::executor::block_on(check(&checker, &ask, target))
-                    .0
-                    .allowed
+                    let (vmi, name) = {
+                        let t = self.truth();
+                        let p = &t.pods[pod];
+                        (p.vmi.clone(), p.name.clone())
+                    };
+                    let kind = self.truth().pods[pod].kind;
+                    let requests = KeyRequests::from([(kind, 1)]);
+                    let pod_name = format!("vms/{name}");
+                    let ask = Ask {
+                        claimant: Claimant {
+                            pod_uid: pod,
+                            vmi_uid: &vmi,
+                        },
+                        pod: &pod_name,
+                        vmi: &vmi,
+                        requests: &requests,
+                        mode: teeguard_shared::config::Mode::Enforce,
+                        policy: Trigger::Binding.stale_policy(&self.config.admission),
+                        dry_run: false,
+                        stale_after: self.config.admission.stale_report_after,
+                        replica: &format!("replica-{r}"),
+                    };
+                    let store = SimStore(&self.truth);
+                    let rep = &self.replicas[r];
+                    let checker = Checker {
+                        index: &rep.index,
+                        store: (self.spec.shared && !self.spec.leader).then_some(&store),
+                        hints: &rep.hints,
+                        config: &self.config,
+                        within: Duration::from_secs(2),
+                        metrics: None,
+                        labels_known: true,
+                    };
+                    let target = Target::Node(&node, Trigger::Binding);
+                    futures::executor::block_on(check(&checker, &ask, target))
+                        .0
+                        .allowed
                 }
             },
         };
@@ -1405,7 +1409,10 @@ impl World {
                     } else {
                         String::new()
                     };
-                    (format!("replica {i} (dropped {:?}{lead})", r.dropped), &r.index)
+                    (
+                        format!("replica {i} (dropped {:?}{lead})", r.dropped),
+                        &r.index,
+                    )
                 }),
         ) {
             let ix = index.read();
@@ -1535,7 +1542,10 @@ fn report_object(node: &str, status: &TeeCapacityStatus) -> TeeCapacity {
 }
 
 fn pod_object(uid: &str, p: &PodTruth) -> LauncherPod {
-    let key = Config::default().resources.resource_name(p.kind).to_string();
+    let key = Config::default()
+        .resources
+        .resource_name(p.kind)
+        .to_string();
     serde_json::from_value(json!({
         "metadata": {"name": p.name, "namespace": "vms", "uid": uid,
             "ownerReferences": [{"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",

@@ -41,9 +41,6 @@ use crate::cluster::admission::{Checker, FitHints, Target, check};
 use crate::cluster::caches::{Lookups, PodLookup};
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
 use crate::cluster::holds::ApiHolds;
-use crate::cluster::lead::Leadership;
-use crate::decide::lead::Route as LeadRoute;
-use crate::web::forward::Forwarder;
 use crate::decide::admit::Ask;
 use crate::decide::holds::Claimant;
 use crate::decide::mutation::{
@@ -60,6 +57,11 @@ use crate::metrics::{Metrics, Outcome, ValidationOutcome};
 use crate::web::admission::{Operation, ReviewResponse, audit};
 use crate::web::admitted::AdmittedReview;
 use crate::web::state::AppState;
+
+mod decider;
+
+pub use decider::Decider;
+use decider::{Verdict, forward, not_here, route};
 
 /// Endpoint name in metrics and logs.
 pub const ENDPOINT: &str = crate::metrics::endpoint::VALIDATE;
@@ -87,88 +89,12 @@ pub struct ValidationContext<'a> {
     pub decider: Option<Decider<'a>>,
 }
 
-/// Where reviews that take a key are decided (`admission.decider: leader`).
-#[derive(Clone, Copy, Debug)]
-pub struct Decider<'a> {
-    /// The election.
-    pub leadership: &'a Leadership,
-    /// The connection to the deciding replica.
-    pub forwarder: &'a Forwarder,
-    /// This review was forwarded by another replica: decide it or refuse it, never forward it again.
-    pub forwarded: bool,
-}
-
-/// What a review that takes a key does on this replica.
-enum Route {
-    /// Decide it here.
-    Here,
-    /// Send it to the deciding replica at this address.
-    Forward(String),
-    /// Refuse it: nobody decides now (why).
-    Refuse(String),
-}
-
-/// Where the check of a review that takes a key is made (see [`Decider`]): a binding (`create`
-/// false) is decided by a decider that has just taken over too (it holds the pod's keys on the
-/// scheduler's node, what the pod's lost hold held); a CREATE waits for the orphans.
-fn route(
-    ctx: &ValidationContext<'_>,
-    index: &crate::cluster::index::KeyIndex,
-    create: bool,
-) -> Route {
-    let Some(d) = ctx.decider else {
-        return Route::Here;
-    };
-    let route = if create {
-        match d.leadership.route_create(index) {
-            Ok(r) => r,
-            Err(n) => {
-                return Route::Refuse(format!(
-                    "teeguard's deciding replica has just taken over and waits for {n} launcher \
-                     pod(s) admitted before it to be bound or gone"
-                ));
-            }
-        }
-    } else {
-        d.leadership.route()
-    };
-    match route {
-        LeadRoute::Here => Route::Here,
-        LeadRoute::Forward(address) if !d.forwarded => Route::Forward(address),
-        LeadRoute::Forward(address) => Route::Refuse(format!(
-            "teeguard's replicas disagree on which decides (this one was sent the review, the Lease \
-             names {address})"
-        )),
-        LeadRoute::Nobody => {
-            Route::Refuse("no teeguard replica decides right now (an election)".into())
-        }
-    }
-}
-
-/// A review that takes a key, not decided here: forwarded, or refused.
-fn not_here(request: &'static str, kind: &'static str, route: Route) -> Option<Verdict> {
-    match route {
-        Route::Here => None,
-        Route::Forward(address) => Some(Verdict::Forward(address)),
-        Route::Refuse(why) => Some(Verdict::Answer(Answer::deny(
-            request,
-            kind,
-            reason::NO_DECIDER,
-            format!("{why}; {}", crate::decide::validation::HINT),
-        ))),
-    }
-}
-
-/// A review decided (or refused) here, or to forward.
-enum Verdict {
-    Answer(Answer),
-    Forward(String),
-}
-
 /// The axum handler.
 pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let s = &state;
-    let forwarded = req.headers().contains_key(crate::web::forward::FORWARDED_HEADER);
+    let forwarded = req
+        .headers()
+        .contains_key(crate::web::forward::FORWARDED_HEADER);
     serve_review(s, ENDPOINT, req, |body| async move {
         let v = &s.validation;
         let decider = match (&v.leadership, &v.forwarder) {
@@ -291,36 +217,6 @@ pub async fn review_validation<L: Lookups>(
     Ok(respond(review.request.uid, answer))
 }
 
-/// Send the review to the deciding replica; its answer is this one's. A forward that fails is a
-/// refusal the new decider's planner ends (the VMI waits its turn like any refused for keys).
-async fn forward(
-    body: &[u8],
-    address: &str,
-    ctx: &ValidationContext<'_>,
-    uid: String,
-) -> Result<Reviewed> {
-    let forwarder = ctx.decider.map(|d| d.forwarder).expect("forwarding needs a decider");
-    match forwarder
-        .forward(address, axum::body::Bytes::copy_from_slice(body))
-        .await
-    {
-        Ok(answer) => Ok(Reviewed::forwarded(answer)),
-        Err(why) => {
-            tracing::warn!(decider = address, error = why, "cannot forward a review to the deciding replica; refused");
-            let mut msg = format!(
-                "{why}; {}",
-                crate::decide::validation::HINT
-            );
-            queue::note_refusal(reason::NO_DECIDER, Some(&mut msg));
-            let a = Answer::deny("forward", "none", reason::NO_DECIDER, msg);
-            if let Some(m) = ctx.metrics {
-                m.validation(a.request, a.kind, a.outcome);
-            }
-            Ok(respond(uid, a))
-        }
-    }
-}
-
 fn respond(uid: String, a: Answer) -> Reviewed {
     let (mut response, outcome) = match a.message {
         Some(msg) => (ReviewResponse::deny(uid, 403, msg), Outcome::Denied),
@@ -415,12 +311,20 @@ async fn pod_create<L: Lookups>(
         Err(skip) => return Ok(Verdict::Answer(Answer::skip(REQ, skip.code()))),
     };
     if matches!(mutation, MutationDecision::Skip(SkipReason::ExemptVmi)) {
-        return Ok(Verdict::Answer(Answer::skip(REQ, SkipReason::ExemptVmi.code())));
+        return Ok(Verdict::Answer(Answer::skip(
+            REQ,
+            SkipReason::ExemptVmi.code(),
+        )));
     }
     let requests = match key_requests(&pod, &config.resources) {
         Ok(r) => r,
         Err(e) => {
-            return Ok(Verdict::Answer(Answer::deny(REQ, "none", "bad-quantity", e.to_string())));
+            return Ok(Verdict::Answer(Answer::deny(
+                REQ,
+                "none",
+                "bad-quantity",
+                e.to_string(),
+            )));
         }
     };
     if requests.is_empty() {
@@ -585,12 +489,22 @@ async fn binding<L: Lookups>(
     if let VmiLookup::Found(v) = lookups.vmi(&vmi_ref).await
         && namespace_exempt(v.metadata.labels.as_ref())
     {
-        return Ok(Verdict::Answer(Answer::skip(REQ, SkipReason::ExemptVmi.code())));
+        return Ok(Verdict::Answer(Answer::skip(
+            REQ,
+            SkipReason::ExemptVmi.code(),
+        )));
     }
     let config = ctx.config;
     let requests = match key_requests(&pod, &config.resources) {
         Ok(r) => r,
-        Err(e) => return Ok(Verdict::Answer(Answer::deny(REQ, "none", "bad-quantity", e.to_string()))),
+        Err(e) => {
+            return Ok(Verdict::Answer(Answer::deny(
+                REQ,
+                "none",
+                "bad-quantity",
+                e.to_string(),
+            )));
+        }
     };
     if requests.is_empty() {
         return Ok(Verdict::Answer(Answer::skip(REQ, "no-key-request")));
