@@ -2,15 +2,17 @@
 //! `tests/structure.rs`):
 //!
 //! - [`web`]: the HTTPS server, TLS and certificate reload, the stall guard, the AdmissionReview
-//!   envelope, and the handlers that turn a request into a decision and a response (`POST /mutate`,
-//!   `POST /validate`).
+//!   envelope, the handlers that turn a request into a decision and a response (`POST /mutate`,
+//!   `POST /validate`), and the forward of a review to the deciding replica.
 //! - [`cluster`]: what talks to the API server: reflector caches of VMIs, Namespaces, TeeCapacities,
-//!   Nodes and virt-launcher pods with one GET on a miss, and `InsufficientTEEKeys` Events.
+//!   Nodes, `TeeReservation`s, the agents' Leases and virt-launcher pods with one GET on a miss; the
+//!   admission index behind its lock; the holds' writes; the decider's Lease; the retry planner; Events.
 //! - [`metrics`]: the Prometheus series; maps the decisions' outcomes to labels.
 //! - [`decide`]: the pure decisions: mutation (which pods get a TEE key request and limit
 //!   annotations, and the JSON Patch), validation (free keys on a node or any candidate node, stale
-//!   reports, enforce/warn, forged limit annotations), node selection, and the ledger of keys
-//!   admitted but not reported yet. No runtime, client, server or metrics: tested without any.
+//!   reports, enforce/warn, forged limit annotations), node selection, and the life of a key (holds,
+//!   the index, the queue, the decider's election). No runtime, client, server or metrics: tested
+//!   without any.
 //! - [`pods`]: the decoded pod types the decisions and the pod cache share; [`error`]: the error enum.
 //!
 //! On top: [`app`] wires `serve`, [`review`] is the offline `review` command on the same decision
