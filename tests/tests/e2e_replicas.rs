@@ -525,6 +525,21 @@ async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_o
             .iter()
             .map(|w| Arc::new(w.client().expect("client")))
             .collect();
+        // Meanwhile a launcher pod CREATE through a remaining replica is refused as for lack of keys:
+        // its VMI waits its turn and the next decider retries it.
+        let pod = fixtures::seed_admitted_tdx_vm(&env.api, "between");
+        let review = fixtures::AdmissionReviewBuilder::create(fixtures::to_value(&pod)).build();
+        let r = clients[0]
+            .review("/validate", &review)
+            .await
+            .expect("answered");
+        assert!(
+            !r.allowed
+                && r.explanation()
+                    .contains("teeguard starts this VM by itself"),
+            "{:?}",
+            r.raw
+        );
         let t0 = tokio::time::Instant::now();
         let deadline = t0 + Duration::from_secs(60);
         loop {

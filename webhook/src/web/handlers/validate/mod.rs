@@ -179,6 +179,19 @@ impl Answer {
         }
     }
 
+    /// A refusal made before any check (no decider): in warn mode, admitted with its reason as a
+    /// warning, as the check's own refusals are.
+    fn in_mode(mut self, mode: Mode) -> Self {
+        self.mode = Some(mode);
+        if mode == Mode::Warn
+            && let Some(message) = self.message.take()
+        {
+            self.outcome = ValidationOutcome::Warned;
+            self.warnings.push(message);
+        }
+        self
+    }
+
     fn with_warnings(mut self, mut warnings: Vec<String>) -> Self {
         warnings.append(&mut self.warnings);
         self.warnings = warnings;
@@ -363,14 +376,25 @@ async fn pod_create<L: Lookups>(
         Some(node) => Target::Node(node, Trigger::PodCreate),
         None => Target::Candidates(spec),
     };
+    let retried = vmi_ref.is_some() && bound.is_none() && config.admission.retry_refused_vmis;
     if let Some(elsewhere) = not_here(REQ, kind, route(ctx, lookups.index(), bound.is_none())) {
-        return Ok(elsewhere);
+        return Ok(match elsewhere {
+            // Nobody decides: a refusal like one for lack of keys (the VMI waits its turn), or in warn
+            // mode an admission with the reason as a warning.
+            Verdict::Answer(mut a) => {
+                if retried {
+                    queue::note_refusal(a.reason, a.message.as_mut());
+                }
+                Verdict::Answer(a.in_mode(mode).with_warnings(warnings))
+            }
+            forward => forward,
+        });
     }
     let (decision, _) = check(&checker(lookups, ctx), &ask, target).await;
 
     // Answer: the planner starts the VM when a key frees (crate::cluster::retry), unless it was bound.
     let mut answer = Answer::from_decision(REQ, kind, decision, bound.map(str::to_string), mode);
-    if vmi_ref.is_some() && bound.is_none() && config.admission.retry_refused_vmis {
+    if retried {
         queue::note_refusal(answer.reason, answer.message.as_mut());
     }
     record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
@@ -531,7 +555,10 @@ async fn binding<L: Lookups>(
     let target = Target::Node(node, Trigger::Binding);
     let route = route(ctx, lookups.index(), false);
     if let Some(elsewhere) = not_here(REQ, primary_kind(&requests), route) {
-        return Ok(elsewhere);
+        return Ok(match elsewhere {
+            Verdict::Answer(a) => Verdict::Answer(a.in_mode(mode).with_warnings(warnings)),
+            forward => forward,
+        });
     }
     let (d, _) = check(&checker(lookups, ctx), &ask, target).await;
     let answer = Answer::from_decision(
