@@ -193,10 +193,12 @@ pub async fn start(
                 jiff::Timestamp::now().as_millisecond()
             );
             let leadership = Leadership::new(Elector::new(identity, address, terms), wall_clock());
+            let synced = caches.clone();
             let lease = leadership.clone().run(
                 Api::namespaced(client.clone(), client.default_namespace()),
                 crate::cluster::lead::LEASE_NAME.to_string(),
                 args.api_timeout,
+                async move { synced.wait_synced().await },
                 background.clone(),
             );
             let behind = tokio::spawn(crate::cluster::holds::write_behind(

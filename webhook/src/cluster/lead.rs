@@ -109,16 +109,22 @@ impl Leadership {
         f(&mut self.elector.write().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// Read and write the Lease `name` in `namespace` every `retry` until `shutdown`; then give it up
-    /// (a successor need not wait the lease out after a clean stop).
+    /// Once `synced` resolves (every cache listed: a replica never decides on a partial index), read
+    /// and write the Lease `name` every `retry` until `shutdown`; then give it up (a successor need not
+    /// wait the lease out after a clean stop).
     pub fn run(
         self,
         api: Api<Lease>,
         name: String,
         api_timeout: Duration,
+        synced: impl Future<Output = ()> + Send + 'static,
         shutdown: CancellationToken,
     ) -> JoinHandle<()> {
         tokio::spawn(async move {
+            tokio::select! {
+                _ = synced => {}
+                _ = shutdown.cancelled() => return,
+            }
             let retry = self.with(|e| e.terms().retry);
             let mut leading = false;
             loop {
