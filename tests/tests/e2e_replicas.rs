@@ -16,6 +16,9 @@ use teeguard_tests::standalone::WebhookClient;
 
 const TEST_DEADLINE: Duration = Duration::from_secs(240);
 
+/// Bindings racing for a node's last key in one round.
+const BINDINGS: usize = 50;
+
 async fn bounded<F: Future<Output = ()>>(f: F) {
     tokio::time::timeout(TEST_DEADLINE, f)
         .await
@@ -49,7 +52,6 @@ async fn start(env: &E2eEnv, n: usize) -> Vec<WebhookProcess> {
 async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once_twenty_times() {
     bounded(async {
         const ROUNDS: usize = 20;
-        const BINDINGS: usize = 50;
         let env = E2eEnv::new("").await.expect("env");
         let webhooks = start(&env, 3).await;
         let clients: Vec<_> = webhooks
@@ -59,39 +61,15 @@ async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once
         let mut violations = Vec::new();
         for round in 0..ROUNDS {
             let node = format!("node-{round:02}");
-            fixtures::seed_tdx_node(&env.api, &node, 31, 1);
-            let pods: Vec<Pod> = (0..BINDINGS)
-                .map(|i| fixtures::seed_admitted_tdx_vm(&env.api, &format!("r{round:02}-vm{i:02}")))
-                .collect();
-            wait_reports(&webhooks, round + 1).await;
-            let barrier = Arc::new(tokio::sync::Barrier::new(BINDINGS));
-            let mut tasks = Vec::new();
-            for (i, pod) in pods.iter().enumerate() {
-                let body = serde_json::to_vec(&fixtures::binding_create(pod, &node)).expect("json");
-                let client = clients[i % clients.len()].clone();
-                let barrier = barrier.clone();
-                tasks.push(tokio::spawn(async move {
-                    barrier.wait().await;
-                    client.post_fresh("/validate", &body).await
-                }));
-            }
-            let mut admitted = 0;
-            let mut messages = Vec::new();
-            for t in tasks {
-                let (status, body) = t.await.expect("task").expect("answered");
-                assert_eq!(status, 200);
-                let v: Value = serde_json::from_slice(&body).expect("json");
-                if v["response"]["allowed"] == true {
-                    admitted += 1;
-                } else {
-                    messages.push(
-                        v["response"]["status"]["message"]
-                            .as_str()
-                            .unwrap_or("")
-                            .to_string(),
-                    );
-                }
-            }
+            let (admitted, messages) = race_for_the_last_key(
+                &env,
+                &webhooks,
+                &clients,
+                &node,
+                &format!("r{round:02}"),
+                round + 1,
+            )
+            .await;
             let usual = messages.iter().all(|m| {
                 m.starts_with(&format!("node {node} cannot host this TDX VM: 0/31 free"))
                     && m.contains("just admitted, not in the report yet")
@@ -426,7 +404,7 @@ async fn decider(env: &E2eEnv, webhooks: &[WebhookProcess]) -> usize {
     }
 }
 
-/// Fifty bindings of one node's last key sent at once, spread over `clients` (once `webhooks` hold
+/// [`BINDINGS`] bindings of one node's last key sent at once, spread over `clients` (once `webhooks` hold
 /// `reports` reports): how many were admitted, and the refusals' messages.
 async fn race_for_the_last_key(
     env: &E2eEnv,
@@ -436,7 +414,6 @@ async fn race_for_the_last_key(
     tag: &str,
     reports: usize,
 ) -> (usize, Vec<String>) {
-    const BINDINGS: usize = 50;
     fixtures::seed_tdx_node(&env.api, node, 31, 1);
     wait_reports(webhooks, reports).await;
     let pods: Vec<Pod> = (0..BINDINGS)
