@@ -20,7 +20,7 @@
 //!   staleReportPolicy: { podCreate: deny, binding: allow }
 //!   ledgerTtl: 30s
 //!   sharedReservations: true # reservations shared by webhook replicas (TeeReservation per node)
-//!   decider: shared          # shared (every replica decides, one API write per hold) | leader
+//!   decider: leader          # leader (one elected replica decides) | shared (each writes its holds)
 //!   deciderLease: 15s        # leader: the Lease's duration (renew deadline 2/3 of it, retry 2/15)
 //!   retryRefusedVmis: true   # when a key frees, have KubeVirt retry the VMIs whose pods were refused
 //!   teeRuntimeClasses: {}    # RuntimeClass → kind: the webhook gives those pods a container key request
@@ -179,10 +179,10 @@ pub enum Accounting {
 pub enum Decider {
     /// Every replica decides; each hold is written into the node's `TeeReservation` before the
     /// answer (one API write per admission that takes a key).
-    #[default]
     Shared,
     /// One replica, elected through a Lease, decides in memory and writes its holds behind; the
     /// others forward it the reviews that take a key.
+    #[default]
     Leader,
 }
 
@@ -316,7 +316,7 @@ impl Default for AdmissionConfig {
             stale_on_binding: StalePolicy::Allow,
             ledger_ttl: Duration::from_secs(30),
             shared_reservations: true,
-            decider: Decider::Shared,
+            decider: Decider::Leader,
             decider_lease: Duration::from_secs(15),
             retry_refused_vmis: true,
             tee_runtime_classes: Default::default(),

@@ -653,6 +653,9 @@ pub struct ProcessEnv {
     pub ca: CertificateAuthority,
     logs: Arc<Mutex<Vec<(String, PathBuf)>>>,
     counter: Mutex<u32>,
+    /// The decider Lease of this environment's webhook replicas (`--decider-lease-name`): unique, so
+    /// the webhooks of tests sharing one API server never elect each other.
+    pub decider_lease: String,
 }
 
 impl std::fmt::Debug for ProcessEnv {
@@ -752,6 +755,11 @@ impl ProcessEnv {
             ca,
             logs: Arc::new(Mutex::new(Vec::new())),
             counter: Mutex::new(0),
+            decider_lease: {
+                static ENVS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let n = ENVS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                format!("teeguard-webhook-decider-{}-{n}", std::process::id())
+            },
         })
     }
 
@@ -811,6 +819,8 @@ impl ProcessEnv {
         args.push(self.certs.path().display().to_string());
         args.push("--config".into());
         args.push(self.config_path.display().to_string());
+        args.push("--decider-lease-name".into());
+        args.push(self.decider_lease.clone());
         args.extend(extra.iter().map(|s| s.to_string()));
         let log = self.log_path("webhook");
         let mut envs: Vec<(&str, String)> = vec![("KUBECONFIG", kubeconfig.display().to_string())];

@@ -83,6 +83,16 @@ const NOT_EXERCISED: &[NotExercised] = &[
               (409 Conflict); the standalone's admissions do not race (tests/tests/e2e_replicas.rs does)",
     },
     NotExercised {
+        component: WEBHOOK_USER_AGENT,
+        verb: "update",
+        group: "teeguard.dev",
+        resource: "teereservations",
+        subresource: "",
+        why: "webhook/src/cluster/holds.rs: a node's TeeReservation written again (the decider's next batch \
+              of holds written behind, or with admission.decider: shared each hold); whether the standalone's \
+              holds on a node fall into one batch or two is a race (tests/tests/e2e_replicas.rs writes many)",
+    },
+    NotExercised {
         component: AGENT_USER_AGENT,
         verb: "get",
         group: "",
@@ -200,7 +210,16 @@ fn needs(r: &RecordedRequest) -> Result<Vec<Access>, String> {
             ));
         }
     };
-    let mut out = vec![access(verb, &r.group, &resource, &sub)];
+    // A request for one object (a GET, an update) can be granted by a rule naming it: `resource#name`.
+    let named = matches!(
+        r.verb,
+        Verb::Get | Verb::Update | Verb::Patch | Verb::Delete
+    );
+    let one = match r.name.as_deref() {
+        Some(name) if named && sub.is_empty() => format!("{resource}#{name}"),
+        _ => resource.clone(),
+    };
+    let mut out = vec![access(verb, &r.group, &one, &sub)];
     let apply = r
         .content_type
         .as_deref()
@@ -310,7 +329,8 @@ fn strings(v: &Value, field: &str) -> Vec<String> {
         .collect()
 }
 
-/// Every (verb, group, resource, subresource) a rendered ClusterRole grants.
+/// Every (verb, group, resource, subresource) a rendered ClusterRole grants; a rule with
+/// `resourceNames` grants `resource#name` for each name.
 fn granted(role: &Value) -> BTreeSet<Access> {
     let mut set = BTreeSet::new();
     for rule in role["rules"].as_array().expect("rules") {
@@ -318,10 +338,10 @@ fn granted(role: &Value) -> BTreeSet<Access> {
             rule.get("nonResourceURLs").is_none(),
             "no non-resource URLs: {rule}"
         );
-        assert!(
-            rule.get("resourceNames").is_none(),
-            "unexpected resourceNames: {rule}"
-        );
+        let names = match rule.get("resourceNames") {
+            Some(_) => strings(rule, "resourceNames"),
+            None => vec![String::new()],
+        };
         for group in strings(rule, "apiGroups") {
             for resource in strings(rule, "resources") {
                 for verb in strings(rule, "verbs") {
@@ -330,12 +350,33 @@ fn granted(role: &Value) -> BTreeSet<Access> {
                         "wildcards are not least privilege: {rule}"
                     );
                     let (res, sub) = resource.split_once('/').unwrap_or((&resource, ""));
-                    set.insert(access(&verb, &group, res, sub));
+                    for name in &names {
+                        let res = match name.as_str() {
+                            "" => res.to_string(),
+                            name => format!("{res}#{name}"),
+                        };
+                        set.insert(access(&verb, &group, &res, sub));
+                    }
                 }
             }
         }
     }
     set
+}
+
+/// The grant a call uses: the rule naming its object, else the rule for every object of its kind.
+fn grant_used(have: &BTreeSet<Access>, call: &Access) -> Option<Access> {
+    if have.contains(call) {
+        return Some(call.clone());
+    }
+    let (verb, group, resource, sub) = call;
+    let plain = access(
+        verb,
+        group,
+        resource.split('#').next().unwrap_or(resource),
+        sub,
+    );
+    have.contains(&plain).then_some(plain)
 }
 
 /// The ClusterRole (or, with `namespaced`, the Role in the release namespace) bound to the
@@ -384,17 +425,19 @@ fn role_of<'a>(docs: &'a [Value], kind: &str, workload: &str, namespaced: bool) 
 /// Compare a role with what `component` called plus its [`NOT_EXERCISED`] entries, in the role's scope
 /// (its own namespace with `namespaced`, else cluster-wide).
 fn compare(component: &str, role: &Value, called: &BTreeSet<Access>, namespaced: bool) {
-    let called: BTreeSet<Access> = called
-        .iter()
-        .filter(|(_, g, r, _)| in_own_namespace(g, r) == namespaced)
-        .cloned()
-        .collect();
-    let called = &called;
+    let own = |g: &str, r: &str| in_own_namespace(g, r.split('#').next().unwrap_or(r));
     let have = granted(role);
     let mut problems = Vec::new();
-    for a in called.difference(&have) {
-        problems.push(format!("missing (the call gets 403): {a:?}"));
+    let mut used = BTreeSet::new();
+    for a in called.iter().filter(|(_, g, r, _)| own(g, r) == namespaced) {
+        match grant_used(&have, a) {
+            Some(grant) => {
+                used.insert(grant);
+            }
+            None => problems.push(format!("missing (the call gets 403): {a:?}")),
+        }
     }
+    let called = &used;
     let mut allowed = BTreeSet::new();
     for n in NOT_EXERCISED
         .iter()
@@ -495,13 +538,14 @@ fn comparison_catches_missing_and_extra_rules() {
         .expect_err("a Role without the Lease rule must not match")
         .downcast::<String>()
         .expect("panic message");
-    assert!(message.contains("\"leases\""), "{message}");
+    assert!(message.contains("\"leases#"), "{message}");
 }
 
 #[test]
 fn requests_are_mapped_to_rbac_terms() {
-    // An apply that created its object needs `create` too; one that updated it needs only `patch`; a
-    // request from an untagged client is refused.
+    // An apply that created its object needs `create` too; one that updated it needs only `patch` (on
+    // that object: a rule naming it grants it as well as one for every object of its kind); a request
+    // from an untagged client is refused.
     let apply = |code: u16, ua: &str| RecordedRequest {
         seq: 1,
         method: "PATCH".into(),
@@ -526,14 +570,14 @@ fn requests_are_mapped_to_rbac_terms() {
     assert_eq!(
         created,
         vec![
-            access("patch", "teeguard.dev", "teecapacities", ""),
+            access("patch", "teeguard.dev", "teecapacities#node-a", ""),
             access("create", "teeguard.dev", "teecapacities", "")
         ]
     );
     let updated = needs(&apply(200, AGENT_USER_AGENT)).expect("resource request");
     assert_eq!(
         updated,
-        vec![access("patch", "teeguard.dev", "teecapacities", "")]
+        vec![access("patch", "teeguard.dev", "teecapacities#node-a", "")]
     );
     let errors = classify(&[apply(200, "kube-rs")]).expect_err("untagged client");
     assert!(errors[0].contains("kube-rs"), "{errors:?}");

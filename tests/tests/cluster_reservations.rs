@@ -38,7 +38,9 @@ async fn two_replicas_take_a_last_key_once_and_the_reservation_goes_with_its_nod
     };
     within(DEADLINE, async {
         let test = "reservations";
-        let env = cluster.process_env("").expect("process env");
+        let env = cluster
+            .process_env("admission:\n  decider: shared\n")
+            .expect("process env");
         let ns = cluster.namespace(test, test, &[]).await.expect("namespace");
         let node = format!("{ns}-n1");
         cluster

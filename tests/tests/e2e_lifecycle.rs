@@ -306,21 +306,28 @@ async fn stream(
                 None
             }
         };
-        let stored = match patch {
+        let created = match patch {
             Some(p) => {
                 record(replica, format!("{name} mutate"), None);
                 json_patch::patch(&mut value, &p).expect("patch applies");
-                Some(driver.api().create(&value).expect("pod stored"))
+                // As kube-apiserver: name and UID are set before the validating webhooks are
+                // called, and the pod is stored only once they admitted it.
+                value["metadata"]["name"] = json!(format!("virt-launcher-{name}"));
+                value["metadata"]["uid"] = json!(format!("{id:08x}-0000-4000-8000-{n:012x}"));
+                Some(value.clone())
             }
             None => None,
         };
-        if let Some(stored) = stored {
-            let pod: Pod = serde_json::from_value(stored.clone()).expect("typed pod");
+        if let Some(created) = created {
+            let pod: Pod = serde_json::from_value(created.clone()).expect("typed pod");
             let (ns, pod_name) = key(&pod);
-            let review = AdmissionReviewBuilder::create(stored).build();
+            let review = AdmissionReviewBuilder::create(created.clone()).build();
             let (replica, got) = conn.review("/validate", &review).await;
             let admitted = match got {
-                Ok(r) if r.decision() == Decision::Allowed => true,
+                Ok(r) if r.decision() == Decision::Allowed => {
+                    driver.api().create(&created).expect("pod stored");
+                    true
+                }
                 Ok(r) => {
                     record(
                         replica,
@@ -534,7 +541,7 @@ async fn rolling_restarts_of_two_replicas_fail_no_review() {
 /// from a fresh cache and the stale-report policy (deny on pod CREATE, allow on bindings).
 const OUTAGE_CONFIG: &str = concat!(
     "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\n",
-    "admission:\n  staleReportAfter: 20s\n",
+    "admission:\n  decider: shared\n  staleReportAfter: 20s\n",
     "  staleReportPolicy:\n    podCreate: deny\n    binding: allow\n",
 );
 const STALE_AFTER: Duration = Duration::from_secs(20);

@@ -16,6 +16,10 @@ use teeguard_tests::standalone::WebhookClient;
 
 const TEST_DEADLINE: Duration = Duration::from_secs(240);
 
+/// Every replica decides, sharing its holds through the node's `TeeReservation` (`admission.decider:
+/// shared`); the leader test below elects one.
+const SHARED: &str = "admission:\n  decider: shared\n";
+
 /// Bindings racing for a node's last key in one round.
 const BINDINGS: usize = 50;
 
@@ -52,7 +56,7 @@ async fn start(env: &E2eEnv, n: usize) -> Vec<WebhookProcess> {
 async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once_twenty_times() {
     bounded(async {
         const ROUNDS: usize = 20;
-        let env = E2eEnv::new("").await.expect("env");
+        let env = E2eEnv::new(SHARED).await.expect("env");
         let webhooks = start(&env, 3).await;
         let clients: Vec<_> = webhooks
             .iter()
@@ -120,7 +124,7 @@ async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run_writes_nothing() {
     bounded(async {
-        let env = E2eEnv::new("").await.expect("env");
+        let env = E2eEnv::new(SHARED).await.expect("env");
         let webhooks = start(&env, 2).await;
         fixtures::seed_tdx_node(&env.api, "node-a", 8, 2);
         let vm1 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-1");
@@ -216,7 +220,7 @@ async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run
 async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_own_holds_and_the_stale_policy()
  {
     bounded(async {
-        let mut env = E2eEnv::new("").await.expect("env");
+        let mut env = E2eEnv::new(SHARED).await.expect("env");
         let webhooks = start(&env, 1).await;
         fixtures::seed_tdx_node(&env.api, "node-a", 8, 4);
         let pods: Vec<Pod> = (0..4)
@@ -305,7 +309,7 @@ async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_own_holds_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_pods_shared_reservation_is_released() {
     bounded(async {
-        let env = E2eEnv::new("").await.expect("env");
+        let env = E2eEnv::new(SHARED).await.expect("env");
         let webhooks = start(&env, 2).await;
         fixtures::seed_tdx_node(&env.api, "node-a", 8, 1);
         let vm1 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-1");
@@ -377,7 +381,7 @@ async fn decider(env: &E2eEnv, webhooks: &[WebhookProcess]) -> usize {
     loop {
         let lease = env
             .api
-            .get_typed::<Lease>(Some("default"), "teeguard-webhook-decider")
+            .get_typed::<Lease>(Some("default"), &env.procs.decider_lease)
             .expect("typed");
         let address = lease
             .as_ref()
@@ -437,6 +441,7 @@ async fn race_for_the_last_key(
         assert_eq!(status, 200);
         let v: Value = serde_json::from_slice(&body).expect("json");
         if v["response"]["allowed"] == true {
+            eprintln!("{tag}: admitted: {}", v["response"]);
             admitted += 1;
         } else {
             messages.push(
@@ -524,7 +529,7 @@ async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_o
                 .api
                 .get_typed::<k8s_openapi::api::coordination::v1::Lease>(
                     Some("default"),
-                    "teeguard-webhook-decider",
+                    &env.procs.decider_lease,
                 )
                 .expect("typed")
                 .expect("the Lease exists");

@@ -17,6 +17,10 @@ use teeguard_tests::standalone::{CreatedVmi, Decision, PodAdmission, VmiSpec};
 /// Fast agent (reports follow the host within ~100 ms; heartbeats every second end the webhook's
 /// ledger reservations quickly); default admission policy.
 const CONFIG: &str = "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\n";
+/// [`CONFIG`] with every replica deciding (`admission.decider: shared`): the outage test proves that
+/// design's fallback (a hold that cannot be written refuses the CREATE).
+const SHARED_CONFIG: &str =
+    "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nadmission:\n  decider: shared\n";
 
 /// Every test body is bounded by this.
 const TEST_DEADLINE: Duration = Duration::from_secs(150);
@@ -548,7 +552,7 @@ async fn agent_restart_with_a_running_vm_keeps_the_nodes_key_resource() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_outage_webhook_answers_from_caches_agent_publishes_after() {
     bounded(async {
-        let mut w = world(4, CONFIG).await;
+        let mut w = world(4, SHARED_CONFIG).await;
         run_vm(&w, "vm-1").await;
         // vm-2: admitted and bound, not started yet. vm-3: admitted, not bound. vm-4: VMI only.
         let (_, a2) = vm_pod(&w, VmiSpec::new("vm-2", Tee::Tdx)).await;

@@ -27,7 +27,7 @@ use crate::cluster::caches::Caches;
 use crate::cluster::events::EventSink;
 use crate::cluster::holds::ApiHolds;
 use crate::cluster::index::{KeyIndex, wall_clock};
-use crate::cluster::lead::Leadership;
+use crate::cluster::lead::{Leadership, Round};
 use crate::cluster::retry::Retrier;
 use crate::decide::lead::Elector;
 use crate::error::{Error, Result};
@@ -41,6 +41,9 @@ use crate::web::tls::{CertReloader, install_crypto_provider, server_config};
 pub const READY_CACHES: &str = "caches";
 /// Readiness check: the serving certificate is loaded.
 pub const READY_TLS: &str = "tls";
+/// Readiness check (`admission.decider: leader`): the decider Lease has been read once, so the replica
+/// knows whether it decides or where to forward.
+pub const READY_DECIDER: &str = "decider";
 /// Readiness check: the server accepts connections (false once shutdown starts).
 pub const READY_ACCEPTING: &str = "accepting";
 
@@ -109,6 +112,9 @@ pub async fn start(
     })?;
 
     let readiness = Readiness::new(&[READY_CACHES, READY_TLS, READY_ACCEPTING]);
+    if config.admission.decider == Decider::Leader {
+        readiness.set(READY_DECIDER, false);
+    }
     readiness.set(READY_TLS, true);
     readiness.set(READY_ACCEPTING, true);
 
@@ -194,12 +200,20 @@ pub async fn start(
             );
             let leadership = Leadership::new(Elector::new(identity, address, terms), wall_clock());
             let synced = caches.clone();
+            let (ready, gauge) = (readiness.clone(), metrics.clone());
+            let lease_stop = CancellationToken::new();
             let lease = leadership.clone().run(
                 Api::namespaced(client.clone(), client.default_namespace()),
-                crate::cluster::lead::LEASE_NAME.to_string(),
+                args.decider_lease_name.clone(),
                 args.api_timeout,
                 async move { synced.wait_synced().await },
-                background.clone(),
+                move |round: Round| {
+                    gauge.set_decider(round.deciding);
+                    if round.read {
+                        ready.set(READY_DECIDER, true);
+                    }
+                },
+                lease_stop.clone(),
             );
             let behind = tokio::spawn(crate::cluster::holds::write_behind(
                 index.clone(),
@@ -208,7 +222,14 @@ pub async fn start(
                 metrics.clone(),
                 background.clone(),
             ));
-            (Some(leadership), vec![lease, behind])
+            // At a stop, the Lease is given up only once the last holds are written: a successor
+            // takes it at once and starts from them.
+            let handoff = tokio::spawn(async move {
+                let _ = behind.await;
+                lease_stop.cancel();
+                let _ = lease.await;
+            });
+            (Some(leadership), vec![handoff])
         }
     };
     let forwarder = match &leadership {

@@ -54,6 +54,10 @@ pub struct ServeArgs {
     /// (`https://host:port`); by default `https://$POD_IP:<the listen port>`.
     #[arg(long, env = "TEEGUARD_DECIDER_ADDRESS")]
     pub decider_address: Option<String>,
+    /// With `admission.decider: leader`, the name of the decider Lease (in the namespace of the
+    /// webhook's kube client): one per set of replicas that decide together.
+    #[arg(long, env = "TEEGUARD_DECIDER_LEASE_NAME", default_value = crate::cluster::lead::LEASE_NAME)]
+    pub decider_lease_name: String,
     /// Plain-HTTP address for /livez, /readyz and /metrics.
     #[arg(long, env = "TEEGUARD_ADMIN_ADDR", default_value = "0.0.0.0:8080")]
     pub admin_listen: SocketAddr,

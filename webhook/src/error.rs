@@ -66,6 +66,12 @@ pub enum Error {
     /// The rustls server configuration could not be built.
     #[error("cannot configure TLS: {0}")]
     TlsConfig(String),
+    /// A review forwarded to this replica, which does not decide (any more): HTTP 503, and the
+    /// replica that forwarded it reads the Lease again.
+    #[error(
+        "this replica does not decide the admissions that take a key ({0}); ask the Lease again"
+    )]
+    NotDeciding(String),
     /// The decider's address (`admission.decider: leader`) is missing or unusable.
     #[error("admission.decider: leader: {0}")]
     DeciderAddress(String),
@@ -140,7 +146,7 @@ impl Error {
         match self {
             Error::BadReview(_) | Error::ReadBody(_) => StatusCode::BAD_REQUEST,
             Error::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Error::Timeout(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Timeout(_) | Error::NotDeciding(_) => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

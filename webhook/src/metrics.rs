@@ -277,6 +277,7 @@ pub struct Metrics {
     vmi_events: Family<EventLabels, Counter>,
     vmi_retries: Family<RetryLabels, Counter>,
     waiting_vmis: Family<KindLabels, Gauge>,
+    decider: Gauge,
     runtime_class_mutations: Family<RuntimeClassLabels, Counter>,
 }
 
@@ -297,6 +298,7 @@ impl Metrics {
             vmi_events: Family::default(),
             vmi_retries: Family::default(),
             waiting_vmis: Family::default(),
+            decider: Gauge::default(),
             runtime_class_mutations: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("teeguard_webhook");
@@ -366,6 +368,11 @@ impl Metrics {
             m.waiting_vmis.clone(),
         );
         r.register(
+            "decider",
+            "1 while this replica decides the admissions that take a key (admission.decider: leader; the others forward), else 0",
+            m.decider.clone(),
+        );
+        r.register(
             "runtime_class_mutations",
             "Mutating decisions on pods of a TEE RuntimeClass (admission.teeRuntimeClasses), by TEE kind and result (patched, overhead_key, already_requested, skipped, denied)",
             m.runtime_class_mutations.clone(),
@@ -416,6 +423,11 @@ impl Metrics {
         self.holds
             .get_or_create(&ReasonLabels { reason })
             .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Whether this replica decides the admissions that take a key now.
+    pub fn set_decider(&self, deciding: bool) {
+        self.decider.set(i64::from(deciding));
     }
 
     /// Count a write of a node's `TeeReservation`.

@@ -45,6 +45,10 @@ fn tdx_status(capacity: u64, free: u64, external: u64, age: Duration) -> Value {
 
 const FRESH: Duration = Duration::from_secs(1);
 
+/// Every replica decides and writes each hold into the node's `TeeReservation` before answering
+/// (`admission.decider: shared`): the tests of those writes.
+const SHARED: &str = "admission:\n  decider: shared\n";
+
 /// A mutated, named TDX virt-launcher pod of `vmi` (key request and teeguard's annotation).
 fn mutated(vmi: &str) -> VirtLauncherPod {
     VirtLauncherPod::for_tee(vmi, Tee::Tdx)
@@ -158,7 +162,7 @@ async fn full_node_binding_denied_until_a_key_is_freed_with_an_event_on_the_vmi(
     let vmi_uid = pod.metadata.owner_references.as_ref().expect("owner")[0]
         .uid
         .clone();
-    let h = Harness::start_with(api, None, &[]).await;
+    let h = Harness::start_with(api, Some(SHARED), &[]).await;
     wait_cached(&h, 1, 1, 1, 1).await;
     h.api.clear_requests();
 
@@ -328,10 +332,14 @@ async fn dry_run_decides_but_reserves_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_and_missing_reports_under_both_policies() {
     const OLD: Duration = Duration::from_secs(600);
+    // Every replica decides (`shared`): a fresh elected decider would first wait for the seeded pod,
+    // which it did not admit (`Index::orphans`).
     let configs = [
-        (None, false, true),
+        (Some(SHARED), false, true),
         (
-            Some("admission:\n  staleReportPolicy:\n    podCreate: allow\n    binding: deny\n"),
+            Some(
+                "admission:\n  decider: shared\n  staleReportPolicy:\n    podCreate: allow\n    binding: deny\n",
+            ),
             true,
             false,
         ),
@@ -1052,7 +1060,7 @@ async fn a_shared_reservation_counted_by_a_report_does_not_hold_the_key_again_af
         .expect("node");
     let first = seed_vm(&api, "first", DEFAULT_NAMESPACE);
     let second = seed_vm(&api, "second", DEFAULT_NAMESPACE);
-    let h = Harness::start_with(api, None, &[]).await;
+    let h = Harness::start_with(api, Some(SHARED), &[]).await;
     wait_cached(&h, 1, 1, 2, 2).await;
     let (status, resp) = h.validate(&binding(&first, "node01")).await;
     allowed(status, &resp);

@@ -50,8 +50,8 @@ struct Seen {
     events: Vec<String>,
 }
 
-/// Everything up: every replica, both agents, both API servers (the samplers count nothing against
-/// the webhook while something is down, nor for [`LEFT_BOUND`] after).
+/// Everything up: every replica, both agents, both API servers, and a replica deciding (the samplers
+/// count nothing against the webhook while something is down, nor for [`LEFT_BOUND`] after).
 #[derive(Debug)]
 struct Health {
     up: AtomicBool,
@@ -175,6 +175,9 @@ pub async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart(
                 )
             }
         };
+        // Up again once a replica decides (leader: after a decider died, its successor waited
+        // the Lease out).
+        w.one_decider().await;
         health.set(true);
         lock(&seen).events.push(event);
     }

@@ -26,6 +26,7 @@ use teeguard_tests::fixtures::Tee;
 use teeguard_tests::host::{SEV, SEV_ES, SimHost, TDX};
 use teeguard_tests::kubevirt::{self, KubeVirt, vmis};
 use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime};
+use teeguard_tests::prom::Scrape;
 use teeguard_tests::realcluster::Cluster;
 
 use crate::chart_support;
@@ -226,6 +227,29 @@ impl KubeVirtWorld {
             .lock()
             .unwrap_or_else(|e| e.into_inner())[i] = Some(webhook.https);
         self.webhooks[i] = Some(webhook);
+    }
+
+    /// With `admission.decider: leader`, wait until exactly one running replica decides (its
+    /// `teeguard_webhook_decider` gauge is 1): after a decider dies, a successor takes the Lease over
+    /// at most `deciderLease` (15 s) after the last renewal; the bound is four times that for a
+    /// loaded machine. With `shared` every replica decides: nothing to wait for.
+    pub async fn one_decider(&self) {
+        if self.tdx.env.config.admission.decider != teeguard_shared::config::Decider::Leader {
+            return;
+        }
+        let bound = self.tdx.env.config.admission.decider_lease * 4;
+        let decided = self
+            .cluster
+            .wait_for_within("one webhook replica decides", bound, || async {
+                let mut deciding = 0.0;
+                for r in self.webhooks.iter().flatten() {
+                    let text = r.metrics().await;
+                    deciding += Scrape::parse(&text).sum("teeguard_webhook_decider", &[]);
+                }
+                (deciding == 1.0).then_some(())
+            })
+            .await;
+        assert!(decided.is_ok(), "{decided:?}\n{}", self.diagnostics());
     }
 
     /// Start the agent of the node of kind `tee` again (after its process was killed) and wait for

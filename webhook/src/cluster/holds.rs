@@ -141,7 +141,8 @@ pub const BEHIND_RETRY: Duration = Duration::from_millis(250);
 /// into their nodes' `TeeReservation`s soon after, so every replica counts them and a successor
 /// starts from them. Each node's write carries all its unwritten holds (a burst is one write), on the
 /// version read; a conflict reads again ([`commit`]). Runs until `shutdown`, whoever decides: holds
-/// a replica admitted are real whichever replica decides next.
+/// a replica admitted are real whichever replica decides next; at `shutdown` it writes what is left
+/// once more (the Lease is given up after, so a successor that takes it at once starts from them).
 pub async fn write_behind<S: HoldStore>(
     index: KeyIndex,
     store: S,
@@ -149,8 +150,19 @@ pub async fn write_behind<S: HoldStore>(
     metrics: std::sync::Arc<Metrics>,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
+    write_behind_until(&index, &store, within, &metrics, &shutdown).await;
+    write_behind_once(&index, &store, within, Some(&metrics)).await;
+}
+
+async fn write_behind_until<S: HoldStore>(
+    index: &KeyIndex,
+    store: &S,
+    within: Duration,
+    metrics: &Metrics,
+    shutdown: &tokio_util::sync::CancellationToken,
+) {
     loop {
-        let failed = write_behind_once(&index, &store, within, Some(&metrics)).await;
+        let failed = write_behind_once(index, store, within, Some(metrics)).await;
         let again = if failed {
             BEHIND_RETRY
         } else {

@@ -36,7 +36,18 @@ pub struct Leadership {
     settled: Arc<AtomicU64>,
     /// Told when this replica starts deciding (the planner plans at once).
     became: Arc<tokio::sync::Notify>,
+    /// Asks [`Leadership::run`] for a round now (a review found no decider).
+    kick: Arc<tokio::sync::Notify>,
+    /// Counts the rounds done.
+    rounds: Arc<tokio::sync::watch::Sender<u64>>,
 }
+
+/// How soon after a review asked for it the Lease is read again: reviews that find no decider at once
+/// (a burst) share one read.
+const KICK_SPACING: Duration = Duration::from_millis(50);
+
+/// How often a CREATE waiting for a new decider's orphans looks at the index again.
+const ORPHAN_POLL: Duration = Duration::from_millis(25);
 
 impl std::fmt::Debug for Leadership {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -52,6 +63,8 @@ impl Leadership {
             clock,
             settled: Arc::new(AtomicU64::new(0)),
             became: Arc::new(tokio::sync::Notify::new()),
+            kick: Arc::new(tokio::sync::Notify::new()),
+            rounds: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
     }
 
@@ -68,6 +81,8 @@ impl Leadership {
             clock: self.clock.clone(),
             settled: Arc::new(AtomicU64::new(self.settled.load(Ordering::Acquire))),
             became: Arc::new(tokio::sync::Notify::new()),
+            kick: Arc::new(tokio::sync::Notify::new()),
+            rounds: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
     }
 
@@ -100,6 +115,39 @@ impl Leadership {
         }
     }
 
+    /// Wait, at most one retry period, until a replica decides that is not the one at `failed` (it
+    /// could not be reached) and, with `create`, that may admit a CREATE from this replica's index
+    /// ([`Leadership::route_create`]): true once one does. Asks for Lease reads meanwhile, so a Lease
+    /// given up (a clean stop) is taken over at once.
+    pub async fn await_decider(&self, failed: Option<&str>, create: Option<&KeyIndex>) -> bool {
+        let within = self.with(|e| e.terms().retry);
+        let deadline = tokio::time::Instant::now() + within;
+        let mut rounds = self.rounds.subscribe();
+        loop {
+            match self.route() {
+                Route::Here => match create {
+                    None => return true,
+                    Some(index) if self.route_create(index).is_ok() => return true,
+                    // The holds of the decider that gave the Lease up reach the index through its
+                    // watch within milliseconds; the index has no change signal, so look again.
+                    Some(_) if tokio::time::Instant::now() + ORPHAN_POLL < deadline => {
+                        tokio::time::sleep(ORPHAN_POLL).await;
+                        continue;
+                    }
+                    Some(_) => return false,
+                },
+                Route::Forward(at) if Some(at.as_str()) != failed => return true,
+                Route::Forward(_) | Route::Nobody => {}
+            }
+            rounds.mark_unchanged();
+            self.kick.notify_one();
+            match tokio::time::timeout_at(deadline, rounds.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return false,
+            }
+        }
+    }
+
     /// Whether this replica decides now.
     pub fn deciding(&self) -> bool {
         self.route() == Route::Here
@@ -111,13 +159,15 @@ impl Leadership {
 
     /// Once `synced` resolves (every cache listed: a replica never decides on a partial index), read
     /// and write the Lease `name` every `retry` until `shutdown`; then give it up (a successor need not
-    /// wait the lease out after a clean stop).
+    /// wait the lease out after a clean stop). `rounds` is told after each round whether the Lease
+    /// could be read and whether this replica decides (readiness, the `decider` gauge).
     pub fn run(
         self,
         api: Api<Lease>,
         name: String,
         api_timeout: Duration,
         synced: impl Future<Output = ()> + Send + 'static,
+        rounds: impl Fn(Round) + Send + 'static,
         shutdown: CancellationToken,
     ) -> JoinHandle<()> {
         tokio::spawn(async move {
@@ -128,7 +178,9 @@ impl Leadership {
             let retry = self.with(|e| e.terms().retry);
             let mut leading = false;
             loop {
-                let now = self.leading_now(&api, &name, api_timeout).await;
+                let round = self.leading_now(&api, &name, api_timeout).await;
+                rounds(round);
+                let now = round.deciding;
                 if now != leading {
                     leading = now;
                     if leading {
@@ -140,14 +192,23 @@ impl Leadership {
                         tracing::info!(lease = name, "this replica no longer decides; it forwards");
                     }
                 }
+                self.rounds.send_modify(|n| *n += 1);
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(retry) => {}
+                    _ = async {
+                        self.kick.notified().await;
+                        tokio::time::sleep(KICK_SPACING).await;
+                    } => {}
                 }
             }
             if leading {
                 self.release(&api, &name, api_timeout).await;
             }
+            rounds(Round {
+                read: true,
+                deciding: false,
+            });
         })
     }
 
@@ -190,27 +251,30 @@ impl Leadership {
         self.became.notified().await;
     }
 
-    /// One round: read the Lease, write it when the elector says so; returns whether this replica
-    /// decides afterwards.
-    async fn leading_now(&self, api: &Api<Lease>, name: &str, within: Duration) -> bool {
+    /// One round: read the Lease, write it when the elector says so.
+    async fn leading_now(&self, api: &Api<Lease>, name: &str, within: Duration) -> Round {
+        let after = |read| Round {
+            read,
+            deciding: self.deciding(),
+        };
         let read = tokio::time::timeout(within, api.get_opt(name)).await;
         let lease = match read {
             Ok(Ok(lease)) => lease,
             Ok(Err(e)) => {
                 tracing::warn!(lease = name, error = %e, "cannot read the decider Lease; trying again");
-                return self.deciding();
+                return after(false);
             }
             Err(_) => {
                 tracing::warn!(
                     lease = name,
                     "the API server did not answer reading the decider Lease within {within:?}"
                 );
-                return self.deciding();
+                return after(false);
             }
         };
         let started = (self.clock)();
         let Some(next) = self.round(lease.as_ref().map(record)) else {
-            return self.deciding();
+            return after(true);
         };
         let duration = self.with(|e| e.terms().lease);
         let written = tokio::time::timeout(within, write(api, name, lease, &next, duration)).await;
@@ -234,7 +298,7 @@ impl Leadership {
                 "the API server did not answer writing the decider Lease within {within:?}"
             ),
         }
-        self.deciding()
+        after(true)
     }
 
     /// Give the Lease up: empty holder, so a successor takes it at once.
@@ -253,6 +317,15 @@ impl Leadership {
             tokio::time::timeout(within, api.replace(name, &PostParams::default(), &lease)).await;
         tracing::info!(lease = name, "gave up the decider Lease");
     }
+}
+
+/// What one round of [`Leadership::run`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Round {
+    /// The Lease could be read (the replica knows who decides).
+    pub read: bool,
+    /// This replica decides now.
+    pub deciding: bool,
 }
 
 fn record(lease: &Lease) -> Record {

@@ -450,9 +450,11 @@ impl World {
         let clock = Arc::new(AtomicI64::new(0));
         let mut config = Config::default();
         config.admission.shared_reservations = spec.shared;
-        if spec.leader {
-            config.admission.decider = teeguard_shared::config::Decider::Leader;
-        }
+        config.admission.decider = if spec.leader {
+            teeguard_shared::config::Decider::Leader
+        } else {
+            teeguard_shared::config::Decider::Shared
+        };
         let truth = Truth {
             rev: 0,
             nodes: spec

@@ -6,7 +6,6 @@ use crate::cluster::lead::Leadership;
 use crate::decide::lead::Route as LeadRoute;
 use crate::decide::queue;
 use crate::decide::validation::reason;
-use crate::error::Result;
 use crate::web::forward::Forwarder;
 use crate::web::handlers::Reviewed;
 
@@ -29,8 +28,13 @@ pub(super) enum Route {
     Here,
     /// Send it to the deciding replica at this address.
     Forward(String),
-    /// Refuse it: nobody decides now (why).
-    Refuse(String),
+    /// Nobody decides now (why; `create`: or this replica decides but may not admit a CREATE yet):
+    /// wait a moment for a decider (one may be taking the Lease over, or reading the holds of the
+    /// one that gave it up), then refuse.
+    Nobody { why: String, create: bool },
+    /// Another replica forwarded it here, and this one does not decide (why): that replica asks the
+    /// Lease again.
+    Decline(String),
 }
 
 /// Where the check of a review that takes a key is made (see [`Decider`]): a binding (`create`
@@ -44,10 +48,13 @@ pub(super) fn route(ctx: &ValidationContext<'_>, index: &KeyIndex, create: bool)
         match d.leadership.route_create(index) {
             Ok(r) => r,
             Err(n) => {
-                return Route::Refuse(format!(
-                    "teeguard's deciding replica has just taken over and waits for {n} launcher \
-                     pod(s) admitted before it to be bound or gone"
-                ));
+                return Route::Nobody {
+                    why: format!(
+                        "teeguard's deciding replica has just taken over and waits for {n} launcher \
+                         pod(s) admitted before it to be bound or gone"
+                    ),
+                    create,
+                };
             }
         }
     } else {
@@ -56,44 +63,82 @@ pub(super) fn route(ctx: &ValidationContext<'_>, index: &KeyIndex, create: bool)
     match route {
         LeadRoute::Here => Route::Here,
         LeadRoute::Forward(address) if !d.forwarded => Route::Forward(address),
-        LeadRoute::Forward(address) => Route::Refuse(format!(
-            "teeguard's replicas disagree on which decides (this one was sent the review, the Lease \
-             names {address})"
-        )),
-        LeadRoute::Nobody => {
-            Route::Refuse("no teeguard replica decides right now (an election)".into())
-        }
+        LeadRoute::Forward(address) => Route::Decline(format!("the Lease names {address}")),
+        LeadRoute::Nobody if d.forwarded => Route::Decline("nobody holds the Lease".into()),
+        LeadRoute::Nobody => Route::Nobody {
+            why: "no teeguard replica decides right now (an election)".into(),
+            create,
+        },
     }
 }
 
-/// A review that takes a key, not decided here: forwarded, or refused.
-pub(super) fn not_here(request: &'static str, kind: &'static str, route: Route) -> Option<Verdict> {
-    match route {
-        Route::Here => None,
-        Route::Forward(address) => Some(Verdict::Forward(address)),
-        Route::Refuse(why) => Some(Verdict::Answer(Answer::deny(
+/// A review that takes a key, not decided here: forwarded, declined, or refused (`refused` makes the
+/// refusal the handler answers with: its mode, its note).
+pub(super) fn not_here(
+    request: &'static str,
+    kind: &'static str,
+    route: Route,
+    refused: impl FnOnce(Answer) -> Answer,
+) -> Option<Verdict> {
+    let refusal = |why: String| {
+        refused(Answer::deny(
             request,
             kind,
             reason::NO_DECIDER,
             format!("{why}; {}", crate::decide::validation::HINT),
-        ))),
+        ))
+    };
+    match route {
+        Route::Here => None,
+        Route::Forward(address) => Some(Verdict::Forward(address)),
+        Route::Nobody { why, create } => Some(Verdict::Nobody {
+            refusal: refusal(why),
+            create,
+        }),
+        Route::Decline(why) => Some(Verdict::Decline(why)),
     }
 }
 
-/// A review decided (or refused) here, or to forward.
+/// A review decided (or refused) here, or to send elsewhere.
 pub(super) enum Verdict {
     Answer(Answer),
     Forward(String),
+    /// Nobody decides (`create`: a CREATE the decider may not admit yet): wait a moment for a
+    /// decider and review again, else this refusal.
+    Nobody {
+        refusal: Answer,
+        create: bool,
+    },
+    /// Forwarded here, not deciding (why): HTTP 503 to the forwarding replica.
+    Decline(String),
 }
 
-/// Send the review to the deciding replica; its answer is this one's. A forward that fails is a
-/// refusal the new decider's planner ends (the VMI waits its turn like any refused for keys).
+/// Wait, at most one Lease retry period, for a replica that decides (other than a decider at
+/// `failed`, which could not be reached; with `create`, one that may admit a CREATE): true once there
+/// is one and the review should be routed again. A decider that stopped cleanly wrote its holds and
+/// gave the Lease up, so the wait ends at the next read and once those holds are in the index.
+pub(super) async fn await_decider(
+    ctx: &ValidationContext<'_>,
+    index: &KeyIndex,
+    failed: Option<&str>,
+    create: bool,
+) -> bool {
+    match ctx.decider {
+        Some(d) if !d.forwarded => {
+            let index = create.then_some(index);
+            d.leadership.await_decider(failed, index).await
+        }
+        _ => false,
+    }
+}
+
+/// Send the review to the deciding replica; its answer is this one's (`Err`: why it could not be
+/// sent or answered).
 pub(super) async fn forward(
     body: &[u8],
     address: &str,
     ctx: &ValidationContext<'_>,
-    uid: String,
-) -> Result<Reviewed> {
+) -> std::result::Result<Reviewed, String> {
     let sent = match ctx.decider {
         Some(d) => {
             d.forwarder
@@ -102,21 +147,27 @@ pub(super) async fn forward(
         }
         None => Err("this replica has no connection to a decider".to_string()),
     };
-    match sent {
-        Ok(answer) => Ok(Reviewed::forwarded(answer)),
-        Err(why) => {
-            tracing::warn!(
-                decider = address,
-                error = why,
-                "cannot forward a review to the deciding replica; refused"
-            );
-            let mut msg = format!("{why}; {}", crate::decide::validation::HINT);
-            queue::note_refusal(reason::NO_DECIDER, Some(&mut msg));
-            let a = Answer::deny("forward", "none", reason::NO_DECIDER, msg);
-            if let Some(m) = ctx.metrics {
-                m.validation(a.request, a.kind, a.outcome);
-            }
-            Ok(respond(uid, a))
-        }
+    sent.map(Reviewed::forwarded)
+}
+
+/// A forward that failed: a refusal the new decider's planner ends (the VMI waits its turn like any
+/// refused for keys).
+pub(super) fn unforwarded(
+    address: &str,
+    why: String,
+    ctx: &ValidationContext<'_>,
+    uid: String,
+) -> Reviewed {
+    tracing::warn!(
+        decider = address,
+        error = why,
+        "cannot forward a review to the deciding replica; refused"
+    );
+    let mut msg = format!("{why}; {}", crate::decide::validation::HINT);
+    queue::note_refusal(reason::NO_DECIDER, Some(&mut msg));
+    let a = Answer::deny("forward", "none", reason::NO_DECIDER, msg);
+    if let Some(m) = ctx.metrics {
+        m.validation(a.request, a.kind, a.outcome);
     }
+    respond(uid, a)
 }

@@ -61,7 +61,7 @@ use crate::web::state::AppState;
 mod decider;
 
 pub use decider::Decider;
-use decider::{Verdict, forward, not_here, route};
+use decider::{Verdict, forward, not_here, route, unforwarded};
 
 /// Endpoint name in metrics and logs.
 pub const ENDPOINT: &str = crate::metrics::endpoint::VALIDATE;
@@ -205,29 +205,58 @@ fn primary_kind(requests: &KeyRequests) -> &'static str {
 
 /// Decide one validating review from its raw body: the same code serves HTTPS and the offline
 /// `review` command. Errors are malformed reviews (HTTP 400).
+///
+/// With an elected decider, a review that finds nobody deciding, or whose decider cannot be reached,
+/// waits once for a decider (one Lease read; a decider that stopped cleanly gave the Lease up) and
+/// is reviewed again: a rolling restart refuses nothing.
 pub async fn review_validation<L: Lookups>(
     body: &[u8],
     lookups: &L,
     ctx: &ValidationContext<'_>,
 ) -> Result<Reviewed> {
-    let mut review = AdmittedReview::parse(body)?;
-    let req = &review.request;
-    let pods = req.resource.group.is_empty() && req.resource.resource == "pods";
-    let verdict = match (pods, req.sub_resource.as_str(), req.operation) {
-        (true, "", Operation::Create) => pod_create(&mut review, lookups, ctx).await?,
-        (true, "", Operation::Update) => Verdict::Answer(pod_update(&mut review, lookups).await?),
-        (true, "binding", Operation::Create) => binding(&mut review, lookups, ctx).await?,
-        (true, "", Operation::Delete) => Verdict::Answer(Answer::skip("other", "pod-delete")),
-        _ => Verdict::Answer(Answer::skip("other", "not-validated")),
-    };
-    let answer = match verdict {
-        Verdict::Answer(a) => a,
-        Verdict::Forward(address) => return forward(body, &address, ctx, review.request.uid).await,
-    };
-    if let Some(m) = ctx.metrics {
-        m.validation(answer.request, answer.kind, answer.outcome);
+    let mut waited = false;
+    loop {
+        let mut review = AdmittedReview::parse(body)?;
+        let req = &review.request;
+        let pods = req.resource.group.is_empty() && req.resource.resource == "pods";
+        let verdict = match (pods, req.sub_resource.as_str(), req.operation) {
+            (true, "", Operation::Create) => pod_create(&mut review, lookups, ctx).await?,
+            (true, "", Operation::Update) => {
+                Verdict::Answer(pod_update(&mut review, lookups).await?)
+            }
+            (true, "binding", Operation::Create) => binding(&mut review, lookups, ctx).await?,
+            (true, "", Operation::Delete) => Verdict::Answer(Answer::skip("other", "pod-delete")),
+            _ => Verdict::Answer(Answer::skip("other", "not-validated")),
+        };
+        let uid = review.request.uid;
+        let answer = match verdict {
+            Verdict::Answer(a) => a,
+            Verdict::Decline(why) => return Err(crate::error::Error::NotDeciding(why)),
+            Verdict::Nobody { create, .. }
+                if !waited && decider::await_decider(ctx, lookups.index(), None, create).await =>
+            {
+                waited = true;
+                continue;
+            }
+            Verdict::Nobody { refusal, .. } => refusal,
+            Verdict::Forward(address) => match forward(body, &address, ctx).await {
+                Ok(answer) => return Ok(answer),
+                Err(_)
+                    if !waited
+                        && decider::await_decider(ctx, lookups.index(), Some(&address), false)
+                            .await =>
+                {
+                    waited = true;
+                    continue;
+                }
+                Err(why) => return Ok(unforwarded(&address, why, ctx, uid)),
+            },
+        };
+        if let Some(m) = ctx.metrics {
+            m.validation(answer.request, answer.kind, answer.outcome);
+        }
+        return Ok(respond(uid, answer));
     }
-    Ok(respond(review.request.uid, answer))
 }
 
 fn respond(uid: String, a: Answer) -> Reviewed {
@@ -377,18 +406,17 @@ async fn pod_create<L: Lookups>(
         None => Target::Candidates(spec),
     };
     let retried = vmi_ref.is_some() && bound.is_none() && config.admission.retry_refused_vmis;
-    if let Some(elsewhere) = not_here(REQ, kind, route(ctx, lookups.index(), bound.is_none())) {
-        return Ok(match elsewhere {
-            // Nobody decides: a refusal like one for lack of keys (the VMI waits its turn), or in warn
-            // mode an admission with the reason as a warning.
-            Verdict::Answer(mut a) => {
-                if retried {
-                    queue::note_refusal(a.reason, a.message.as_mut());
-                }
-                Verdict::Answer(a.in_mode(mode).with_warnings(warnings))
-            }
-            forward => forward,
-        });
+    // Nobody decides: a refusal like one for lack of keys (the VMI waits its turn), or in warn mode
+    // an admission with the reason as a warning.
+    let refused = |mut a: Answer| {
+        if retried {
+            queue::note_refusal(a.reason, a.message.as_mut());
+        }
+        a.in_mode(mode).with_warnings(warnings.clone())
+    };
+    let route = route(ctx, lookups.index(), bound.is_none());
+    if let Some(elsewhere) = not_here(REQ, kind, route, refused) {
+        return Ok(elsewhere);
     }
     let (decision, _) = check(&checker(lookups, ctx), &ask, target).await;
 
@@ -554,11 +582,9 @@ async fn binding<L: Lookups>(
     };
     let target = Target::Node(node, Trigger::Binding);
     let route = route(ctx, lookups.index(), false);
-    if let Some(elsewhere) = not_here(REQ, primary_kind(&requests), route) {
-        return Ok(match elsewhere {
-            Verdict::Answer(a) => Verdict::Answer(a.in_mode(mode).with_warnings(warnings)),
-            forward => forward,
-        });
+    let refused = |a: Answer| a.in_mode(mode).with_warnings(warnings.clone());
+    if let Some(elsewhere) = not_here(REQ, primary_kind(&requests), route, refused) {
+        return Ok(elsewhere);
     }
     let (d, _) = check(&checker(lookups, ctx), &ask, target).await;
     let answer = Answer::from_decision(
