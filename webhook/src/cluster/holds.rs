@@ -77,6 +77,25 @@ pub async fn commit<T, S: HoldStore>(
             m.hold_write(r);
         }
     };
+    let Some(store) = store else {
+        // Decided and held under one write lock: two reviews on this replica never both take one
+        // last key (with a store, the write's resourceVersion serialises them instead).
+        let (answer, held) = index.update(|ix, now| {
+            let (answer, write) = plan(ix, now);
+            let held = write.is_some_and(|w| {
+                for hold in w.added {
+                    ix.hold_locally(&w.node, hold, now);
+                }
+                true
+            });
+            (answer, held)
+        });
+        if !held {
+            return (answer, Committed::Nothing);
+        }
+        index.wake_write_behind();
+        return (answer, Committed::Written);
+    };
     let mut attempt = 0;
     loop {
         attempt += 1;
@@ -87,10 +106,6 @@ pub async fn commit<T, S: HoldStore>(
         };
         let Some(write) = write else {
             return (answer, Committed::Nothing);
-        };
-        let Some(store) = store else {
-            index.hold_locally(&write.node, &write.added);
-            return (answer, Committed::Written);
         };
         let left = within.saturating_sub(started.elapsed());
         let result = store.write(&write, left).await;
@@ -304,5 +319,68 @@ impl HoldStore for ApiHolds {
             Ok(Err(e)) => Err(format!("reading TeeReservation {node}: {e}")),
             Err(_) => Err(late(within)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::decide::testkit::{hold, t0};
+    use teeguard_shared::reservation::HoldReason;
+
+    /// Two reviews deciding at once on the decider (no store: it keeps its holds in its index) take a
+    /// node's one key once: the second plans after the first's hold is in the index. Each plan waits
+    /// up to 200 ms for the other to be planning too: with plans made under a shared lock, both saw
+    /// the key free and both held it (found by the leader e2e test under load).
+    #[test]
+    fn two_reviews_deciding_at_once_without_a_store_take_one_key_once() {
+        let index = KeyIndex::new(Duration::from_secs(30), Arc::new(t0));
+        let planning = AtomicUsize::new(0);
+        let taken = std::thread::scope(|s| {
+            let reviews: Vec<_> = (0..2)
+                .map(|i| {
+                    let (index, planning) = (&index, &planning);
+                    s.spawn(move || {
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .build()
+                            .expect("runtime");
+                        let (took, _) = rt.block_on(commit(
+                            index,
+                            None::<&ApiHolds>,
+                            Duration::from_secs(1),
+                            None,
+                            |ix, now| {
+                                planning.fetch_add(1, Ordering::SeqCst);
+                                let waiting = Instant::now();
+                                while planning.load(Ordering::SeqCst) < 2
+                                    && waiting.elapsed() < Duration::from_millis(200)
+                                {
+                                    std::thread::yield_now();
+                                }
+                                let free = ix.live("n1", now).count() == 0;
+                                let write = free.then(|| Write {
+                                    node: "n1".into(),
+                                    base: None,
+                                    entries: Vec::new(),
+                                    added: vec![hold(&format!("p{i}"), "v", HoldReason::Bound)],
+                                });
+                                (free, write)
+                            },
+                        ));
+                        took
+                    })
+                })
+                .collect();
+            reviews
+                .into_iter()
+                .map(|r| r.join().expect("review thread"))
+                .filter(|took| *took)
+                .count()
+        });
+        assert_eq!(taken, 1);
+        assert_eq!(index.read().live("n1", t0()).count(), 1);
     }
 }

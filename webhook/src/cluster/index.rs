@@ -133,6 +133,11 @@ impl KeyIndex {
         self.inner.held_locally.notify_one();
     }
 
+    /// Tell the write-behind that holds were kept locally (by [`KeyIndex::update`]).
+    pub fn wake_write_behind(&self) {
+        self.inner.held_locally.notify_one();
+    }
+
     /// Wait until a hold is kept locally (one made while nobody waited is kept for the next call).
     pub async fn held_locally(&self) {
         self.inner.held_locally.notified().await;

@@ -161,6 +161,7 @@ pub async fn withdraw<S: HoldStore>(
     within: Duration,
     metrics: Option<&Metrics>,
 ) -> Committed {
+    index.update(|ix, _| ix.drop_local_promise(node, vmi_uid));
     let (_, committed) = commit(index, store, within, metrics, |ix, now| {
         ((), admit::withdraw(ix, node, vmi_uid, now))
     })
@@ -285,23 +286,32 @@ impl Retrier {
         if !self.config.admission.retry_refused_vmis || waiting.is_empty() {
             return untidy;
         }
+        // The decider keeps its promises in its index, decided under the index's lock with the
+        // reviews and written behind with its other holds: a review deciding while a promise's write
+        // was in flight would otherwise take the key promised.
+        let promises_to = match self.leadership {
+            Some(_) => None,
+            None => self.store.as_ref(),
+        };
         let pass = promise(
             &self.index,
-            self.store.as_ref(),
+            promises_to,
             &self.config,
             &self.replica,
             self.api_timeout,
             Some(&self.metrics),
         )
         .await;
+        let mut unannotated = false;
         for p in &pass.promised {
-            self.retry(p).await;
+            unannotated |= !self.retry(p).await;
         }
-        pass.failed || untidy
+        pass.failed || untidy || unannotated
     }
 
-    /// Annotate the VMI so virt-controller creates its pod again; withdraw its promise if that fails.
-    async fn retry(&self, p: &Promised) {
+    /// Annotate the VMI so virt-controller creates its pod again; withdraw its promise if that fails
+    /// (false: the pass is tried again shortly).
+    async fn retry(&self, p: &Promised) -> bool {
         let now = self.index.now();
         let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), &p.vmi.namespace);
         let patch =
@@ -333,7 +343,7 @@ impl Retrier {
                 Some(&self.metrics),
             )
             .await;
-            return;
+            return false;
         }
         let waited = p
             .since
@@ -351,5 +361,6 @@ impl Retrier {
                 p.node
             ),
         });
+        true
     }
 }

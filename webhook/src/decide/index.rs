@@ -347,6 +347,19 @@ impl Index {
         self.locate(node, true);
     }
 
+    /// Forget the key promised to VMI `vmi_uid` on `node` that this replica keeps (not written yet).
+    pub fn drop_local_promise(&mut self, node: &str, vmi_uid: &str) {
+        let promise = Claimant {
+            pod_uid: "",
+            vmi_uid,
+        };
+        self.locate(node, false);
+        if let Some(state) = self.nodes.get_mut(node) {
+            state.local.retain(|(e, _)| !promise.owns(e));
+        }
+        self.locate(node, true);
+    }
+
     /// The live holds this replica keeps but that no `TeeReservation` records yet, per node: what the
     /// decider writes behind (`crate::cluster::holds::write_behind`).
     pub fn unwritten(&self, now: Timestamp) -> Vec<(String, Vec<KeyReservation>)> {

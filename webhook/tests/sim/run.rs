@@ -222,13 +222,15 @@ pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
                 }
             }
         }
-        // The decider writes its holds behind 250 ms after it kept one (again after a failure).
+        // The decider writes its holds behind 250 ms after it kept one (a review's, or a promise of
+        // its planner; again after a failure).
         if let Action::WriteBehind(r) = &action {
             behind.remove(r);
         }
         let kept = match (&action, happened.decided_by) {
             (Action::WriteBehind(r), _) if happened.behind_failed => Some(*r),
             (Action::Create(..), Some(r)) => Some(r),
+            (Action::Plan(r), _) if !happened.retried.is_empty() => Some(*r),
             (Action::Bind(..), _) => (0..w.replicas.len())
                 .find(|r| w.replicas[*r].alive && w.replicas[*r].leadership.deciding()),
             _ => None,

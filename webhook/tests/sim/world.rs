@@ -1223,9 +1223,10 @@ impl World {
             Duration::from_secs(2),
             None,
         ));
+        // The decider keeps its promises in its index, written behind (as the product's Retrier).
         let pass = futures::executor::block_on(promise(
             &rep.index,
-            self.spec.shared.then_some(&store),
+            (self.spec.shared && !self.spec.leader).then_some(&store),
             &self.config,
             &format!("replica-{r}"),
             Duration::from_secs(2),
@@ -1233,6 +1234,8 @@ impl World {
         ));
         let now = self.now;
         let mut retried = Vec::new();
+        // A promise whose VMI could not be annotated is withdrawn and the pass tried again shortly.
+        let mut unannotated = false;
         for p in pass.promised {
             // The annotation: one TEEKeyFree Event; virt-controller syncs the VMI at once (the
             // drivers schedule its CREATE). A VMI deleted meanwhile cannot be annotated: the promise
@@ -1253,6 +1256,7 @@ impl World {
             if annotated {
                 retried.push(p.vmi.uid.clone());
             } else {
+                unannotated = true;
                 let rep = &self.replicas[r];
                 futures::executor::block_on(withdraw(
                     &rep.index,
@@ -1264,7 +1268,7 @@ impl World {
                 ));
             }
         }
-        (retried, pass.failed || untidy)
+        (retried, pass.failed || untidy || unannotated)
     }
 
     fn delete_vmi(&mut self, vmi: &str) {
