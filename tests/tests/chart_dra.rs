@@ -59,7 +59,8 @@ fn volume_names(workload: &Value) -> Vec<String> {
         .collect()
 }
 
-/// Every (verb, group, resource) a rendered role grants.
+/// Every (verb, group, resource) a rendered role grants (`resource#name` for a rule with
+/// `resourceNames`).
 fn grants(role: &Value) -> BTreeSet<(String, String, String)> {
     let strings = |rule: &Value, field: &str| -> Vec<String> {
         rule[field]
@@ -71,11 +72,19 @@ fn grants(role: &Value) -> BTreeSet<(String, String, String)> {
     };
     let mut set = BTreeSet::new();
     for rule in role["rules"].as_array().expect("rules") {
-        assert!(rule.get("resourceNames").is_none(), "{rule}");
+        let names = match rule.get("resourceNames") {
+            Some(_) => strings(rule, "resourceNames")
+                .into_iter()
+                .map(|n| format!("#{n}"))
+                .collect(),
+            None => vec![String::new()],
+        };
         for group in strings(rule, "apiGroups") {
             for resource in strings(rule, "resources") {
                 for verb in strings(rule, "verbs") {
-                    set.insert((verb, group.clone(), resource.clone()));
+                    for name in &names {
+                        set.insert((verb.clone(), group.clone(), format!("{resource}{name}")));
+                    }
                 }
             }
         }

@@ -362,12 +362,15 @@ fn decider_address(args: &ServeArgs, https: SocketAddr) -> Result<String> {
             ))
         })?,
         None if !https.ip().is_unspecified() => https.ip(),
+        // A pod without an IP (hostNetwork on a Node that lists no address): it still serves and
+        // may decide, alone; another replica cannot forward to it and refuses those reviews.
         None => {
-            return Err(Error::DeciderAddress(
-                "other replicas need the address to reach this one at: set POD_IP (the chart \
-                 does) or --decider-address"
-                    .into(),
-            ));
+            tracing::warn!(
+                "no address for the other replicas to forward to this one: set POD_IP (the chart \
+                 does) or --decider-address; while this replica decides, the others refuse the \
+                 reviews that take a key"
+            );
+            return Ok(String::new());
         }
     };
     Ok(format!("https://{}", SocketAddr::new(ip, https.port())))

@@ -277,9 +277,17 @@ impl Leadership {
             return after(true);
         };
         let duration = self.with(|e| e.terms().lease);
+        // A Lease created now had no holder before: no decider admitted anything this one must wait
+        // for (`route_create`'s orphans are a crashed predecessor's).
+        let first = lease.is_none();
         let written = tokio::time::timeout(within, write(api, name, lease, &next, duration)).await;
         match written {
-            Ok(Ok(())) => self.written(next, started),
+            Ok(Ok(())) => {
+                self.written(next, started);
+                if first {
+                    self.settled.store(self.term(), Ordering::Release);
+                }
+            }
             Ok(Err(LeaseWrite::Lost)) => {
                 tracing::debug!(
                     lease = name,
