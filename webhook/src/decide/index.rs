@@ -349,19 +349,16 @@ impl Index {
 
     /// Forget the key promised to VMI `vmi_uid` on `node` that this replica keeps (not written yet).
     pub fn drop_local_promise(&mut self, node: &str, vmi_uid: &str) {
-        let promise = Claimant {
-            pod_uid: "",
-            vmi_uid,
-        };
         self.locate(node, false);
         if let Some(state) = self.nodes.get_mut(node) {
-            state.local.retain(|(e, _)| !promise.owns(e));
+            state
+                .local
+                .retain(|(e, _)| !(e.pod_uid.is_empty() && e.vmi_uid == vmi_uid));
         }
         self.locate(node, true);
     }
 
-    /// The live holds this replica keeps but that no `TeeReservation` records yet, per node: what the
-    /// decider writes behind (`crate::cluster::holds::write_behind`).
+    /// Live holds kept here that no `TeeReservation` records yet, per node (written behind).
     pub fn unwritten(&self, now: Timestamp) -> Vec<(String, Vec<KeyReservation>)> {
         self.nodes
             .iter()
@@ -492,11 +489,9 @@ impl Index {
         counts
     }
 
-    /// How many virt-launcher pods requesting keys are admitted, not bound, not counted by a report
-    /// and hold no key anywhere, first seen less than the TTL ago: pods a decider admitted whose holds
-    /// this replica never saw (it crashed before writing them). A decider that has just taken over
-    /// admits no CREATE while there are any (their bindings, decided here, hold their keys), so it
-    /// gives away no key such a pod was admitted for.
+    /// Launcher pods requesting keys, admitted, unbound, uncounted, holding no key, first seen under
+    /// the TTL ago: a crashed decider's, holds never written. A new decider admits no CREATE while
+    /// any exist (their bindings hold their keys), so it gives away no key admitted for one.
     pub fn orphans(&self, now: Timestamp) -> usize {
         self.pods
             .iter()
@@ -536,9 +531,8 @@ impl Index {
         self.nodes.get(name)
     }
 
-    /// Call `visit` with each node that has labels (a Node exists) and for which `filter(name, labels)`
-    /// holds, until it breaks: `first` (when such a node) before the others, each once, otherwise in no
-    /// particular order.
+    /// Call `visit` with each node with labels (a Node exists) for which `filter(name, labels)` holds,
+    /// until it breaks: `first` (when such a node) before the others, each once, in no set order.
     pub fn scan_nodes(
         &self,
         filter: &dyn Fn(&str, &Labels) -> bool,
