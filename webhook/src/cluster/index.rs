@@ -130,7 +130,7 @@ impl KeyIndex {
                 ix.hold_locally(node, hold.clone(), now);
             }
         });
-        self.inner.held_locally.notify_one();
+        self.wake_write_behind();
     }
 
     /// Tell the write-behind that holds were kept locally (by [`KeyIndex::update`]).

@@ -159,7 +159,7 @@ impl Leadership {
 
     /// Once `synced` resolves (every cache listed: a replica never decides on a partial index), read
     /// and write the Lease `name` every `retry` until `shutdown`; then give it up (a successor need not
-    /// wait the lease out after a clean stop). `rounds` is told after each round whether the Lease
+    /// wait the lease out after a clean stop). `on_round` is told after each round whether the Lease
     /// could be read and whether this replica decides (readiness, the `decider` gauge).
     pub fn run(
         self,
@@ -167,7 +167,7 @@ impl Leadership {
         name: String,
         api_timeout: Duration,
         synced: impl Future<Output = ()> + Send + 'static,
-        rounds: impl Fn(Round) + Send + 'static,
+        on_round: impl Fn(Round) + Send + 'static,
         shutdown: CancellationToken,
     ) -> JoinHandle<()> {
         tokio::spawn(async move {
@@ -179,7 +179,7 @@ impl Leadership {
             let mut leading = false;
             loop {
                 let round = self.leading_now(&api, &name, api_timeout).await;
-                rounds(round);
+                on_round(round);
                 let now = round.deciding;
                 if now != leading {
                     leading = now;
@@ -205,7 +205,7 @@ impl Leadership {
             if leading {
                 self.release(&api, &name, api_timeout).await;
             }
-            rounds(Round {
+            on_round(Round {
                 read: true,
                 deciding: false,
             });

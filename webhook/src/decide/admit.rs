@@ -103,10 +103,7 @@ pub fn tidy(ix: &Index, node: &str, now: Timestamp) -> Option<Write> {
 /// The node's entries without the key promised there to VMI `vmi_uid` (its retry could not be
 /// written); `None` when there is no such promise.
 pub fn withdraw(ix: &Index, node: &str, vmi_uid: &str, now: Timestamp) -> Option<Write> {
-    let promise = Claimant {
-        pod_uid: "",
-        vmi_uid,
-    };
+    let promise = Claimant::promise(vmi_uid);
     let base = ix.node(node).and_then(|n| n.holds.clone())?;
     if !base.spec.reservations.iter().any(|e| promise.owns(e)) {
         return None;
@@ -475,10 +472,7 @@ pub fn promise_holds(
             let w = p.waiting;
             let keys = KeyRequests::from([(w.kind, per_vmi(w.kind).max(1))]);
             NewHold {
-                claimant: Claimant {
-                    pod_uid: "",
-                    vmi_uid: &w.vmi.uid,
-                },
+                claimant: Claimant::promise(&w.vmi.uid),
                 pod: "",
                 vmi: &format!("{}/{}", w.vmi.namespace, w.vmi.name),
                 keys: &keys,

@@ -56,6 +56,14 @@ impl<'a> Claimant<'a> {
         vmi_uid: "",
     };
 
+    /// VMI `vmi_uid` before it has a pod: the owner of a key promised to it.
+    pub fn promise(vmi_uid: &'a str) -> Claimant<'a> {
+        Claimant {
+            pod_uid: "",
+            vmi_uid,
+        }
+    }
+
     /// Whether `hold` is this claimant's own: its pod's, or a key promised to its VMI.
     pub fn owns(&self, hold: &KeyReservation) -> bool {
         if hold.pod_uid.is_empty() {

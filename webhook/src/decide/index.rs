@@ -349,11 +349,10 @@ impl Index {
 
     /// Forget the key promised to VMI `vmi_uid` on `node` that this replica keeps (not written yet).
     pub fn drop_local_promise(&mut self, node: &str, vmi_uid: &str) {
+        let promise = Claimant::promise(vmi_uid);
         self.locate(node, false);
         if let Some(state) = self.nodes.get_mut(node) {
-            state
-                .local
-                .retain(|(e, _)| !(e.pod_uid.is_empty() && e.vmi_uid == vmi_uid));
+            state.local.retain(|(e, _)| !promise.owns(e));
         }
         self.locate(node, true);
     }
