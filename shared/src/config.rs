@@ -19,9 +19,7 @@
 //!   staleReportAfter: 90s
 //!   staleReportPolicy: { podCreate: deny, binding: allow }
 //!   ledgerTtl: 30s
-//!   sharedReservations: true # reservations shared by webhook replicas (TeeReservation per node)
-//!   decider: leader          # leader (one elected replica decides) | shared (each writes its holds)
-//!   deciderLease: 15s        # leader: the Lease's duration (renew deadline 2/3 of it, retry 2/15)
+//!   deciderLease: 15s        # the decider Lease's duration (renew deadline 2/3 of it, retry 2/15)
 //!   retryRefusedVmis: true   # when a key frees, have KubeVirt retry the VMIs whose pods were refused
 //!   teeRuntimeClasses: {}    # RuntimeClass → kind: the webhook gives those pods a container key request
 //! agent:
@@ -173,19 +171,6 @@ pub enum Accounting {
     Dra,
 }
 
-/// Who decides the admissions that take a key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum Decider {
-    /// Every replica decides; each hold is written into the node's `TeeReservation` before the
-    /// answer (one API write per admission that takes a key).
-    Shared,
-    /// One replica, elected through a Lease, decides in memory and writes its holds behind; the
-    /// others forward it the reviews that take a key.
-    #[default]
-    Leader,
-}
-
 /// Validating webhook policy.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdmissionConfig {
@@ -199,12 +184,8 @@ pub struct AdmissionConfig {
     pub stale_on_binding: StalePolicy,
     /// How long an admitted-but-not-yet-reported key stays in the webhook's ledger at most.
     pub ledger_ttl: Duration,
-    /// Share reservations between webhook replicas through a `TeeReservation` per node (exact with
-    /// any replica count; one API write per admitted TEE binding).
-    pub shared_reservations: bool,
-    /// Who decides the admissions that take a key.
-    pub decider: Decider,
-    /// With [`Decider::Leader`]: the decider Lease's duration.
+    /// The decider Lease's duration: one replica, elected through it, decides the admissions that
+    /// take a key in memory and writes its holds behind; the others forward it those reviews.
     pub decider_lease: Duration,
     /// When a key is free again, annotate the VMIs whose launcher pods teeguard refused (oldest first,
     /// one per free key), so KubeVirt creates their pods at once instead of after its backoff.
@@ -315,8 +296,6 @@ impl Default for AdmissionConfig {
             stale_on_pod_create: StalePolicy::Deny,
             stale_on_binding: StalePolicy::Allow,
             ledger_ttl: Duration::from_secs(30),
-            shared_reservations: true,
-            decider: Decider::Leader,
             decider_lease: Duration::from_secs(15),
             retry_refused_vmis: true,
             tee_runtime_classes: Default::default(),
@@ -379,8 +358,10 @@ struct RawAdmission {
     stale_report_after: Option<String>,
     stale_report_policy: Option<RawStalePolicy>,
     ledger_ttl: Option<String>,
-    shared_reservations: Option<bool>,
-    decider: Option<Decider>,
+    /// Removed: one elected replica always decides.
+    shared_reservations: Option<serde::de::IgnoredAny>,
+    /// Removed: one elected replica always decides.
+    decider: Option<serde::de::IgnoredAny>,
     decider_lease: Option<String>,
     retry_refused_vmis: Option<bool>,
     tee_runtime_classes: Option<std::collections::BTreeMap<String, RawKindName>>,
@@ -549,11 +530,18 @@ impl Config {
                 cfg.admission.ledger_ttl =
                     parse_duration(&s).map_err(|r| err("admission.ledgerTtl".into(), r))?;
             }
-            if let Some(v) = a.shared_reservations {
-                cfg.admission.shared_reservations = v;
-            }
-            if let Some(v) = a.decider {
-                cfg.admission.decider = v;
+            for (field, given) in [
+                ("sharedReservations", a.shared_reservations.is_some()),
+                ("decider", a.decider.is_some()),
+            ] {
+                if given {
+                    return Err(err(
+                        format!("admission.{field}"),
+                        "was removed: one elected replica always decides (admission.deciderLease \
+                         sets its Lease); delete the field"
+                            .into(),
+                    ));
+                }
             }
             if let Some(s) = a.decider_lease {
                 let lease =
@@ -759,6 +747,11 @@ mod tests {
                 "resources.sev.resourceName",
             ),
             ("admission:\n  mode: block\n", "admission.mode"),
+            ("admission:\n  decider: shared\n", "admission.decider"),
+            (
+                "admission:\n  sharedReservations: true\n",
+                "admission.sharedReservations",
+            ),
             (
                 "admission:\n  staleReportAfter: soon\n",
                 "admission.staleReportAfter",

@@ -227,10 +227,8 @@ fn main() {
         config: &config,
         events: None,
         metrics: Some(&metrics),
-        store: None,
         hints: &hints,
         replica: "bench",
-        api_timeout: Duration::from_secs(2),
         decider: None,
     };
 

@@ -1,7 +1,8 @@
-//! Shared reservations against a real kube-apiserver (see `teeguard_tests::controlplane`): two webhook
-//! processes racing for a node's last key through the real API server's `resourceVersion`
-//! preconditions, and the node's `TeeReservation` garbage-collected with its Node by the real
-//! kube-controller-manager. Skipped (one line) without control plane binaries, unless `CI=true`.
+//! Holds against a real kube-apiserver (see `teeguard_tests::controlplane`): bindings racing for a
+//! node's last key through two webhook processes (one elected through a real Lease decides, the
+//! other forwards), the hold written behind into the node's `TeeReservation`, and that object
+//! garbage-collected with its Node by the real kube-controller-manager. Skipped (one line) without
+//! control plane binaries, unless `CI=true`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,9 +39,7 @@ async fn two_replicas_take_a_last_key_once_and_the_reservation_goes_with_its_nod
     };
     within(DEADLINE, async {
         let test = "reservations";
-        let env = cluster
-            .process_env("admission:\n  decider: shared\n")
-            .expect("process env");
+        let env = cluster.process_env("").expect("process env");
         let ns = cluster.namespace(test, test, &[]).await.expect("namespace");
         let node = format!("{ns}-n1");
         cluster
@@ -122,9 +121,14 @@ async fn two_replicas_take_a_last_key_once_and_the_reservation_goes_with_its_nod
             "{refused:?}"
         );
 
-        // The reservation is readable, lists the winner, and is owned by the Node.
+        // The reservation is written behind, lists the winner, and is owned by the Node.
         let reservations: Api<TeeReservation> = Api::all(cluster.client.clone());
-        let res = reservations.get(&node).await.expect("TeeReservation");
+        let res = cluster
+            .wait_for("the hold written behind", || async {
+                reservations.get_opt(&node).await.ok().flatten()
+            })
+            .await
+            .expect("TeeReservation");
         assert_eq!(
             res.spec.reservations.len(),
             1,

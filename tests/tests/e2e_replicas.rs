@@ -1,7 +1,8 @@
-//! Exact admissions with several webhook replicas: the reservations every replica sees, through the
-//! node's `TeeReservation` written with `resourceVersion` preconditions (the fake API server answers a
-//! stale write with 409 Conflict, as a real one does). Three real `teeguard-webhook` processes, one fake
-//! API server; and the fallback when that API server is slow or gone.
+//! Exact admissions with several webhook replicas: one, elected through the decider Lease, decides
+//! what the others forward, and writes its holds behind into each node's `TeeReservation` (with
+//! `resourceVersion` preconditions; the fake API server answers a stale write with 409 Conflict, as a
+//! real one does); a successor takes over when it dies. Real `teeguard-webhook` processes, one fake
+//! API server.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,15 +11,11 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
 use teeguard_shared::reservation::TeeReservation;
 use teeguard_tests::e2e::{E2eEnv, WebhookProcess};
-use teeguard_tests::fakeapi::{FaultRule, Verb};
+use teeguard_tests::fakeapi::Verb;
 use teeguard_tests::fixtures;
 use teeguard_tests::standalone::WebhookClient;
 
 const TEST_DEADLINE: Duration = Duration::from_secs(240);
-
-/// Every replica decides, sharing its holds through the node's `TeeReservation` (`admission.decider:
-/// shared`); the leader test below elects one.
-const SHARED: &str = "admission:\n  decider: shared\n";
 
 /// Bindings racing for a node's last key in one round.
 const BINDINGS: usize = 50;
@@ -56,7 +53,7 @@ async fn start(env: &E2eEnv, n: usize) -> Vec<WebhookProcess> {
 async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once_twenty_times() {
     bounded(async {
         const ROUNDS: usize = 20;
-        let env = E2eEnv::new(SHARED).await.expect("env");
+        let env = E2eEnv::new("").await.expect("env");
         let webhooks = start(&env, 3).await;
         let clients: Vec<_> = webhooks
             .iter()
@@ -81,12 +78,8 @@ async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once
             if admitted != 1 || messages.len() != BINDINGS - 1 || !usual {
                 violations.push(format!("round {round}: {admitted} admitted; {messages:?}"));
             }
-            // The node's TeeReservation lists exactly the winner.
-            let res = env
-                .api
-                .get_typed::<TeeReservation>(None, &node)
-                .expect("typed")
-                .expect("TeeReservation exists");
+            // The node's TeeReservation, written behind, lists exactly the winner.
+            let res = written(&env, &node).await;
             if res.spec.reservations.len() != 1 {
                 violations.push(format!(
                     "round {round}: reservations {:?}",
@@ -99,32 +92,57 @@ async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once
             "violations:\n{}",
             violations.join("\n")
         );
-        let metrics: Vec<String> =
-            futures::future::join_all(webhooks.iter().map(|w| w.metrics())).await;
-        let reserved: usize = metrics
-            .iter()
-            .filter_map(|m| {
-                m.lines()
-                    .find(|l| {
-                        l.starts_with("teeguard_webhook_hold_writes_total{result=\"written\"}")
-                    })
-                    .and_then(|l| l.rsplit(' ').next()?.parse::<usize>().ok())
-            })
-            .sum();
-        assert_eq!(
-            reserved,
-            ROUNDS,
-            "one hold written per round:\n{}",
-            metrics.join("\n")
-        );
     })
     .await;
 }
 
+/// Node `node`'s `TeeReservation` once the decider has written it behind.
+async fn written(env: &E2eEnv, node: &str) -> TeeReservation {
+    env.api
+        .wait_for(Duration::from_secs(10), "the holds written behind", |api| {
+            api.get_typed::<TeeReservation>(None, node).ok().flatten()
+        })
+        .await
+        .expect("the decider writes its holds behind")
+}
+
+/// The pod UIDs node `node`'s `TeeReservation` lists, once they are `want` (sorted).
+async fn entries(env: &E2eEnv, node: &str, want: &[&str]) {
+    let mut want: Vec<String> = want.iter().map(|s| s.to_string()).collect();
+    want.sort();
+    let listed = |api: &teeguard_tests::fakeapi::FakeApiServer| {
+        let res = api.get_typed::<TeeReservation>(None, node).ok()??;
+        let mut pods: Vec<String> = res
+            .spec
+            .reservations
+            .iter()
+            .map(|r| r.pod_uid.clone())
+            .collect();
+        pods.sort();
+        Some(pods)
+    };
+    let found = env
+        .api
+        .wait_for(Duration::from_secs(10), "the holds written behind", |api| {
+            listed(api).filter(|p| *p == want)
+        })
+        .await;
+    assert!(
+        found.is_ok(),
+        "{node} lists {:?}, not {want:?}",
+        listed(&env.api)
+    );
+}
+
+fn uid(pod: &Pod) -> &str {
+    pod.metadata.uid.as_deref().expect("uid")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run_writes_nothing() {
+async fn the_hold_is_written_behind_owned_by_its_node_and_a_dry_run_or_a_retried_binding_adds_none()
+{
     bounded(async {
-        let env = E2eEnv::new(SHARED).await.expect("env");
+        let env = E2eEnv::new("").await.expect("env");
         let webhooks = start(&env, 2).await;
         fixtures::seed_tdx_node(&env.api, "node-a", 8, 2);
         let vm1 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-1");
@@ -133,19 +151,11 @@ async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run
         let a = webhooks[0].client().expect("client");
         let b = webhooks[1].client().expect("client");
 
-        // A dry run decides but reserves nothing: no object appears.
-        let dry = fixtures::AdmissionReviewBuilder::binding(&vm1, "node-a")
+        // A dry run of vm-2's binding decides but holds nothing; vm-1's binding holds its key.
+        let dry = fixtures::AdmissionReviewBuilder::binding(&vm2, "node-a")
             .dry_run(true)
             .build();
         assert!(a.review("/validate", &dry).await.expect("answered").allowed);
-        assert!(
-            env.api
-                .get_typed::<TeeReservation>(None, "node-a")
-                .expect("typed")
-                .is_none()
-        );
-
-        // vm-1 through replica a; its retry through replica b: one entry, one write.
         let bind1 = fixtures::binding_create(&vm1, "node-a");
         assert!(
             a.review("/validate", &bind1)
@@ -153,43 +163,8 @@ async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run
                 .expect("answered")
                 .allowed
         );
-        let writes = || {
-            env.api
-                .requests()
-                .iter()
-                .filter(|r| {
-                    r.resource.as_deref() == Some("teereservations")
-                        && matches!(r.verb, Verb::Create | Verb::Update)
-                })
-                .count()
-        };
-        assert_eq!(writes(), 1);
-        // Wait until replica b's cache has the object, then retry there.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while !webhooks[1]
-            .metrics()
-            .await
-            .contains("teeguard_webhook_cache_objects{cache=\"teereservations\"} 1")
-        {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "replica b never cached the reservation"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert!(
-            b.review("/validate", &bind1)
-                .await
-                .expect("answered")
-                .allowed
-        );
-        assert_eq!(writes(), 1, "a retried binding writes nothing");
-        let res = env
-            .api
-            .get_typed::<TeeReservation>(None, "node-a")
-            .expect("typed")
-            .expect("exists");
-        assert_eq!(res.spec.reservations.len(), 1);
+        entries(&env, "node-a", &[uid(&vm1)]).await;
+        let res = written(&env, "node-a").await;
         let owner = &res.metadata.owner_references.as_ref().expect("owner")[0];
         assert_eq!(
             (owner.kind.as_str(), owner.name.as_str()),
@@ -199,7 +174,14 @@ async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run
             env.api.get("nodes", None, "node-a").expect("node")["metadata"]["uid"].clone();
         assert_eq!(Some(owner.uid.as_str()), node_uid.as_str());
 
-        // vm-2 on replica b takes the second key; a third is refused on either replica.
+        // vm-1's retry through replica b is admitted on its hold; vm-2 takes the second key; a third
+        // is refused on either replica.
+        assert!(
+            b.review("/validate", &bind1)
+                .await
+                .expect("answered")
+                .allowed
+        );
         assert!(
             b.review("/validate", &fixtures::binding_create(&vm2, "node-a"))
                 .await
@@ -212,104 +194,25 @@ async fn the_reservation_is_owned_by_its_node_and_a_retried_binding_or_a_dry_run
             .await
             .expect("answered");
         assert!(!r.allowed, "{:?}", r.raw);
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_or_unreachable_api_server_falls_back_to_the_replicas_own_holds_and_the_stale_policy()
- {
-    bounded(async {
-        let mut env = E2eEnv::new(SHARED).await.expect("env");
-        let webhooks = start(&env, 1).await;
-        fixtures::seed_tdx_node(&env.api, "node-a", 8, 4);
-        let pods: Vec<Pod> = (0..4)
-            .map(|i| fixtures::seed_admitted_tdx_vm(&env.api, &format!("vm-{i}")))
-            .collect();
-        wait_reports(&webhooks, 1).await;
-        let c = webhooks[0].client().expect("client");
-
-        // Slow: every TeeReservation write takes 2 s, past the webhook's 2 s API timeout.
-        let fault = env
+        entries(&env, "node-a", &[uid(&vm1), uid(&vm2)]).await;
+        let writes = env
             .api
-            .add_fault(FaultRule::delay(Duration::from_secs(2)).resource("teereservations"));
-        let started = std::time::Instant::now();
-        let r = c
-            .review("/validate", &fixtures::binding_create(&pods[0], "node-a"))
-            .await
-            .expect("answered");
-        let took = started.elapsed();
-        assert!(
-            r.allowed,
-            "binding policy allow keeps the replica's decision: {:?}",
-            r.raw
-        );
-        assert!(
-            r.warnings.iter().any(|w| w
-                .contains("could not record the key it holds on node node-a for its replicas")
-                && w.contains("decided with this replica's holds only")),
-            "{:?}",
-            r.warnings
-        );
-        assert!(
-            took < Duration::from_secs(3),
-            "bounded by the API timeout: {took:?}"
-        );
-        env.api.remove_fault(fault);
-
-        // Unreachable: the same fallback; and a pod CREATE with spec.nodeName follows its own
-        // stale policy (deny).
-        env.served.stop().await;
-        let r = c
-            .review("/validate", &fixtures::binding_create(&pods[1], "node-a"))
-            .await
-            .expect("answered");
-        assert!(r.allowed, "{:?}", r.raw);
-        assert!(!r.warnings.is_empty());
-        let mut bound = fixtures::to_value(&pods[2]);
-        bound["spec"]["nodeName"] = Value::String("node-a".into());
-        let r = c
-            .review(
-                "/validate",
-                &fixtures::AdmissionReviewBuilder::create(bound).build(),
-            )
-            .await
-            .expect("answered");
-        assert!(!r.allowed, "pod CREATE policy deny: {:?}", r.raw);
-        assert!(
-            r.explanation().contains("stale-report policy denies"),
-            "{}",
-            r.explanation()
-        );
-        // The replica still counts what it admitted: two keys held locally (its planner publishes
-        // the gauge at its next pass).
-        let metrics = webhooks[0].metrics().await;
-        assert!(
-            metrics.contains("teeguard_webhook_hold_writes_total{result=\"failed\"} 3"),
-            "{metrics}"
-        );
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-        while !webhooks[0]
-            .metrics()
-            .await
-            .contains("teeguard_webhook_holds{reason=\"Bound\"} 2")
-        {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{}",
-                webhooks[0].metrics().await
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        env.served.restart().await.expect("back");
+            .requests()
+            .iter()
+            .filter(|r| {
+                r.resource.as_deref() == Some("teereservations")
+                    && matches!(r.verb, Verb::Create | Verb::Update)
+            })
+            .count();
+        assert!(writes <= 2, "one write per batch of holds: {writes}");
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_deleted_pods_shared_reservation_is_released() {
+async fn a_deleted_pods_hold_is_released() {
     bounded(async {
-        let env = E2eEnv::new(SHARED).await.expect("env");
+        let env = E2eEnv::new("").await.expect("env");
         let webhooks = start(&env, 2).await;
         fixtures::seed_tdx_node(&env.api, "node-a", 8, 1);
         let vm1 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-1");
@@ -354,22 +257,8 @@ async fn a_deleted_pods_shared_reservation_is_released() {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let res = env
-            .api
-            .get_typed::<TeeReservation>(None, "node-a")
-            .expect("typed")
-            .expect("exists");
-        let pods: Vec<&str> = res
-            .spec
-            .reservations
-            .iter()
-            .map(|r| r.pod_uid.as_str())
-            .collect();
-        assert_eq!(
-            pods,
-            [vm2.metadata.uid.as_deref().expect("uid")],
-            "vm-1's entry trimmed"
-        );
+        // vm-1's entry trimmed.
+        entries(&env, "node-a", &[uid(&vm2)]).await;
     })
     .await;
 }
@@ -459,7 +348,7 @@ async fn race_for_the_last_key(
 async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_over_when_it_dies() {
     bounded(async {
         // A 3 s Lease: a successor decides ~3 s after the decider's last renewal.
-        let env = E2eEnv::new("admission:\n  decider: leader\n  deciderLease: 3s\n")
+        let env = E2eEnv::new("admission:\n  deciderLease: 3s\n")
             .await
             .expect("env");
         let mut webhooks = start(&env, 3).await;
@@ -478,21 +367,8 @@ async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_o
             "the decider's own refusals, whichever replica was called: {messages:?}"
         );
         // No API write on the requests' path: the hold is written behind, soon after.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let res = env
-                .api
-                .get_typed::<TeeReservation>(None, "node-0")
-                .expect("typed");
-            if res.is_some_and(|r| r.spec.reservations.len() == 1) {
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the hold was never written behind"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let res = written(&env, "node-0").await;
+        assert_eq!(res.spec.reservations.len(), 1, "{res:?}");
 
         // The decider dies: the others refuse (no decider) until one of them takes the Lease over,
         // then decide exactly again.

@@ -17,7 +17,6 @@ use std::sync::Arc;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use teeguard_shared::Config;
-use teeguard_shared::config::Decider;
 use teeguard_shared::ops::{Readiness, admin_router, bind_admin, cancel_on_signal, serve_admin};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -41,7 +40,7 @@ use crate::web::tls::{CertReloader, install_crypto_provider, server_config};
 pub const READY_CACHES: &str = "caches";
 /// Readiness check: the serving certificate is loaded.
 pub const READY_TLS: &str = "tls";
-/// Readiness check (`admission.decider: leader`): the decider Lease has been read once, so the replica
+/// Readiness check: the decider Lease has been read once, so the replica
 /// knows whether it decides or where to forward.
 pub const READY_DECIDER: &str = "decider";
 /// Readiness check: the server accepts connections (false once shutdown starts).
@@ -111,10 +110,7 @@ pub async fn start(
         source,
     })?;
 
-    let readiness = Readiness::new(&[READY_CACHES, READY_TLS, READY_ACCEPTING]);
-    if config.admission.decider == Decider::Leader {
-        readiness.set(READY_DECIDER, false);
-    }
+    let readiness = Readiness::new(&[READY_CACHES, READY_TLS, READY_ACCEPTING, READY_DECIDER]);
     readiness.set(READY_TLS, true);
     readiness.set(READY_ACCEPTING, true);
 
@@ -178,64 +174,51 @@ pub async fn start(
         admin_shutdown.clone(),
     ));
 
-    // One TeeReservation per node, written with resourceVersion preconditions: exact admissions
-    // with any number of replicas (see crate::cluster::holds).
-    let store = config
-        .admission
-        .shared_reservations
-        .then(|| ApiHolds::new(client.clone()));
     let replica = replica_name();
-    // admission.decider: leader: one replica decides in memory, writing its holds behind; the
-    // others forward (crate::cluster::lead, crate::web::forward).
-    let (leadership, lead_tasks) = match config.admission.decider {
-        Decider::Shared => (None, Vec::new()),
-        Decider::Leader => {
-            let address = decider_address(args, https_addr)?;
-            let terms = crate::cluster::lead::terms(config.admission.decider_lease);
-            // Unique per process, as client-go's `hostname_uuid`: a restarted replica is a new holder.
-            let identity = format!(
-                "{replica}_{}-{}",
-                std::process::id(),
-                jiff::Timestamp::now().as_millisecond()
-            );
-            let leadership = Leadership::new(Elector::new(identity, address, terms), wall_clock());
-            let synced = caches.clone();
-            let (ready, gauge) = (readiness.clone(), metrics.clone());
-            let lease_stop = CancellationToken::new();
-            let lease = leadership.clone().run(
-                Api::namespaced(client.clone(), client.default_namespace()),
-                args.decider_lease_name.clone(),
-                args.api_timeout,
-                async move { synced.wait_synced().await },
-                move |round: Round| {
-                    gauge.set_decider(round.deciding);
-                    if round.read {
-                        ready.set(READY_DECIDER, true);
-                    }
-                },
-                lease_stop.clone(),
-            );
-            let behind = tokio::spawn(crate::cluster::holds::write_behind(
-                index.clone(),
-                ApiHolds::new(client.clone()),
-                args.api_timeout,
-                metrics.clone(),
-                background.clone(),
-            ));
-            // At a stop, the Lease is given up only once the last holds are written: a successor
-            // takes it at once and starts from them.
-            let handoff = tokio::spawn(async move {
-                let _ = behind.await;
-                lease_stop.cancel();
-                let _ = lease.await;
-            });
-            (Some(leadership), vec![handoff])
-        }
+    // One replica, elected through the Lease, decides in memory and writes its holds behind into
+    // each node's TeeReservation; the others forward (crate::cluster::lead, crate::web::forward).
+    let address = decider_address(args, https_addr)?;
+    let terms = crate::cluster::lead::terms(config.admission.decider_lease);
+    // Unique per process, as client-go's `hostname_uuid`: a restarted replica is a new holder.
+    let identity = format!(
+        "{replica}_{}-{}",
+        std::process::id(),
+        jiff::Timestamp::now().as_millisecond()
+    );
+    let leadership = Leadership::new(Elector::new(identity, address, terms), wall_clock());
+    let lease_stop = CancellationToken::new();
+    let lease = {
+        let synced = caches.clone();
+        let (ready, gauge) = (readiness.clone(), metrics.clone());
+        leadership.clone().run(
+            Api::namespaced(client.clone(), client.default_namespace()),
+            args.decider_lease_name.clone(),
+            args.api_timeout,
+            async move { synced.wait_synced().await },
+            move |round: Round| {
+                gauge.set_decider(round.deciding);
+                if round.read {
+                    ready.set(READY_DECIDER, true);
+                }
+            },
+            lease_stop.clone(),
+        )
     };
-    let forwarder = match &leadership {
-        Some(_) => Some(Forwarder::new(served.clone(), args.api_timeout)?),
-        None => None,
-    };
+    let behind = tokio::spawn(crate::cluster::holds::write_behind(
+        index.clone(),
+        ApiHolds::new(client.clone()),
+        args.api_timeout,
+        metrics.clone(),
+        background.clone(),
+    ));
+    // At a stop, the Lease is given up only once the last holds are written: a successor takes it at
+    // once and starts from them.
+    let handoff = tokio::spawn(async move {
+        let _ = behind.await;
+        lease_stop.cancel();
+        let _ = lease.await;
+    });
+    let forwarder = Forwarder::new(served.clone(), args.api_timeout)?;
     let config = Arc::new(config);
     // Promises free keys to the waiting VMIs and retries them (crate::cluster::retry), and publishes
     // the holds and waiting gauges; stopped with the caches.
@@ -244,7 +227,7 @@ pub async fn start(
         Retrier {
             index: index.clone(),
             client: client.clone(),
-            store: store.clone(),
+            store: ApiHolds::new(client.clone()),
             config: config.clone(),
             replica: replica.clone(),
             metrics: metrics.clone(),
@@ -267,11 +250,8 @@ pub async fn start(
         },
         validation: ValidationState {
             events: Some(events),
-            // The decider keeps its holds in its index and writes them behind.
-            store: if leadership.is_some() { None } else { store },
             hints: Arc::default(),
             replica,
-            api_timeout: args.api_timeout,
             leadership,
             forwarder,
         },
@@ -298,9 +278,7 @@ pub async fn start(
         let _ = events_task.await;
         let _ = sweep_task.await;
         let _ = retry_task.await;
-        for t in lead_tasks {
-            let _ = t.await;
-        }
+        let _ = handoff.await;
         served?;
         match admin {
             Ok(r) => r.map_err(Error::from),

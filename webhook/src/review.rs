@@ -474,10 +474,8 @@ pub async fn review_document(
                 config,
                 events: None,
                 metrics: None,
-                store: None,
                 hints: &hints,
                 replica: "offline",
-                api_timeout: std::time::Duration::from_secs(2),
                 decider: None,
             };
             let validated = review_validation(&vbody, lookups, &ctx)

@@ -45,10 +45,6 @@ fn tdx_status(capacity: u64, free: u64, external: u64, age: Duration) -> Value {
 
 const FRESH: Duration = Duration::from_secs(1);
 
-/// Every replica decides and writes each hold into the node's `TeeReservation` before answering
-/// (`admission.decider: shared`): the tests of those writes.
-const SHARED: &str = "admission:\n  decider: shared\n";
-
 /// A mutated, named TDX virt-launcher pod of `vmi` (key request and teeguard's annotation).
 fn mutated(vmi: &str) -> VirtLauncherPod {
     VirtLauncherPod::for_tee(vmi, Tee::Tdx)
@@ -162,7 +158,7 @@ async fn full_node_binding_denied_until_a_key_is_freed_with_an_event_on_the_vmi(
     let vmi_uid = pod.metadata.owner_references.as_ref().expect("owner")[0]
         .uid
         .clone();
-    let h = Harness::start_with(api, Some(SHARED), &[]).await;
+    let h = Harness::start_with(api, None, &[]).await;
     wait_cached(&h, 1, 1, 1, 1).await;
     h.api.clear_requests();
 
@@ -225,6 +221,9 @@ async fn full_node_binding_denied_until_a_key_is_freed_with_an_event_on_the_vmi(
     // Everything came from the caches.
     assert!(pod_gets(&h.api).is_empty(), "{:?}", pod_gets(&h.api));
     h.wait_metric(r#"teeguard_webhook_holds{reason="Bound"} 1"#)
+        .await;
+    // Written behind, once.
+    h.wait_metric(r#"teeguard_webhook_hold_writes_total{result="written"} 1"#)
         .await;
     let (_, metrics) = h.admin_get("/metrics").await;
     for want in [
@@ -332,14 +331,10 @@ async fn dry_run_decides_but_reserves_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_and_missing_reports_under_both_policies() {
     const OLD: Duration = Duration::from_secs(600);
-    // Every replica decides (`shared`): a fresh elected decider would first wait for the seeded pod,
-    // which it did not admit (`Index::orphans`).
     let configs = [
-        (Some(SHARED), false, true),
+        (None, false, true),
         (
-            Some(
-                "admission:\n  decider: shared\n  staleReportPolicy:\n    podCreate: allow\n    binding: deny\n",
-            ),
+            Some("admission:\n  staleReportPolicy:\n    podCreate: allow\n    binding: deny\n"),
             true,
             false,
         ),
@@ -1046,13 +1041,12 @@ fn one_key_status(free: u64, counted: &[&str]) -> Value {
     json!({ "status": status })
 }
 
-// A pod's entry in the shared TeeReservation ends for good once a report counted the pod: when its
+// A pod's hold (in its node's TeeReservation) ends for good once a report counted the pod: when its
 // containers stop before its object is deleted, the report no longer lists it, and the entry held the
 // key again for the rest of ledgerTtl ("another replica's reservations took the keys", with one
 // replica: a KubeVirt VMI retried for a freed key was refused at its binding).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_shared_reservation_counted_by_a_report_does_not_hold_the_key_again_after_the_pod_stops()
-{
+async fn a_hold_counted_by_a_report_does_not_hold_the_key_again_after_the_pod_stops() {
     let api = FakeApiServer::new();
     api.create(&tdx_report("node01", 1, 1, 0, FRESH))
         .expect("report");
@@ -1060,15 +1054,16 @@ async fn a_shared_reservation_counted_by_a_report_does_not_hold_the_key_again_af
         .expect("node");
     let first = seed_vm(&api, "first", DEFAULT_NAMESPACE);
     let second = seed_vm(&api, "second", DEFAULT_NAMESPACE);
-    let h = Harness::start_with(api, Some(SHARED), &[]).await;
+    let h = Harness::start_with(api, None, &[]).await;
     wait_cached(&h, 1, 1, 2, 2).await;
     let (status, resp) = h.validate(&binding(&first, "node01")).await;
     allowed(status, &resp);
-    assert_eq!(
-        h.api.list("teereservations", None).len(),
-        1,
-        "the binding is recorded in the node's shared reservations"
-    );
+    h.api
+        .wait_for(WAIT, "the binding's hold written behind", |s| {
+            (s.list("teereservations", None).len() == 1).then_some(())
+        })
+        .await
+        .expect("the binding is recorded in the node's TeeReservation");
 
     // The agent counts the first pod, then its containers stop: the key is free again, the pod's
     // object still there.

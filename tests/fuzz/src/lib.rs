@@ -156,10 +156,8 @@ pub fn validate(data: &[u8]) -> Seen {
         config: config(),
         events: None,
         metrics: None,
-        store: None,
         hints: hints(),
         replica: "fuzz",
-        api_timeout: std::time::Duration::from_secs(2),
         decider: None,
     };
     let result = run_now(

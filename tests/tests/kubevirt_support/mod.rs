@@ -229,14 +229,10 @@ impl KubeVirtWorld {
         self.webhooks[i] = Some(webhook);
     }
 
-    /// With `admission.decider: leader`, wait until exactly one running replica decides (its
-    /// `teeguard_webhook_decider` gauge is 1): after a decider dies, a successor takes the Lease over
-    /// at most `deciderLease` (15 s) after the last renewal; the bound is four times that for a
-    /// loaded machine. With `shared` every replica decides: nothing to wait for.
+    /// Wait until exactly one running replica decides (its `teeguard_webhook_decider` gauge is 1):
+    /// after a decider dies, a successor takes the Lease over at most `deciderLease` (15 s) after
+    /// the last renewal; the bound is four times that for a loaded machine.
     pub async fn one_decider(&self) {
-        if self.tdx.env.config.admission.decider != teeguard_shared::config::Decider::Leader {
-            return;
-        }
         let bound = self.tdx.env.config.admission.decider_lease * 4;
         let decided = self
             .cluster
@@ -506,13 +502,6 @@ impl TeeNode {
             turn.nri_socket().display(),
             options.extra_config,
         );
-        // TEEGUARD_TEST_DECIDER=leader: the webhook replicas elect one decider (admission.decider).
-        let config = match std::env::var("TEEGUARD_TEST_DECIDER") {
-            Ok(d) if !d.is_empty() && !config.contains("admission:") => {
-                format!("{config}\nadmission:\n  decider: {d}\n")
-            }
-            _ => config,
-        };
         let env = cluster.process_env(&config).expect("process env");
         let args: Vec<String> = if options.dra {
             vec![

@@ -1,21 +1,19 @@
 //! The capacity check of a pod, on one named node (a binding, a pod created with `spec.nodeName`) or
 //! over its candidate nodes (a pod CREATE): decided on the admission index by
-//! [`crate::decide::admit`] and committed by writing the hold into the node's `TeeReservation`
-//! ([`crate::cluster::holds::commit`]); a hold that cannot be written is decided by the stale-report
-//! policy. The validating handler and the deterministic simulation both call [`check`].
+//! [`crate::decide::admit`] and held in the decider's index under the same lock
+//! ([`crate::cluster::holds::hold`]; written behind into the node's `TeeReservation`). The validating
+//! handler and the deterministic simulation both call [`check`].
 
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::Duration;
 
 use k8s_openapi::api::core::v1::PodSpec;
 use teeguard_shared::{Config, TeeKind};
 
-use super::holds::{Committed, HoldStore, commit};
+use super::holds::hold;
 use super::index::KeyIndex;
 use crate::decide::admit::{self, Ask, Placement, Planned};
 use crate::decide::affinity::node_matches;
 use crate::decide::validation::{Decision, Trigger, reason};
-use crate::metrics::Metrics;
 
 /// Per TEE kind, the node that last fitted a pod not bound yet: candidate scans stop at the first node
 /// that fits, and when most nodes are full a scan in no particular order looks at many before finding
@@ -51,19 +49,13 @@ impl FitHints {
 
 /// What a check uses besides the pod.
 #[derive(Debug)]
-pub struct Checker<'a, S> {
+pub struct Checker<'a> {
     /// The admission index.
     pub index: &'a KeyIndex,
-    /// Where holds are written (`None`: kept in this replica's index only).
-    pub store: Option<&'a S>,
     /// The node that last fitted a pod of each kind.
     pub hints: &'a FitHints,
     /// The configuration (`admission.retryRefusedVmis`, keys per VM).
     pub config: &'a Config,
-    /// Longest the writes of one check may take.
-    pub within: Duration,
-    /// Metrics (`None` offline).
-    pub metrics: Option<&'a Metrics>,
     /// Whether the nodes' labels are known (the offline `review` without node files: every reported
     /// node is a candidate).
     pub labels_known: bool,
@@ -78,14 +70,10 @@ pub enum Target<'a> {
     Candidates(&'a PodSpec),
 }
 
-/// The decision for `ask` at `target`, its hold written when it takes a key, and the node chosen. A
+/// The decision for `ask` at `target`, its hold kept when it takes a key, and the node chosen. A
 /// virt-launcher pod not bound yet that is refused for lack of keys leaves where it could go (its node
 /// selector and affinity) in the index, for the queue and the retry planner.
-pub async fn check<S: HoldStore>(
-    c: &Checker<'_, S>,
-    ask: &Ask<'_>,
-    target: Target<'_>,
-) -> (Decision, Option<String>) {
+pub fn check(c: &Checker<'_>, ask: &Ask<'_>, target: Target<'_>) -> (Decision, Option<String>) {
     let index = c.index;
     let primary = ask.requests.keys().next().copied();
     let hint = primary.and_then(|k| c.hints.get(k));
@@ -94,7 +82,7 @@ pub async fn check<S: HoldStore>(
         .filter(|_| retry && !ask.claimant.vmi_uid.is_empty())
         .map(|k| u64::from(c.config.resources.get(k).keys_per_vm).max(1));
     let labels_known = c.labels_known;
-    let (planned, committed) = commit(index, c.store, c.within, c.metrics, |ix, now| {
+    let (planned, _) = hold(index, |ix, now| {
         let planned: Planned = match target {
             Target::Node(node, trigger) => admit::on_node(ix, trigger, node, ask, now),
             Target::Candidates(spec) => {
@@ -111,28 +99,13 @@ pub async fn check<S: HoldStore>(
         };
         let write = planned.write.clone();
         (planned, write)
-    })
-    .await;
+    });
     if let (Some(kind), Target::Candidates(_), Some(node)) = (primary, target, &planned.node)
         && hint.as_deref() != Some(node.as_str())
     {
         c.hints.remember(kind, node);
     }
-    let decision = match committed {
-        Committed::Failed(why) => {
-            let node = planned.node.as_deref().unwrap_or("?");
-            tracing::warn!(pod = ask.pod, node, error = %why, "the hold could not be written; deciding by the stale-report policy");
-            let d = admit::fallback(planned.decision, &why, node, ask.policy, ask.mode);
-            // Admitted all the same: this replica counts the key at least.
-            if d.reserve
-                && let Some(w) = &planned.write
-            {
-                index.hold_locally(&w.node, &w.added);
-            }
-            d
-        }
-        Committed::Nothing | Committed::Written => planned.decision,
-    };
+    let decision = planned.decision;
     let for_keys = !decision.allowed && reason::ends_when_a_key_frees(decision.reason);
     if let Target::Candidates(spec) = target
         && retry

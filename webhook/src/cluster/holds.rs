@@ -1,7 +1,8 @@
-//! Committing holds: each admission that takes a key writes the node's `TeeReservation` with the
-//! `resourceVersion` its decision read (`PUT`; `create` for the node's first), so replicas racing for a
-//! node's last key serialize in etcd. On 409 (Conflict, or AlreadyExists) the object is read again
-//! with a GET, applied to the index, and the decision made again on it ([`commit`]). The decisions are
+//! Holds: the decider decides and holds under the index's write lock ([`hold`]), and writes its
+//! holds behind into each node's `TeeReservation` ([`write_behind`]), with the `resourceVersion` its
+//! index read (`PUT`; `create` for the node's first), so every replica counts them and a successor
+//! starts from them. On 409 (Conflict, or AlreadyExists) the object is read again with a GET,
+//! applied to the index, and the write made again on it ([`write_node`]). The decisions are
 //! `crate::decide::admit`; the store is a trait ([`HoldStore`]) so the deterministic simulation drives
 //! the same loop with an API server of its own.
 
@@ -49,63 +50,52 @@ pub trait HoldStore: Send + Sync {
     ) -> impl Future<Output = Result<Option<TeeReservation>, String>> + Send;
 }
 
-/// How a commit ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Committed {
-    /// Nothing to write (refused, or the key was held already).
-    Nothing,
-    /// The write went through (or, with shared holds off, the holds are kept here).
-    Written,
-    /// The holds could not be written (why): the caller decides by the stale-report policy.
-    Failed(String),
+/// Decide with `plan` on the index and keep its holds there, under one write lock: two reviews on
+/// the decider never both take one last key. `plan` returns its answer and the write that commits
+/// it (`None`: nothing to hold); returns the answer and whether something was held (written behind
+/// soon after, [`write_behind`]).
+pub fn hold<T>(
+    index: &KeyIndex,
+    plan: impl FnOnce(&crate::decide::index::Index, jiff::Timestamp) -> (T, Option<Write>),
+) -> (T, bool) {
+    let (answer, held) = index.update(|ix, now| {
+        let (answer, write) = plan(ix, now);
+        let held = write.is_some_and(|w| {
+            for hold in w.added {
+                ix.hold_locally(&w.node, hold, now);
+            }
+            true
+        });
+        (answer, held)
+    });
+    if held {
+        index.wake_write_behind();
+    }
+    (answer, held)
 }
 
-/// Decide with `plan` on the index and commit its write: on a conflict, read the node's object again
-/// and decide again (at most [`MAX_ATTEMPTS`] times, all within `within`). `plan` returns its answer
-/// and the write that commits it (`None`: nothing to hold). With no `store` (shared holds off) the
-/// holds are kept in this replica's index only.
-pub async fn commit<T, S: HoldStore>(
+/// Write what `plan` makes of the index into a node's `TeeReservation`, on the version the index
+/// holds: on a conflict, read the object again and plan again (at most [`MAX_ATTEMPTS`] times, all
+/// within `within`). `plan` returns `None` when there is nothing to write. `Err`: why it could not
+/// be written.
+pub async fn write_node<S: HoldStore>(
     index: &KeyIndex,
-    store: Option<&S>,
+    store: &S,
     within: Duration,
     metrics: Option<&Metrics>,
-    mut plan: impl FnMut(&crate::decide::index::Index, jiff::Timestamp) -> (T, Option<Write>),
-) -> (T, Committed) {
+    plan: impl Fn(&crate::decide::index::Index, jiff::Timestamp) -> Option<Write>,
+) -> Result<(), String> {
     let started = Instant::now();
     let count = |r: HoldWriteResult| {
         if let Some(m) = metrics {
             m.hold_write(r);
         }
     };
-    let Some(store) = store else {
-        // Decided and held under one write lock: two reviews on this replica never both take one
-        // last key (with a store, the write's resourceVersion serialises them instead).
-        let (answer, held) = index.update(|ix, now| {
-            let (answer, write) = plan(ix, now);
-            let held = write.is_some_and(|w| {
-                for hold in w.added {
-                    ix.hold_locally(&w.node, hold, now);
-                }
-                true
-            });
-            (answer, held)
-        });
-        if !held {
-            return (answer, Committed::Nothing);
-        }
-        index.wake_write_behind();
-        return (answer, Committed::Written);
-    };
     let mut attempt = 0;
     loop {
         attempt += 1;
-        let now = index.now();
-        let (answer, write) = {
-            let ix = index.read();
-            plan(&ix, now)
-        };
-        let Some(write) = write else {
-            return (answer, Committed::Nothing);
+        let Some(write) = plan(&index.read(), index.now()) else {
+            return Ok(());
         };
         let left = within.saturating_sub(started.elapsed());
         let result = store.write(&write, left).await;
@@ -116,7 +106,7 @@ pub async fn commit<T, S: HoldStore>(
             Ok(obj) => {
                 count(HoldWriteResult::Written);
                 index.update(|ix, now| ix.apply_holds(&write.node, Some(obj.into()), now));
-                return (answer, Committed::Written);
+                return Ok(());
             }
             Err(WriteError::Failed(why)) => why,
             Err(WriteError::Conflict) if attempt >= MAX_ATTEMPTS => format!(
@@ -142,7 +132,7 @@ pub async fn commit<T, S: HoldStore>(
             }
         };
         count(HoldWriteResult::Failed);
-        return (answer, Committed::Failed(why));
+        return Err(why);
     }
 }
 
@@ -211,19 +201,16 @@ pub async fn write_behind_once<S: HoldStore>(
     };
     let mut failed = false;
     for (node, _) in pending {
-        let (_, committed) = commit(index, Some(store), within, metrics, |ix, now| {
+        let written = write_node(index, store, within, metrics, |ix, now| {
             let live = ix
                 .unwritten(now)
                 .into_iter()
                 .find(|(n, _)| *n == node)
                 .map(|(_, live)| live);
-            (
-                (),
-                live.map(|live| crate::decide::admit::write(ix, &node, live, now)),
-            )
+            live.map(|live| crate::decide::admit::write(ix, &node, live, now))
         })
         .await;
-        if let Committed::Failed(why) = committed {
+        if let Err(why) = written {
             failed = true;
             tracing::warn!(node, error = %why, "cannot write the decider's holds behind; trying again shortly");
         }
@@ -328,15 +315,14 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
-    use crate::decide::testkit::{hold, t0};
+    use crate::decide::testkit::{hold as entry, t0};
     use teeguard_shared::reservation::HoldReason;
 
-    /// Two reviews deciding at once on the decider (no store: it keeps its holds in its index) take a
-    /// node's one key once: the second plans after the first's hold is in the index. Each plan waits
+    /// Two reviews deciding at once on the decider take a node's one key once: the second plans after the first's hold is in the index. Each plan waits
     /// up to 200 ms for the other to be planning too: with plans made under a shared lock, both saw
     /// the key free and both held it (found by the leader e2e test under load).
     #[test]
-    fn two_reviews_deciding_at_once_without_a_store_take_one_key_once() {
+    fn two_reviews_deciding_at_once_take_one_key_once() {
         let index = KeyIndex::new(Duration::from_secs(30), Arc::new(t0));
         let planning = AtomicUsize::new(0);
         let taken = std::thread::scope(|s| {
@@ -344,32 +330,23 @@ mod tests {
                 .map(|i| {
                     let (index, planning) = (&index, &planning);
                     s.spawn(move || {
-                        let rt = tokio::runtime::Builder::new_current_thread()
-                            .build()
-                            .expect("runtime");
-                        let (took, _) = rt.block_on(commit(
-                            index,
-                            None::<&ApiHolds>,
-                            Duration::from_secs(1),
-                            None,
-                            |ix, now| {
-                                planning.fetch_add(1, Ordering::SeqCst);
-                                let waiting = Instant::now();
-                                while planning.load(Ordering::SeqCst) < 2
-                                    && waiting.elapsed() < Duration::from_millis(200)
-                                {
-                                    std::thread::yield_now();
-                                }
-                                let free = ix.live("n1", now).count() == 0;
-                                let write = free.then(|| Write {
-                                    node: "n1".into(),
-                                    base: None,
-                                    entries: Vec::new(),
-                                    added: vec![hold(&format!("p{i}"), "v", HoldReason::Bound)],
-                                });
-                                (free, write)
-                            },
-                        ));
+                        let (took, _) = hold(index, |ix, now| {
+                            planning.fetch_add(1, Ordering::SeqCst);
+                            let waiting = Instant::now();
+                            while planning.load(Ordering::SeqCst) < 2
+                                && waiting.elapsed() < Duration::from_millis(200)
+                            {
+                                std::thread::yield_now();
+                            }
+                            let free = ix.live("n1", now).count() == 0;
+                            let write = free.then(|| Write {
+                                node: "n1".into(),
+                                base: None,
+                                entries: Vec::new(),
+                                added: vec![entry(&format!("p{i}"), "v", HoldReason::Bound)],
+                            });
+                            (free, write)
+                        });
                         took
                     })
                 })

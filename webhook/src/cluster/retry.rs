@@ -2,17 +2,16 @@
 //! (`admission.retryRefusedVmis`, on by default).
 //!
 //! virt-controller retries a refused pod CREATE with a doubling backoff (5 ms up to 1000 s): measured on
-//! KubeVirt v1.9.0's controller, a VMI that had waited 120 s started 44 s after a key freed. Every
-//! replica runs this planner: it wakes when the admission index changes (a report, a hold, a VMI
-//! starting to wait), when a hold may end by time alone (`Index::next_deadline`), and every
-//! [`BACKSTOP`] besides; lets a burst of changes [`SETTLE`], asks
+//! KubeVirt v1.9.0's controller, a VMI that had waited 120 s started 44 s after a key freed. The
+//! deciding replica runs this planner: it wakes when the admission index changes (a report, a hold, a
+//! VMI starting to wait), when a hold may end by time alone (`Index::next_deadline`), when it starts
+//! deciding, and every [`BACKSTOP`] besides; lets a burst of changes [`SETTLE`], asks
 //! [`crate::decide::admit::promises`] which waiting VMIs the free keys serve (first come, first served),
-//! and writes each node's promises into its `TeeReservation` ([`promise`]). The write is the lock: of
-//! replicas planning alike, one writes and the others, on their conflict, read the promises and have
-//! nothing left to do. Only the replica whose write went through annotates each promised VMI
-//! [`names::RETRIED_ANNOTATION`] (any change to a VMI makes virt-controller sync it at once), logs a
-//! line, counts `teeguard_webhook_vmi_retries_total` and records one `TEEKeyFree` Event; an annotation
-//! that fails withdraws its promise. Needs `patch` on `virtualmachineinstances` (the chart grants it).
+//! and holds each promise in its index under the lock the reviews decide under ([`promise`]; written
+//! behind with the other holds). It annotates each promised VMI [`names::RETRIED_ANNOTATION`] (any
+//! change to a VMI makes virt-controller sync it at once), logs a line, counts
+//! `teeguard_webhook_vmi_retries_total` and records one `TEEKeyFree` Event; an annotation that fails
+//! withdraws its promise. Needs `patch` on `virtualmachineinstances` (the chart grants it).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -26,7 +25,7 @@ use teeguard_shared::{Config, TeeKind, VirtualMachineInstance, names};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::holds::{ApiHolds, Committed, HoldStore, commit};
+use super::holds::{ApiHolds, HoldStore, hold, write_node};
 use super::index::KeyIndex;
 use super::lead::Leadership;
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
@@ -40,18 +39,9 @@ pub const BACKSTOP: Duration = Duration::from_secs(10);
 /// After a wake-up, wait this long for related changes (a report freeing keys on several nodes, the
 /// VMIs it frees) before planning.
 pub const SETTLE: Duration = Duration::from_millis(100);
-/// A pass whose promises could not be written (the API server unreachable) runs again this soon: a
-/// VMI must not wait for the backstop once the API server is back.
+/// A pass that could not annotate a VMI or trim a node's holds (the API server unreachable) runs again
+/// this soon: a VMI must not wait for the backstop once the API server is back.
 pub const AGAIN_AFTER_FAILURE: Duration = Duration::from_millis(250);
-
-/// What a planner pass wrote.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Pass {
-    /// The promises this replica wrote: the VMIs to retry.
-    pub promised: Vec<Promised>,
-    /// Some node's promises could not be written: pass again after [`AGAIN_AFTER_FAILURE`].
-    pub failed: bool,
-}
 
 /// A key this replica promised to a waiting VMI.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,15 +61,9 @@ fn per_vmi(config: &Config) -> impl Fn(TeeKind) -> u64 + '_ {
     |kind| u64::from(config.resources.get(kind).keys_per_vm).max(1)
 }
 
-/// Promise the free keys to the VMIs whose turn came, one write per node (see the module).
-pub async fn promise<S: HoldStore>(
-    index: &KeyIndex,
-    store: Option<&S>,
-    config: &Config,
-    replica: &str,
-    within: Duration,
-    metrics: Option<&Metrics>,
-) -> Pass {
+/// Promise the free keys to the VMIs whose turn came, held in the index (see the module): the VMIs
+/// to retry.
+pub fn promise(index: &KeyIndex, config: &Config, replica: &str) -> Vec<Promised> {
     let stale_after = config.admission.stale_report_after;
     let nodes: BTreeSet<String> = {
         let ix = index.read();
@@ -89,9 +73,9 @@ pub async fn promise<S: HoldStore>(
             .map(|p| p.node.to_string())
             .collect()
     };
-    let mut out = Pass::default();
+    let mut out = Vec::new();
     for node in nodes {
-        let (promised, committed) = commit(index, store, within, metrics, |ix, now| {
+        let (promised, _) = hold(index, |ix, now| {
             let all = admit::promises(ix, per_vmi(config), stale_after, now);
             let here: Vec<&admit::Promise<'_>> = all.iter().filter(|p| p.node == node).collect();
             if here.is_empty() {
@@ -108,16 +92,8 @@ pub async fn promise<S: HoldStore>(
                 .collect();
             let holds = admit::promise_holds(&here, per_vmi(config), replica, now);
             (promised, Some(admit::write(ix, &node, holds, now)))
-        })
-        .await;
-        match committed {
-            Committed::Written => out.promised.extend(promised),
-            Committed::Nothing => {}
-            Committed::Failed(why) => {
-                out.failed = true;
-                tracing::warn!(node, error = %why, "cannot promise the free keys; trying again shortly");
-            }
-        }
+        });
+        out.extend(promised);
     }
     out
 }
@@ -129,44 +105,41 @@ pub const TIDY_AFTER: Duration = Duration::from_secs(5);
 /// [`crate::decide::admit::untidy`]). Returns whether some write failed.
 pub async fn tidy<S: HoldStore>(
     index: &KeyIndex,
-    store: Option<&S>,
+    store: &S,
     quiet: Duration,
     within: Duration,
     metrics: Option<&Metrics>,
 ) -> bool {
-    if store.is_none() {
-        return false;
-    }
     let nodes = {
         let ix = index.read();
         admit::untidy(&ix, index.now(), quiet)
     };
     let mut failed = false;
     for node in nodes {
-        let (_, committed) = commit(index, store, within, metrics, |ix, now| {
-            ((), admit::tidy(ix, &node, now))
+        let written = write_node(index, store, within, metrics, |ix, now| {
+            admit::tidy(ix, &node, now)
         })
         .await;
-        failed |= matches!(committed, Committed::Failed(_));
+        failed |= written.is_err();
     }
     failed
 }
 
-/// Take back the key promised to `vmi` on `node` (its retry could not be written).
+/// Take back the key promised to `vmi` on `node` (its retry could not be written): from the index,
+/// and from the node's object if it was written behind already.
 pub async fn withdraw<S: HoldStore>(
     index: &KeyIndex,
-    store: Option<&S>,
+    store: &S,
     node: &str,
     vmi_uid: &str,
     within: Duration,
     metrics: Option<&Metrics>,
-) -> Committed {
+) -> Result<(), String> {
     index.update(|ix, _| ix.drop_local_promise(node, vmi_uid));
-    let (_, committed) = commit(index, store, within, metrics, |ix, now| {
-        ((), admit::withdraw(ix, node, vmi_uid, now))
+    write_node(index, store, within, metrics, |ix, now| {
+        admit::withdraw(ix, node, vmi_uid, now)
     })
-    .await;
-    committed
+    .await
 }
 
 /// What the planner task needs.
@@ -176,8 +149,8 @@ pub struct Retrier {
     pub index: KeyIndex,
     /// The client (for the VMI annotations).
     pub client: kube::Client,
-    /// Where holds are written (`None`: shared holds off).
-    pub store: Option<ApiHolds>,
+    /// Where the holds that ended are trimmed.
+    pub store: ApiHolds,
     /// The configuration.
     pub config: Arc<Config>,
     /// This replica's name (written into the promises).
@@ -188,8 +161,8 @@ pub struct Retrier {
     pub events: EventSink,
     /// Longest one API call may take.
     pub api_timeout: Duration,
-    /// With `admission.decider: leader`, the election: only the decider plans (`None`: every replica).
-    pub leadership: Option<Leadership>,
+    /// The election: only the decider plans.
+    pub leadership: Leadership,
 }
 
 impl std::fmt::Debug for Retrier {
@@ -228,18 +201,12 @@ impl Retrier {
                 } else {
                     until
                 };
-                let began = async {
-                    match &self.leadership {
-                        Some(l) => l.began_deciding().await,
-                        None => std::future::pending().await,
-                    }
-                };
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = self.index.changed() => {}
                     _ = tick.tick() => {}
                     _ = tokio::time::sleep(again) => {}
-                    _ = began => {}
+                    _ = self.leadership.began_deciding() => {}
                 }
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
@@ -270,14 +237,12 @@ impl Retrier {
             self.metrics.set_holds(reason.as_str(), n);
         }
         // Only the decider plans, once it has found no orphan launcher pod (see Index::orphans).
-        if let Some(l) = &self.leadership
-            && l.route_create(&self.index) != Ok(crate::decide::lead::Route::Here)
-        {
+        if self.leadership.route_create(&self.index) != Ok(crate::decide::lead::Route::Here) {
             return false;
         }
         let untidy = tidy(
             &self.index,
-            self.store.as_ref(),
+            &self.store,
             TIDY_AFTER,
             self.api_timeout,
             Some(&self.metrics),
@@ -286,27 +251,13 @@ impl Retrier {
         if !self.config.admission.retry_refused_vmis || waiting.is_empty() {
             return untidy;
         }
-        // The decider keeps its promises in its index, decided under the index's lock with the
-        // reviews and written behind with its other holds: a review deciding while a promise's write
-        // was in flight would otherwise take the key promised.
-        let promises_to = match self.leadership {
-            Some(_) => None,
-            None => self.store.as_ref(),
-        };
-        let pass = promise(
-            &self.index,
-            promises_to,
-            &self.config,
-            &self.replica,
-            self.api_timeout,
-            Some(&self.metrics),
-        )
-        .await;
+        // Decided under the index's lock with the reviews: a review never takes a key promised.
+        let promised = promise(&self.index, &self.config, &self.replica);
         let mut unannotated = false;
-        for p in &pass.promised {
+        for p in &promised {
             unannotated |= !self.retry(p).await;
         }
-        pass.failed || untidy || unannotated
+        untidy || unannotated
     }
 
     /// Annotate the VMI so virt-controller creates its pod again; withdraw its promise if that fails
@@ -334,9 +285,9 @@ impl Retrier {
         if let Some(error) = failure {
             self.metrics.vmi_retry(kind, RetryResult::Failed);
             tracing::warn!(vmi = %p.vmi, kind, error, "cannot annotate the VMI to retry it; its promised key is withdrawn and it is retried at the next pass");
-            withdraw(
+            let _ = withdraw(
                 &self.index,
-                self.store.as_ref(),
+                &self.store,
                 &p.node,
                 &p.vmi.uid,
                 self.api_timeout,

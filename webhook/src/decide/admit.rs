@@ -383,39 +383,6 @@ fn queued_ahead(
     out
 }
 
-/// A hold could not be written (`why`: the API server unreachable or slow, or the object kept
-/// changing): the stale-report policy decides. `allow` keeps `decision` with a warning (the caller
-/// holds the key locally: this replica still counts it), `deny` refuses.
-pub fn fallback(
-    decision: Decision,
-    why: &str,
-    node: &str,
-    policy: StalePolicy,
-    mode: Mode,
-) -> Decision {
-    let note = format!(
-        "teeguard could not record the key it holds on node {node} for its replicas ({why})"
-    );
-    match policy {
-        StalePolicy::Allow => {
-            let mut d = decision;
-            d.warnings.push(format!(
-                "{note}; decided with this replica's holds only: a concurrent admission by another replica may take the same key"
-            ));
-            d
-        }
-        StalePolicy::Deny => apply_mode(
-            super::validation::Verdict::Refuse {
-                reason: reason::REPORT_UNKNOWN,
-                message: format!(
-                    "{note}; the stale-report policy denies; retry when the API server answers"
-                ),
-            },
-            mode,
-        ),
-    }
-}
-
 /// A key promised to a waiting VMI by the retry planner.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Promise<'i> {

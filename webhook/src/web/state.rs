@@ -8,7 +8,6 @@ use teeguard_shared::Config;
 use crate::cluster::admission::FitHints;
 use crate::cluster::caches::Caches;
 use crate::cluster::events::EventSink;
-use crate::cluster::holds::ApiHolds;
 use crate::cluster::lead::Leadership;
 use crate::metrics::Metrics;
 use crate::web::forward::Forwarder;
@@ -55,16 +54,12 @@ pub struct AppState {
 pub struct ValidationState {
     /// Where `InsufficientTEEKeys` Events go (`None`: none are recorded).
     pub events: Option<EventSink>,
-    /// Where holds are written (`None`: `admission.sharedReservations` off, each replica's own).
-    pub store: Option<ApiHolds>,
     /// The node that last fitted a pod of each kind.
     pub hints: Arc<FitHints>,
     /// This replica's name, written into its holds.
     pub replica: String,
-    /// Longest the writes of one review may take (`--api-timeout`).
-    pub api_timeout: Duration,
-    /// With `admission.decider: leader`, the election (`None`: every replica decides).
-    pub leadership: Option<Leadership>,
-    /// With `admission.decider: leader`, the connection to the deciding replica.
-    pub forwarder: Option<Forwarder>,
+    /// The election of the replica that decides the reviews that take a key.
+    pub leadership: Leadership,
+    /// The connection to the deciding replica.
+    pub forwarder: Forwarder,
 }

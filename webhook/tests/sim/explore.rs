@@ -2,8 +2,9 @@
 //! watch delivers whenever, each component acts whenever it may). A watch delivers everything on its
 //! way at once (a replica may be behind on a kind by any number of changes, and catches up to the API
 //! server's current state). States reached twice are explored once (the world's fingerprint: what
-//! decides the next steps). Time-bound rules (the TTL, the pod grace) never fire here; the timed runs
-//! cover them.
+//! decides the next steps). Replica 0 takes the decider Lease first and keeps it (with no time, a
+//! Lease never runs out); the decider writes its holds behind at any step. Time-bound rules (the TTL,
+//! the pod grace, a Lease taken over) never fire here; the timed runs cover them.
 
 use std::collections::HashSet;
 
@@ -93,6 +94,9 @@ pub fn enabled(w: &World, budget: Budget) -> Vec<Action> {
             if admit(&ix) {
                 out.push(Action::Plan(r));
             }
+            if !ix.unwritten(now).is_empty() {
+                out.push(Action::WriteBehind(r));
+            }
             for k in 0..KINDS {
                 if !rep.queues[k].is_empty() {
                     out.push(Action::CatchUp(r, k));
@@ -122,13 +126,14 @@ pub fn explore(
     for kind in vmis {
         w.act(&Action::NewVmi(*kind));
     }
-    // Every replica has seen the VMIs before anything starts.
+    // Every replica has seen the VMIs, and knows the decider, before anything starts.
     for r in 0..w.replicas.len() {
         for k in 0..KINDS {
             while !w.replicas[r].queues[k].is_empty() {
                 w.act(&Action::Deliver(r, k));
             }
         }
+        w.act(&Action::Renew(r));
     }
     let mut seen = HashSet::new();
     let mut out = Explored::default();

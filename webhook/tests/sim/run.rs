@@ -31,8 +31,6 @@ pub struct Chaos {
     pub outages: bool,
     /// Watch delays up to this (ms).
     pub max_delay: u64,
-    /// Invariants not checked (to show another one breaking).
-    pub ignore: Vec<&'static str>,
 }
 
 /// How a run ended.
@@ -74,7 +72,6 @@ pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
     let mut w = World::new(spec, seed);
     w.max_delay = chaos.max_delay;
     let mut checks = Checks::default();
-    checks.ignore = chaos.ignore.clone();
     let mut trace = Vec::new();
     let mut q = Queue {
         heap: BinaryHeap::new(),
@@ -98,10 +95,8 @@ pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
     }
     for r in 0..w.replicas.len() {
         q.at(10_000, Action::Plan(r));
-        if w.spec.leader {
-            let d = w.rand(100);
-            q.at(d, Action::Renew(r));
-        }
+        let d = w.rand(100);
+        q.at(d, Action::Renew(r));
     }
     let mut behind: BTreeSet<usize> = BTreeSet::new();
     let mut terms: BTreeMap<usize, u64> = BTreeMap::new();
@@ -236,7 +231,6 @@ pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
             _ => None,
         };
         if let Some(r) = kept
-            && w.spec.leader
             && behind.insert(r)
         {
             q.at(w.now + 250, Action::WriteBehind(r));

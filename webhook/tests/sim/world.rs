@@ -70,17 +70,11 @@ pub struct Spec {
     pub replicas: usize,
     /// The nodes.
     pub nodes: Vec<NodeSpec>,
-    /// Holds shared through the API server (`admission.sharedReservations`); off, each replica keeps
-    /// its own (the defect the simulation must catch).
-    pub shared: bool,
-    /// `admission.decider: leader`: one replica, elected through the Lease, decides; the others
-    /// forward to it.
-    pub leader: bool,
-    /// A defect to plant in the leader mode (to show the checks catch it).
+    /// A defect to plant (to show the checks catch it).
     pub defect: Defect,
 }
 
-/// A defect planted on purpose in the leader mode.
+/// A defect planted on purpose.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Defect {
     /// None.
@@ -93,6 +87,8 @@ pub enum Defect {
     NoLeaseWait,
     /// The decider never writes its holds behind.
     NoWriteBehind,
+    /// Every replica decides on its own index (no election): each keeps its own holds.
+    EveryReplicaDecides,
 }
 
 /// The four watched kinds, one watch (and queue) each per replica.
@@ -448,13 +444,7 @@ impl World {
     /// A world of `spec`, seeded with `seed`; every replica synced.
     pub fn new(spec: Spec, seed: u64) -> World {
         let clock = Arc::new(AtomicI64::new(0));
-        let mut config = Config::default();
-        config.admission.shared_reservations = spec.shared;
-        config.admission.decider = if spec.leader {
-            teeguard_shared::config::Decider::Leader
-        } else {
-            teeguard_shared::config::Decider::Shared
-        };
+        let config = Config::default();
         let truth = Truth {
             rev: 0,
             nodes: spec
@@ -841,19 +831,14 @@ impl World {
             stale_after: self.config.admission.stale_report_after,
             replica: &format!("replica-{r}"),
         };
-        let store = SimStore(&self.truth);
         let rep = &self.replicas[r];
         let checker = Checker {
             index: &rep.index,
-            store: (self.spec.shared && !self.spec.leader).then_some(&store),
             hints: &rep.hints,
             config: &self.config,
-            within: Duration::from_secs(2),
-            metrics: None,
             labels_known: true,
         };
-        let (decision, _) =
-            futures::executor::block_on(check(&checker, &ask, Target::Candidates(&spec)));
+        let (decision, _) = check(&checker, &ask, Target::Candidates(&spec));
         if !decision.allowed {
             if self.model {
                 let fp = self.index_fingerprint(r);
@@ -874,8 +859,8 @@ impl World {
             return;
         }
         let now = self.now;
-        // Leader mode: held where nobody else decides, in the decider's index.
-        let held_by_decider = self.spec.leader && {
+        // Held where nobody else decides, in the decider's index.
+        let held_by_decider = {
             let ix = &self.replicas[r].index;
             let claimant = Claimant {
                 pod_uid: &pod_uid,
@@ -916,10 +901,10 @@ impl World {
         happened.admitted = Some((pod_uid, recorded));
     }
 
-    /// Leader mode: the replica that decides a review replica `r` received (itself, or the holder
-    /// it forwards to), or why nobody does. Shared mode: `r`.
+    /// The replica that decides a review replica `r` received (itself, or the holder it forwards
+    /// to), or why nobody does.
     fn decider(&self, r: usize, create: bool) -> Result<usize, String> {
-        if !self.spec.leader {
+        if self.spec.defect == Defect::EveryReplicaDecides {
             return Ok(r);
         }
         let route = |i: usize| -> Result<Route, String> {
@@ -954,7 +939,7 @@ impl World {
 
     /// Replica `r` reads the Lease and writes it when its elector says so.
     fn renew(&mut self, r: usize) {
-        if !self.spec.leader || !self.replicas[r].alive {
+        if !self.replicas[r].alive {
             return;
         }
         let mut t = lock(&self.truth);
@@ -1072,21 +1057,15 @@ impl World {
                         stale_after: self.config.admission.stale_report_after,
                         replica: &format!("replica-{r}"),
                     };
-                    let store = SimStore(&self.truth);
                     let rep = &self.replicas[r];
                     let checker = Checker {
                         index: &rep.index,
-                        store: (self.spec.shared && !self.spec.leader).then_some(&store),
                         hints: &rep.hints,
                         config: &self.config,
-                        within: Duration::from_secs(2),
-                        metrics: None,
                         labels_known: true,
                     };
                     let target = Target::Node(&node, Trigger::Binding);
-                    futures::executor::block_on(check(&checker, &ask, target))
-                        .0
-                        .allowed
+                    check(&checker, &ask, target).0.allowed
                 }
             },
         };
@@ -1196,8 +1175,8 @@ impl World {
         if !self.replicas[r].alive {
             return (Vec::new(), false);
         }
-        // Leader mode: only the decider plans, once it found no orphan launcher pod.
-        if self.spec.leader {
+        // Only the decider plans, once it found no orphan launcher pod.
+        if self.spec.defect != Defect::EveryReplicaDecides {
             let rep = &self.replicas[r];
             let route = if self.spec.defect == Defect::NoOrphanGate {
                 Ok(rep.leadership.route())
@@ -1218,25 +1197,18 @@ impl World {
         };
         let untidy = futures::executor::block_on(tidy(
             &rep.index,
-            self.spec.shared.then_some(&store),
+            &store,
             quiet,
             Duration::from_secs(2),
             None,
         ));
         // The decider keeps its promises in its index, written behind (as the product's Retrier).
-        let pass = futures::executor::block_on(promise(
-            &rep.index,
-            (self.spec.shared && !self.spec.leader).then_some(&store),
-            &self.config,
-            &format!("replica-{r}"),
-            Duration::from_secs(2),
-            None,
-        ));
+        let promised = promise(&rep.index, &self.config, &format!("replica-{r}"));
         let now = self.now;
         let mut retried = Vec::new();
         // A promise whose VMI could not be annotated is withdrawn and the pass tried again shortly.
         let mut unannotated = false;
-        for p in pass.promised {
+        for p in promised {
             // The annotation: one TEEKeyFree Event; virt-controller syncs the VMI at once (the
             // drivers schedule its CREATE). A VMI deleted meanwhile cannot be annotated: the promise
             // is withdrawn, as the planner does.
@@ -1258,9 +1230,9 @@ impl World {
             } else {
                 unannotated = true;
                 let rep = &self.replicas[r];
-                futures::executor::block_on(withdraw(
+                let _ = futures::executor::block_on(withdraw(
                     &rep.index,
-                    self.spec.shared.then_some(&store),
+                    &store,
                     &p.node,
                     &p.vmi.uid,
                     Duration::from_secs(2),
@@ -1268,7 +1240,7 @@ impl World {
                 ));
             }
         }
-        (retried, pass.failed || untidy || unannotated)
+        (retried, untidy || unannotated)
     }
 
     fn delete_vmi(&mut self, vmi: &str) {
@@ -1400,9 +1372,7 @@ impl World {
     /// What each part of the world holds now, for a failure's report.
     pub fn describe(&self) -> String {
         let mut out = String::new();
-        if self.spec.leader {
-            out.push_str(&format!("lease: {:?}\n", self.truth().lease));
-        }
+        out.push_str(&format!("lease: {:?}\n", self.truth().lease));
         let stale = self.config.admission.stale_report_after;
         for (who, index) in std::iter::once(("oracle".to_string(), &self.oracle)).chain(
             self.replicas
@@ -1410,11 +1380,7 @@ impl World {
                 .enumerate()
                 .filter(|(_, r)| r.alive)
                 .map(|(i, r)| {
-                    let lead = if self.spec.leader {
-                        format!(", routes {:?}", r.leadership.route())
-                    } else {
-                        String::new()
-                    };
+                    let lead = format!(", routes {:?}", r.leadership.route());
                     (
                         format!("replica {i} (dropped {:?}{lead})", r.dropped),
                         &r.index,

@@ -27,7 +27,6 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
@@ -40,7 +39,6 @@ use super::{Reviewed, serve_review};
 use crate::cluster::admission::{Checker, FitHints, Target, check};
 use crate::cluster::caches::{Lookups, PodLookup};
 use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
-use crate::cluster::holds::ApiHolds;
 use crate::decide::admit::Ask;
 use crate::decide::holds::Claimant;
 use crate::decide::mutation::{
@@ -75,17 +73,12 @@ pub struct ValidationContext<'a> {
     pub events: Option<&'a EventSink>,
     /// Metrics (`None` offline).
     pub metrics: Option<&'a Metrics>,
-    /// Where holds are written (`None`: kept in this replica's index only, as offline or with
-    /// `admission.sharedReservations` off).
-    pub store: Option<&'a ApiHolds>,
     /// The node that last fitted a pod of each kind.
     pub hints: &'a FitHints,
     /// This replica's name, written into its holds.
     pub replica: &'a str,
-    /// Longest the writes of one review may take.
-    pub api_timeout: Duration,
-    /// With `admission.decider: leader`: who decides, and how reviews reach it (`None`: every
-    /// replica decides, sharing its holds through the API server).
+    /// Who decides, and how reviews reach it (`None`: this process decides alone, as the offline
+    /// `review`).
     pub decider: Option<Decider<'a>>,
 }
 
@@ -97,22 +90,17 @@ pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Respons
         .contains_key(crate::web::forward::FORWARDED_HEADER);
     serve_review(s, ENDPOINT, req, |body| async move {
         let v = &s.validation;
-        let decider = match (&v.leadership, &v.forwarder) {
-            (Some(leadership), Some(forwarder)) => Some(Decider {
-                leadership,
-                forwarder,
-                forwarded,
-            }),
-            _ => None,
-        };
+        let decider = Some(Decider {
+            leadership: &v.leadership,
+            forwarder: &v.forwarder,
+            forwarded,
+        });
         let ctx = ValidationContext {
             config: &s.config,
             events: v.events.as_ref(),
             metrics: Some(&s.metrics),
-            store: v.store.as_ref(),
             hints: &v.hints,
             replica: &v.replica,
-            api_timeout: v.api_timeout,
             decider,
         };
         review_validation(&body, &s.caches, &ctx).await
@@ -418,7 +406,7 @@ async fn pod_create<L: Lookups>(
     if let Some(elsewhere) = not_here(REQ, kind, route, refused) {
         return Ok(elsewhere);
     }
-    let (decision, _) = check(&checker(lookups, ctx), &ask, target).await;
+    let (decision, _) = check(&checker(lookups, ctx), &ask, target);
 
     // Answer: the planner starts the VM when a key frees (crate::cluster::retry), unless it was bound.
     let mut answer = Answer::from_decision(REQ, kind, decision, bound.map(str::to_string), mode);
@@ -430,14 +418,11 @@ async fn pod_create<L: Lookups>(
     Ok(Verdict::Answer(answer.with_warnings(warnings)))
 }
 
-fn checker<'a, L: Lookups>(lookups: &'a L, ctx: &ValidationContext<'a>) -> Checker<'a, ApiHolds> {
+fn checker<'a, L: Lookups>(lookups: &'a L, ctx: &ValidationContext<'a>) -> Checker<'a> {
     Checker {
         index: lookups.index(),
-        store: ctx.store,
         hints: ctx.hints,
         config: ctx.config,
-        within: ctx.api_timeout,
-        metrics: ctx.metrics,
         labels_known: lookups.node_labels_known(),
     }
 }
@@ -586,7 +571,7 @@ async fn binding<L: Lookups>(
     if let Some(elsewhere) = not_here(REQ, primary_kind(&requests), route, refused) {
         return Ok(elsewhere);
     }
-    let (d, _) = check(&checker(lookups, ctx), &ask, target).await;
+    let (d, _) = check(&checker(lookups, ctx), &ask, target);
     let answer = Answer::from_decision(
         REQ,
         primary_kind(&requests),
