@@ -358,10 +358,6 @@ struct RawAdmission {
     stale_report_after: Option<String>,
     stale_report_policy: Option<RawStalePolicy>,
     ledger_ttl: Option<String>,
-    /// Removed: one elected replica always decides.
-    shared_reservations: Option<serde::de::IgnoredAny>,
-    /// Removed: one elected replica always decides.
-    decider: Option<serde::de::IgnoredAny>,
     decider_lease: Option<String>,
     retry_refused_vmis: Option<bool>,
     tee_runtime_classes: Option<std::collections::BTreeMap<String, RawKindName>>,
@@ -529,19 +525,6 @@ impl Config {
             if let Some(s) = a.ledger_ttl {
                 cfg.admission.ledger_ttl =
                     parse_duration(&s).map_err(|r| err("admission.ledgerTtl".into(), r))?;
-            }
-            for (field, given) in [
-                ("sharedReservations", a.shared_reservations.is_some()),
-                ("decider", a.decider.is_some()),
-            ] {
-                if given {
-                    return Err(err(
-                        format!("admission.{field}"),
-                        "was removed: one elected replica always decides (admission.deciderLease \
-                         sets its Lease); delete the field"
-                            .into(),
-                    ));
-                }
             }
             if let Some(s) = a.decider_lease {
                 let lease =
@@ -747,11 +730,8 @@ mod tests {
                 "resources.sev.resourceName",
             ),
             ("admission:\n  mode: block\n", "admission.mode"),
-            ("admission:\n  decider: shared\n", "admission.decider"),
-            (
-                "admission:\n  sharedReservations: true\n",
-                "admission.sharedReservations",
-            ),
+            // Removed (one elected replica always decides): named as unknown.
+            ("admission:\n  decider: shared\n", "decider"),
             (
                 "admission:\n  staleReportAfter: soon\n",
                 "admission.staleReportAfter",

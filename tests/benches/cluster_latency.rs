@@ -78,18 +78,11 @@ async fn run(cp: &'static ControlPlane) {
         (20, 20.0)
     };
     let cluster = Cluster::connect().await.expect("control plane");
-    // TEEGUARD_LATENCY_DECIDER=leader: two replicas with `admission.decider: leader`; the API server
-    // calls the one TEEGUARD_LATENCY_CALLS names: `decider` (no forward) or `follower` (every review
-    // that takes a key forwarded to the decider).
-    let leader = std::env::var("TEEGUARD_LATENCY_DECIDER").is_ok_and(|d| d == "leader");
-    let config = if leader {
-        "admission:\n  decider: leader\n"
-    } else {
-        ""
-    };
-    let env = cluster.process_env(config).expect("process env");
+    // TEEGUARD_LATENCY_CALLS=follower: two replicas, the API server calling the one that does not
+    // decide (every review that takes a key forwarded to the decider); else one, which decides.
+    let env = cluster.process_env("").expect("process env");
     let mut webhook = env.start_webhook(&[]).await.expect("webhook starts");
-    let _second = if leader {
+    let _second = if std::env::var("TEEGUARD_LATENCY_CALLS").is_ok_and(|c| c == "follower") {
         webhook
             .proc
             .wait_for_log("the first replica decides", Duration::from_secs(60), |l| {
@@ -98,15 +91,8 @@ async fn run(cp: &'static ControlPlane) {
             .await
             .expect("decider elected");
         let follower = env.start_webhook(&[]).await.expect("second replica starts");
-        if std::env::var("TEEGUARD_LATENCY_CALLS").is_ok_and(|c| c == "follower") {
-            println!(
-                "the API server calls the follower: every review that takes a key is forwarded"
-            );
-            Some(std::mem::replace(&mut webhook, follower))
-        } else {
-            println!("the API server calls the decider");
-            Some(follower)
-        }
+        println!("the API server calls the follower: every review that takes a key is forwarded");
+        Some(std::mem::replace(&mut webhook, follower))
     } else {
         None
     };

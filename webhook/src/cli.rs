@@ -50,11 +50,11 @@ pub struct ServeArgs {
     /// HTTPS listen address.
     #[arg(long, env = "TEEGUARD_LISTEN_ADDR", default_value = "0.0.0.0:8443")]
     pub listen: SocketAddr,
-    /// With `admission.decider: leader`, where the other replicas reach this one
+    /// Where the other replicas reach this one while it decides
     /// (`https://host:port`); by default `https://$POD_IP:<the listen port>`.
     #[arg(long, env = "TEEGUARD_DECIDER_ADDRESS")]
     pub decider_address: Option<String>,
-    /// With `admission.decider: leader`, the name of the decider Lease (in the namespace of the
+    /// The name of the decider Lease (in the namespace of the
     /// webhook's kube client): one per set of replicas that decide together.
     #[arg(long, env = "TEEGUARD_DECIDER_LEASE_NAME", default_value = crate::cluster::lead::LEASE_NAME)]
     pub decider_lease_name: String,

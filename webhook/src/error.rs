@@ -72,8 +72,8 @@ pub enum Error {
         "this replica does not decide the admissions that take a key ({0}); ask the Lease again"
     )]
     NotDeciding(String),
-    /// The decider's address (`admission.decider: leader`) is missing or unusable.
-    #[error("admission.decider: leader: {0}")]
+    /// The decider's address (where the other replicas forward) is missing or unusable.
+    #[error("the decider address: {0}")]
     DeciderAddress(String),
     /// The certificate directory could not be watched.
     #[error("cannot watch the certificate directory {path}: {source}")]

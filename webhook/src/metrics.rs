@@ -369,7 +369,7 @@ impl Metrics {
         );
         r.register(
             "decider",
-            "1 while this replica decides the admissions that take a key (admission.decider: leader; the others forward), else 0",
+            "1 while this replica decides the admissions that take a key (the others forward to it), else 0",
             m.decider.clone(),
         );
         r.register(

@@ -142,7 +142,7 @@ pub const BEHIND_BATCH: Duration = Duration::from_millis(250);
 /// How often the write-behind looks for holds to write even without a wake-up (a write that failed).
 pub const BEHIND_RETRY: Duration = Duration::from_millis(250);
 
-/// The decider's write-behind (`admission.decider: leader`): the holds it admitted in memory, written
+/// The decider's write-behind: the holds it admitted in memory, written
 /// into their nodes' `TeeReservation`s soon after, so every replica counts them and a successor
 /// starts from them. Each node's write carries all its unwritten holds (a burst is one write), on the
 /// version read; a conflict reads again ([`commit`]). Runs until `shutdown`, whoever decides: holds

@@ -1,4 +1,4 @@
-//! The decider's Lease (`admission.decider: leader`): read and written every `retry` by each replica,
+//! The decider's Lease: read and written every `retry` by each replica,
 //! decided by [`crate::decide::lead::Elector`]; the result is shared as a [`Leadership`] that the
 //! admission handlers ask where a review that takes a key goes, and the planner whether it may plan.
 //!

@@ -1,4 +1,4 @@
-//! Who decides (`admission.decider: leader`): one replica, elected through a Lease, decides every
+//! Who decides: one replica, elected through a Lease, decides every
 //! admission that takes a key, from its own index and without an API write on the request's path; the
 //! others forward those reviews to it. This is the election's state machine, after client-go's
 //! `leaderelection`: pure, on the times it is handed (`crate::cluster::lead` reads and writes the

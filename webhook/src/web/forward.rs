@@ -1,4 +1,4 @@
-//! Forwarding a review that takes a key to the deciding replica (`admission.decider: leader`): the
+//! Forwarding a review that takes a key to the deciding replica: the
 //! same AdmissionReview body, `POST /validate` over HTTPS at the address the decider's Lease gives,
 //! marked with [`FORWARDED_HEADER`] so it is never forwarded twice; the decider's answer is returned as
 //! it is. One HTTP/2 connection per decider address, made on first use and again after it fails.

@@ -466,8 +466,8 @@ pub mod reason {
     pub const SCHEDULER_ALLOCATED: &str = "scheduler-allocated";
     /// A cgroup-limit annotation teeguard did not write.
     pub const FORGED_LIMIT_ANNOTATION: &str = "forged-limit-annotation";
-    /// `admission.decider: leader`: no replica decides right now (an election, a new decider
-    /// taking over) or the decider could not be reached.
+    /// No replica decides right now (an election, a new decider taking over, a decider that cannot
+    /// renew its Lease) or the decider could not be reached.
     pub const NO_DECIDER: &str = "no-decider";
 
     /// Whether a refusal for `reason` is for lack of keys (or of a current report): what a freed key

@@ -1,5 +1,5 @@
-//! `admission.decider: leader`: where a review that takes a key is decided (here, at the decider it
-//! is forwarded to, or refused while nobody decides), and the forward itself.
+//! Where a review that takes a key is decided (here, at the decider it is forwarded to, or refused
+//! while nobody decides), and the forward itself.
 
 use crate::cluster::index::KeyIndex;
 use crate::cluster::lead::Leadership;
@@ -11,7 +11,7 @@ use crate::web::handlers::Reviewed;
 
 use super::{Answer, ValidationContext, respond};
 
-/// Where reviews that take a key are decided (`admission.decider: leader`).
+/// Where reviews that take a key are decided.
 #[derive(Clone, Copy, Debug)]
 pub struct Decider<'a> {
     /// The election.
@@ -66,7 +66,9 @@ pub(super) fn route(ctx: &ValidationContext<'_>, index: &KeyIndex, create: bool)
         LeadRoute::Forward(address) => Route::Decline(format!("the Lease names {address}")),
         LeadRoute::Nobody if d.forwarded => Route::Decline("nobody holds the Lease".into()),
         LeadRoute::Nobody => Route::Nobody {
-            why: "no teeguard replica decides right now (an election)".into(),
+            why: "no teeguard replica decides right now (an election, or the deciding replica \
+                  cannot reach the API server to renew its Lease)"
+                .into(),
             create,
         },
     }
