@@ -89,8 +89,8 @@ const NOT_EXERCISED: &[NotExercised] = &[
         resource: "teereservations",
         subresource: "",
         why: "webhook/src/cluster/holds.rs: a node's TeeReservation written again (the decider's next batch \
-              of holds written behind, or with admission.decider: shared each hold); whether the standalone's \
-              holds on a node fall into one batch or two is a race (tests/tests/e2e_replicas.rs writes many)",
+              of holds written behind); whether the standalone's holds on a node fall into one batch or two \
+              is a race (tests/tests/e2e_replicas.rs writes many)",
     },
     NotExercised {
         component: AGENT_USER_AGENT,

@@ -49,53 +49,6 @@ async fn start(env: &E2eEnv, n: usize) -> Vec<WebhookProcess> {
     out
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifty_bindings_across_three_replicas_take_a_nodes_last_key_exactly_once_twenty_times() {
-    bounded(async {
-        const ROUNDS: usize = 20;
-        let env = E2eEnv::new("").await.expect("env");
-        let webhooks = start(&env, 3).await;
-        let clients: Vec<_> = webhooks
-            .iter()
-            .map(|w| Arc::new(w.client().expect("client")))
-            .collect();
-        let mut violations = Vec::new();
-        for round in 0..ROUNDS {
-            let node = format!("node-{round:02}");
-            let (admitted, messages) = race_for_the_last_key(
-                &env,
-                &webhooks,
-                &clients,
-                &node,
-                &format!("r{round:02}"),
-                round + 1,
-            )
-            .await;
-            let usual = messages.iter().all(|m| {
-                m.starts_with(&format!("node {node} cannot host this TDX VM: 0/31 free"))
-                    && m.contains("just admitted, not in the report yet")
-            });
-            if admitted != 1 || messages.len() != BINDINGS - 1 || !usual {
-                violations.push(format!("round {round}: {admitted} admitted; {messages:?}"));
-            }
-            // The node's TeeReservation, written behind, lists exactly the winner.
-            let res = written(&env, &node).await;
-            if res.spec.reservations.len() != 1 {
-                violations.push(format!(
-                    "round {round}: reservations {:?}",
-                    res.spec.reservations
-                ));
-            }
-        }
-        assert!(
-            violations.is_empty(),
-            "violations:\n{}",
-            violations.join("\n")
-        );
-    })
-    .await;
-}
-
 /// Node `node`'s `TeeReservation` once the decider has written it behind.
 async fn written(env: &E2eEnv, node: &str) -> TeeReservation {
     env.api

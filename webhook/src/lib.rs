@@ -6,7 +6,8 @@
 //!   `POST /validate`), and the forward of a review to the deciding replica.
 //! - [`cluster`]: what talks to the API server: reflector caches of VMIs, Namespaces, TeeCapacities,
 //!   Nodes, `TeeReservation`s, the agents' Leases and virt-launcher pods with one GET on a miss; the
-//!   admission index behind its lock; the holds' writes; the decider's Lease; the retry planner; Events.
+//!   admission index behind its lock; the holds and their write-behind; the decider's Lease; the retry
+//!   planner; Events.
 //! - [`metrics`]: the Prometheus series; maps the decisions' outcomes to labels.
 //! - [`decide`]: the pure decisions: mutation (which pods get a TEE key request and limit
 //!   annotations, and the JSON Patch), validation (free keys on a node or any candidate node, stale

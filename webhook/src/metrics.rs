@@ -75,7 +75,7 @@ pub enum Cache {
     AgentLeases,
 }
 
-/// What one write of a node's `TeeReservation` did ([`crate::cluster::holds::commit`]).
+/// What one write of a node's `TeeReservation` did ([`crate::cluster::holds::write_node`]).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum HoldWriteResult {
     /// Written: the key is held.

@@ -1,5 +1,5 @@
 //! The admission state's guarantees, proven on a deterministic simulation of the webhook's own code
-//! (its index, check, commit loop and planner) in a world of replicas with their own late watches,
+//! (its index, check, election, write-behind and planner) in a world of replicas with their own late watches,
 //! virt-controller, the scheduler, kubelets and agents (`sim`). Invariants I1-I5: `sim::check`.
 //!
 //! - every order of every step in a small world (2 replicas, 1 node, 2 keys, 3 VMIs, a deletion, a
@@ -69,9 +69,9 @@ fn every_order_of_a_deletion_freeing_the_key_a_second_vmi_waits_for_keeps_the_in
     every_order(one_key, 2, 1);
 }
 
-/// The whole small world of issue 42 (3 VMIs, 2 keys, a deletion): 583 540 states, about 6 minutes
-/// in a debug build, so not in CI (`cargo test -p teeguard-webhook --test simulation -- --ignored
-/// every_order_with_a_deletion`).
+/// The whole small world of issue 42 (3 VMIs, 2 keys, a deletion): over 260 000 states, more than
+/// 10 minutes on a busy machine, so not in CI (`cargo test -p teeguard-webhook --test simulation --
+/// --ignored every_order_with_a_deletion`).
 #[test]
 #[ignore]
 fn every_order_with_a_deletion_of_three_vmis_for_two_keys_keeps_the_invariants() {

@@ -19,8 +19,8 @@ use super::index::KeyIndex;
 use crate::decide::admit::Write;
 use crate::metrics::{HoldWriteResult, Metrics};
 
-/// Writes tried per commit before giving up (each lost race means another claimant got a key, so a
-/// node with few keys decides within two or three).
+/// Writes tried per node before giving up (a conflict means the object changed under the write: a
+/// decider taking over, the planner's trim).
 pub const MAX_ATTEMPTS: u32 = 8;
 
 /// Why a write did not go through.
@@ -145,7 +145,7 @@ pub const BEHIND_RETRY: Duration = Duration::from_millis(250);
 /// The decider's write-behind: the holds it admitted in memory, written
 /// into their nodes' `TeeReservation`s soon after, so every replica counts them and a successor
 /// starts from them. Each node's write carries all its unwritten holds (a burst is one write), on the
-/// version read; a conflict reads again ([`commit`]). Runs until `shutdown`, whoever decides: holds
+/// version read; a conflict reads again ([`write_node`]). Runs until `shutdown`, whoever decides: holds
 /// a replica admitted are real whichever replica decides next; at `shutdown` it writes what is left
 /// once more (the Lease is given up after, so a successor that takes it at once starts from them).
 pub async fn write_behind<S: HoldStore>(

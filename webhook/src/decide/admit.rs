@@ -1,15 +1,14 @@
 //! The admission decisions on the [`Index`] (pure): the keys a node has available to a claimant (one
 //! definition for the launcher pod CREATE, the binding and the retry planner), the verdicts, and the
-//! write of the node's `TeeReservation` each admission commits by.
+//! holds each admission adds ([`Write`]: the node's `TeeReservation` entries after them).
 //!
 //! Keys available on a node to a claimant = the report's `free` − the live holds of other claimants
 //! there ([`Index::held`]) − for a virt-launcher pod not bound yet (with `admission.retryRefusedVmis`
 //! on), the keys the VMIs that waited longer than its own are served from there ([`queue::serve`]).
 //!
-//! Every admission that takes a key writes its hold into the node's object with the `resourceVersion`
-//! the decision was made on ([`Write`]): a write that loses a race gets 409 Conflict and the decision is
-//! made again on the newer object (`crate::cluster::holds::commit`), so no two claimants are ever given
-//! one key, whichever replicas decide.
+//! The decider makes each decision and keeps its holds under the index's write lock
+//! (`crate::cluster::holds::hold`), so no two claimants are ever given one key; it writes them behind
+//! into the node's object with the `resourceVersion` its index holds (`crate::cluster::holds::write_node`).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -2,9 +2,9 @@
 //! `TeeReservation`s), webhook replicas each with its own admission index fed by its own watches
 //! (late and out of step), virt-controller, the scheduler, kubelets charging keys in the kernel, the
 //! node agents reporting them. The replicas run the webhook's own code: the index and its watch
-//! adapters (`cluster::index`), the check (`cluster::admission::check`), the commit loop with an
-//! API server of the simulation's own (`cluster::holds::HoldStore`), the planner
-//! (`cluster::retry::promise`).
+//! adapters (`cluster::index`), the check (`cluster::admission::check`), the election
+//! (`cluster::lead::Leadership`), the write-behind with an API server of the simulation's own
+//! (`cluster::holds::HoldStore`), the planner (`cluster::retry::promise`).
 //!
 //! Everything that happens is an [`Action`]; the drivers decide which comes next (by time and a
 //! seed, or every order: `explore`).
