@@ -82,7 +82,7 @@ pub fn check(c: &Checker<'_>, ask: &Ask<'_>, target: Target<'_>) -> (Decision, O
         .filter(|_| retry && !ask.claimant.vmi_uid.is_empty())
         .map(|k| u64::from(c.config.resources.get(k).keys_per_vm).max(1));
     let labels_known = c.labels_known;
-    let (planned, _) = hold(index, |ix, now| {
+    let planned = hold(index, |ix, now| {
         let planned: Planned = match target {
             Target::Node(node, trigger) => admit::on_node(ix, trigger, node, ask, now),
             Target::Candidates(spec) => {

@@ -52,12 +52,12 @@ pub trait HoldStore: Send + Sync {
 
 /// Decide with `plan` on the index and keep its holds there, under one write lock: two reviews on
 /// the decider never both take one last key. `plan` returns its answer and the write that commits
-/// it (`None`: nothing to hold); returns the answer and whether something was held (written behind
-/// soon after, [`write_behind`]).
+/// it (`None`: nothing to hold); returns the answer (the holds are written behind soon after,
+/// [`write_behind`]).
 pub fn hold<T>(
     index: &KeyIndex,
     plan: impl FnOnce(&crate::decide::index::Index, jiff::Timestamp) -> (T, Option<Write>),
-) -> (T, bool) {
+) -> T {
     let (answer, held) = index.update(|ix, now| {
         let (answer, write) = plan(ix, now);
         let held = write.is_some_and(|w| {
@@ -71,7 +71,7 @@ pub fn hold<T>(
     if held {
         index.wake_write_behind();
     }
-    (answer, held)
+    answer
 }
 
 /// Write what `plan` makes of the index into a node's `TeeReservation`, on the version the index
@@ -330,7 +330,7 @@ mod tests {
                 .map(|i| {
                     let (index, planning) = (&index, &planning);
                     s.spawn(move || {
-                        let (took, _) = hold(index, |ix, now| {
+                        hold(index, |ix, now| {
                             planning.fetch_add(1, Ordering::SeqCst);
                             let waiting = Instant::now();
                             while planning.load(Ordering::SeqCst) < 2
@@ -346,8 +346,7 @@ mod tests {
                                 added: vec![entry(&format!("p{i}"), "v", HoldReason::Bound)],
                             });
                             (free, write)
-                        });
-                        took
+                        })
                     })
                 })
                 .collect();

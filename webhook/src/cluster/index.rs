@@ -123,17 +123,7 @@ impl KeyIndex {
         out
     }
 
-    /// Keep `holds` on `node` in this replica's index only (not written, or not yet).
-    pub fn hold_locally(&self, node: &str, holds: &[teeguard_shared::reservation::KeyReservation]) {
-        self.update(|ix, now| {
-            for hold in holds {
-                ix.hold_locally(node, hold.clone(), now);
-            }
-        });
-        self.wake_write_behind();
-    }
-
-    /// Tell the write-behind that holds were kept locally (by [`KeyIndex::update`]).
+    /// Tell the write-behind that holds were kept locally (by [`crate::cluster::holds::hold`]).
     pub fn wake_write_behind(&self) {
         self.inner.held_locally.notify_one();
     }

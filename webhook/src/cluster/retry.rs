@@ -75,7 +75,7 @@ pub fn promise(index: &KeyIndex, config: &Config, replica: &str) -> Vec<Promised
     };
     let mut out = Vec::new();
     for node in nodes {
-        let (promised, _) = hold(index, |ix, now| {
+        let promised = hold(index, |ix, now| {
             let all = admit::promises(ix, per_vmi(config), stale_after, now);
             let here: Vec<&admit::Promise<'_>> = all.iter().filter(|p| p.node == node).collect();
             if here.is_empty() {
