@@ -71,9 +71,16 @@ pub enum Error {
         reason: String,
     },
 
-    /// The `misc.events` watcher could not be set up.
-    #[error("cannot watch misc.events files: {0}")]
-    Watch(#[source] notify::Error),
+    /// An inotify watcher could not be set up (the agent then notices changes at its next poll).
+    #[error(
+        "cannot set up inotify to watch {what}: {source}; raise fs.inotify.max_user_instances if it is exhausted"
+    )]
+    Watch {
+        /// What was to be watched.
+        what: &'static str,
+        /// The error.
+        source: std::io::Error,
+    },
 
     /// Output could not be rendered.
     #[error("cannot render {what}: {reason}")]

@@ -2,7 +2,7 @@
 //! `misc.max` as soon as the cgroup appears — before QEMU or a Kata VMM in it can charge a key.
 //!
 //! - Appearing cgroups are seen through inotify on the kubepods directory and its QoS directories
-//!   (`notify`; the kubelet's `mkdir` of a pod cgroup is an `IN_CREATE` there), with a sweep at every
+//!   ([`DirWatch`]; the kubelet's `mkdir` of a pod cgroup is an `IN_CREATE` there), with a sweep at every
 //!   poll as the backstop for missed events and pods the agent learned of after their cgroup appeared.
 //! - One resource per write, opened without `O_CREAT`, read back ([`crate::kernel::misc_max`]); a
 //!   value that did not stick is retried at the next sweep.
@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use notify::Watcher as _;
+use inotify::{EventMask, WatchMask};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -22,6 +22,8 @@ use crate::cluster::events::{EventSink, PodRef, REASON_FAILED};
 use crate::decide::cgroup_names::{pod_uid_of_dir, qos_dirs};
 use crate::decide::enforcing::{HostFacts, WriterStatus};
 use crate::decide::limits::Limit;
+use crate::error::Error;
+use crate::kernel::dir_watch::DirWatch;
 use crate::kernel::misc_max::{WriteOutcome, apply};
 use crate::metrics::Metrics;
 
@@ -78,24 +80,22 @@ enum Done {
 impl Writer {
     /// Run until `shutdown`.
     pub async fn run(mut self, shutdown: CancellationToken) {
-        let (tx, mut created) = mpsc::unbounded_channel::<PathBuf>();
-        let mut watcher = match notify::recommended_watcher(
-            move |res: notify::Result<notify::Event>| {
-                let Ok(ev) = res else { return };
-                if matches!(ev.kind, notify::EventKind::Create(_)) {
-                    for p in ev.paths {
-                        let _ = tx.send(p);
-                    }
-                }
-            },
-        ) {
+        let (tx, mut created) = mpsc::unbounded_channel::<String>();
+        let mut watcher = match DirWatch::new(WatchMask::CREATE, move |name, mask| {
+            if let Some(name) = name.filter(|_| mask.contains(EventMask::ISDIR)) {
+                let _ = tx.send(name.to_string_lossy().into_owned());
+            }
+        }) {
             Ok(w) => Some(w),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot watch for new pod cgroups; limits are written at the next poll");
+                let e = Error::Watch {
+                    what: "new pod cgroups",
+                    source: e,
+                };
+                tracing::warn!(error = %e, "limits are written at the next poll");
                 None
             }
         };
-        let mut watched: Vec<PathBuf> = Vec::new();
         let mut done: HashMap<String, Done> = HashMap::new();
         let mut failures: HashMap<String, String> = HashMap::new();
         // Pods whose cgroup showed no misc.max, since when: a cgroup caught between its mkdir and its
@@ -130,10 +130,8 @@ impl Writer {
                     .filter(|d| d.is_dir())
                     .collect();
                 for d in &want {
-                    if !watched.contains(d)
-                        && w.watch(d, notify::RecursiveMode::NonRecursive).is_ok()
-                    {
-                        watched.push(d.clone());
+                    if !w.watches(d) {
+                        let _ = w.watch(d);
                     }
                 }
             }
@@ -145,9 +143,7 @@ impl Writer {
             failures.retain(|uid, _| desired.contains_key(uid));
             suspect.retain(|uid, _| desired.contains_key(uid));
             // A new pod cgroup: only that pod. Otherwise every pod not limited yet (or whose limits changed).
-            let only = created_dir
-                .as_deref()
-                .and_then(|p| p.file_name()?.to_str().and_then(pod_uid_of_dir));
+            let only = created_dir.as_deref().and_then(pod_uid_of_dir);
             if created_dir.is_some() && only.is_none() {
                 continue; // a QoS directory or a container: the watch list is refreshed above
             }

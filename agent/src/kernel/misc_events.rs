@@ -6,15 +6,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use notify::Watcher;
+use inotify::{EventMask, WatchMask};
 use tokio::sync::Notify;
 
+use super::dir_watch::DirWatch;
 use crate::error::Error;
 
 /// inotify watches on the directories holding `misc.events` files.
 #[derive(Debug)]
 pub struct EventsWatch {
-    watcher: Option<notify::RecommendedWatcher>,
+    watcher: Option<DirWatch>,
     dirs: Vec<PathBuf>,
     notify: Arc<Notify>,
     dirty: Arc<AtomicBool>,
@@ -25,34 +26,34 @@ impl EventsWatch {
     pub fn new() -> Self {
         let notify = Arc::new(Notify::new());
         let dirty = Arc::new(AtomicBool::new(false));
+        // The kernel reports a changed `misc.events` as IN_MODIFY on its directory (a file written
+        // anew or renamed into place, as tests do, as IN_CLOSE_WRITE or IN_MOVED_TO); a removed child
+        // or the directory itself means the watched set is due for a refresh.
+        let mask = WatchMask::MODIFY
+            | WatchMask::CREATE
+            | WatchMask::CLOSE_WRITE
+            | WatchMask::MOVED_TO
+            | WatchMask::DELETE
+            | WatchMask::DELETE_SELF;
         let watcher = {
             let notify = notify.clone();
             let dirty = dirty.clone();
-            notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-                let Ok(ev) = res else { return };
-                use notify::EventKind;
-                use notify::event::{AccessKind, AccessMode};
-                let is_events = ev
-                    .paths
-                    .iter()
-                    .any(|p| p.file_name().is_some_and(|n| n == "misc.events"));
-                match ev.kind {
-                    EventKind::Modify(_)
-                    | EventKind::Create(_)
-                    | EventKind::Access(AccessKind::Close(AccessMode::Write))
-                        if is_events =>
-                    {
-                        notify.notify_one()
-                    }
-                    EventKind::Remove(_) => dirty.store(true, Ordering::Release),
-                    _ => {}
+            DirWatch::new(mask, move |name, mask| {
+                if mask.intersects(EventMask::DELETE | EventMask::DELETE_SELF) {
+                    dirty.store(true, Ordering::Release);
+                } else if name.is_some_and(|n| n == "misc.events") {
+                    notify.notify_one();
                 }
             })
         };
         let watcher = match watcher {
             Ok(w) => Some(w),
             Err(e) => {
-                tracing::warn!(error = %Error::Watch(e), "misc.events changes will only be noticed by polling");
+                let e = Error::Watch {
+                    what: "misc.events files",
+                    source: e,
+                };
+                tracing::warn!(error = %e, "misc.events changes will only be noticed by polling");
                 None
             }
         };
@@ -85,7 +86,7 @@ impl EventsWatch {
         }
         for old in &self.dirs {
             if !dirs.contains(old) {
-                let _ = w.unwatch(old);
+                w.unwatch(old);
             }
         }
         let mut watched = Vec::with_capacity(dirs.len());
@@ -94,7 +95,7 @@ impl EventsWatch {
                 watched.push(d);
                 continue;
             }
-            match w.watch(&d, notify::RecursiveMode::NonRecursive) {
+            match w.watch(&d) {
                 Ok(()) => watched.push(d),
                 Err(e) => {
                     tracing::debug!(dir = %d.display(), error = %e, "cannot watch misc.events")
