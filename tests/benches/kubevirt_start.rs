@@ -31,14 +31,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
 use kubevirt_support::{KubeVirtWorld, Options, running};
-use support::{Side, report_sides, section};
+use support::{BATCH, SETTLE, Side, TARGET_RATIO, report_sides, section};
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::kubevirt::vmis::Size;
-
-const BATCH: usize = 10;
-/// Pause before each batch (the previous batch's deletion settled).
-const SETTLE: Duration = Duration::from_secs(2);
-const TARGET_RATIO: f64 = 1.05;
 
 const LABELS: [&str; 2] = ["with teeguard", "without"];
 

@@ -34,13 +34,8 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use node_support::{NodeWorld, Options, running};
-use support::{Side, fmt_dur, report_sides, section};
+use support::{BATCH, SETTLE, Side, TARGET_RATIO, fmt_dur, report_sides, section};
 use teeguard_tests::node::{Runtime, pods};
-
-const BATCH: usize = 10;
-/// Pause before each batch.
-const SETTLE: Duration = Duration::from_secs(2);
-const TARGET_RATIO: f64 = 1.05;
 
 const LABELS: [&str; 2] = ["with the plugin", "without"];
 

@@ -298,6 +298,22 @@ pub enum HostError {
     Unsupported(&'static str),
 }
 
+impl HostError {
+    /// For a refused charge: the level that refused it (`""`: the root), the usage it would have
+    /// reached and its limit.
+    pub fn refusal(&self) -> Option<(&str, u64, u64)> {
+        match self {
+            HostError::ChargeRefused {
+                failed_at,
+                would_be,
+                limit,
+                ..
+            } => Some((failed_at, *would_be, *limit)),
+            _ => None,
+        }
+    }
+}
+
 /// Result alias for this module.
 pub type HostResult<T> = Result<T, HostError>;
 

@@ -77,9 +77,12 @@ fn handshake(ca_pem: &[u8], crt_pem: &[u8], key_pem: &[u8], name: &str) -> Resul
         .with_root_certificates(roots(ca_pem))
         .with_no_client_auth();
     let server_name = ServerName::try_from(name.to_string()).map_err(|e| e.to_string())?;
-    let mut client =
-        ClientConnection::new(Arc::new(client_config), server_name).map_err(|e| e.to_string())?;
-    let mut server = ServerConnection::new(Arc::new(server_config)).map_err(|e| e.to_string())?;
+    let mut client = rustls::Connection::from(
+        ClientConnection::new(Arc::new(client_config), server_name).map_err(|e| e.to_string())?,
+    );
+    let mut server = rustls::Connection::from(
+        ServerConnection::new(Arc::new(server_config)).map_err(|e| e.to_string())?,
+    );
 
     client
         .writer()
@@ -87,28 +90,8 @@ fn handshake(ca_pem: &[u8], crt_pem: &[u8], key_pem: &[u8], name: &str) -> Resul
         .map_err(|e| e.to_string())?;
     let mut got = Vec::new();
     for _ in 0..32 {
-        let mut buf = Vec::new();
-        while client.wants_write() {
-            client.write_tls(&mut buf).map_err(|e| e.to_string())?;
-        }
-        let mut slice = &buf[..];
-        while !slice.is_empty() {
-            server.read_tls(&mut slice).map_err(|e| e.to_string())?;
-            server
-                .process_new_packets()
-                .map_err(|e| format!("server: {e}"))?;
-        }
-        let mut buf = Vec::new();
-        while server.wants_write() {
-            server.write_tls(&mut buf).map_err(|e| e.to_string())?;
-        }
-        let mut slice = &buf[..];
-        while !slice.is_empty() {
-            client.read_tls(&mut slice).map_err(|e| e.to_string())?;
-            client
-                .process_new_packets()
-                .map_err(|e| format!("client: {e}"))?;
-        }
+        flight(&mut client, &mut server, "server")?;
+        flight(&mut server, &mut client, "client")?;
         let mut chunk = [0u8; 16];
         match server.reader().read(&mut chunk) {
             Ok(n) => got.extend_from_slice(&chunk[..n]),
@@ -122,6 +105,25 @@ fn handshake(ca_pem: &[u8], crt_pem: &[u8], key_pem: &[u8], name: &str) -> Resul
     Err(format!(
         "handshake did not complete; server received {got:?}"
     ))
+}
+
+/// Everything `from` has to send, read and processed by `to` (named in errors).
+fn flight(
+    from: &mut rustls::Connection,
+    to: &mut rustls::Connection,
+    to_name: &str,
+) -> Result<(), String> {
+    let mut buf = Vec::new();
+    while from.wants_write() {
+        from.write_tls(&mut buf).map_err(|e| e.to_string())?;
+    }
+    let mut slice = &buf[..];
+    while !slice.is_empty() {
+        to.read_tls(&mut slice).map_err(|e| e.to_string())?;
+        to.process_new_packets()
+            .map_err(|e| format!("{to_name}: {e}"))?;
+    }
+    Ok(())
 }
 
 fn san_dns_names(pem: &[u8]) -> BTreeSet<String> {

@@ -523,21 +523,20 @@ fn comparison_catches_missing_and_extra_rules() {
     let rules = role["rules"].as_array_mut().expect("rules");
     rules.retain(|r| r["resources"] != serde_json::json!(["nodes/status"]));
     rules.push(serde_json::json!({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}));
-    let result = std::panic::catch_unwind(|| compare(AGENT_USER_AGENT, &role, &agent_calls, false));
-    let message = *result
-        .expect_err("a changed role must not match")
-        .downcast::<String>()
-        .expect("panic message");
+    // The comparison's panic message, which must exist (`role` must not match).
+    let mismatch = |role: &Value, namespaced: bool| -> String {
+        *std::panic::catch_unwind(|| compare(AGENT_USER_AGENT, role, &agent_calls, namespaced))
+            .expect_err("a changed role must not match")
+            .downcast::<String>()
+            .expect("panic message")
+    };
+    let message = mismatch(&role, false);
     assert!(message.contains("\"nodes\", \"status\""), "{message}");
     assert!(message.contains("\"secrets\""), "{message}");
     // The same for the namespaced Role: without the Lease rule, the heartbeat gets 403.
     let mut role = role_of(&docs, "DaemonSet", "teeguard-agent", true).clone();
     role["rules"] = serde_json::json!([]);
-    let result = std::panic::catch_unwind(|| compare(AGENT_USER_AGENT, &role, &agent_calls, true));
-    let message = *result
-        .expect_err("a Role without the Lease rule must not match")
-        .downcast::<String>()
-        .expect("panic message");
+    let message = mismatch(&role, true);
     assert!(message.contains("\"leases#"), "{message}");
 }
 

@@ -133,18 +133,11 @@ fn capacity_cannot_be_exceeded_and_a_refusal_at_the_root_leaves_no_trace() {
     host.start_vm(A, "compute", TDX).expect("first");
     host.add_external("td", TDX, 1).expect("second");
     let err = host.start_vm(B, "compute", TDX).expect_err("host is full");
-    match &err {
-        HostError::ChargeRefused {
-            failed_at,
-            would_be,
-            limit,
-            ..
-        } => {
-            assert_eq!(failed_at, "", "refused at the root");
-            assert_eq!((*would_be, *limit), (3, 2));
-        }
-        other => panic!("unexpected {other}"),
-    }
+    assert_eq!(
+        err.refusal(),
+        Some(("", 3, 2)),
+        "refused at the root: {err}"
+    );
     assert_eq!(host.usage(TDX), 2);
     assert_eq!(read(&host.root().join("misc.current")), "tdx 2\n");
     // The root has no misc.events; nothing below was over its limit, so every events file stays 0.

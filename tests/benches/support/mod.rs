@@ -55,6 +55,14 @@ impl Stats {
     }
 }
 
+/// Items per batch of an A/B bench on real components that alternates the sides batch by batch
+/// (`kubevirt_start`, `node_start`).
+pub const BATCH: usize = 10;
+/// The pause before each batch.
+pub const SETTLE: Duration = Duration::from_secs(2);
+/// Their goal: with / without, at p50 and p99.
+pub const TARGET_RATIO: f64 = 1.05;
+
 /// The two sides of an A/B bench on real components: with teeguard's part, and without.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Side {

@@ -705,15 +705,27 @@ mod tests {
     use super::*;
 
     fn def() -> ResourceDef {
-        ResourceDef::custom(
-            "teeguard.dev",
-            "v1alpha1",
-            "teecapacities",
-            "TeeCapacity",
-            false,
-            true,
+        ResourceDef::tee_capacities()
+    }
+
+    /// A status apply of `cfg` over `base` (TeeCapacity `n`) by `manager`.
+    fn apply_status(
+        base: &Value,
+        cfg: Value,
+        manager: &str,
+        force: bool,
+    ) -> Result<Applied, ApiStatus> {
+        apply(
+            Some(base),
+            cfg,
+            &def(),
+            "n",
+            None,
+            manager,
+            "status",
+            force,
+            "t",
         )
-        .with_list_map("status.conditions", &["type"])
     }
 
     #[test]
@@ -738,35 +750,15 @@ mod tests {
             "status": {"tdx": {"free": 3, "capacity": 8}, "conditions": [{"type": "A", "status": "True"}, {"type": "B", "status": "True"}]}});
         let obj = apply(None, json!({"apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity", "metadata": {"name": "n"}, "spec": {"nodeName": "n"}}),
             &d, "n", None, "agent", "", false, "t").expect("create").object;
-        let obj = apply(
-            Some(&obj),
-            cfg1,
-            &d,
-            "n",
-            None,
-            "agent",
-            "status",
-            false,
-            "t",
-        )
-        .expect("status")
-        .object;
+        let obj = apply_status(&obj, cfg1, "agent", false)
+            .expect("status")
+            .object;
         assert_eq!(obj["status"]["tdx"]["capacity"], 8);
         let cfg2 = json!({"apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity", "metadata": {"name": "n"},
             "status": {"tdx": {"free": 2}, "conditions": [{"type": "A", "status": "False"}]}});
-        let obj = apply(
-            Some(&obj),
-            cfg2,
-            &d,
-            "n",
-            None,
-            "agent",
-            "status",
-            false,
-            "t",
-        )
-        .expect("reapply")
-        .object;
+        let obj = apply_status(&obj, cfg2, "agent", false)
+            .expect("reapply")
+            .object;
         assert_eq!(obj["status"]["tdx"], json!({"free": 2}));
         assert_eq!(
             obj["status"]["conditions"],
@@ -776,19 +768,9 @@ mod tests {
 
         let other = json!({"apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity", "metadata": {"name": "n"},
             "status": {"tdx": {"free": 5}}});
-        let e = apply(
-            Some(&obj),
-            other.clone(),
-            &d,
-            "n",
-            None,
-            "intruder",
-            "status",
-            false,
-            "t",
-        )
-        .err()
-        .expect("conflict");
+        let e = apply_status(&obj, other.clone(), "intruder", false)
+            .err()
+            .expect("conflict");
         assert_eq!(e.code, 409);
         assert!(
             e.message.contains("conflict with \"agent\""),
@@ -798,31 +780,10 @@ mod tests {
         assert_eq!(e.causes()[0].field, ".status.tdx.free");
         let same = json!({"apiVersion": "teeguard.dev/v1alpha1", "kind": "TeeCapacity", "metadata": {"name": "n"},
             "status": {"tdx": {"free": 2}}});
-        apply(
-            Some(&obj),
-            same,
-            &d,
-            "n",
-            None,
-            "intruder",
-            "status",
-            false,
-            "t",
-        )
-        .expect("same value is no conflict");
-        let forced = apply(
-            Some(&obj),
-            other,
-            &d,
-            "n",
-            None,
-            "intruder",
-            "status",
-            true,
-            "t",
-        )
-        .expect("force")
-        .object;
+        apply_status(&obj, same, "intruder", false).expect("same value is no conflict");
+        let forced = apply_status(&obj, other, "intruder", true)
+            .expect("force")
+            .object;
         assert_eq!(forced["status"]["tdx"]["free"], 5);
         let agent = read_managed(&forced)
             .into_iter()

@@ -309,6 +309,25 @@ impl FakeApiServer {
             .ok_or_else(|| FakeApiError::UnknownResource(resource.to_string()))
     }
 
+    /// The resource, namespace and name of `obj`, which `op` needs a `metadata.name` for.
+    fn identity(
+        &self,
+        obj: &Value,
+        op: &str,
+    ) -> Result<(usize, Option<String>, String), FakeApiError> {
+        let rid = self.rid_of(obj)?;
+        let ns = obj
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let name = obj
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| FakeApiError::InvalidObject(format!("{op} needs metadata.name")))?
+            .to_string();
+        Ok((rid, ns, name))
+    }
+
     fn rid_of(&self, obj: &Value) -> Result<usize, FakeApiError> {
         let av = obj.get("apiVersion").and_then(Value::as_str);
         let kind = obj.get("kind").and_then(Value::as_str);
@@ -400,16 +419,7 @@ impl FakeApiServer {
     /// Replaces an object (status included); checked against its `metadata.resourceVersion` if set.
     pub fn update<T: Serialize + ?Sized>(&self, obj: &T) -> Result<Value, FakeApiError> {
         let v = to_value(obj)?;
-        let rid = self.rid_of(&v)?;
-        let ns = v
-            .pointer("/metadata/namespace")
-            .and_then(Value::as_str)
-            .map(str::to_string);
-        let name = v
-            .pointer("/metadata/name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| FakeApiError::InvalidObject("update needs metadata.name".into()))?
-            .to_string();
+        let (rid, ns, name) = self.identity(&v, "update")?;
         Ok(self.inner.store.write(|st| {
             st.update(
                 rid,
@@ -511,16 +521,7 @@ impl FakeApiServer {
         force: bool,
     ) -> Result<Value, FakeApiError> {
         let v = to_value(obj)?;
-        let rid = self.rid_of(&v)?;
-        let ns = v
-            .pointer("/metadata/namespace")
-            .and_then(Value::as_str)
-            .map(str::to_string);
-        let name = v
-            .pointer("/metadata/name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| FakeApiError::InvalidObject("apply needs metadata.name".into()))?
-            .to_string();
+        let (rid, ns, name) = self.identity(&v, "apply")?;
         let ns = ns.or_else(|| Some("default".to_string()));
         Ok(self
             .inner

@@ -348,14 +348,7 @@ mod tests {
 
     #[test]
     fn strategic_refused_for_custom_resources() {
-        let def = ResourceDef::custom(
-            "teeguard.dev",
-            "v1alpha1",
-            "teecapacities",
-            "TeeCapacity",
-            false,
-            true,
-        );
+        let def = ResourceDef::tee_capacities();
         let e = strategic_merge(&mut json!({}), &json!({}), &def).expect_err("415");
         assert_eq!(e.code, 415);
     }

@@ -96,6 +96,19 @@ impl ResourceDef {
         d
     }
 
+    /// teeguard's `TeeCapacity` (cluster-scoped, status subresource, conditions merged by `type`).
+    pub fn tee_capacities() -> Self {
+        Self::custom(
+            "teeguard.dev",
+            "v1alpha1",
+            "teecapacities",
+            "TeeCapacity",
+            false,
+            true,
+        )
+        .with_list_map("status.conditions", &["type"])
+    }
+
     /// Adds subresources.
     pub fn with_subresources(mut self, subs: &[&str]) -> Self {
         self.subresources.extend(subs.iter().map(|s| s.to_string()));
@@ -336,15 +349,7 @@ pub(crate) fn builtin() -> Vec<(ResourceDef, Option<&'static str>, View)> {
     );
     vmis.short_names = vec!["vmi".into(), "vmis".into()];
 
-    let mut teecaps = ResourceDef::custom(
-        "teeguard.dev",
-        "v1alpha1",
-        "teecapacities",
-        "TeeCapacity",
-        false,
-        true,
-    )
-    .with_list_map("status.conditions", &["type"]);
+    let mut teecaps = ResourceDef::tee_capacities();
     teecaps.short_names = vec!["teecap".into()];
 
     let mut teeres = ResourceDef::custom(

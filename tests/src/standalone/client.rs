@@ -497,6 +497,16 @@ mod tests {
         json!({"request": {"uid": "u1"}})
     }
 
+    /// The reply read from an HTTP 200 on `path` with `body`, to the review with UID `u1`.
+    fn reply(path: &str, body: &Value) -> Result<ReviewReply> {
+        ReviewReply::from_http(
+            path,
+            StatusCode::OK,
+            &serde_json::to_vec(body).expect("json"),
+            &review(),
+        )
+    }
+
     #[test]
     fn parses_patch_as_base64_and_as_bytes() {
         let patch = r#"[{"op":"add","path":"/metadata/labels","value":{}}]"#;
@@ -505,13 +515,7 @@ mod tests {
             json!(patch.as_bytes().to_vec()),
         ] {
             let body = json!({"response": {"uid": "u1", "allowed": true, "patchType": "JSONPatch", "patch": p}});
-            let r = ReviewReply::from_http(
-                "/mutate",
-                StatusCode::OK,
-                &serde_json::to_vec(&body).expect("json"),
-                &review(),
-            )
-            .expect("reply");
+            let r = reply("/mutate", &body).expect("reply");
             assert_eq!(r.decision(), Decision::Patched);
             assert_eq!(r.patch.expect("patch").0.len(), 1);
         }
@@ -526,13 +530,7 @@ mod tests {
             json!({"response": {"uid": "u1"}}),
             json!({"apiVersion": "admission.k8s.io/v1"}),
         ] {
-            let err = ReviewReply::from_http(
-                "/mutate",
-                StatusCode::OK,
-                &serde_json::to_vec(&body).expect("json"),
-                &review(),
-            )
-            .expect_err("invalid reply");
+            let err = reply("/mutate", &body).expect_err("invalid reply");
             assert!(matches!(err, StandaloneError::BadReply { .. }), "{err}");
         }
         let err = ReviewReply::from_http("/validate", StatusCode::NOT_FOUND, b"{}", &review())
@@ -543,25 +541,13 @@ mod tests {
     #[test]
     fn denial_and_warning_decisions() {
         let deny = json!({"response": {"uid": "u1", "allowed": false, "status": {"code": 403, "message": "no keys", "reason": "Forbidden"}}});
-        let r = ReviewReply::from_http(
-            "/validate",
-            StatusCode::OK,
-            &serde_json::to_vec(&deny).expect("json"),
-            &review(),
-        )
-        .expect("reply");
+        let r = reply("/validate", &deny).expect("reply");
         assert_eq!(
             (r.decision(), r.code, r.explanation().as_str()),
             (Decision::Denied, Some(403), "no keys")
         );
         let warn = json!({"response": {"uid": "u1", "allowed": true, "warnings": ["stale"]}});
-        let r = ReviewReply::from_http(
-            "/validate",
-            StatusCode::OK,
-            &serde_json::to_vec(&warn).expect("json"),
-            &review(),
-        )
-        .expect("reply");
+        let r = reply("/validate", &warn).expect("reply");
         assert_eq!(
             (r.decision(), r.explanation().as_str()),
             (Decision::Warned, "stale")
