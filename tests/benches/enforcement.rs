@@ -146,7 +146,9 @@ async fn cgroup(pods: usize) {
             }
             assert!(
                 started.elapsed() < Duration::from_secs(5),
-                "pod {uid} never limited"
+                "pod {uid} never limited: its misc.max reads {:?}",
+                host.pod_cgroup_path(&uid)
+                    .map(|p| std::fs::read_to_string(p.join("misc.max")))
             );
             tokio::time::sleep(Duration::from_micros(200)).await;
         }

@@ -1468,7 +1468,10 @@ impl SimHost {
             // Unreadable (made so on purpose): leave it alone.
             Err(_) => return,
         };
-        if st.max_seen.get(&path) == Some(&text) {
+        // Empty: a writer between its open with O_TRUNC and its write (the kernel's file is never
+        // empty); taking that in would rewrite the file over the write about to land. Read it again
+        // next time.
+        if text.is_empty() || st.max_seen.get(&path) == Some(&text) {
             return;
         }
         for line in text.split('\n') {

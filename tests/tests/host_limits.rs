@@ -210,7 +210,9 @@ fn writes_the_kernel_would_refuse_change_nothing_and_the_file_shows_the_model_ag
             "tdx 1k",
             "tdx 99999999999999999999999",
             "TDX 1",
-            "",
+            // Not "": a write of no bytes never reaches the kernel's handler, and the empty file it
+            // leaves here is a writer between its truncate and its write, left alone (see
+            // `a_reader_between_a_writers_truncate_and_its_write_loses_no_limit`).
             "\u{fffd}\u{0} garbage",
         ] {
             write_max_ok(&file, refused);
@@ -322,6 +324,39 @@ fn the_simulators_own_changes_keep_limits_written_by_others() {
     host.heal(&file).expect("heal");
     assert_eq!(host.pod_max(A, TDX), Some(None));
     assert_eq!(read(&file), "sev_es 1\ntdx max\n");
+}
+
+/// A writer opens `misc.max` with `O_TRUNC` and writes after: a reader that looks in between (the test
+/// polling `pod_max` while the agent writes) finds the file empty. The simulator must not take that in
+/// and rewrite the file, or the write that lands next goes into the replaced file and is lost (the
+/// enforcement bench's cgroup writer lost 1 pod in 3 runs so).
+#[test]
+fn a_reader_between_a_writers_truncate_and_its_write_loses_no_limit() {
+    for (version, driver, mode) in layouts() {
+        let ctx = format!("{version:?}/{driver:?}/{mode:?}");
+        let host = host(version, driver, mode);
+        host.add_pod(A, QosClass::Burstable, &["compute"])
+            .expect("pod");
+        let file = host.pod_cgroup_path(A).expect("pod").join("misc.max");
+        let mut writer = fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&file)
+            .expect("open");
+        assert_eq!(
+            host.pod_max(A, TDX),
+            Some(None),
+            "{ctx}: nothing written yet"
+        );
+        writer.write_all(b"tdx 1").expect("write");
+        drop(writer);
+        assert_eq!(
+            host.pod_max(A, TDX),
+            Some(Some(1)),
+            "{ctx}: the write counts"
+        );
+        assert_eq!(read(&file), "sev_es max\ntdx 1\n", "{ctx}");
+    }
 }
 
 #[test]
