@@ -626,3 +626,46 @@ async fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
     })
     .await;
 }
+
+// Strict mode: a pod limited to `tdx 0` before its namespace was labelled exempt (a label added later,
+// or the namespace watch behind the pod watch) gets the limit lifted once the agent sees the label, so
+// the VM it starts takes its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_mode_lifts_the_zero_of_a_pod_whose_namespace_is_labelled_exempt_later() {
+    bounded(async {
+        let config = format!("{CGROUP_CONFIG}  strict: true\n");
+        let w = World::start(4, &config).await.expect("world starts");
+        let namespace = |labels: Value| {
+            json!({"apiVersion": "v1", "kind": "Namespace",
+                   "metadata": {"name": "late", "labels": labels}})
+        };
+        w.env.api.create(&namespace(json!({}))).expect("namespace");
+        let pod = VirtLauncherPod::for_tee("in-late", Tee::None)
+            .namespace("late")
+            .running_on(NODE)
+            .build();
+        let uid = uid(&store_pod(&w.env, &pod));
+        w.host
+            .add_pod(&uid, QosClass::Burstable, &["compute"])
+            .expect("pod cgroup");
+        eventually(
+            "misc.max tdx 0 while the namespace is not exempt",
+            async || w.host.pod_max(&uid, TDX) == Some(Some(0)),
+        )
+        .await;
+        w.env
+            .api
+            .insert(&namespace(
+                json!({teeguard_shared::names::EXEMPT_LABEL: "true"}),
+            ))
+            .expect("namespace labelled exempt");
+        eventually("the pod's tdx limit lifted", async || {
+            w.host.pod_max(&uid, TDX) == Some(None)
+        })
+        .await;
+        w.host
+            .start_vm(&uid, "compute", TDX)
+            .expect("the VM takes a key once its namespace is exempt");
+    })
+    .await;
+}

@@ -24,7 +24,7 @@ use crate::decide::enforcing::{HostFacts, WriterStatus};
 use crate::decide::limits::Limit;
 use crate::error::Error;
 use crate::kernel::dir_watch::DirWatch;
-use crate::kernel::misc_max::{WriteOutcome, apply};
+use crate::kernel::misc_max::{WriteOutcome, apply, lift};
 use crate::metrics::Metrics;
 
 const MECHANISM: &str = "cgroup";
@@ -139,6 +139,16 @@ impl Writer {
                 continue;
             }
             let desired = self.desired.borrow().clone();
+            // A pod limited before that needs no limit now (its namespace was found exempt in strict
+            // mode, or it ended): its limits are lifted, or a VM it starts would still be refused.
+            for (uid, d) in &done {
+                if let (false, Done::Applied(limits)) = (desired.contains_key(uid), d) {
+                    let kinds: Vec<_> = limits.iter().map(|l| l.kind).collect();
+                    if let WriteOutcome::Written(dir) = lift(&kubepods, driver, uid, &kinds) {
+                        tracing::info!(cgroup = %dir.display(), kinds = ?kinds, "misc.max lifted: the pod needs no limit any more");
+                    }
+                }
+            }
             done.retain(|uid, _| desired.contains_key(uid));
             failures.retain(|uid, _| desired.contains_key(uid));
             suspect.retain(|uid, _| desired.contains_key(uid));

@@ -6,6 +6,7 @@
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
+use teeguard_shared::TeeKind;
 use teeguard_shared::misc::{MiscLimit, parse_max};
 
 use crate::decide::cgroup_names::pod_cgroup_candidates;
@@ -27,9 +28,26 @@ pub enum WriteOutcome {
 
 /// Write `limits` into `<dir>/misc.max`, one line per write, and read them back.
 pub fn write_limits(dir: &Path, limits: &[Limit]) -> WriteOutcome {
+    let lines: Vec<(TeeKind, MiscLimit)> = limits
+        .iter()
+        .map(|l| (l.kind, MiscLimit::Value(l.keys)))
+        .collect();
+    write_lines(dir, &lines)
+}
+
+/// Write `max` for each of `kinds` into `<dir>/misc.max` (no limit below the capacity), and read it back.
+pub fn write_unlimited(dir: &Path, kinds: &[TeeKind]) -> WriteOutcome {
+    let lines: Vec<(TeeKind, MiscLimit)> = kinds.iter().map(|k| (*k, MiscLimit::Max)).collect();
+    write_lines(dir, &lines)
+}
+
+fn write_lines(dir: &Path, lines: &[(TeeKind, MiscLimit)]) -> WriteOutcome {
     let path = dir.join("misc.max");
-    for limit in limits {
-        let line = limit.to_string();
+    for (kind, limit) in lines {
+        let line = match limit {
+            MiscLimit::Max => format!("{} max", kind.kernel_name()),
+            MiscLimit::Value(n) => format!("{} {n}", kind.kernel_name()),
+        };
         let opened = std::fs::OpenOptions::new()
             .write(true)
             .truncate(true)
@@ -60,11 +78,12 @@ pub fn write_limits(dir: &Path, limits: &[Limit]) -> WriteOutcome {
         Ok(m) => m,
         Err(e) => return WriteOutcome::Failed(e.to_string()),
     };
-    for limit in limits {
-        if now.get(limit.kind.kernel_name()) != Some(&MiscLimit::Value(limit.keys)) {
+    for (kind, limit) in lines {
+        if now.get(kind.kernel_name()) != Some(limit) {
             return WriteOutcome::Failed(format!(
-                "{} does not show {limit} after writing it",
-                path.display()
+                "{} does not show {} {limit:?} after writing it",
+                path.display(),
+                kind.kernel_name()
             ));
         }
     }
@@ -73,10 +92,22 @@ pub fn write_limits(dir: &Path, limits: &[Limit]) -> WriteOutcome {
 
 /// Find the pod's cgroup and write its limits there.
 pub fn apply(kubepods: &Path, driver: Driver, uid: &str, limits: &[Limit]) -> WriteOutcome {
-    for dir in pod_cgroup_candidates(kubepods, driver, uid) {
-        if dir.is_dir() {
-            return write_limits(&dir, limits);
-        }
+    match pod_dir(kubepods, driver, uid) {
+        Some(dir) => write_limits(&dir, limits),
+        None => WriteOutcome::NoCgroup,
     }
-    WriteOutcome::NoCgroup
+}
+
+/// Find the pod's cgroup and lift its limits of `kinds` there (`max`).
+pub fn lift(kubepods: &Path, driver: Driver, uid: &str, kinds: &[TeeKind]) -> WriteOutcome {
+    match pod_dir(kubepods, driver, uid) {
+        Some(dir) => write_unlimited(&dir, kinds),
+        None => WriteOutcome::NoCgroup,
+    }
+}
+
+fn pod_dir(kubepods: &Path, driver: Driver, uid: &str) -> Option<PathBuf> {
+    pod_cgroup_candidates(kubepods, driver, uid)
+        .into_iter()
+        .find(|d| d.is_dir())
 }

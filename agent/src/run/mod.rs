@@ -20,7 +20,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use kube::core::PartialObjectMeta;
 use kube::{Api, Client};
 use teeguard_shared::Config;
 use teeguard_shared::config::Accounting;
@@ -121,7 +122,7 @@ pub async fn run(
     // Strict mode leaves the pods of exempt namespaces alone: only then are those namespaces watched.
     let strict = opts.config.enforcement.strict
         && opts.config.enforcement.mode != teeguard_shared::config::EnforcementMode::Off;
-    let (exempt_namespaces, _exempt_watch) = if strict {
+    let (exempt_namespaces, exempt_watch) = if strict {
         let (exempt, watched) = watches.exempt_namespaces();
         (exempt, Some(watched))
     } else {
@@ -211,6 +212,7 @@ pub async fn run(
         readiness,
         pods,
         node,
+        exempt_watch,
         events,
     };
     agent.readiness.set(READY_SCAN, false);
@@ -239,6 +241,8 @@ struct Agent {
     counted_pods: CountedPods,
     pods: Watched<CachedPod>,
     node: Watched<Node>,
+    /// Strict mode: the namespaces labelled exempt (a change recomputes the pods' limits).
+    exempt_watch: Option<Watched<PartialObjectMeta<Namespace>>>,
     pods_view: PodsView,
     /// The pods view was computed from a synced cache (before that, nothing is written).
     pods_view_synced: bool,
@@ -266,4 +270,5 @@ enum Wake {
     Node,
     Deadline,
     Dra,
+    Namespaces,
 }

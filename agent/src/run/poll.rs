@@ -51,6 +51,13 @@ impl Agent {
                 _ => std::future::pending().await,
             }
         };
+        let namespaces_changed = self.exempt_watch.as_ref().map(|w| w.changed.clone());
+        let namespaces_wait = || async {
+            match &namespaces_changed {
+                Some(n) => n.notified().await,
+                None => std::future::pending().await,
+            }
+        };
         loop {
             let deadline = self.next_deadline();
             let wake = tokio::select! {
@@ -61,6 +68,7 @@ impl Agent {
                 _ = pods_changed.notified() => Wake::Pods,
                 _ = node_changed.notified() => Wake::Node,
                 _ = dra_wait() => Wake::Dra,
+                _ = namespaces_wait() => Wake::Namespaces,
                 _ = tokio::time::sleep_until(deadline.into()) => Wake::Deadline,
             };
             self.step(wake).await;
@@ -120,8 +128,9 @@ impl Agent {
                 self.readiness.set(READY_PODS, true);
             }
         }
-        if wake == Wake::Dra {
-            // A claim prepared or unprepared: the pod cgroups' limits follow its devices.
+        if matches!(wake, Wake::Dra | Wake::Namespaces) {
+            // A claim prepared or unprepared, or a namespace labelled exempt or no longer: the pod
+            // cgroups' limits follow the claims' devices and, in strict mode, the namespaces.
             self.update_limits();
         }
         if scan {
