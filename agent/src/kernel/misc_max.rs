@@ -27,7 +27,7 @@ pub enum WriteOutcome {
 }
 
 /// Write `limits` into `<dir>/misc.max`, one line per write, and read them back.
-pub fn write_limits(dir: &Path, limits: &[Limit]) -> WriteOutcome {
+fn write_limits(dir: &Path, limits: &[Limit]) -> WriteOutcome {
     let lines: Vec<(TeeKind, MiscLimit)> = limits
         .iter()
         .map(|l| (l.kind, MiscLimit::Value(l.keys)))
@@ -36,18 +36,20 @@ pub fn write_limits(dir: &Path, limits: &[Limit]) -> WriteOutcome {
 }
 
 /// Write `max` for each of `kinds` into `<dir>/misc.max` (no limit below the capacity), and read it back.
-pub fn write_unlimited(dir: &Path, kinds: &[TeeKind]) -> WriteOutcome {
+fn write_unlimited(dir: &Path, kinds: &[TeeKind]) -> WriteOutcome {
     let lines: Vec<(TeeKind, MiscLimit)> = kinds.iter().map(|k| (*k, MiscLimit::Max)).collect();
     write_lines(dir, &lines)
 }
 
 fn write_lines(dir: &Path, lines: &[(TeeKind, MiscLimit)]) -> WriteOutcome {
     let path = dir.join("misc.max");
+    // The kernel's `misc.max` line: `tdx 1`, `tdx max`.
+    let line = |kind: &TeeKind, limit: &MiscLimit| match limit {
+        MiscLimit::Max => format!("{} max", kind.kernel_name()),
+        MiscLimit::Value(n) => format!("{} {n}", kind.kernel_name()),
+    };
     for (kind, limit) in lines {
-        let line = match limit {
-            MiscLimit::Max => format!("{} max", kind.kernel_name()),
-            MiscLimit::Value(n) => format!("{} {n}", kind.kernel_name()),
-        };
+        let line = line(kind, limit);
         let opened = std::fs::OpenOptions::new()
             .write(true)
             .truncate(true)
@@ -81,9 +83,9 @@ fn write_lines(dir: &Path, lines: &[(TeeKind, MiscLimit)]) -> WriteOutcome {
     for (kind, limit) in lines {
         if now.get(kind.kernel_name()) != Some(limit) {
             return WriteOutcome::Failed(format!(
-                "{} does not show {} {limit:?} after writing it",
+                "{} does not show {} after writing it",
                 path.display(),
-                kind.kernel_name()
+                line(kind, limit)
             ));
         }
     }
