@@ -12,9 +12,9 @@
 //! (colder CPU caches than back-to-back scans; its CPU figure also counts one read of the schedstat
 //! file, ≈ 0.1 ms).
 
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use teeguard_agent::decide::attribution::Uids;
 use teeguard_agent::decide::host::{HostState, Interest};
 use teeguard_agent::decide::reuse::FULL_READ_EVERY;
 use teeguard_agent::kernel::Scanner;
@@ -40,9 +40,9 @@ fn uid(i: usize) -> String {
 
 struct Tree {
     host: SimHost,
-    tee_pods: HashSet<String>,
+    tee_pods: Uids,
     /// Half the pods: the TEE pods and as many others (Kata pods, whose keys are not held yet).
-    half: HashSet<String>,
+    half: Uids,
 }
 
 fn build(version: CgroupVersion, driver: CgroupDriver, pods: usize, vms: usize) -> Tree {
@@ -52,7 +52,7 @@ fn build(version: CgroupVersion, driver: CgroupDriver, pods: usize, vms: usize) 
         .capacity(TDX, 64)
         .build()
         .expect("simulated host");
-    let mut tee_pods = HashSet::new();
+    let mut tee_pods = Uids::default();
     for i in 0..pods {
         let qos = match i % 10 {
             0 => QosClass::Guaranteed,
@@ -201,7 +201,7 @@ fn main() {
             iterations,
             || scan_once(&mut scanner, Interest::All),
         );
-        let none = HashSet::new();
+        let none = Uids::default();
         measure(&format!("{label}: no TEE pods bound"), iterations, || {
             scan_once(&mut scanner, Interest::Only(&none))
         });

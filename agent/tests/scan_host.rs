@@ -1,11 +1,10 @@
 //! The scanner and the attribution pipeline (`scan::scan_report`, the code `run` uses too) against the
 //! simulated host: every cgroup layout, delegation mode and broken file.
 
-use std::collections::HashSet;
-
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 use teeguard_agent::decide::attribution::Accounting;
+use teeguard_agent::decide::attribution::Uids;
 use teeguard_agent::decide::counts::KindCounts;
 use teeguard_agent::decide::host::{Driver, HostScan, HostState, Interest};
 use teeguard_agent::kernel::Scanner;
@@ -107,7 +106,7 @@ fn every_layout_attributes_per_pod() {
             assert_eq!(p.usage.len(), 3, "{what}: {:?}", p.usage);
 
             // Agent mode reads the same figures by constructed paths (plus a pod with no cgroup yet).
-            let mut interest: HashSet<String> = (0..3).map(uid).collect();
+            let mut interest: Uids = (0..3).map(uid).collect();
             interest.insert(uid(99));
             for _ in 0..2 {
                 let only = scanned(scanner.scan(Interest::Only(&interest)).expect(&what));
@@ -210,7 +209,7 @@ fn only_pods_of_interest_are_read() {
             .expect("pod");
         host.start_vm(&uid(n), "compute", TDX).expect("vm");
     }
-    let interest = HashSet::from([uid(1), uid(3)]);
+    let interest: Uids = [uid(1), uid(3)].into_iter().collect();
     let scan = scanned(
         Scanner::new(host.root())
             .scan(Interest::Only(&interest))
@@ -219,7 +218,7 @@ fn only_pods_of_interest_are_read() {
     let p = scan.pods.expect("pods");
     assert_eq!(p.pods_read, 2);
     assert_eq!(
-        p.usage.keys().cloned().collect::<HashSet<_>>(),
+        p.usage.keys().cloned().collect::<Uids>(),
         interest,
         "only the pods of interest"
     );
@@ -259,7 +258,7 @@ fn kept_open_pod_files_track_the_simulated_host() {
                     .expect("pod");
                 host.start_vm(&uid(n), "compute", TDX).expect("vm");
             }
-            let interest: HashSet<String> = (0..4).map(uid).collect();
+            let interest: Uids = (0..4).map(uid).collect();
             // Every pod read at every scan: this test is about the kept files (the first change below,
             // one pod charging while another releases, is one the kubepods total cannot show).
             let mut scanner = Scanner::new(host.root()).full_read_every(1);
@@ -327,7 +326,7 @@ fn kept_open_pod_files_track_the_simulated_host() {
             assert_eq!(scanner.open_pod_files(), 4, "{what}");
 
             // Fewer pods of interest: the others' files are closed.
-            let one = HashSet::from([uid(0)]);
+            let one: Uids = [uid(0)].into_iter().collect();
             scanner.scan(Interest::Only(&one)).expect("scan");
             assert_eq!(scanner.open_pod_files(), 1, "{what}");
         }
@@ -575,7 +574,7 @@ fn unchanged_key_holders_are_not_read_again() {
         for n in 0..3u32 {
             host.start_vm(&uid(n), "compute", TDX).expect("vm");
         }
-        let interest: HashSet<String> = (0..4).map(uid).collect();
+        let interest: Uids = (0..4).map(uid).collect();
         let mut scanner = Scanner::new(host.root());
         // (pods read, pods taken as unchanged), and the usage equals a fresh scan's.
         let scan = |scanner: &mut Scanner| {

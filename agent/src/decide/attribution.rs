@@ -299,13 +299,17 @@ fn running_pods(kind: TeeKind, pods: &[PodSummary]) -> (u64, u64) {
     (running, waiting)
 }
 
+/// A set of pod UIDs, hashed with foldhash: the scanner looks up every pod of interest at every poll,
+/// and SipHash (the std default) was a third of its instructions. UIDs come from the API server.
+pub type Uids = HashSet<String, foldhash::fast::RandomState>;
+
 /// Pods summarised for attribution.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PodsView {
     /// Every pod with a UID.
     pub pods: Vec<PodSummary>,
     /// UIDs of non-terminated pods that request keys: the pod cgroups worth reading.
-    pub interest: HashSet<String>,
+    pub interest: Uids,
     /// Pods whose TEE quantities could not be parsed (`namespace/name: error`); counted as requesting
     /// nothing.
     pub errors: Vec<(String, String)>,

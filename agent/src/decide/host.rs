@@ -1,13 +1,13 @@
 //! What one scan of the host's misc cgroup found: plain data the kernel adapter fills in
 //! (`kernel::scanner`) and attribution, the report and the enforcers read. Pure.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use serde::Serialize;
 use teeguard_shared::misc::CgroupLayout;
 
-use super::attribution::Accounting;
+use super::attribution::{Accounting, Uids};
 use super::counts::KindCounts;
 
 /// At most this many skipped names and problems are kept per scan (the counts are exact).
@@ -20,7 +20,7 @@ pub enum Interest<'a> {
     All,
     /// Only these pod UIDs (the agent: pods that request a TEE resource). Usage of every other pod
     /// counts as external anyway, so it need not be read.
-    Only(&'a HashSet<String>),
+    Only(&'a Uids),
 }
 
 impl Interest<'_> {

@@ -14,6 +14,7 @@
 //! A condition's `lastTransitionTime` changes only when its status flips.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
@@ -32,7 +33,7 @@ pub use conditions::{
 
 use super::advertise::AdvertiseOutcome;
 use super::attribution::{
-    Accounting, AttributionInput, CountedPod, KindFigures, PodSummary, attribute, counted,
+    Accounting, AttributionInput, CountedPod, KindFigures, PodSummary, PodsView, attribute, counted,
 };
 use super::counts::KindCounts;
 use super::host::{HostState, UsageSource};
@@ -163,6 +164,88 @@ impl CountedPods {
     }
 }
 
+/// The figures ([`KernelView::figures`]) and the pods to list ([`CountedPods::update`]), worked out
+/// again only when what they come from changed: the last good scan's capacity, usage and pod readings,
+/// or the pods (a new [`PodsView`], told apart by its `Arc`). On a steady host neither changes between
+/// polls; attributing 500 pods every poll was about a fifth of the agent's CPU.
+#[derive(Debug, Default)]
+pub struct Attributed {
+    counted: CountedPods,
+    from: Option<(Option<ScanInputs>, Arc<PodsView>)>,
+    figures: BTreeMap<TeeKind, KindFigures>,
+    listed: Vec<String>,
+}
+
+/// What attribution reads from a scan (not the scan's counters of files read).
+#[derive(Clone, Debug, PartialEq)]
+struct ScanInputs {
+    capacity: KindCounts,
+    kernel_used: KindCounts,
+    usage_source: UsageSource,
+    pods: Option<(Accounting, HashMap<String, KindCounts>)>,
+}
+
+impl ScanInputs {
+    fn of(kernel: &KernelView) -> Option<ScanInputs> {
+        let Some(HostState::Scanned(scan)) = &kernel.last_good else {
+            return None;
+        };
+        Some(ScanInputs {
+            capacity: scan.capacity,
+            kernel_used: scan.kernel_used,
+            usage_source: scan.usage_source,
+            pods: scan
+                .pods
+                .as_ref()
+                .map(|p| (p.accounting.clone(), p.usage.clone())),
+        })
+    }
+
+    /// Whether `kernel`'s last good scan has these inputs (compared in place: nothing is cloned).
+    fn same(this: Option<&ScanInputs>, kernel: &KernelView) -> bool {
+        match (this, &kernel.last_good) {
+            (Some(i), Some(HostState::Scanned(s))) => {
+                i.capacity == s.capacity
+                    && i.kernel_used == s.kernel_used
+                    && i.usage_source == s.usage_source
+                    && match (&i.pods, &s.pods) {
+                        (Some((accounting, usage)), Some(p)) => {
+                            *accounting == p.accounting && *usage == p.usage
+                        }
+                        (None, None) => true,
+                        _ => false,
+                    }
+            }
+            (None, Some(HostState::Scanned(_))) | (Some(_), _) => false,
+            (None, _) => true,
+        }
+    }
+}
+
+impl Attributed {
+    /// Bring the figures and the pods to list up to `kernel`'s last good scan and `pods`.
+    pub fn update(&mut self, kernel: &KernelView, pods: &Arc<PodsView>, now: Instant) {
+        let current = self.from.as_ref().is_some_and(|(inputs, from)| {
+            Arc::ptr_eq(from, pods) && ScanInputs::same(inputs.as_ref(), kernel)
+        });
+        if !current {
+            self.figures = kernel.figures(&pods.pods);
+            self.listed = self.counted.update(&kernel.counted(&pods.pods), now);
+            self.from = Some((ScanInputs::of(kernel), pods.clone()));
+        }
+    }
+
+    /// The attributed figures per kind.
+    pub fn figures(&self) -> &BTreeMap<TeeKind, KindFigures> {
+        &self.figures
+    }
+
+    /// The pods to list in `countedPods`.
+    pub fn listed(&self) -> &[String] {
+        &self.listed
+    }
+}
+
 /// Everything [`build_status`] needs.
 #[derive(Clone, Copy, Debug)]
 pub struct StatusInput<'a> {
@@ -262,12 +345,26 @@ pub fn whole_seconds(t: Timestamp) -> Timestamp {
 
 /// True when two statuses differ in anything but the heartbeat time and `countedPods`.
 pub fn content_differs(a: &TeeCapacityStatus, b: &TeeCapacityStatus) -> bool {
-    let strip = |s: &TeeCapacityStatus| TeeCapacityStatus {
-        heartbeat_time: None,
-        counted_pods: Vec::new(),
-        ..s.clone()
-    };
-    strip(a) != strip(b)
+    // Every field named (a new one must be placed here), compared in place: called every poll.
+    let TeeCapacityStatus {
+        tdx,
+        sev,
+        sev_es,
+        heartbeat_time: _,
+        accounting,
+        agent_version,
+        counted_pods: _,
+        conditions,
+    } = a;
+    (tdx, sev, sev_es, accounting, agent_version, conditions)
+        != (
+            &b.tdx,
+            &b.sev,
+            &b.sev_es,
+            &b.accounting,
+            &b.agent_version,
+            &b.conditions,
+        )
 }
 
 /// True when `new` lists a pod in `countedPods` that `prev` did not (a pod leaving the list is no

@@ -59,7 +59,7 @@ pub struct Scanner {
     uid: String,
     /// Agent mode: each pod of interest whose cgroup was found, by UID. Pruned to the interest set at
     /// every scan, so it holds at most one entry (and one open file) per pod of interest.
-    known: HashMap<String, KnownPod>,
+    known: HashMap<String, KnownPod, foldhash::fast::RandomState>,
     /// Agent mode: whether the pods' last readings may be reused (see [`crate::decide::reuse`]).
     reuse: Reuse,
     /// The `misc.events` files (failed charges).
@@ -74,7 +74,7 @@ impl Scanner {
             path: PathBuf::with_capacity(256),
             buf: Vec::with_capacity(512),
             uid: String::with_capacity(40),
-            known: HashMap::new(),
+            known: HashMap::default(),
             reuse: Reuse::new(FULL_READ_EVERY),
             refusals: RefusalReader::default(),
         }

@@ -34,8 +34,8 @@ use crate::cluster::lease::HeartbeatLease;
 use crate::cluster::publish::Publisher;
 use crate::cluster::watch::{Backoff, ExemptNamespaces, Watched, Watches};
 use crate::decide::advertise::Advertiser;
-use crate::decide::attribution::PodsView;
-use crate::decide::report::{CountedPods, KernelView};
+use crate::decide::attribution::{PodsView, Uids};
+use crate::decide::report::{Attributed, KernelView};
 use crate::dra::{Dra, DraOptions};
 use crate::enforce::{Enforcement, StartOptions};
 use crate::error::Result;
@@ -194,12 +194,12 @@ pub async fn run(
         nodes: Api::all(client),
         scanner: Some(Scanner::new(opts.cgroup_root.clone())),
         kernel: KernelView::default(),
-        counted_pods: CountedPods::default(),
-        pods_view: PodsView::default(),
+        attributed: Attributed::default(),
+        pods_view: Arc::default(),
         pods_view_synced: false,
         patched_node: None,
         advertiser: Advertiser::default(),
-        interest: Arc::new(HashSet::new()),
+        interest: Arc::default(),
         last_published: None,
         seeded_previous: None,
         report: Output::new(opts.backoff()),
@@ -237,18 +237,18 @@ struct Agent {
     nodes: Api<Node>,
     scanner: Option<Scanner>,
     kernel: KernelView,
-    /// Since when each pod has been counted (for the report's `countedPods`).
-    counted_pods: CountedPods,
+    /// The figures and the report's `countedPods`, from `kernel` and `pods_view`.
+    attributed: Attributed,
     pods: Watched<CachedPod>,
     node: Watched<Node>,
     /// Strict mode: the namespaces labelled exempt (a change recomputes the pods' limits).
     exempt_watch: Option<Watched<PartialObjectMeta<Namespace>>>,
-    pods_view: PodsView,
+    pods_view: Arc<PodsView>,
     /// The pods view was computed from a synced cache (before that, nothing is written).
     pods_view_synced: bool,
     patched_node: Option<Arc<Node>>,
     advertiser: Advertiser,
-    interest: Arc<HashSet<String>>,
+    interest: Arc<Uids>,
     /// The last published status and when its heartbeat is due.
     last_published: Option<(TeeCapacityStatus, Instant)>,
     seeded_previous: Option<TeeCapacityStatus>,

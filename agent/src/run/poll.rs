@@ -121,7 +121,7 @@ impl Agent {
                 self.interest = Arc::new(view.interest.clone());
                 scan = true;
             }
-            self.pods_view = view;
+            self.pods_view = Arc::new(view);
             self.pods_view_synced = synced;
             self.update_limits();
             if synced {

@@ -36,11 +36,10 @@ impl Agent {
 
     /// Advertise, then publish or heartbeat, as due.
     pub(super) async fn reconcile(&mut self) {
-        let figures = self.kernel.figures(&self.pods_view.pods);
+        self.attributed
+            .update(&self.kernel, &self.pods_view, Instant::now());
+        let figures = self.attributed.figures().clone();
         self.metrics.set_figures(&figures);
-        let counted_pods = self
-            .counted_pods
-            .update(&self.kernel.counted(&self.pods_view.pods), Instant::now());
         let node = self.current_node();
         // DRA mode advertises nothing (and removes what the agent advertised): a Node showing the
         // resource makes the scheduler bypass DRA on it.
@@ -97,7 +96,7 @@ impl Agent {
             return;
         };
         self.warned_node_missing = false;
-        let mut status = self.build(&figures, &counted_pods, &outcome);
+        let mut status = self.build(&figures, &outcome);
         let now = Instant::now();
         let last = self.last_published.as_ref().map(|(s, at)| (s, *at));
         let write = report::next_write(last, &status, now);
@@ -120,7 +119,7 @@ impl Agent {
                 Ok(existing) => {
                     if self.last_published.is_none() && existing.is_some() {
                         self.seeded_previous = existing;
-                        status = self.build(&figures, &counted_pods, &outcome);
+                        status = self.build(&figures, &outcome);
                     }
                 }
                 Err(e) => {
@@ -207,7 +206,6 @@ impl Agent {
     fn build(
         &self,
         figures: &BTreeMap<TeeKind, KindFigures>,
-        counted_pods: &[String],
         outcome: &AdvertiseOutcome,
     ) -> TeeCapacityStatus {
         let previous = self
@@ -222,7 +220,7 @@ impl Agent {
             figures,
             advertising: outcome,
             resources: &self.opts.config.resources,
-            counted_pods,
+            counted_pods: self.attributed.listed(),
             enforcing: Some(&enforcing),
             previous,
             dra: self.dra.as_ref().map(|d| &d.view),

@@ -409,7 +409,7 @@ fn summarize_interest_and_errors() {
         mk("d", "Running", "1.5"),
     ];
     let v = summarize(pods.iter(), &res);
-    assert_eq!(v.interest, HashSet::from(["a".to_string()]));
+    assert_eq!(v.interest, Uids::from_iter(["a".to_string()]));
     assert_eq!(v.pods.len(), 3);
     assert_eq!(
         v.pods[0].requests,

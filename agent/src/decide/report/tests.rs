@@ -471,3 +471,86 @@ fn counted_pods_list_is_bounded_and_keeps_the_newest() {
     assert_eq!(listed[0], "new");
     assert_eq!(listed[1..], old[..MAX_COUNTED_PODS - 1]);
 }
+
+#[test]
+fn attributed_figures_follow_every_change_of_the_scan_or_the_pods() {
+    let t0 = Instant::now();
+    let pod = |uid: &str| PodSummary {
+        uid: uid.into(),
+        name: format!("ns/{uid}"),
+        phase: PodPhase::Running,
+        requests: KindCounts::from_pairs([(TeeKind::Tdx, 1)]),
+        dra_claim: false,
+    };
+    let tdx = |a: &Attributed| a.figures()[&TeeKind::Tdx];
+    let mut kernel = KernelView::default();
+    kernel.record(Ok(scan(
+        &[(TeeKind::Tdx, 4)],
+        &[(TeeKind::Tdx, 1)],
+        Accounting::PerPod,
+    )));
+    let one = Arc::new(PodsView {
+        pods: vec![pod("vm1")],
+        ..PodsView::default()
+    });
+    let mut a = Attributed::default();
+    a.update(&kernel, &one, t0);
+    assert_eq!((tdx(&a).pods_used, tdx(&a).free), (1, 3));
+    assert_eq!(a.listed(), ["vm1"]);
+
+    // Another scan with the same readings (only its counters differ): the same figures.
+    let mut again = scan(
+        &[(TeeKind::Tdx, 4)],
+        &[(TeeKind::Tdx, 1)],
+        Accounting::PerPod,
+    );
+    if let HostState::Scanned(HostScan { pods: Some(p), .. }) = &mut again {
+        (p.pods_read, p.pods_unchanged) = (0, 1);
+    }
+    kernel.record(Ok(again));
+    a.update(&kernel, &one, t0);
+    assert_eq!((tdx(&a).pods_used, tdx(&a).free), (1, 3));
+
+    // The pod's cgroup reads empty: its key is pending, not held.
+    let mut released = scan(
+        &[(TeeKind::Tdx, 4)],
+        &[(TeeKind::Tdx, 1)],
+        Accounting::PerPod,
+    );
+    if let HostState::Scanned(HostScan { pods: Some(p), .. }) = &mut released {
+        p.usage.clear();
+    }
+    kernel.record(Ok(released));
+    a.update(&kernel, &one, t0);
+    let f = tdx(&a);
+    assert_eq!((f.pods_used, f.external, f.pending, f.free), (0, 1, 1, 2));
+
+    // The kernel's total moves alone: the key outside Kubernetes is gone.
+    let mut total = scan(
+        &[(TeeKind::Tdx, 4)],
+        &[(TeeKind::Tdx, 0)],
+        Accounting::PerPod,
+    );
+    if let HostState::Scanned(HostScan { pods: Some(p), .. }) = &mut total {
+        p.usage.clear();
+    }
+    kernel.record(Ok(total));
+    a.update(&kernel, &one, t0);
+    assert_eq!((tdx(&a).external, tdx(&a).free), (0, 3));
+
+    // A new pods view: a second pod is counted and listed first (newer).
+    let two = Arc::new(PodsView {
+        pods: vec![pod("vm1"), pod("vm2")],
+        ..PodsView::default()
+    });
+    a.update(&kernel, &two, t0 + Duration::from_secs(1));
+    assert_eq!(tdx(&a).pending, 2);
+    assert_eq!(a.listed(), ["vm2", "vm1"]);
+
+    // The host loses its controller: nothing to attribute.
+    kernel.record(Ok(HostState::NoController {
+        message: "gone".into(),
+    }));
+    a.update(&kernel, &two, t0);
+    assert!(a.figures().is_empty() && a.listed().is_empty());
+}

@@ -27,11 +27,11 @@
 //! unreadable by `chmod` after it was opened stays readable through the open descriptor, whereas one
 //! replaced (e.g. by a directory) is opened again and reported. Walk mode opens files by path every time.
 
-use std::collections::HashSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use super::{LevelUsage, Scanner};
+use crate::decide::attribution::Uids;
 use crate::decide::cgroup_names::{is_valid_uid, pod_dir_name, pod_places};
 use crate::decide::counts::KindCounts;
 use crate::decide::host::{Driver, PodScan};
@@ -71,7 +71,7 @@ impl Scanner {
         &mut self,
         scan: &mut PodScan,
         at: Kubepods<'_>,
-        set: &HashSet<String>,
+        set: &Uids,
         top: LevelUsage,
     ) {
         let total = match top {

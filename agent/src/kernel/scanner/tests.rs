@@ -1,12 +1,11 @@
 //! The scanner: the root files, the kubepods levels, delegation, walk mode, bad files.
 
-use std::collections::HashSet;
-
 use pretty_assertions::assert_eq;
 use teeguard_shared::TeeKind;
 use teeguard_shared::misc::CgroupLayout;
 
 use super::*;
+use crate::decide::attribution::Uids;
 
 const UID: &str = "0e5d9f8c-3b1a-4c2d-9e8f-123456789abc";
 const UID_: &str = "0e5d9f8c_3b1a_4c2d_9e8f_123456789abc";
@@ -92,7 +91,7 @@ fn systemd_v2_per_pod() {
     );
 
     // Only pods of interest are read.
-    let interest = HashSet::from([g.to_string()]);
+    let interest: Uids = [g.to_string()].into_iter().collect();
     let pods = scanned(s.scan(Interest::Only(&interest)).expect("scan"))
         .pods
         .expect("pods");
@@ -100,7 +99,7 @@ fn systemd_v2_per_pod() {
     assert_eq!(pods.pods_read, 1);
 
     // Nothing of interest: no pod is read at all.
-    let none = HashSet::new();
+    let none = Uids::default();
     let pods = scanned(s.scan(Interest::Only(&none)).expect("scan"))
         .pods
         .expect("pods");

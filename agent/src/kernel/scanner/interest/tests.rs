@@ -55,8 +55,8 @@ fn kept_open_host(r: &Path) -> [PathBuf; 3] {
     files.map(|f| r.join(f))
 }
 
-fn all_three() -> HashSet<String> {
-    HashSet::from([A, B, C].map(String::from))
+fn all_three() -> Uids {
+    [A, B, C].map(String::from).into_iter().collect()
 }
 
 fn tdx(n: u64) -> KindCounts {
@@ -65,7 +65,7 @@ fn tdx(n: u64) -> KindCounts {
 
 /// Scan with `s` (keeping files open) and with a new scanner (opening every file), check both agree
 /// and return the pods.
-fn scan_both(s: &mut Scanner, interest: &HashSet<String>) -> PodScan {
+fn scan_both(s: &mut Scanner, interest: &Uids) -> PodScan {
     let kept = s.scan(Interest::Only(interest)).expect("scan");
     let fresh = Scanner::new(s.cgroup_root())
         .scan(Interest::Only(interest))
@@ -250,11 +250,11 @@ fn kept_files_are_bounded_by_the_interest_set() {
     scan_both(&mut s, &all_three());
     assert_eq!(s.open_pod_files(), 3);
 
-    let only_a = HashSet::from([A.to_string()]);
+    let only_a: Uids = [A.to_string()].into_iter().collect();
     assert_eq!(scan_both(&mut s, &only_a).pods_read, 1);
     assert_eq!(s.open_pod_files(), 1);
     assert_eq!(s.known.keys().collect::<Vec<_>>(), vec![A]);
-    scan_both(&mut s, &HashSet::new());
+    scan_both(&mut s, &Uids::default());
     assert_eq!(s.open_pod_files(), 0);
     assert!(s.known.is_empty());
     scan_both(&mut s, &all_three());
@@ -265,12 +265,12 @@ fn kept_files_are_bounded_by_the_interest_set() {
     let scan = scanned(s.scan(Interest::Only(&only_a)).expect("scan"));
     assert!(scan.pods.is_none());
     assert_eq!(s.open_pod_files(), 1);
-    s.scan(Interest::Only(&HashSet::new())).expect("scan");
+    s.scan(Interest::Only(&Uids::default())).expect("scan");
     assert_eq!(s.open_pod_files(), 0);
 
     write(r, "misc.capacity", "tdx 16\n");
     // Never more than MAX_KEPT_FILES, however many pods request keys; the others are still read.
-    let many: HashSet<String> = (0..MAX_KEPT_FILES + 8)
+    let many: Uids = (0..MAX_KEPT_FILES + 8)
         .map(|i| format!("{i:08x}-2222-3333-4444-555555555555"))
         .collect();
     for (i, uid) in many.iter().enumerate() {
@@ -284,7 +284,7 @@ fn kept_files_are_bounded_by_the_interest_set() {
         assert_eq!(pods.usage.len(), holding);
         assert_eq!(big.open_pod_files(), MAX_KEPT_FILES);
     }
-    let fewer: HashSet<String> = many.iter().take(100).cloned().collect();
+    let fewer: Uids = many.iter().take(100).cloned().collect();
     scan_both(&mut big, &fewer);
     assert_eq!(big.open_pod_files(), 100);
     assert_eq!(scan_both(&mut big, &many).usage.len(), holding);
@@ -321,15 +321,12 @@ fn set_host(r: &Path, pods: &[(&str, u64)]) {
     }
 }
 
-fn interest(uids: &[&str]) -> HashSet<String> {
+fn interest(uids: &[&str]) -> Uids {
     uids.iter().map(|u| u.to_string()).collect()
 }
 
 /// One scan: (pods read, pods taken as unchanged, usage).
-fn agent_scan(
-    s: &mut Scanner,
-    set: &HashSet<String>,
-) -> (usize, usize, HashMap<String, KindCounts>) {
+fn agent_scan(s: &mut Scanner, set: &Uids) -> (usize, usize, HashMap<String, KindCounts>) {
     let pods = scanned(s.scan(Interest::Only(set)).expect("scan"))
         .pods
         .expect("pods");
