@@ -370,9 +370,12 @@ pub fn content_differs(a: &TeeCapacityStatus, b: &TeeCapacityStatus) -> bool {
 /// True when `new` lists a pod in `countedPods` that `prev` did not (a pod leaving the list is no
 /// news: it waits for the next heartbeat).
 pub fn lists_new_pods(prev: &TeeCapacityStatus, new: &TeeCapacityStatus) -> bool {
-    new.counted_pods
-        .iter()
-        .any(|uid| !prev.counted_pods.contains(uid))
+    // The same list (every steady poll) is answered without the quadratic search.
+    new.counted_pods != prev.counted_pods
+        && new
+            .counted_pods
+            .iter()
+            .any(|uid| !prev.counted_pods.contains(uid))
 }
 
 /// What a reconcile writes.
