@@ -129,10 +129,9 @@ impl Writer {
                     .chain(qos_dirs(&kubepods, driver))
                     .filter(|d| d.is_dir())
                     .collect();
-                for d in &want {
-                    if !w.watches(d) {
-                        let _ = w.watch(d);
-                    }
+                // Each pass adds them again: a QoS directory removed and made anew is watched anew.
+                for (d, e) in w.watch_exactly(&want) {
+                    tracing::debug!(dir = %d.display(), error = %e, "cannot watch for new pod cgroups");
                 }
             }
             if !host.limits_possible() {

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use inotify::{EventMask, Inotify, WatchDescriptor, WatchMask, Watches};
 use tokio::task::JoinHandle;
@@ -53,29 +53,99 @@ impl DirWatch {
         })
     }
 
-    /// Watch `dir` (again: a directory removed and made anew under the same name needs a new watch).
-    pub fn watch(&mut self, dir: &Path) -> io::Result<()> {
-        let wd = self.watches.add(dir, self.mask)?;
-        self.dirs.insert(dir.to_path_buf(), wd);
-        Ok(())
-    }
-
-    /// Stop watching `dir` (nothing if it was not watched or is gone).
-    pub fn unwatch(&mut self, dir: &Path) {
-        if let Some(wd) = self.dirs.remove(dir) {
-            // Fails only when the kernel dropped the watch already (the directory was removed).
-            let _ = self.watches.remove(wd);
+    /// Watch exactly `dirs`: every other watch is removed, and each of `dirs` is added again, which
+    /// costs one syscall and is what keeps a directory removed and made anew under the same name
+    /// watched (inotify hands a directory still watched its own watch back, and a new directory a new
+    /// one). Returns the directories that could not be watched, with the error.
+    pub fn watch_exactly(&mut self, dirs: &[PathBuf]) -> Vec<(PathBuf, io::Error)> {
+        let watches = &mut self.watches;
+        self.dirs.retain(|dir, wd| {
+            let keep = dirs.contains(dir);
+            if !keep {
+                // Fails only when the kernel dropped the watch already (the directory was removed).
+                let _ = watches.remove(wd.clone());
+            }
+            keep
+        });
+        let mut failed = Vec::new();
+        for dir in dirs {
+            match self.watches.add(dir, self.mask) {
+                Ok(wd) => {
+                    self.dirs.insert(dir.clone(), wd);
+                }
+                Err(e) => {
+                    self.dirs.remove(dir);
+                    failed.push((dir.clone(), e));
+                }
+            }
         }
-    }
-
-    /// Whether `dir` was watched (and not unwatched since).
-    pub fn watches(&self, dir: &Path) -> bool {
-        self.dirs.contains_key(dir)
+        failed
     }
 }
 
 impl Drop for DirWatch {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsString;
+    use std::fs;
+    use std::time::Duration;
+
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    /// The next entry an event names (a bound only so that a lost event fails instead of hanging).
+    async fn next(rx: &mut mpsc::UnboundedReceiver<OsString>) -> OsString {
+        tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .expect("an inotify event within 30 s")
+            .expect("the watch task is running")
+    }
+
+    #[tokio::test]
+    async fn watch_exactly_watches_a_directory_made_anew_and_drops_the_others() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let (qos, other) = (root.path().join("qos"), root.path().join("other"));
+        fs::create_dir(&qos).expect("mkdir qos");
+        fs::create_dir(&other).expect("mkdir other");
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        // inotify also reports a removed watch (IN_IGNORED, whatever the mask): only CREATE counts.
+        let mut w = DirWatch::new(WatchMask::CREATE, move |name, mask| {
+            if let Some(name) = name.filter(|_| mask.contains(EventMask::CREATE)) {
+                let _ = tx.send(name.to_owned());
+            }
+        })
+        .expect("inotify");
+        assert!(w.watch_exactly(std::slice::from_ref(&qos)).is_empty());
+        fs::create_dir(qos.join("a")).expect("mkdir a");
+        assert_eq!(next(&mut rx).await, "a");
+
+        // Removed and made anew under the same name (a kubelet re-creating a QoS level).
+        fs::remove_dir(qos.join("a")).expect("rmdir a");
+        fs::remove_dir(&qos).expect("rmdir qos");
+        fs::create_dir(&qos).expect("mkdir qos again");
+        assert!(w.watch_exactly(std::slice::from_ref(&qos)).is_empty());
+        fs::create_dir(qos.join("b")).expect("mkdir b");
+        assert_eq!(next(&mut rx).await, "b", "the new directory is watched");
+
+        // No longer wanted: its events stop (one inotify queue keeps order, so "c" would come first).
+        assert!(w.watch_exactly(std::slice::from_ref(&other)).is_empty());
+        fs::create_dir(qos.join("c")).expect("mkdir c");
+        fs::create_dir(other.join("d")).expect("mkdir d");
+        assert_eq!(
+            next(&mut rx).await,
+            "d",
+            "the dropped directory is not watched"
+        );
+
+        // A directory that cannot be watched is reported.
+        let failed = w.watch_exactly(&[root.path().join("missing")]);
+        assert_eq!(failed.len(), 1);
+        assert_eq!(failed[0].0, root.path().join("missing"));
     }
 }

@@ -70,40 +70,32 @@ impl EventsWatch {
         self.notify.clone()
     }
 
-    /// True (once) when a watched directory was removed since the last call: the watched set is due
-    /// for a refresh.
-    pub fn take_dirty(&self) -> bool {
-        self.dirty.swap(false, Ordering::AcqRel)
+    /// True when a watched directory was removed since the last [`EventsWatch::refresh`]: the
+    /// watched set is due for one.
+    pub fn dirty(&self) -> bool {
+        self.dirty.load(Ordering::Acquire)
     }
 
-    /// Watch exactly `dirs` (the scanner's `events_dirs`), changing only what differs.
+    /// Watch exactly `dirs` (the scanner's `events_dirs`).
+    /// Unchanged `dirs` are left alone unless one was removed since (it may have been made anew).
     pub fn refresh(&mut self, dirs: Vec<PathBuf>) {
         let Some(w) = self.watcher.as_mut() else {
             return;
         };
-        if dirs == self.dirs {
+        let removed = self.dirty.swap(false, Ordering::AcqRel);
+        if dirs == self.dirs && !removed {
             return;
         }
-        for old in &self.dirs {
-            if !dirs.contains(old) {
-                w.unwatch(old);
-            }
+        let failed = w.watch_exactly(&dirs);
+        for (d, e) in &failed {
+            tracing::debug!(dir = %d.display(), error = %e, "cannot watch misc.events");
         }
-        let mut watched = Vec::with_capacity(dirs.len());
-        for d in dirs {
-            if self.dirs.contains(&d) {
-                watched.push(d);
-                continue;
-            }
-            match w.watch(&d) {
-                Ok(()) => watched.push(d),
-                Err(e) => {
-                    tracing::debug!(dir = %d.display(), error = %e, "cannot watch misc.events")
-                }
-            }
-        }
-        tracing::debug!(dirs = ?watched, "watching misc.events");
-        self.dirs = watched;
+        // A directory that could not be watched is tried again at the next refresh.
+        self.dirs = dirs
+            .into_iter()
+            .filter(|d| !failed.iter().any(|(f, _)| f == d))
+            .collect();
+        tracing::debug!(dirs = ?self.dirs, "watching misc.events");
     }
 }
 

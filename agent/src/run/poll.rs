@@ -144,7 +144,7 @@ impl Agent {
             return;
         };
         let interest = self.interest.clone();
-        let refresh_events = Instant::now() >= self.events_refresh_at || self.events.take_dirty();
+        let refresh_events = Instant::now() >= self.events_refresh_at || self.events.dirty();
         let joined = tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let result = scanner.scan(Interest::Only(&interest));
