@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use base64::prelude::{BASE64_STANDARD, Engine as _};
 use bytes::Bytes;
 use http::StatusCode;
-use robust_support::{Expected, H1, Webhook, bounded, check_mutate};
+use robust_support::{Expected, H1, Webhook, answer_to, bounded, check_mutate};
 use serde_json::{Value, json};
 use teeguard_shared::TeeKind;
 use teeguard_tests::fakeapi::FakeApiServer;
@@ -263,20 +263,8 @@ fn check_validate(
     body: &[u8],
     want: Validated,
 ) -> Result<(), String> {
-    if status != StatusCode::OK {
-        return Err(format!(
-            "status {status}: {}",
-            String::from_utf8_lossy(body)
-        ));
-    }
-    let resp: Value = serde_json::from_slice(body).map_err(|e| format!("response JSON: {e}"))?;
+    let resp = answer_to(review, status, body)?;
     let r = &resp["response"];
-    if r["uid"] != review["request"]["uid"] {
-        return Err(format!(
-            "uid {} answered for {}",
-            r["uid"], review["request"]["uid"]
-        ));
-    }
     if r.get("patch").is_some() || r.get("patchType").is_some() {
         return Err(format!("a validating answer carries a patch: {resp}"));
     }

@@ -311,13 +311,9 @@ impl Expected {
     }
 }
 
-/// Check a `/mutate` answer (status, body) to `review` against `expected`; `Err` says what is wrong.
-pub fn check_mutate(
-    review: &Value,
-    status: StatusCode,
-    body: &[u8],
-    expected: &Expected,
-) -> Result<(), String> {
+/// The whole answer (status, body) to `review`, once it is a 200 whose `response.uid` is the
+/// request's; `Err` says what is wrong.
+pub fn answer_to(review: &Value, status: StatusCode, body: &[u8]) -> Result<Value, String> {
     if status != StatusCode::OK {
         return Err(format!(
             "status {status}: {}",
@@ -332,6 +328,18 @@ pub fn check_mutate(
             r["uid"], review["request"]["uid"]
         ));
     }
+    Ok(resp)
+}
+
+/// Check a `/mutate` answer (status, body) to `review` against `expected`; `Err` says what is wrong.
+pub fn check_mutate(
+    review: &Value,
+    status: StatusCode,
+    body: &[u8],
+    expected: &Expected,
+) -> Result<(), String> {
+    let resp = answer_to(review, status, body)?;
+    let r = &resp["response"];
     let patch = match r.get("patch").and_then(Value::as_str) {
         Some(b64) => {
             if r["patchType"] != "JSONPatch" {
