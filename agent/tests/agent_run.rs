@@ -280,6 +280,41 @@ async fn a_failed_charge_triggers_an_immediate_rescan() {
 }
 
 #[tokio::test]
+async fn a_failed_charge_reads_every_pod_again_so_changes_that_cancelled_out_are_seen() {
+    let api = FakeApiServer::new();
+    api.create(&tdx_node(NODE, 2, false)).expect("node");
+    let host = SimHost::builder().capacity(TDX, 2).build().expect("host");
+    let vm1 = tdx_vm(&api, &host, "vm1", true);
+    // A pod cgroup no pod of interest owns (an exempt VM's, say): its keys count as external.
+    let other = "6f1d2c3b-4a59-4e8f-9b7a-1c2d3e4f5a6b";
+    host.add_pod(other, QosClass::Burstable, &["compute"])
+        .expect("pod cgroup");
+    // Poll only every 20 s (the next full read is 10 polls away): only misc.events explains an update.
+    let cfg = teeguard_shared::Config::from_yaml("agent:\n  pollInterval: 20s\n").expect("cfg");
+    let agent = Agent::start(&api, host.root(), cfg);
+    agent
+        .wait_status("first scan", |s| {
+            tdx_is(s, |t| t.pods_used == 1 && t.free == 1)
+        })
+        .await;
+    // vm1's VM stops as the other cgroup's starts: kubepods holds 1 key before and after, so the
+    // readings of the pods of interest would be reused. vm1's pod lives on and still counts as
+    // pending (its key is kept for it): nothing is free.
+    host.stop_vm(&vm1, "compute", TDX).expect("stop");
+    host.start_vm(other, "compute", TDX).expect("start");
+    host.fail_charge_in(other, "compute", TDX)
+        .expect("failed charge");
+    let s = agent
+        .wait_status("every pod read after the failed charge", |s| {
+            tdx_is(s, |t| t.pods_used == 0)
+        })
+        .await;
+    let t = s.tdx.expect("tdx");
+    assert_eq!((t.external, t.pending, t.free), (1, 1, 0), "{t:?}");
+    agent.stop().await;
+}
+
+#[tokio::test]
 async fn nfd_owned_resource_is_left_alone() {
     let api = FakeApiServer::new();
     api.create(&tdx_node(NODE, 16, true)).expect("node");

@@ -8,7 +8,8 @@
 //! plus what the last full read found held outside the pods of interest (pods that request no key,
 //! such as exempt VMs). Any difference (a VM started or stopped, a pod left, another cgroup charged or
 //! released a key) reads every pod of interest again, as does every [`FULL_READ_EVERY`]th scan, a
-//! kubepods file that cannot be read, and the first scan. On a steady host a poll reads no pod file.
+//! kubepods file that cannot be read, the first scan, and the scan after a failed charge (`misc.events`:
+//! a VM was refused, so the figures may be behind). On a steady host a poll reads no pod file.
 //!
 //! The totals cannot tell changes that cancel out within one poll interval: one cgroup charging a
 //! key of the same kind as another releases one. Kernel usage is still read at every scan; what lags,

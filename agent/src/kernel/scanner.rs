@@ -88,6 +88,12 @@ impl Scanner {
         self
     }
 
+    /// The next scan reads every pod of interest, whatever the kubepods total says (a failed charge
+    /// shows the figures may be behind: see [`crate::decide::reuse`]).
+    pub fn read_every_pod_next(&mut self) {
+        self.reuse.forget();
+    }
+
     /// How many pod `misc.current` files are kept open between scans (agent mode; at most one per pod
     /// of interest).
     pub fn open_pod_files(&self) -> usize {

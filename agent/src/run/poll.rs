@@ -102,7 +102,10 @@ impl Agent {
         let mut scan = matches!(wake, Wake::Tick | Wake::Events);
         if wake == Wake::Events {
             self.metrics.events_rescans.inc();
-            tracing::debug!("misc.events changed (a failed charge): re-scanning now");
+            tracing::debug!("misc.events changed (a failed charge): re-reading every pod now");
+            if let Some(s) = self.scanner.as_mut() {
+                s.read_every_pod_next();
+            }
         }
         if wake == Wake::Pods {
             // Read the flag before the store: once it is set, the store holds the full initial list.
