@@ -483,12 +483,20 @@ fn attributed_figures_follow_every_change_of_the_scan_or_the_pods() {
         dra_claim: false,
     };
     let tdx = |a: &Attributed| a.figures()[&TeeKind::Tdx];
+    // A scan of capacity 4 whose kernel shows `used` keys, its pod readings changed by `edit`.
+    let scan_of = |used: u64, edit: fn(&mut PodScan)| {
+        let mut s = scan(
+            &[(TeeKind::Tdx, 4)],
+            &[(TeeKind::Tdx, used)],
+            Accounting::PerPod,
+        );
+        if let HostState::Scanned(HostScan { pods: Some(p), .. }) = &mut s {
+            edit(p);
+        }
+        s
+    };
     let mut kernel = KernelView::default();
-    kernel.record(Ok(scan(
-        &[(TeeKind::Tdx, 4)],
-        &[(TeeKind::Tdx, 1)],
-        Accounting::PerPod,
-    )));
+    kernel.record(Ok(scan_of(1, |_| {})));
     let one = Arc::new(PodsView {
         pods: vec![pod("vm1")],
         ..PodsView::default()
@@ -499,42 +507,18 @@ fn attributed_figures_follow_every_change_of_the_scan_or_the_pods() {
     assert_eq!(a.listed(), ["vm1"]);
 
     // Another scan with the same readings (only its counters differ): the same figures.
-    let mut again = scan(
-        &[(TeeKind::Tdx, 4)],
-        &[(TeeKind::Tdx, 1)],
-        Accounting::PerPod,
-    );
-    if let HostState::Scanned(HostScan { pods: Some(p), .. }) = &mut again {
-        (p.pods_read, p.pods_unchanged) = (0, 1);
-    }
-    kernel.record(Ok(again));
+    kernel.record(Ok(scan_of(1, |p| (p.pods_read, p.pods_unchanged) = (0, 1))));
     a.update(&kernel, &one, t0);
     assert_eq!((tdx(&a).pods_used, tdx(&a).free), (1, 3));
 
     // The pod's cgroup reads empty: its key is pending, not held.
-    let mut released = scan(
-        &[(TeeKind::Tdx, 4)],
-        &[(TeeKind::Tdx, 1)],
-        Accounting::PerPod,
-    );
-    if let HostState::Scanned(HostScan { pods: Some(p), .. }) = &mut released {
-        p.usage.clear();
-    }
-    kernel.record(Ok(released));
+    kernel.record(Ok(scan_of(1, |p| p.usage.clear())));
     a.update(&kernel, &one, t0);
     let f = tdx(&a);
     assert_eq!((f.pods_used, f.external, f.pending, f.free), (0, 1, 1, 2));
 
     // The kernel's total moves alone: the key outside Kubernetes is gone.
-    let mut total = scan(
-        &[(TeeKind::Tdx, 4)],
-        &[(TeeKind::Tdx, 0)],
-        Accounting::PerPod,
-    );
-    if let HostState::Scanned(HostScan { pods: Some(p), .. }) = &mut total {
-        p.usage.clear();
-    }
-    kernel.record(Ok(total));
+    kernel.record(Ok(scan_of(0, |p| p.usage.clear())));
     a.update(&kernel, &one, t0);
     assert_eq!((tdx(&a).external, tdx(&a).free), (0, 3));
 
