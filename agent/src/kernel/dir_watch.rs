@@ -53,6 +53,11 @@ impl DirWatch {
         })
     }
 
+    /// Whether the directories watched are exactly `dirs` (each once).
+    pub fn watching_exactly(&self, dirs: &[PathBuf]) -> bool {
+        dirs.len() == self.dirs.len() && dirs.iter().all(|d| self.dirs.contains_key(d))
+    }
+
     /// Watch exactly `dirs`: every other watch is removed, and each of `dirs` is added again, which
     /// costs one syscall and is what keeps a directory removed and made anew under the same name
     /// watched (inotify hands a directory still watched its own watch back, and a new directory a new

@@ -16,7 +16,6 @@ use crate::error::Error;
 #[derive(Debug)]
 pub struct EventsWatch {
     watcher: Option<DirWatch>,
-    dirs: Vec<PathBuf>,
     notify: Arc<Notify>,
     dirty: Arc<AtomicBool>,
 }
@@ -59,7 +58,6 @@ impl EventsWatch {
         };
         EventsWatch {
             watcher,
-            dirs: Vec::new(),
             notify,
             dirty,
         }
@@ -83,19 +81,15 @@ impl EventsWatch {
             return;
         };
         let removed = self.dirty.swap(false, Ordering::AcqRel);
-        if dirs == self.dirs && !removed {
+        // A directory that could not be watched is not watched, so it is tried again at the next
+        // refresh.
+        if w.watching_exactly(&dirs) && !removed {
             return;
         }
-        let failed = w.watch_exactly(&dirs);
-        for (d, e) in &failed {
+        for (d, e) in w.watch_exactly(&dirs) {
             tracing::debug!(dir = %d.display(), error = %e, "cannot watch misc.events");
         }
-        // A directory that could not be watched is tried again at the next refresh.
-        self.dirs = dirs
-            .into_iter()
-            .filter(|d| !failed.iter().any(|(f, _)| f == d))
-            .collect();
-        tracing::debug!(dirs = ?self.dirs, "watching misc.events");
+        tracing::debug!(?dirs, "watching misc.events");
     }
 }
 
