@@ -140,17 +140,13 @@ async fn batch(w: &KubeVirtWorld, round: usize, side: Side, s: &mut Samples) {
         };
         let now = Instant::now();
         for p in &list {
-            let Some(vmi) = p
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get("kubevirt.io/created-by"))
+            let Some(vmi) = teeguard_tests::fixtures::label(&p.metadata, "kubevirt.io/created-by")
             else {
                 continue;
             };
-            seen.entry(vmi.clone()).or_insert(now);
+            seen.entry(vmi.to_string()).or_insert(now);
             if running(p) {
-                ran.entry(vmi.clone()).or_insert(now);
+                ran.entry(vmi.to_string()).or_insert(now);
             }
         }
         tokio::time::sleep(Duration::from_millis(25)).await;

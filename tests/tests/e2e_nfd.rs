@@ -18,7 +18,7 @@ use teeguard_shared::names::{
 };
 use teeguard_tests::e2e::{E2eEnv, NODE, World};
 use teeguard_tests::fakeapi::PatchType;
-use teeguard_tests::fixtures::{KataTee, NodeBuilder, TDX_KEYS, Tee, kata_pod};
+use teeguard_tests::fixtures::{self, KataTee, NodeBuilder, TDX_KEYS, Tee, kata_pod};
 use teeguard_tests::host::{MiscDelegation, SANDBOX, SimHost, TDX};
 use teeguard_tests::standalone::{Decision, VmiSpec};
 
@@ -86,10 +86,7 @@ fn value(n: &Node, field: &str) -> Option<u64> {
 }
 
 fn listed(n: &Node, annotation: &str) -> BTreeSet<String> {
-    n.metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(annotation))
+    fixtures::annotation(&n.metadata, annotation)
         .map(|v| v.split(',').map(str::to_string).collect())
         .unwrap_or_default()
 }
@@ -231,10 +228,8 @@ async fn nfd_master_pass(w: &World, wanted: &[(&str, u64)], between: Duration) -
     let mut names: Vec<&str> = wanted.iter().map(|(name, _)| *name).collect();
     names.sort_unstable();
     let new = names.join(",");
-    let old = node(w)
-        .metadata
-        .annotations
-        .and_then(|a| a.get(NFD_EXTENDED_RESOURCES_ANNOTATION).cloned());
+    let old = fixtures::annotation(&node(w).metadata, NFD_EXTENDED_RESOURCES_ANNOTATION)
+        .map(str::to_string);
     let key = NFD_EXTENDED_RESOURCES_ANNOTATION.replace('/', "~1");
     let op = match (old, new.is_empty()) {
         (None, true) => None,

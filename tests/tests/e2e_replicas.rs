@@ -233,8 +233,8 @@ async fn decider(env: &E2eEnv, webhooks: &[WebhookProcess]) -> usize {
                     .and_then(|s| s.holder_identity.as_deref())
                     .is_some_and(|h| !h.is_empty())
             })
-            .and_then(|l| l.metadata.annotations.as_ref())
-            .and_then(|a| a.get("teeguard.dev/decider-address").cloned());
+            .and_then(|l| fixtures::annotation(&l.metadata, "teeguard.dev/decider-address"))
+            .map(str::to_string);
         if let Some(a) = address
             && let Some(i) = webhooks
                 .iter()
@@ -362,12 +362,9 @@ async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_o
                 )
                 .expect("typed")
                 .expect("the Lease exists");
-            let address = lease
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get("teeguard.dev/decider-address").cloned())
-                .unwrap_or_default();
+            let address = fixtures::annotation(&lease.metadata, "teeguard.dev/decider-address")
+                .unwrap_or_default()
+                .to_string();
             if rest
                 .iter()
                 .any(|w| address == format!("https://{}", w.https))

@@ -10,7 +10,9 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 use teeguard_tests::e2e::{NODE, World, json_log_line, peer_certificate};
-use teeguard_tests::fixtures::{self, AdmissionReviewBuilder, KataTee, TDX_KEYS, Tee, kata_pod};
+use teeguard_tests::fixtures::{
+    self, AdmissionReviewBuilder, KataTee, TDX_KEYS, Tee, annotation, kata_pod,
+};
 use teeguard_tests::host::{SANDBOX, TDX};
 use teeguard_tests::standalone::{CreatedVmi, Decision, PodAdmission, VmiSpec};
 
@@ -165,11 +167,7 @@ async fn vmi_to_running_vm_updates_the_report() {
             .expect("requests");
         assert_eq!(requests.get(TDX_KEYS).map(|q| q.0.as_str()), Some("1"));
         assert_eq!(
-            pod.metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get("misc-max.teeguard.dev/compute"))
-                .map(String::as_str),
+            annotation(&pod.metadata, "misc-max.teeguard.dev/compute"),
             Some("tdx 1")
         );
 

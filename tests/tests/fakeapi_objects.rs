@@ -14,6 +14,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, PatchType, RequestFilter, Verb};
+use teeguard_tests::fixtures;
 use tower::ServiceExt;
 
 fn code(e: &kube::Error) -> u16 {
@@ -173,13 +174,7 @@ async fn status_subresource_rules() {
         .await
         .expect("patch main");
     assert_eq!(p.status.and_then(|s| s.phase).as_deref(), Some("Pending"));
-    assert_eq!(
-        p.metadata
-            .labels
-            .and_then(|l| l.get("l").cloned())
-            .as_deref(),
-        Some("1")
-    );
+    assert_eq!(fixtures::label(&p.metadata, "l"), Some("1"));
     let p = pods
         .patch_status(
             "a",
@@ -191,13 +186,7 @@ async fn status_subresource_rules() {
         .await
         .expect("patch status");
     assert_eq!(p.status.and_then(|s| s.phase).as_deref(), Some("Running"));
-    assert_eq!(
-        p.metadata
-            .labels
-            .and_then(|l| l.get("l").cloned())
-            .as_deref(),
-        Some("1")
-    );
+    assert_eq!(fixtures::label(&p.metadata, "l"), Some("1"));
     // Status writes do not bump generation.
     assert_eq!(p.metadata.generation, Some(1));
     assert_eq!(
@@ -558,13 +547,7 @@ async fn selectors_pagination_and_metadata_lists() {
         Some("PartialObjectMetadata")
     );
     let one = pods.get_metadata("p1").await.expect("metadata get");
-    assert_eq!(
-        one.metadata
-            .labels
-            .and_then(|l| l.get("app").cloned())
-            .as_deref(),
-        Some("db")
-    );
+    assert_eq!(fixtures::label(&one.metadata, "app"), Some("db"));
     let pom: Api<PartialObjectMeta<Pod>> = Api::namespaced(server.client(), "ns");
     assert_eq!(
         pom.list(&ListParams::default())

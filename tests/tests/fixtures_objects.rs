@@ -566,11 +566,7 @@ fn nodes_with_and_without_nfd_resources() {
         Some(&Quantity("31".into()))
     );
     assert_eq!(
-        nfd.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(NFD_EXTENDED_RESOURCES))
-            .map(String::as_str),
+        fixtures::annotation(&nfd.metadata, NFD_EXTENDED_RESOURCES),
         Some(TDX_KEYS)
     );
 

@@ -58,11 +58,11 @@ fn teeguard_marks(n: &Node) -> (Option<String>, Option<String>, Option<String>) 
     (
         q(status.and_then(|s| s.capacity.as_ref())),
         q(status.and_then(|s| s.allocatable.as_ref())),
-        n.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(teeguard_shared::names::AGENT_EXTENDED_RESOURCES_ANNOTATION))
-            .cloned(),
+        teeguard_tests::fixtures::annotation(
+            &n.metadata,
+            teeguard_shared::names::AGENT_EXTENDED_RESOURCES_ANNOTATION,
+        )
+        .map(str::to_string),
     )
 }
 

@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams};
 use teeguard_shared::{TeeCapacity, TeeKind};
-use teeguard_tests::fixtures::Tee;
+use teeguard_tests::fixtures::{Tee, annotation};
 use teeguard_tests::kubevirt::vmis::{self, Size};
 use teeguard_tests::prom::Scrape;
 
@@ -339,12 +339,9 @@ async fn sample(
                 .as_ref()
                 .and_then(|s| s.phase.as_deref())
                 .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
-            let vmi = pod
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get("kubevirt.io/domain").cloned())
-                .unwrap_or_default();
+            let vmi = annotation(&pod.metadata, "kubevirt.io/domain")
+                .unwrap_or_default()
+                .to_string();
             match pod.spec.as_ref().and_then(|s| s.node_name.clone()) {
                 _ if ended => {}
                 Some(node) => bound.entry(node).or_default().push(vmi),
@@ -410,13 +407,10 @@ async fn sample(
                             .as_str()
                             .is_some_and(|m| m.ends_with(WILL_START))
                 });
-            let has_pod = p.items.iter().any(|pod| {
-                pod.metadata
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get("kubevirt.io/domain"))
-                    == Some(&name)
-            });
+            let has_pod = p
+                .items
+                .iter()
+                .any(|pod| annotation(&pod.metadata, "kubevirt.io/domain") == Some(name.as_str()));
             if refused {
                 s.refused.insert(name.clone());
                 refused_at.entry(name.clone()).or_insert(now);

@@ -9,7 +9,7 @@ use k8s_openapi::api::node::v1::RuntimeClass;
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
 use serde_json::json;
-use teeguard_tests::fixtures::Tee;
+use teeguard_tests::fixtures::{Tee, annotation};
 use teeguard_tests::host::TDX;
 use teeguard_tests::kubevirt::vmis::{self, Size};
 use teeguard_tests::node::pods;
@@ -335,12 +335,9 @@ fn watch_timeline(
                     else {
                         continue;
                     };
-                    let vmi = p
-                        .metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get("kubevirt.io/domain").cloned())
-                        .unwrap_or_default();
+                    let vmi = annotation(&p.metadata, "kubevirt.io/domain")
+                        .unwrap_or_default()
+                        .to_string();
                     let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
                     if let Some(node) = node
                         && !t.bound.iter().any(|(_, v, _)| *v == vmi)

@@ -22,7 +22,7 @@ use teeguard_shared::crd::TeeCapacityStatus;
 use teeguard_tests::e2e::{
     AgentProcess, Backends, ProcessEnv, WebhookProcess, balance, last_lines,
 };
-use teeguard_tests::fixtures::Tee;
+use teeguard_tests::fixtures::{Tee, annotation};
 use teeguard_tests::host::{SEV, SEV_ES, SimHost, TDX};
 use teeguard_tests::kubevirt::{self, KubeVirt, vmis};
 use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime};
@@ -688,14 +688,8 @@ async fn remove_kubevirt_objects(cluster: &Cluster) {
 /// there is none, as a Service without endpoints does. Runs until the test process ends.
 /// Whether the launcher pod of VMI `vmi` among `pods` runs with every container started.
 pub fn running_named(pods: &[Pod], vmi: &str) -> bool {
-    pods.iter().any(|p| {
-        p.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get("kubevirt.io/domain"))
-            .is_some_and(|d| d == vmi)
-            && running(p)
-    })
+    pods.iter()
+        .any(|p| annotation(&p.metadata, "kubevirt.io/domain") == Some(vmi) && running(p))
 }
 
 /// Start webhook replica `i`: even ones watch and write through the first API server, odd ones

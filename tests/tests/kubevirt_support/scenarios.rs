@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use teeguard_tests::fixtures::Tee;
+use teeguard_tests::fixtures::{Tee, annotation};
 use teeguard_tests::kubevirt::vmis::Size;
 
 use super::{KubeVirtWorld, Options, TeeNode};
@@ -256,11 +256,7 @@ pub async fn runs_with_the_overhead_key_only(w: &KubeVirtWorld, name: &str) {
         "no second key on compute"
     );
     assert_eq!(
-        pod.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get("misc-max.teeguard.dev/compute"))
-            .map(String::as_str),
+        annotation(&pod.metadata, "misc-max.teeguard.dev/compute"),
         Some("tdx 1")
     );
     let got = limits(&w.records(&w.tdx, &pod).await);
