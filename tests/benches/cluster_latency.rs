@@ -24,13 +24,14 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::PostParams;
 use serde_json::json;
 use support::floor::{Stack, start_floor, start_patching_floor};
 use support::section;
 use teeguard_shared::TeeKind;
 use teeguard_tests::controlplane::ControlPlane;
 use teeguard_tests::fixtures::{AdmissionReviewBuilder, NodeBuilder, ReportBuilder, Tee};
+use teeguard_tests::patch::MergePatch;
 use teeguard_tests::prom::{Histogram, Scrape};
 use teeguard_tests::realcluster::{Cluster, TEST_LABEL};
 
@@ -116,11 +117,7 @@ async fn run(cp: &'static ControlPlane) {
         .await
         .expect("node");
     Api::<Node>::all(cluster.client.clone())
-        .patch(
-            &node,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"unschedulable": true}})),
-        )
+        .merge_patch(&node, json!({"spec": {"unschedulable": true}}))
         .await
         .expect("cordon");
     cluster

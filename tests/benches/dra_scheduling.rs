@@ -34,7 +34,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher;
 use node_support::{NodeWorld, Options, dra, unguarded_namespace};
 use serde_json::json;
@@ -49,6 +49,7 @@ use teeguard_tests::e2e::{AgentProcess, ProcessEnv};
 use teeguard_tests::fixtures::NodeBuilder;
 use teeguard_tests::host::{SimHost, TDX};
 use teeguard_tests::node::{Runtime, pods};
+use teeguard_tests::patch::MergePatch;
 use teeguard_tests::prom::{Scrape, delta_by, mean_delta};
 use teeguard_tests::realcluster::Cluster;
 
@@ -269,7 +270,7 @@ impl BenchNode {
         let room =
             json!({"status": {"capacity": {"pods": "1000"}, "allocatable": {"pods": "1000"}}});
         Api::<Node>::all(cluster.client.clone())
-            .patch_status(&name, &PatchParams::default(), &Patch::Merge(room))
+            .merge_patch_status(&name, room)
             .await
             .expect("the Node's pod capacity");
         let host = SimHost::builder()
@@ -583,7 +584,7 @@ async fn allocated_claim(api: &Api<ResourceClaim>, name: &str, node: &str, index
     let status = json!({"status": {"allocation": {"devices": {"results": [
         {"request": "key", "driver": "tee.teeguard.dev", "pool": node, "device": format!("tdx-{index}")}
     ]}}}});
-    api.patch_status(name, &PatchParams::default(), &Patch::Merge(status))
+    api.merge_patch_status(name, status)
         .await
         .unwrap_or_else(|e| panic!("allocate claim {name}: {e}"));
     Claim {

@@ -36,6 +36,7 @@ use teeguard_shared::names::AGENT_FIELD_MANAGER;
 use teeguard_shared::ops::Readiness;
 use teeguard_tests::fixtures::NodeBuilder;
 use teeguard_tests::host::{SimHost, TDX};
+use teeguard_tests::patch::MergePatch;
 use teeguard_tests::realcluster::Cluster;
 use tokio_util::sync::CancellationToken;
 
@@ -275,7 +276,7 @@ fn main() {
                         let name = format!("hb-{:04}", i % OBJECTS);
                         let body = json!({"spec": {"renewTime": now_micro()}});
                         leases
-                            .patch(&name, &PatchParams::default(), &Patch::Merge(body))
+                            .merge_patch(&name, body)
                             .await
                             .map(|_| ())
                     }

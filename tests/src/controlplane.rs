@@ -202,7 +202,11 @@ impl ControlPlane {
             }
         }
         spawn_janitor(&dir)?;
-        install_panic_hook(&dir);
+        let kept = format!(
+            "control plane: a test failed; the components' logs are kept in {}",
+            dir.join("log").display()
+        );
+        install_panic_hook(&dir, kept);
 
         // Certificates and tokens.
         let pki = dir.join("pki");
@@ -677,25 +681,16 @@ pub(crate) fn spawn_janitor(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// On the first panic in this process, mark the state directory so the janitor keeps the logs, and
-/// say where they are.
-pub(crate) fn install_panic_hook(dir: &Path) {
-    install_panic_hook_for(dir, "control plane", "the components' logs")
-}
-
-/// [`install_panic_hook`] for another harness: `what` names it, `kept` what stays in `dir/log`.
-pub(crate) fn install_panic_hook_for(dir: &Path, what: &'static str, kept: &'static str) {
+/// On the first panic in this process, mark a harness's state directory `dir` so its janitor keeps
+/// the logs, and print `kept` (which harness, what is kept where).
+pub(crate) fn install_panic_hook(dir: &Path, kept: String) {
     let marker = dir.join("FAILED");
-    let logs = dir.join("log");
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         if !marker.exists() {
             let _ = std::fs::write(&marker, info.to_string());
         }
-        eprintln!(
-            "{what}: a test failed; {kept} are kept in {}",
-            logs.display()
-        );
+        eprintln!("{kept}");
         previous(info);
     }));
 }

@@ -12,6 +12,7 @@ pub mod host;
 pub mod kubevirt;
 pub mod node;
 pub mod nri;
+pub mod patch;
 pub mod ports;
 pub mod prom;
 pub mod proto;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{DynamicObject, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client, CustomResourceExt};
 use serde_json::{Value, json};
@@ -21,6 +21,7 @@ use teeguard_shared::{TeeCapacity, names};
 use crate::controlplane::{ControlPlane, unique_name};
 use crate::e2e::{E2eError, ProcessEnv};
 use crate::fixtures::{NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi};
+use crate::patch::MergePatch;
 use crate::standalone::driver::{own_by, strip_server_fields};
 use crate::wait;
 
@@ -265,19 +266,11 @@ impl Cluster {
         // The API server's TaintNodesByCondition admission taints every new Node not-ready; the node
         // lifecycle controller, off here, would lift it once the kubelet reports Ready.
         nodes
-            .patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "spec": { "taints": taints } })),
-            )
+            .merge_patch(&name, json!({ "spec": { "taints": taints } }))
             .await
             .map_err(err(format!("lift the not-ready taint of Node {name}")))?;
         nodes
-            .patch_status(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "status": status })),
-            )
+            .merge_patch_status(&name, json!({ "status": status }))
             .await
             .map_err(err(format!("set the status of Node {name}")))
     }
@@ -370,13 +363,9 @@ impl Cluster {
         api.create(&PostParams::default(), &obj)
             .await
             .map_err(err(format!("create TeeCapacity {name}")))?;
-        api.patch_status(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "status": obj.status })),
-        )
-        .await
-        .map_err(err(format!("set the status of TeeCapacity {name}")))?;
+        api.merge_patch_status(&name, json!({ "status": obj.status }))
+            .await
+            .map_err(err(format!("set the status of TeeCapacity {name}")))?;
         Ok(())
     }
 

@@ -9,11 +9,12 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::PostParams;
 use serde_json::json;
 use teeguard_shared::{TeeKind, names};
 use teeguard_tests::e2e::{ProcessEnv, WebhookProcess};
 use teeguard_tests::fixtures::{self, NodeBuilder, ReportBuilder, Tee, VirtLauncherPod};
+use teeguard_tests::patch::MergePatch;
 use teeguard_tests::realcluster::{Cluster, Created, TEST_LABEL, within};
 use teeguard_tests::standalone::driver::strip_server_fields;
 
@@ -270,7 +271,7 @@ async fn forged_or_changed_limit_annotations_are_denied_by_the_api_server() {
         let key = names::misc_max_annotation("compute");
         let patch = json!({"metadata": {"annotations": {key.clone(): "tdx 9"}}});
         let refused = pods
-            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .merge_patch(&name, &patch)
             .await
             .expect_err("a changed limit annotation is refused");
         assert!(
@@ -311,7 +312,7 @@ async fn a_launcher_update_leaving_its_limits_alone_needs_no_webhook_and_a_remov
         let key = names::misc_max_annotation("compute");
         let remove = json!({"metadata": {"annotations": {key.clone(): null}}});
         let refused = pods
-            .patch(&name, &PatchParams::default(), &Patch::Merge(&remove))
+            .merge_patch(&name, &remove)
             .await
             .expect_err("a removed limit annotation is refused");
         assert!(
@@ -322,11 +323,11 @@ async fn a_launcher_update_leaving_its_limits_alone_needs_no_webhook_and_a_remov
         w.webhook.proc.kill();
         let relabel =
             json!({"metadata": {"labels": {"kubevirt.io/created-by-test": "relabelled"}}});
-        pods.patch(&name, &PatchParams::default(), &Patch::Merge(&relabel))
+        pods.merge_patch(&name, &relabel)
             .await
             .expect("a label patch needs no webhook");
         let change = json!({"metadata": {"annotations": {key.clone(): "tdx 9"}}});
-        pods.patch(&name, &PatchParams::default(), &Patch::Merge(&change))
+        pods.merge_patch(&name, &change)
             .await
             .expect_err("with the webhook down, a changed limit is still refused");
         let now = pods.get(&name).await.expect("pod");

@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess};
 use teeguard_tests::fixtures::{NodeBuilder, TDX_KEYS, Tee};
 use teeguard_tests::host::{SimHost, TDX};
+use teeguard_tests::patch::MergePatch;
 use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
 
 const DEADLINE: Duration = Duration::from_secs(150);
@@ -233,11 +234,10 @@ async fn a_full_node_refuses_the_binding_until_a_key_is_freed() {
         let nodes: Api<Node> = Api::all(w.cluster.client.clone());
         for n in [&full, &cordoned] {
             nodes
-                .patch_status(
+                .merge_patch_status(
                     n,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"status": {
-                        "capacity": {TDX_KEYS: "2"}, "allocatable": {TDX_KEYS: "2"}}})),
+                    json!({"status": {
+                        "capacity": {TDX_KEYS: "2"}, "allocatable": {TDX_KEYS: "2"}}}),
                 )
                 .await
                 .expect("advertise the total, as NFD does");
@@ -245,11 +245,7 @@ async fn a_full_node_refuses_the_binding_until_a_key_is_freed() {
         // Node b has free keys but takes no pods: teeguard's check at pod CREATE (some node of the
         // pod's selector can host it) passes, and the scheduler can only try node a.
         nodes
-            .patch(
-                &cordoned,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"unschedulable": true}})),
-            )
+            .merge_patch(&cordoned, json!({"spec": {"unschedulable": true}}))
             .await
             .expect("cordon");
         w.host(&full)

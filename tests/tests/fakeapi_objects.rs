@@ -15,6 +15,7 @@ use kube::{Api, Client};
 use serde_json::{Value, json};
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, PatchType, RequestFilter, Verb};
 use teeguard_tests::fixtures;
+use teeguard_tests::patch::MergePatch;
 use tower::ServiceExt;
 
 fn code(e: &kube::Error) -> u16 {
@@ -592,13 +593,9 @@ async fn delete_finalizers_and_preconditions() {
     let pending = out.left().expect("pods answer with the object");
     assert!(pending.metadata.deletion_timestamp.is_some());
     assert!(server.get("pods", Some("ns"), "f").is_some());
-    pods.patch(
-        "f",
-        &PatchParams::default(),
-        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-    )
-    .await
-    .expect("remove finalizer");
+    pods.merge_patch("f", json!({"metadata": {"finalizers": null}}))
+        .await
+        .expect("remove finalizer");
     assert!(server.get("pods", Some("ns"), "f").is_none());
 
     pods.create(&PostParams::default(), &pod("g", json!({})))

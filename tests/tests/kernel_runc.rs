@@ -23,7 +23,6 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Node;
 use kernel_support::{DEADLINE, boot, ok};
 use kube::Api;
-use kube::api::{Patch, PatchParams};
 use node_support::scenarios::ESIDS;
 use node_support::{NodeWorld, Options, unguarded_namespace};
 use serde_json::{Value, json};
@@ -31,6 +30,7 @@ use teeguard_shared::TeeCapacity;
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
 use teeguard_tests::host::SEV_ES;
 use teeguard_tests::node::{ContainerKind, Recorded, Runtime, pods};
+use teeguard_tests::patch::MergePatch;
 use teeguard_tests::realcluster::within;
 use teeguard_tests::teevm::oci::runnable_in_guest;
 use teeguard_tests::teevm::shell::misc_lines;
@@ -122,21 +122,17 @@ async fn record(runtime: Runtime) -> Option<Configs> {
         .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
     let nodes: Api<Node> = Api::all(w.cluster.client.clone());
     nodes
-        .patch(
+        .merge_patch(
             &w.turn.name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": {
-                "nfd.node.kubernetes.io/extended-resources": ESIDS}}})),
+            json!({"metadata": {"annotations": {
+                "nfd.node.kubernetes.io/extended-resources": ESIDS}}}),
         )
         .await
         .expect("NFD's annotation");
     nodes
-        .patch_status(
+        .merge_patch_status(
             &w.turn.name,
-            &PatchParams::default(),
-            &Patch::Merge(
-                json!({"status": {"capacity": {ESIDS: "4"}, "allocatable": {ESIDS: "4"}}}),
-            ),
+            json!({"status": {"capacity": {ESIDS: "4"}, "allocatable": {ESIDS: "4"}}}),
         )
         .await
         .expect("NFD's value");

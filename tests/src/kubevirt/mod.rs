@@ -42,6 +42,7 @@ use serde_json::{Value, json};
 use teeguard_certs::{CertificateAuthority, ServingCertRequest};
 
 use crate::controlplane::{self, ControlPlane, ci};
+use crate::patch::MergePatch;
 use crate::ports::free_ports;
 use crate::standalone::client::WebhookClient;
 
@@ -249,7 +250,11 @@ impl KubeVirt {
             std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("create {sub}/")))?;
         }
         controlplane::spawn_janitor(&dir).map_err(|e| KubeVirtError::Missing(e.to_string()))?;
-        controlplane::install_panic_hook_for(&dir, "KubeVirt", "virt-controller's log");
+        let kept = format!(
+            "KubeVirt: a test failed; virt-controller's log is kept in {}",
+            dir.join("log").display()
+        );
+        controlplane::install_panic_hook(&dir, kept);
         let bin = unpack(&source, &dir.join("bin"))?;
 
         // Certificates virt-operator would mount from secrets.
@@ -416,11 +421,7 @@ impl KubeVirt {
     pub async fn configure(&self, client: &Client, patch: Value) -> Result<()> {
         let crs = kubevirt_api(client);
         let stored = crs
-            .patch(
-                "kubevirt",
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"configuration": patch}})),
-            )
+            .merge_patch("kubevirt", json!({"spec": {"configuration": patch}}))
             .await
             .map_err(api("patch the KubeVirt CR"))?;
         write_cr(&self.cr_file, &stored)?;
@@ -621,7 +622,7 @@ async fn create_cr(client: &Client, bin: &Path, cr_file: &Path, version: Version
             "message": "status written by the teeguard test kit in place of virt-operator"}]
     }});
     let stored = crs
-        .patch_status("kubevirt", &PatchParams::default(), &Patch::Merge(&status))
+        .merge_patch_status("kubevirt", &status)
         .await
         .map_err(api("write the KubeVirt CR's status"))?;
     write_cr(cr_file, &stored)

@@ -5,11 +5,12 @@
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{DeleteParams, ListParams};
 use kube::{Api, Client};
 use serde_json::json;
 
 use super::{NodeError, READY_DEADLINE, RealNode, Result};
+use crate::patch::MergePatch;
 
 /// The taint the API server gives every new Node (`TaintNodesByCondition`).
 const NOT_READY: &str = "node.kubernetes.io/not-ready";
@@ -67,11 +68,7 @@ pub(super) async fn wait_registered(node: &RealNode, client: &Client) -> Result<
         .filter(|t| t.key != NOT_READY)
         .collect::<Vec<_>>();
     nodes
-        .patch(
-            &node.name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"taints": taints}})),
-        )
+        .merge_patch(&node.name, json!({"spec": {"taints": taints}}))
         .await
         .map_err(api_err(format!(
             "lift the not-ready taint of Node {}",

@@ -149,7 +149,11 @@ pub(super) fn install(
         .spawn()
         .map_err(io("start the node's janitor (needs bash)"))?;
     write("pids/janitor", &janitor.id().to_string())?;
-    install_panic_hook(dir);
+    let kept = format!(
+        "real node: a test failed; the node's logs are kept in {0}/log, the recorded OCI configs in {0}/record",
+        dir.display()
+    );
+    crate::controlplane::install_panic_hook(dir, kept);
     Ok(())
 }
 
@@ -162,23 +166,4 @@ pub(super) fn save_sysctls(dir: &Path) -> Result<()> {
         .arg("save")
         .arg(janitor.trim());
     run(cmd, "sysctls.sh save (needs bash and flock)").map(|_| ())
-}
-
-/// On the first panic in this process, mark the node's directory so the janitor keeps the logs and
-/// the recorded configs, and say where they are.
-fn install_panic_hook(dir: &Path) {
-    let marker = dir.join("FAILED");
-    let dir = dir.to_path_buf();
-    let previous = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        if !marker.exists() {
-            let _ = std::fs::write(&marker, info.to_string());
-        }
-        eprintln!(
-            "real node: a test failed; the node's logs are kept in {}/log, the recorded OCI configs in {}/record",
-            dir.display(),
-            dir.display()
-        );
-        previous(info);
-    }));
 }

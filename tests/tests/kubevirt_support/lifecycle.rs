@@ -4,11 +4,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::api::DeleteParams;
 use serde_json::json;
 use teeguard_tests::e2e::json_log_line;
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::kubevirt::vmis::{self, Size};
+use teeguard_tests::patch::MergePatch;
 use tokio_util::sync::CancellationToken;
 
 use super::full::{LONG_WAIT, START_BOUND};
@@ -104,26 +105,18 @@ pub async fn vm_cycles_on_a_full_node_never_refused_with_a_free_key_never_two_ke
             }
             1 => {
                 let set = |s: &'static str| json!({"spec": {"runStrategy": s}});
-                vms.patch(
-                    "tdx-vm",
-                    &PatchParams::default(),
-                    &Patch::Merge(set("Halted")),
-                )
-                .await
-                .expect("stop");
+                vms.merge_patch("tdx-vm", set("Halted"))
+                    .await
+                    .expect("stop");
                 w.cluster
                     .wait_for_within("the VMI gone", Duration::from_secs(60), || async {
                         w.vmi("tdx-vm").await.is_none().then_some(())
                     })
                     .await
                     .unwrap_or_else(|e| panic!("{e}"));
-                vms.patch(
-                    "tdx-vm",
-                    &PatchParams::default(),
-                    &Patch::Merge(set("Always")),
-                )
-                .await
-                .expect("start");
+                vms.merge_patch("tdx-vm", set("Always"))
+                    .await
+                    .expect("start");
             }
             _ => {
                 vms.delete("tdx-vm", &DeleteParams::default())

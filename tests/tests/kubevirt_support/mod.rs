@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Api;
-use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{DeleteParams, DynamicObject, ListParams};
 use serde_json::{Value, json};
 use teeguard_shared::TeeCapacity;
 use teeguard_shared::crd::TeeCapacityStatus;
@@ -26,6 +26,7 @@ use teeguard_tests::fixtures::{Tee, annotation};
 use teeguard_tests::host::{SEV, SEV_ES, SimHost, TDX};
 use teeguard_tests::kubevirt::{self, KubeVirt, vmis};
 use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime};
+use teeguard_tests::patch::MergePatch;
 use teeguard_tests::prom::Scrape;
 use teeguard_tests::realcluster::Cluster;
 
@@ -565,7 +566,7 @@ pub async fn committed_objects_are_what_kubevirt_renders() {
     for turn in &turns {
         let unlabel = json!({"metadata": {"labels": {"kubevirt.io/schedulable": null}}});
         nodes
-            .patch(&turn.name, &PatchParams::default(), &Patch::Merge(unlabel))
+            .merge_patch(&turn.name, unlabel)
             .await
             .expect("take kubevirt.io/schedulable off the Node");
     }
@@ -599,11 +600,7 @@ async fn label_node(cluster: &Cluster, turn: &NodeTurn, tee: Tee, keys: u64) {
     labels.insert("kubevirt.io/schedulable".into(), json!("true"));
     labels.insert("machine-type.node.kubevirt.io/q35".into(), json!("true"));
     nodes
-        .patch(
-            &turn.name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"labels": labels}})),
-        )
+        .merge_patch(&turn.name, json!({"metadata": {"labels": labels}}))
         .await
         .expect("label the Node");
     let mut devices: BTreeMap<String, Value> = KUBEVIRT_DEVICES
@@ -625,10 +622,9 @@ async fn label_node(cluster: &Cluster, turn: &NodeTurn, tee: Tee, keys: u64) {
     );
     devices.insert(other.into(), Value::Null);
     nodes
-        .patch_status(
+        .merge_patch_status(
             &turn.name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"capacity": devices, "allocatable": devices}})),
+            json!({"status": {"capacity": devices, "allocatable": devices}}),
         )
         .await
         .expect("advertise KubeVirt's devices");

@@ -13,6 +13,7 @@ use serde_json::json;
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::node::pods;
+use teeguard_tests::patch::MergePatch;
 use teeguard_tests::prom::Scrape;
 
 use super::scenarios::limits;
@@ -594,12 +595,9 @@ pub async fn bypassed(w: &mut NodeWorld) {
     wait_published(w, 2, Duration::from_secs(20)).await;
     let nodes: Api<Node> = Api::all(w.cluster.client.clone());
     nodes
-        .patch_status(
+        .merge_patch_status(
             &w.turn.name,
-            &PatchParams::default(),
-            &Patch::Merge(
-                json!({"status": {"capacity": {TDX_KEYS: "2"}, "allocatable": {TDX_KEYS: "2"}}}),
-            ),
+            json!({"status": {"capacity": {TDX_KEYS: "2"}, "allocatable": {TDX_KEYS: "2"}}}),
         )
         .await
         .expect("another writer advertises the key");

@@ -16,13 +16,14 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, PostParams};
 use serde_json::json;
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess, balance, last_lines};
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::host::{SEV_ES, SimHost, TDX};
 use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime, pods};
+use teeguard_tests::patch::MergePatch;
 use teeguard_tests::realcluster::{Cluster, TEST_LABEL};
 
 use crate::chart_support;
@@ -447,11 +448,7 @@ pub async fn prepare_node(cluster: &Cluster, turn: &NodeTurn, test: &str) {
     }
     labels.insert("kubevirt.io/schedulable".into(), json!("true"));
     nodes
-        .patch(
-            &turn.name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"labels": labels}})),
-        )
+        .merge_patch(&turn.name, json!({"metadata": {"labels": labels}}))
         .await
         .expect("label the Node");
     let devices: serde_json::Map<String, serde_json::Value> = KUBEVIRT_DEVICES
@@ -459,10 +456,9 @@ pub async fn prepare_node(cluster: &Cluster, turn: &NodeTurn, test: &str) {
         .map(|d| ((*d).into(), json!("1k")))
         .collect();
     nodes
-        .patch_status(
+        .merge_patch_status(
             &turn.name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"capacity": devices, "allocatable": devices}})),
+            json!({"status": {"capacity": devices, "allocatable": devices}}),
         )
         .await
         .expect("advertise KubeVirt's devices");
