@@ -549,12 +549,7 @@ pub(crate) fn apply(
             .and_then(|c| c.pointer("/metadata/resourceVersion"))
             .and_then(Value::as_str);
         if !rv.is_empty() && cur_rv != Some(rv.as_str()) {
-            return Err(ApiStatus::conflict(
-                &def.group,
-                &def.plural,
-                name,
-                "the object has been modified; please apply your changes to the latest version and try again",
-            ));
+            return Err(ApiStatus::modified(&def.group, &def.plural, name));
         }
     }
     if let Some(Value::Object(meta)) = applied.get_mut("metadata") {

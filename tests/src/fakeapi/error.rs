@@ -143,6 +143,16 @@ impl ApiStatus {
         .details(name, group, resource)
     }
 
+    /// 409: the write named a `resourceVersion` that is no longer the stored one.
+    pub(crate) fn modified(group: &str, resource: &str, name: &str) -> Self {
+        Self::conflict(
+            group,
+            resource,
+            name,
+            "the object has been modified; please apply your changes to the latest version and try again",
+        )
+    }
+
     pub(crate) fn invalid(group: &str, kind: &str, name: &str, field: &str, why: &str) -> Self {
         let what = if group.is_empty() {
             kind.to_string()

@@ -343,6 +343,22 @@ impl State {
         (ns.to_string(), name.to_string())
     }
 
+    /// The stored object `name` (and its key), or 404.
+    fn stored(
+        &self,
+        reg: &Registered,
+        ns: Option<&str>,
+        name: &str,
+    ) -> Result<(Key, Arc<Value>), ApiStatus> {
+        let def = &reg.def;
+        let key = Self::key(def, ns, name);
+        let old = self.storages[reg.storage]
+            .get(&key)
+            .cloned()
+            .ok_or_else(|| ApiStatus::not_found(&def.group, &def.plural, name))?;
+        Ok((key, old))
+    }
+
     pub fn get(&self, rid: usize, ns: Option<&str>, name: &str) -> Option<Arc<Value>> {
         let reg = &self.resources[rid];
         self.storages[reg.storage]
@@ -592,19 +608,10 @@ impl State {
         let def = &reg.def;
         let obj = Self::check_types(&reg, obj, false)?;
         Self::check_url_identity(def, &obj, ns, name)?;
-        let key = Self::key(def, ns, name);
-        let old = self.storages[reg.storage]
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| ApiStatus::not_found(&def.group, &def.plural, name))?;
+        let (key, old) = self.stored(&reg, ns, name)?;
         match meta_str(&obj, "resourceVersion") {
             Some(rv) if Some(rv) != meta_str(&old, "resourceVersion") => {
-                return Err(ApiStatus::conflict(
-                    &def.group,
-                    &def.plural,
-                    name,
-                    "the object has been modified; please apply your changes to the latest version and try again",
-                ));
+                return Err(ApiStatus::modified(&def.group, &def.plural, name));
             }
             None if def.custom && opts.http => {
                 return Err(ApiStatus::invalid(
@@ -634,11 +641,7 @@ impl State {
     ) -> Result<Value, ApiStatus> {
         let reg = self.resources[rid].clone();
         let def = &reg.def;
-        let key = Self::key(def, ns, name);
-        let old = self.storages[reg.storage]
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| ApiStatus::not_found(&def.group, &def.plural, name))?;
+        let (key, old) = self.stored(&reg, ns, name)?;
         let mut doc = Self::view(&reg, &old);
         match ptype {
             PatchType::Json => patch::json_patch(&mut doc, body)?,
@@ -654,12 +657,7 @@ impl State {
         if let Some(rv) = meta_str(&doc, "resourceVersion")
             && Some(rv) != meta_str(&old, "resourceVersion")
         {
-            return Err(ApiStatus::conflict(
-                &def.group,
-                &def.plural,
-                name,
-                "the object has been modified; please apply your changes to the latest version and try again",
-            ));
+            return Err(ApiStatus::modified(&def.group, &def.plural, name));
         }
         let new = Self::check_types(&reg, doc, false)?;
         self.finish_update(&reg, key, &old, new, sub, opts)
@@ -850,11 +848,7 @@ impl State {
     ) -> Result<Deleted, ApiStatus> {
         let reg = self.resources[rid].clone();
         let def = &reg.def;
-        let key = Self::key(def, ns, name);
-        let old = self.storages[reg.storage]
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| ApiStatus::not_found(&def.group, &def.plural, name))?;
+        let (key, old) = self.stored(&reg, ns, name)?;
         if let Some(uid) = &opts.uid
             && Some(uid.as_str()) != meta_str(&old, "uid")
         {
