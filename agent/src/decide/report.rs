@@ -13,6 +13,7 @@
 //!
 //! A condition's `lastTransitionTime` changes only when its status flips.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,12 +95,10 @@ impl KernelView {
         pods: &[PodSummary],
         f: impl FnOnce(&AttributionInput<'_>) -> T,
     ) -> Option<T> {
-        let Some(HostState::Scanned(scan)) = &self.last_good else {
-            return None;
-        };
+        let scan = ScanInputs::of(self)?;
         let empty = HashMap::new();
         let (accounting, usage) = match &scan.pods {
-            Some(p) => (&p.accounting, &p.usage),
+            Some((accounting, usage)) => (&**accounting, &**usage),
             None => (&Accounting::PerPod, &empty),
         };
         let kernel_used = match scan.usage_source {
@@ -171,22 +170,27 @@ impl CountedPods {
 #[derive(Debug, Default)]
 pub struct Attributed {
     counted: CountedPods,
-    from: Option<(Option<ScanInputs>, Arc<PodsView>)>,
+    from: Option<(Option<ScanInputs<'static>>, Arc<PodsView>)>,
     figures: BTreeMap<TeeKind, KindFigures>,
     listed: Vec<String>,
 }
 
-/// What attribution reads from a scan (not the scan's counters of files read).
+/// What attribution reads from the last good scan (not the scan's counters of files read): the one
+/// list [`KernelView::with_input`] reads and [`Attributed`] compares, borrowed from the scan or, kept
+/// by [`Attributed`], owned.
 #[derive(Clone, Debug, PartialEq)]
-struct ScanInputs {
+struct ScanInputs<'a> {
     capacity: KindCounts,
     kernel_used: KindCounts,
     usage_source: UsageSource,
-    pods: Option<(Accounting, HashMap<String, KindCounts>)>,
+    pods: Option<(Cow<'a, Accounting>, Cow<'a, PodUsage>)>,
 }
 
-impl ScanInputs {
-    fn of(kernel: &KernelView) -> Option<ScanInputs> {
+/// Per-pod usage by pod UID ([`crate::decide::host::PodScan::usage`]).
+type PodUsage = HashMap<String, KindCounts>;
+
+impl ScanInputs<'_> {
+    fn of(kernel: &KernelView) -> Option<ScanInputs<'_>> {
         let Some(HostState::Scanned(scan)) = &kernel.last_good else {
             return None;
         };
@@ -197,27 +201,16 @@ impl ScanInputs {
             pods: scan
                 .pods
                 .as_ref()
-                .map(|p| (p.accounting.clone(), p.usage.clone())),
+                .map(|p| (Cow::Borrowed(&p.accounting), Cow::Borrowed(&p.usage))),
         })
     }
 
-    /// Whether `kernel`'s last good scan has these inputs (compared in place: nothing is cloned).
-    fn same(this: Option<&ScanInputs>, kernel: &KernelView) -> bool {
-        match (this, &kernel.last_good) {
-            (Some(i), Some(HostState::Scanned(s))) => {
-                i.capacity == s.capacity
-                    && i.kernel_used == s.kernel_used
-                    && i.usage_source == s.usage_source
-                    && match (&i.pods, &s.pods) {
-                        (Some((accounting, usage)), Some(p)) => {
-                            *accounting == p.accounting && *usage == p.usage
-                        }
-                        (None, None) => true,
-                        _ => false,
-                    }
-            }
-            (None, Some(HostState::Scanned(_))) | (Some(_), _) => false,
-            (None, _) => true,
+    fn into_owned(self) -> ScanInputs<'static> {
+        ScanInputs {
+            pods: self
+                .pods
+                .map(|(a, u)| (Cow::Owned(a.into_owned()), Cow::Owned(u.into_owned()))),
+            ..self
         }
     }
 }
@@ -225,13 +218,15 @@ impl ScanInputs {
 impl Attributed {
     /// Bring the figures and the pods to list up to `kernel`'s last good scan and `pods`.
     pub fn update(&mut self, kernel: &KernelView, pods: &Arc<PodsView>, now: Instant) {
-        let current = self.from.as_ref().is_some_and(|(inputs, from)| {
-            Arc::ptr_eq(from, pods) && ScanInputs::same(inputs.as_ref(), kernel)
-        });
+        let inputs = ScanInputs::of(kernel);
+        let current = self
+            .from
+            .as_ref()
+            .is_some_and(|(from, view)| Arc::ptr_eq(view, pods) && *from == inputs);
         if !current {
             self.figures = kernel.figures(&pods.pods);
             self.listed = self.counted.update(&kernel.counted(&pods.pods), now);
-            self.from = Some((ScanInputs::of(kernel), pods.clone()));
+            self.from = Some((inputs.map(ScanInputs::into_owned), pods.clone()));
         }
     }
 
