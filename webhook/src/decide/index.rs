@@ -6,7 +6,8 @@
 //! What it answers:
 //! - [`Index::end`]: the one end rule of a hold ([`crate::decide::holds`]);
 //! - [`Index::held`]: the keys held on a node for claimants other than the one asking;
-//! - [`Index::waiting`]: the VMIs waiting for a key, in turn order, without a live hold;
+//! - [`Index::waiting`]: the VMIs waiting for a key, in turn order, without a live hold or a launcher
+//!   pod (the pod watch tells first: virt-controller writes the VMI's status seconds later when busy);
 //! - the nodes, their labels and reports ([`Index::scan_nodes`], [`Index::report`]).
 //!
 //! Memories (each bounded by time): pods and VMIs seen deleted, pods a report counted, and when this
@@ -86,6 +87,8 @@ pub struct PodState {
     pub ended: bool,
     /// It requests TEE keys.
     pub keys: bool,
+    /// Its VMI's UID (its controller owner).
+    pub vmi: Option<String>,
 }
 
 /// What the index knows of a VMI.
@@ -116,6 +119,8 @@ pub struct Index {
     counted: HashMap<String, Timestamp>,
     /// The nodes with a hold (live or not) naming each pod or VMI UID.
     located: HashMap<String, Vec<String>>,
+    /// VMI UID → its launcher pods not ended (in `pods`).
+    launched: HashMap<String, usize>,
 }
 
 impl Index {
@@ -133,6 +138,7 @@ impl Index {
             placements: HashMap::new(),
             counted: HashMap::new(),
             located: HashMap::new(),
+            launched: HashMap::new(),
         }
     }
 
@@ -282,16 +288,35 @@ impl Index {
 
     /// A virt-launcher pod (`None`: deleted, also one a re-list no longer shows).
     pub fn apply_pod(&mut self, uid: &str, pod: Option<PodState>, now: Timestamp) {
-        match pod {
+        let old = match pod {
             Some(p) => {
                 self.gone_pods.remove(uid);
                 self.pods_seen.entry(uid.to_string()).or_insert(now);
-                self.pods.insert(uid.to_string(), p);
+                self.launch(&p, true);
+                self.pods.insert(uid.to_string(), p)
             }
             None => {
-                self.pods.remove(uid);
                 self.pods_seen.remove(uid);
                 self.gone_pods.insert(uid.to_string(), now);
+                self.pods.remove(uid)
+            }
+        };
+        if let Some(old) = old {
+            self.launch(&old, false);
+        }
+    }
+
+    /// Count `pod` in (or out of) its VMI's launcher pods, unless it ended.
+    fn launch(&mut self, pod: &PodState, add: bool) {
+        let Some(vmi) = pod.vmi.as_ref().filter(|_| !pod.ended) else {
+            return;
+        };
+        if add {
+            *self.launched.entry(vmi.clone()).or_default() += 1;
+        } else if let Some(n) = self.launched.get_mut(vmi) {
+            *n -= 1;
+            if *n == 0 {
+                self.launched.remove(vmi);
             }
         }
     }
@@ -463,12 +488,24 @@ impl Index {
             .any(|name| self.live(name, now).any(|e| e.vmi_uid == vmi_uid))
     }
 
+    /// Whether VMI `vmi_uid` has a launcher pod that has not ended: it waits no more, whatever its
+    /// status says until virt-controller writes it.
+    pub fn launched(&self, vmi_uid: &str) -> bool {
+        self.launched.contains_key(vmi_uid)
+    }
+
+    /// The VMIs waiting for a key by their status ([`queue::waiting`]) and without a launcher pod.
+    fn waiting_vmis(&self) -> impl Iterator<Item = &Waiting> {
+        self.vmis
+            .values()
+            .filter_map(|v| v.waiting.as_ref())
+            .filter(|w| !self.launched(&w.vmi.uid))
+    }
+
     /// The VMIs waiting for a key of `kind` (every kind: `None`) that hold none, in turn order.
     pub fn waiting(&self, kind: Option<TeeKind>, now: Timestamp) -> Vec<&Waiting> {
         let mut out: Vec<&Waiting> = self
-            .vmis
-            .values()
-            .filter_map(|v| v.waiting.as_ref())
+            .waiting_vmis()
             .filter(|w| kind.is_none_or(|k| w.kind == k))
             .collect();
         if out.is_empty() {
@@ -482,7 +519,7 @@ impl Index {
     /// How many VMIs wait, per kind (with or without a hold).
     pub fn waiting_counts(&self) -> BTreeMap<TeeKind, usize> {
         let mut counts = BTreeMap::new();
-        for w in self.vmis.values().filter_map(|v| v.waiting.as_ref()) {
+        for w in self.waiting_vmis() {
             *counts.entry(w.kind).or_default() += 1;
         }
         counts
@@ -492,23 +529,25 @@ impl Index {
     /// the TTL ago: a crashed decider's, holds never written. A new decider admits no CREATE while
     /// any exist (their bindings hold their keys), so it gives away no key admitted for one.
     pub fn orphans(&self, now: Timestamp) -> usize {
-        self.pods
-            .iter()
-            .filter(|(uid, p)| {
-                p.keys
-                    && p.node.is_none()
-                    && !p.ended
-                    && !self.counted.contains_key(*uid)
-                    && !self
-                        .located(uid)
-                        .iter()
-                        .any(|n| self.live(n, now).any(|e| e.pod_uid == **uid))
-                    && self
-                        .pods_seen
-                        .get(*uid)
-                        .is_some_and(|at| age(now, *at) < self.ttl)
-            })
-            .count()
+        self.orphans_seen(now).count()
+    }
+
+    /// When this replica first saw each orphan launcher pod (see [`Index::orphans`]): each stops
+    /// being one the TTL after.
+    pub(super) fn orphans_seen(&self, now: Timestamp) -> impl Iterator<Item = Timestamp> + '_ {
+        self.pods.iter().filter_map(move |(uid, p)| {
+            let seen = *self.pods_seen.get(uid)?;
+            let orphan = p.keys
+                && p.node.is_none()
+                && !p.ended
+                && !self.counted.contains_key(uid)
+                && !self
+                    .located(uid)
+                    .iter()
+                    .any(|n| self.live(n, now).any(|e| e.pod_uid == *uid))
+                && age(now, seen) < self.ttl;
+            orphan.then_some(seen)
+        })
     }
 
     /// Every VMI the index knows, by UID.
@@ -574,63 +613,6 @@ impl Index {
     }
 }
 
-impl Index {
-    /// Feed everything the index holds, in a canonical order, to `h`: two indexes that decide alike
-    /// hash alike (the simulation's model checker merges the states it reached twice). When each
-    /// node's object last changed is left out: the model checker trims with no quiet time.
-    pub fn fingerprint(&self, h: &mut impl std::hash::Hasher) {
-        use std::hash::Hash;
-        fn sorted<K: Ord, V>(m: &HashMap<K, V>) -> Vec<(&K, &V)> {
-            let mut v: Vec<(&K, &V)> = m.iter().collect();
-            v.sort_by(|a, b| a.0.cmp(b.0));
-            v
-        }
-        fn entry(e: &KeyReservation, h: &mut impl std::hash::Hasher) {
-            (&e.pod_uid, &e.vmi_uid, e.reason, e.tdx, e.sev, e.sev_es).hash(h);
-            e.admitted_at.0.hash(h);
-        }
-        self.synced.hash(h);
-        for (name, n) in &self.nodes {
-            name.hash(h);
-            n.labels.hash(h);
-            n.lease.hash(h);
-            if let Some(r) = &n.report {
-                for kind in TeeKind::ALL {
-                    r.kind(kind)
-                        .map(|k| (k.capacity, k.free, k.external))
-                        .hash(h);
-                }
-                r.counted_pods.hash(h);
-                r.heartbeat_time.as_ref().map(|t| t.0).hash(h);
-                r.accounting.hash(h);
-            }
-            for (e, at) in n.recorded().iter().zip(&n.seen) {
-                entry(e, h);
-                at.hash(h);
-            }
-            for (e, at) in &n.local {
-                entry(e, h);
-                at.hash(h);
-            }
-        }
-        for (uid, p) in sorted(&self.pods) {
-            (uid, &p.node, p.ended, p.keys).hash(h);
-        }
-        for (uid, v) in sorted(&self.vmis) {
-            (uid, v.pending).hash(h);
-            if let Some(w) = &v.waiting {
-                (&w.vmi.uid, w.kind, w.since, &w.placement.node_selector).hash(h);
-            }
-        }
-        sorted(&self.gone_pods).hash(h);
-        sorted(&self.gone_vmis).hash(h);
-        sorted(&self.counted).hash(h);
-        for (uid, p) in sorted(&self.placements) {
-            (uid, &p.node_selector).hash(h);
-        }
-    }
-}
-
 /// `now − then`, zero when `then` is ahead.
 pub fn age(now: Timestamp, then: Timestamp) -> Duration {
     Duration::try_from(now.duration_since(then)).unwrap_or(Duration::ZERO)
@@ -645,5 +627,6 @@ fn version(o: &TeeReservation) -> Option<u64> {
 }
 
 mod end;
+mod fingerprint;
 #[cfg(test)]
 mod tests;

@@ -128,12 +128,18 @@ impl World {
         self
     }
 
-    /// A virt-launcher pod `uid`, bound to `node` or not.
-    pub fn pod(mut self, uid: &str, node: Option<&str>) -> Self {
+    /// A virt-launcher pod `uid`, bound to `node` or not, of no VMI the index knows.
+    pub fn pod(self, uid: &str, node: Option<&str>) -> Self {
+        self.launcher(uid, "", node)
+    }
+
+    /// A virt-launcher pod `uid` of VMI `vmi_uid`, bound to `node` or not.
+    pub fn launcher(mut self, uid: &str, vmi_uid: &str, node: Option<&str>) -> Self {
         let state = PodState {
             node: node.map(str::to_string),
             ended: false,
             keys: true,
+            vmi: Some(vmi_uid.to_string()).filter(|v| !v.is_empty()),
         };
         self.ix.apply_pod(uid, Some(state), t0());
         self

@@ -16,6 +16,7 @@
 //! - I5: every hold ends: none is live for a pod or VMI deleted longer than the watches take to tell,
 //!   and none at all once the world is quiet.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 
 use teeguard_shared::TeeKind;
@@ -23,6 +24,7 @@ use teeguard_webhook::cluster::index::KeyIndex;
 use teeguard_webhook::decide::admit;
 use teeguard_webhook::decide::affinity::node_matches;
 use teeguard_webhook::decide::holds::Claimant;
+use teeguard_webhook::decide::index::{Index, VmiState};
 use teeguard_webhook::decide::queue;
 
 use super::world::{Action, HOLDS, Happened, PODS, VMIS, World};
@@ -207,7 +209,8 @@ impl Checks {
         action: &Action,
     ) {
         let now = index.now();
-        let ix = index.read();
+        let read = index.read();
+        let ix = as_truth(w, &read, now);
         let stale = w.config.admission.stale_report_after;
         // Its place in the queue, from the API server (its pod is created by now: it waits no more):
         // the time of its first refusal, or after every VMI refused when it never was.
@@ -291,6 +294,7 @@ impl Checks {
         if after < before {
             let names: Vec<&str> = earlier.iter().map(|u| u.vmi.name.as_str()).collect();
             drop(ix);
+            drop(read);
             self.fail(format!(
                 "I4: {vmi} took the key on {node} ({action:?}) that a VMI refused before it needed: {names:?}"
             ));
@@ -313,8 +317,9 @@ impl Checks {
             (true, None) => Some(w.now),
             (false, _) => None,
         };
-        let ix = w.oracle.read();
+        let read = w.oracle.read();
         let now = w.oracle.now();
+        let ix = as_truth(w, &read, now);
         let stale = w.config.admission.stale_report_after;
         // What the oracle knows changes with the API server's changes and, for the end rule's
         // graces, each second.
@@ -334,6 +339,7 @@ impl Checks {
             .cloned()
             .collect();
         drop(ix);
+        drop(read);
         for uid in &held {
             if let Some(since) = self.servable.remove(uid) {
                 self.figures.longest_to_hold = self.figures.longest_to_hold.max(w.now - since);
@@ -488,4 +494,29 @@ impl Checks {
 /// The kinds of the nodes of a world.
 pub fn kinds(w: &World) -> BTreeSet<TeeKind> {
     w.spec.nodes.iter().map(|n| n.kind).collect()
+}
+
+/// `ix` as it would be if virt-controller wrote each VMI's status as it created the pod: a VMI whose
+/// pod the API server has neither waits nor is pending, whatever its lagging status still says. The
+/// checks judge who waits by the API server's pods, not by what the webhook reads.
+fn as_truth<'a>(w: &World, ix: &'a Index, now: jiff::Timestamp) -> Cow<'a, Index> {
+    let t = w.truth();
+    let lagging: Vec<&String> = t
+        .vmis
+        .iter()
+        .filter(|(_, v)| v.deleted_at.is_none() && v.pod.is_some() && v.status_pod != v.pod)
+        .map(|(uid, _)| uid)
+        .collect();
+    if lagging.is_empty() {
+        return Cow::Borrowed(ix);
+    }
+    let mut view = ix.clone();
+    for uid in lagging {
+        let launched = VmiState {
+            pending: false,
+            waiting: None,
+        };
+        view.apply_vmi(uid, Some(launched), now);
+    }
+    Cow::Owned(view)
 }

@@ -2,7 +2,8 @@
 //! the seed), as the components' own timing has them: virt-controller's backoff (5 ms doubling up to
 //! 1 000 s, and at once when teeguard annotates a VMI), the scheduler's (1 s doubling up to 10 s for a
 //! refused binding), kubelets starting pods in 0.3-2 s, agents polling every 250 ms, watches
-//! delivering each replica's changes 1 ms to `max_delay` late (in order per kind), the planner 100 ms
+//! delivering each replica's changes 1 ms to `max_delay` late (in order per kind), virt-controller
+//! writing a VMI's status up to `status_lag` after creating its pod, the planner 100 ms
 //! after its index changed and every 10 s besides; and chaos as asked: VMIs deleted, replicas crashed
 //! and restarted, watches dropped and re-listed, the API server refusing writes for a while.
 
@@ -23,14 +24,17 @@ pub struct Chaos {
     pub vmis: usize,
     /// Delete VMIs at random (running or waiting) as the run goes.
     pub deletions: bool,
-    /// Crash and restart replicas (never the last one up).
-    pub crashes: bool,
+    /// Crash and restart a replica (never the last one up) one second in this many (0: never).
+    pub crash_odds: u64,
     /// Drop watches and re-list them.
     pub watch_drops: bool,
     /// Refuse API writes for a while.
     pub outages: bool,
     /// Watch delays up to this (ms).
     pub max_delay: u64,
+    /// virt-controller writes a VMI's status after its pod's CREATE within this (ms; 0: at once).
+    /// Measured on the real chain: up to ~5 s when it is busy with the status of deleted VMIs.
+    pub status_lag: u64,
 }
 
 /// How a run ended.
@@ -71,6 +75,7 @@ pub fn backoff(refusals: u32) -> u64 {
 pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
     let mut w = World::new(spec, seed);
     w.max_delay = chaos.max_delay;
+    w.status_lag = chaos.status_lag;
     let mut checks = Checks::default();
     let mut trace = Vec::new();
     let mut q = Queue {
@@ -140,6 +145,10 @@ pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
                 }
             }
             Action::Create(vmi, _) => {
+                if let Some(v) = &happened.status_due {
+                    let d = 1 + w.rand(chaos.status_lag);
+                    q.at(w.now + d, Action::VmiStatus(v.clone()));
+                }
                 if let Some((pod, _)) = &happened.admitted {
                     let d = 1 + w.rand(20);
                     q.at(w.now + d, Action::Bind(pod.clone(), usize::MAX));
@@ -318,8 +327,16 @@ fn disturb(w: &mut World, q: &mut Queue, chaos: &Chaos, at: u64) {
     let up: Vec<usize> = (0..w.replicas.len())
         .filter(|r| w.replicas[*r].alive)
         .collect();
-    if chaos.crashes && up.len() > 1 && w.rand(10) == 0 {
-        let r = up[w.rand(up.len() as u64) as usize];
+    if chaos.crash_odds > 0 && up.len() > 1 && w.rand(chaos.crash_odds) == 0 {
+        // Half the crashes are the decider's (the one whose crash loses what it has not written).
+        let decider = up
+            .iter()
+            .copied()
+            .find(|r| w.replicas[*r].leadership.deciding());
+        let r = match decider {
+            Some(d) if w.rand(2) == 0 => d,
+            _ => up[w.rand(up.len() as u64) as usize],
+        };
         q.at(at, Action::Crash(r));
     }
     if chaos.watch_drops && w.rand(10) == 0 {

@@ -209,6 +209,9 @@ pub struct VmiTruth {
     pub message: Option<String>,
     /// Its pod.
     pub pod: Option<String>,
+    /// The pod virt-controller has written into the VMI's status (phase, `Synchronized`) so far: it
+    /// writes it after the CREATE, seconds later when busy.
+    pub status_pod: Option<String>,
     /// Deleted (when).
     pub deleted_at: Option<u64>,
     /// Times teeguard retried it (`TEEKeyFree` Events).
@@ -217,7 +220,8 @@ pub struct VmiTruth {
     pub refusals: u32,
     /// When it was created.
     pub created_at: u64,
-    /// Pods created for it so far (its next pod's UID: the same whatever was refused before).
+    /// Pods created for it so far, and CREATEs admitted but not persisted (its next pod's UID: the
+    /// same whatever teeguard refused before).
     pub pods: u32,
 }
 
@@ -322,6 +326,8 @@ pub enum Action {
     NewVmi(TeeKind),
     /// virt-controller creates the VMI's pod; the API server calls replica `replica`.
     Create(String, usize),
+    /// virt-controller writes the VMI's status after creating its pod (phase, `Synchronized`).
+    VmiStatus(String),
     /// The scheduler binds a pod; replica `replica` reviews the binding.
     Bind(String, usize),
     /// The kubelet starts the pod: QEMU charges its key.
@@ -388,6 +394,8 @@ pub struct Happened {
     pub behind_failed: bool,
     /// The VMI a client created.
     pub new_vmi: Option<String>,
+    /// A VMI whose pod was created and whose status virt-controller writes later.
+    pub status_due: Option<String>,
 }
 
 /// The world.
@@ -407,6 +415,9 @@ pub struct World {
     pub config: Arc<Config>,
     /// Watch delays are random within this (ms); the drivers set it.
     pub max_delay: u64,
+    /// virt-controller writes a VMI's status after its pod's CREATE within this (ms; 0: at once, in
+    /// the same step); the drivers set it.
+    pub status_lag: u64,
     /// Changes the API server made so far (what the oracle knows changes only with them).
     pub changes: u64,
     /// Kinds whose watches deliver at once (the model checker keeps some kinds in step to stay
@@ -478,6 +489,7 @@ impl World {
             config: Arc::new(config),
             spec,
             max_delay: 0,
+            status_lag: 0,
             changes: 0,
             instant: [false; KINDS],
             model: false,
@@ -654,6 +666,7 @@ impl World {
         match a {
             Action::NewVmi(kind) => happened.new_vmi = Some(self.new_vmi(*kind)),
             Action::Create(vmi, r) => self.create(vmi, *r, &mut happened),
+            Action::VmiStatus(vmi) => self.write_status(vmi),
             Action::Bind(pod, r) => happened.bound = self.bind(pod, *r),
             Action::Start(pod) => self.start(pod),
             Action::Publish(node) => self.publish(node),
@@ -758,6 +771,7 @@ impl World {
             refused_at: None,
             message: None,
             pod: None,
+            status_pod: None,
             deleted_at: None,
             retried: 0,
             refusals: 0,
@@ -854,7 +868,8 @@ impl World {
             return;
         }
         if self.truth().api_down {
-            // The pod cannot be persisted.
+            // The pod cannot be persisted; the next CREATE is another request, with another UID.
+            self.truth().vmis.get_mut(vmi).expect("vmi").pods += 1;
             happened.refused = true;
             return;
         }
@@ -895,9 +910,12 @@ impl World {
         let v = t.vmis.get_mut(vmi).expect("vmi");
         v.pod = Some(pod_uid.clone());
         v.pods += 1;
-        v.message = None;
-        let obj = vmi_object(vmi, v, now);
-        t.outbox.push(Change::Vmi(vmi.to_string(), Some(obj)));
+        drop(t);
+        if self.status_lag == 0 {
+            self.write_status(vmi);
+        } else {
+            happened.status_due = Some(vmi.to_string());
+        }
         happened.admitted = Some((pod_uid, recorded));
     }
 
@@ -965,6 +983,22 @@ impl World {
             Duration::from_secs(2),
             None,
         ))
+    }
+
+    /// virt-controller writes what it did into the VMI's status: its pod, the refusal condition gone.
+    fn write_status(&mut self, vmi: &str) {
+        let now = self.now;
+        let mut t = self.truth();
+        let Some(v) = t.vmis.get_mut(vmi) else {
+            return;
+        };
+        if v.deleted_at.is_some() || v.status_pod == v.pod {
+            return;
+        }
+        v.status_pod = v.pod.clone();
+        v.message = None;
+        let obj = vmi_object(vmi, v, now);
+        t.outbox.push(Change::Vmi(vmi.to_string(), Some(obj)));
     }
 
     fn refuse(&mut self, vmi: &str, message: String) {
@@ -1307,6 +1341,7 @@ impl World {
                 v.refused_at.is_some(),
                 waits,
                 &v.pod,
+                &v.status_pod,
                 v.deleted_at,
                 v.pods,
             )
@@ -1446,6 +1481,7 @@ impl World {
             },
             config: self.config.clone(),
             max_delay: self.max_delay,
+            status_lag: self.status_lag,
             changes: self.changes,
             instant: self.instant,
             model: self.model,
@@ -1542,11 +1578,11 @@ fn vmi_object(uid: &str, v: &VmiTruth, now: u64) -> VirtualMachineInstance {
             .to_string()
     };
     let mut conditions = Vec::new();
-    if let (Some(since), Some(message), None) = (v.refused_at, &v.message, &v.pod) {
+    if let (Some(since), Some(message), None) = (v.refused_at, &v.message, &v.status_pod) {
         conditions.push(json!({"type": "Synchronized", "status": "False",
             "reason": "FailedCreate", "message": message, "lastTransitionTime": at(since)}));
     }
-    let phase = if v.pod.is_some() {
+    let phase = if v.status_pod.is_some() {
         "Scheduling"
     } else {
         "Pending"

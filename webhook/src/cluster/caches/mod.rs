@@ -44,7 +44,8 @@ mod tests;
 
 pub use store::{CacheBuilder, NamedStore, Observer};
 
-/// A virt-launcher pod's node and end, for the index (a hold ends when its pod is deleted or ended).
+/// A virt-launcher pod's node, end and VMI, for the index (a hold ends when its pod is deleted or
+/// ended; a VMI with a pod waits no more).
 impl Observer<CachedLauncherPod> for KeyIndex {
     fn stored(&self, pod: &CachedLauncherPod) {
         let Some(uid) = pod.uid.as_deref() else {
@@ -57,10 +58,16 @@ impl Observer<CachedLauncherPod> for KeyIndex {
                 .iter()
                 .chain(pod.init_containers.iter())
                 .any(|c| key(&c.requests) || key(&c.limits));
+        let vmi = pod
+            .owner
+            .as_ref()
+            .filter(|o| o.kind == "VirtualMachineInstance")
+            .map(|o| o.uid.clone());
         let state = PodState {
             node: pod.node_name.clone().filter(|n| !n.is_empty()),
             ended: pod.ended,
             keys,
+            vmi,
         };
         self.update(|ix, now| ix.apply_pod(uid, Some(state), now));
     }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use teeguard_shared::reservation::HoldReason::{Admitted, Bound, Promised};
 
 use super::*;
+use crate::decide::index::PodState;
 use crate::decide::testkit::{STALE, World, at, hold, t0, tdx};
 
 fn ask<'a>(pod_uid: &'a str, vmi_uid: &'a str, requests: &'a KeyRequests) -> Ask<'a> {
@@ -228,6 +229,51 @@ fn an_earlier_vmi_that_may_use_another_node_leaves_this_one_to_the_newer_pod() {
     let p = at_create(&ix, &ask("p", "uid-newer", &one), placement, t0());
     assert!(p.decision.allowed, "{:?}", p.decision.message);
     assert_eq!(p.node.as_deref(), Some("a"));
+}
+
+#[test]
+fn a_vmi_with_a_launcher_pod_waits_no_more_though_its_status_lags_and_its_promise_ends() {
+    // virt-controller writes a VMI's status seconds after its pod's CREATE when busy: until then the
+    // status still says "refused, Pending". The pod (here bound, its key out of the report's free one)
+    // is the truth: older neither keeps a key from newer nor holds its old promise beside its pod.
+    let mut ix = World::default()
+        .node("n1", 2, 1)
+        .vmi("older", Some(0), &[])
+        .vmi("newer", Some(5), &[])
+        .launcher("p-old", "uid-older", Some("n1"))
+        .holds("n1", vec![hold("", "uid-older", Promised)])
+        .ix;
+    let names = |ix: &Index| -> Vec<String> {
+        ix.waiting(Some(TeeKind::Tdx), t0())
+            .iter()
+            .map(|w| w.vmi.name.clone())
+            .collect()
+    };
+    assert_eq!(names(&ix), ["newer"]);
+    assert_eq!(ix.waiting_counts()[&TeeKind::Tdx], 1);
+    assert!(ix.held("n1", Claimant::NONE, t0()).promised.is_empty());
+    let one = tdx(1);
+    let p = create(&ix, &ask("p-new", "uid-newer", &one), true);
+    assert!(p.decision.allowed, "{:?}", p.decision.message);
+    let promised: Vec<(&str, &str)> = promises(&ix, |_| 1, STALE, t0())
+        .into_iter()
+        .map(|p| (p.waiting.vmi.name.as_str(), p.node))
+        .collect();
+    assert_eq!(promised, [("newer", "n1")]);
+    // Its pod ended, or gone: older has no launcher pod any more.
+    let mut ended = PodState {
+        node: Some("n1".into()),
+        ended: true,
+        keys: true,
+        vmi: Some("uid-older".into()),
+    };
+    ix.apply_pod("p-old", Some(ended.clone()), t0());
+    assert!(!ix.launched("uid-older"));
+    ended.ended = false;
+    ix.apply_pod("p-old", Some(ended), t0());
+    assert!(ix.launched("uid-older"));
+    ix.apply_pod("p-old", None, t0());
+    assert!(!ix.launched("uid-older"));
 }
 
 #[test]

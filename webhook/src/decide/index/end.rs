@@ -22,7 +22,7 @@ impl Index {
         let unseen_long = self.synced && (held_for >= POD_GRACE || written >= POD_GRACE);
         if e.pod_uid.is_empty() {
             // A key promised to a VMI: until the VMI has a pod (whose own hold holds the key) or is gone.
-            if self.gone_vmis.contains_key(&e.vmi_uid) {
+            if self.gone_vmis.contains_key(&e.vmi_uid) || self.launched(&e.vmi_uid) {
                 return Some(End::VmiDone);
             }
             match self.vmis.get(&e.vmi_uid) {
@@ -91,8 +91,9 @@ impl Index {
                 .is_some_and(|r| r.counted_pods.iter().any(|c| c == uid))
     }
 
-    /// The next moment after `now` at which a live hold may end by time alone (its grace or its TTL):
-    /// nothing else tells the planner that its key frees.
+    /// The next moment after `now` at which a live hold may end by time alone (its grace or its TTL),
+    /// or an orphan launcher pod stops holding the new decider's admissions back: nothing else tells
+    /// the planner that a key frees.
     pub fn next_deadline(&self, now: Timestamp) -> Option<Timestamp> {
         let after = |d: Duration, from: Timestamp| from.checked_add(d).ok().filter(|t| *t > now);
         let mut next: Option<Timestamp> = None;
@@ -117,6 +118,14 @@ impl Index {
                     next = Some(next.map_or(t, |n| n.min(t)));
                 }
             }
+        }
+        // A new decider admits again once no orphan launcher pod is left: the keys waiting VMIs
+        // could not be given meanwhile are theirs then.
+        for t in self
+            .orphans_seen(now)
+            .filter_map(|seen| after(self.ttl, seen))
+        {
+            next = Some(next.map_or(t, |n| n.min(t)));
         }
         next
     }

@@ -6,7 +6,7 @@ use teeguard_shared::reservation::HoldReason::{Admitted, Bound, Promised};
 
 use super::*;
 use crate::decide::holds::End;
-use crate::decide::testkit::{World, at, hold, report, t0};
+use crate::decide::testkit::{TTL, World, at, hold, report, t0};
 
 fn end_of(ix: &Index, node: &str, pod_uid: &str, vmi_uid: &str, now: Timestamp) -> Option<End> {
     let e = ix
@@ -55,6 +55,7 @@ fn a_hold_ends_when_its_pod_is_deleted_ended_or_never_appears() {
             node: Some("n1".into()),
             ended: true,
             keys: true,
+            vmi: None,
         }),
         at(1),
     );
@@ -289,4 +290,17 @@ fn a_local_hold_whose_write_arrived_late_counts_once() {
         .ix;
     assert_eq!(ix.entries("n1").count(), 1);
     assert_eq!(ix.held("n1", Claimant::NONE, t0()).pods[&TeeKind::Tdx], 1);
+}
+
+#[test]
+fn an_orphan_launcher_pod_wakes_the_planner_when_it_stops_holding_admissions_back() {
+    // A launcher pod admitted by a decider that crashed before writing its hold: the new decider
+    // admits nothing while it may still be bound. The moment it stops counting is a deadline, so
+    // the planner retries the waiting VMIs then, not at its backstop.
+    let mut ix = World::default().node("n1", 1, 1).pod("orphan", None).ix;
+    ix.set_synced();
+    assert_eq!(ix.orphans(at(1)), 1);
+    assert_eq!(ix.next_deadline(at(1)), Some(at(TTL.as_secs() as i64)));
+    assert_eq!(ix.orphans(at(TTL.as_secs() as i64)), 0);
+    assert_eq!(ix.next_deadline(at(TTL.as_secs() as i64)), None);
 }
