@@ -24,6 +24,7 @@ mod chart_support;
 mod kubevirt_support;
 mod support;
 
+use kube::ResourceExt;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -140,8 +141,7 @@ async fn batch(w: &KubeVirtWorld, round: usize, side: Side, s: &mut Samples) {
         };
         let now = Instant::now();
         for p in &list {
-            let Some(vmi) = teeguard_tests::fixtures::label(&p.metadata, "kubevirt.io/created-by")
-            else {
+            let Some(vmi) = p.labels().get("kubevirt.io/created-by").map(String::as_str) else {
                 continue;
             };
             seen.entry(vmi.to_string()).or_insert(now);

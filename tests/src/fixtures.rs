@@ -316,22 +316,6 @@ pub fn seed_tdx_node(api: &crate::fakeapi::FakeApiServer, node: &str, capacity: 
     api.create(&report).expect("create report");
 }
 
-/// `metadata.annotations[key]` of any object (`None` when it has no such annotation).
-pub fn annotation<'a>(
-    meta: &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    key: &str,
-) -> Option<&'a str> {
-    meta.annotations.as_ref()?.get(key).map(String::as_str)
-}
-
-/// `metadata.labels[key]` of any object (`None` when it has no such label).
-pub fn label<'a>(
-    meta: &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    key: &str,
-) -> Option<&'a str> {
-    meta.labels.as_ref()?.get(key).map(String::as_str)
-}
-
 /// Serialise a typed object to JSON.
 pub fn to_value<T: serde::Serialize>(object: &T) -> Value {
     serde_json::to_value(object).expect("k8s-openapi objects serialise")

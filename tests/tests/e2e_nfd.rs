@@ -5,6 +5,7 @@
 //! replays them all from the server's history), not just the end state. Also from issue #20: the
 //! agent's `teeguard_agent_enforcing` gauge, which the `TeeguardEnforcementFailing` alert reads.
 
+use kube::ResourceExt;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -18,7 +19,7 @@ use teeguard_shared::names::{
 };
 use teeguard_tests::e2e::{E2eEnv, NODE, World};
 use teeguard_tests::fakeapi::PatchType;
-use teeguard_tests::fixtures::{self, KataTee, NodeBuilder, TDX_KEYS, Tee, kata_pod};
+use teeguard_tests::fixtures::{KataTee, NodeBuilder, TDX_KEYS, Tee, kata_pod};
 use teeguard_tests::host::{MiscDelegation, SANDBOX, SimHost, TDX};
 use teeguard_tests::standalone::{Decision, VmiSpec};
 
@@ -86,7 +87,9 @@ fn value(n: &Node, field: &str) -> Option<u64> {
 }
 
 fn listed(n: &Node, annotation: &str) -> BTreeSet<String> {
-    fixtures::annotation(&n.metadata, annotation)
+    n.annotations()
+        .get(annotation)
+        .map(String::as_str)
         .map(|v| v.split(',').map(str::to_string).collect())
         .unwrap_or_default()
 }
@@ -228,7 +231,10 @@ async fn nfd_master_pass(w: &World, wanted: &[(&str, u64)], between: Duration) -
     let mut names: Vec<&str> = wanted.iter().map(|(name, _)| *name).collect();
     names.sort_unstable();
     let new = names.join(",");
-    let old = fixtures::annotation(&node(w).metadata, NFD_EXTENDED_RESOURCES_ANNOTATION)
+    let old = node(w)
+        .annotations()
+        .get(NFD_EXTENDED_RESOURCES_ANNOTATION)
+        .map(String::as_str)
         .map(str::to_string);
     let key = NFD_EXTENDED_RESOURCES_ANNOTATION.replace('/', "~1");
     let op = match (old, new.is_empty()) {

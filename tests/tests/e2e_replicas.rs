@@ -4,6 +4,7 @@
 //! real one does); a successor takes over when it dies. Real `teeguard-webhook` processes, one fake
 //! API server.
 
+use kube::ResourceExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -233,7 +234,11 @@ async fn decider(env: &E2eEnv, webhooks: &[WebhookProcess]) -> usize {
                     .and_then(|s| s.holder_identity.as_deref())
                     .is_some_and(|h| !h.is_empty())
             })
-            .and_then(|l| fixtures::annotation(&l.metadata, "teeguard.dev/decider-address"))
+            .and_then(|l| {
+                l.annotations()
+                    .get("teeguard.dev/decider-address")
+                    .map(String::as_str)
+            })
             .map(str::to_string);
         if let Some(a) = address
             && let Some(i) = webhooks
@@ -362,7 +367,10 @@ async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_o
                 )
                 .expect("typed")
                 .expect("the Lease exists");
-            let address = fixtures::annotation(&lease.metadata, "teeguard.dev/decider-address")
+            let address = lease
+                .annotations()
+                .get("teeguard.dev/decider-address")
+                .map(String::as_str)
                 .unwrap_or_default()
                 .to_string();
             if rest

@@ -3,6 +3,7 @@
 //! host's cgroup tree), with the test playing kube-apiserver, KubeVirt, the scheduler and the kubelet
 //! through `ApiServerDriver` and `SimKubelet`. Each test has its own world, so they run in parallel.
 
+use kube::ResourceExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -10,9 +11,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 use teeguard_tests::e2e::{NODE, World, json_log_line, peer_certificate};
-use teeguard_tests::fixtures::{
-    self, AdmissionReviewBuilder, KataTee, TDX_KEYS, Tee, annotation, kata_pod,
-};
+use teeguard_tests::fixtures::{self, AdmissionReviewBuilder, KataTee, TDX_KEYS, Tee, kata_pod};
 use teeguard_tests::host::{SANDBOX, TDX};
 use teeguard_tests::standalone::{CreatedVmi, Decision, PodAdmission, VmiSpec};
 
@@ -167,7 +166,9 @@ async fn vmi_to_running_vm_updates_the_report() {
             .expect("requests");
         assert_eq!(requests.get(TDX_KEYS).map(|q| q.0.as_str()), Some("1"));
         assert_eq!(
-            annotation(&pod.metadata, "misc-max.teeguard.dev/compute"),
+            pod.annotations()
+                .get("misc-max.teeguard.dev/compute")
+                .map(String::as_str),
             Some("tdx 1")
         );
 

@@ -1,6 +1,7 @@
 //! Object verbs of the fake API server through the real kube client: CRUD semantics, patches of every type,
 //! server-side apply, subresources, selectors, pagination, metadata-only lists, discovery, events, faults.
 
+use kube::ResourceExt;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Binding, Event as CoreEvent, Node, ObjectReference, Pod};
@@ -14,7 +15,6 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, PatchType, RequestFilter, Verb};
-use teeguard_tests::fixtures;
 use teeguard_tests::patch::MergePatch;
 use tower::ServiceExt;
 
@@ -174,8 +174,11 @@ async fn status_subresource_rules() {
         )
         .await
         .expect("patch main");
-    assert_eq!(p.status.and_then(|s| s.phase).as_deref(), Some("Pending"));
-    assert_eq!(fixtures::label(&p.metadata, "l"), Some("1"));
+    assert_eq!(
+        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Pending")
+    );
+    assert_eq!(p.labels().get("l").map(String::as_str), Some("1"));
     let p = pods
         .patch_status(
             "a",
@@ -186,8 +189,11 @@ async fn status_subresource_rules() {
         )
         .await
         .expect("patch status");
-    assert_eq!(p.status.and_then(|s| s.phase).as_deref(), Some("Running"));
-    assert_eq!(fixtures::label(&p.metadata, "l"), Some("1"));
+    assert_eq!(
+        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Running")
+    );
+    assert_eq!(p.labels().get("l").map(String::as_str), Some("1"));
     // Status writes do not bump generation.
     assert_eq!(p.metadata.generation, Some(1));
     assert_eq!(
@@ -548,7 +554,7 @@ async fn selectors_pagination_and_metadata_lists() {
         Some("PartialObjectMetadata")
     );
     let one = pods.get_metadata("p1").await.expect("metadata get");
-    assert_eq!(fixtures::label(&one.metadata, "app"), Some("db"));
+    assert_eq!(one.labels().get("app").map(String::as_str), Some("db"));
     let pom: Api<PartialObjectMeta<Pod>> = Api::namespaced(server.client(), "ns");
     assert_eq!(
         pom.list(&ListParams::default())

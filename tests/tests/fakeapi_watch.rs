@@ -1,5 +1,6 @@
 //! Watches, reflectors and watch-related faults of the fake API server, through the real kube client.
 
+use kube::ResourceExt;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt, TryStreamExt};
@@ -12,7 +13,6 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher::{self, Event, watcher};
 use serde_json::json;
 use teeguard_tests::fakeapi::{FakeApiOptions, FakeApiServer, FaultRule, RequestFilter, Verb};
-use teeguard_tests::fixtures;
 use teeguard_tests::wait::eventually;
 
 const T: Duration = Duration::from_secs(10);
@@ -126,7 +126,7 @@ async fn watcher_sees_creates_updates_deletes_in_order() {
                 p.metadata.resource_version,
                 replaced.metadata.resource_version
             );
-            assert_eq!(fixtures::label(&p.metadata, "tier"), Some("front"));
+            assert_eq!(p.labels().get("tier").map(String::as_str), Some("front"));
         }
         other => panic!("expected Apply(update), got {other:?}"),
     }
@@ -383,7 +383,7 @@ async fn metadata_watcher_gets_partial_objects() {
     let mut events = std::pin::pin!(watcher(api, watcher::Config::default()));
     let initial = until_init_done(&mut events).await;
     assert_eq!(initial.len(), 1);
-    assert_eq!(fixtures::label(&initial[0].metadata, "k"), Some("v"));
+    assert_eq!(initial[0].labels().get("k").map(String::as_str), Some("v"));
     assert_eq!(
         initial[0].types.as_ref().map(|t| t.kind.as_str()),
         Some("PartialObjectMetadata")

@@ -2,6 +2,7 @@
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::ResourceExt;
 use pretty_assertions::assert_eq;
 use serde_json::Value;
 use teeguard_tests::fixtures::{
@@ -12,15 +13,11 @@ use teeguard_tests::fixtures::{
 use teeguard_tests::host;
 
 fn label<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
-    pod.metadata.labels.as_ref()?.get(key).map(String::as_str)
+    pod.labels().get(key).map(String::as_str)
 }
 
 fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
-    pod.metadata
-        .annotations
-        .as_ref()?
-        .get(key)
-        .map(String::as_str)
+    pod.annotations().get(key).map(String::as_str)
 }
 
 fn spec(pod: &Pod) -> &k8s_openapi::api::core::v1::PodSpec {
@@ -566,7 +563,9 @@ fn nodes_with_and_without_nfd_resources() {
         Some(&Quantity("31".into()))
     );
     assert_eq!(
-        fixtures::annotation(&nfd.metadata, NFD_EXTENDED_RESOURCES),
+        nfd.annotations()
+            .get(NFD_EXTENDED_RESOURCES)
+            .map(String::as_str),
         Some(TDX_KEYS)
     );
 

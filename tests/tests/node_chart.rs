@@ -58,11 +58,9 @@ fn teeguard_marks(n: &Node) -> (Option<String>, Option<String>, Option<String>) 
     (
         q(status.and_then(|s| s.capacity.as_ref())),
         q(status.and_then(|s| s.allocatable.as_ref())),
-        teeguard_tests::fixtures::annotation(
-            &n.metadata,
-            teeguard_shared::names::AGENT_EXTENDED_RESOURCES_ANNOTATION,
-        )
-        .map(str::to_string),
+        n.annotations()
+            .get(teeguard_shared::names::AGENT_EXTENDED_RESOURCES_ANNOTATION)
+            .cloned(),
     )
 }
 

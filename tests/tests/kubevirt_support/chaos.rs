@@ -2,6 +2,7 @@
 //! agent and one of the two API servers are killed and restarted at random (its watches drop with it),
 //! the invariants checked throughout from the API server's and the nodes' truth (issue 42).
 
+use kube::ResourceExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams};
 use teeguard_shared::{TeeCapacity, TeeKind};
-use teeguard_tests::fixtures::{Tee, annotation};
+use teeguard_tests::fixtures::Tee;
 use teeguard_tests::kubevirt::vmis::{self, Size};
 use teeguard_tests::prom::Scrape;
 
@@ -339,7 +340,10 @@ async fn sample(
                 .as_ref()
                 .and_then(|s| s.phase.as_deref())
                 .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
-            let vmi = annotation(&pod.metadata, "kubevirt.io/domain")
+            let vmi = pod
+                .annotations()
+                .get("kubevirt.io/domain")
+                .map(String::as_str)
                 .unwrap_or_default()
                 .to_string();
             match pod.spec.as_ref().and_then(|s| s.node_name.clone()) {
@@ -407,10 +411,12 @@ async fn sample(
                             .as_str()
                             .is_some_and(|m| m.ends_with(WILL_START))
                 });
-            let has_pod = p
-                .items
-                .iter()
-                .any(|pod| annotation(&pod.metadata, "kubevirt.io/domain") == Some(name.as_str()));
+            let has_pod = p.items.iter().any(|pod| {
+                pod.annotations()
+                    .get("kubevirt.io/domain")
+                    .map(String::as_str)
+                    == Some(name.as_str())
+            });
             if refused {
                 s.refused.insert(name.clone());
                 refused_at.entry(name.clone()).or_insert(now);

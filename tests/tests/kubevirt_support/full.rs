@@ -2,6 +2,7 @@
 //! VMI refused for lack of a key, and the waiting VMI starting by itself once a key frees, whatever
 //! freed it (an outside VM stopping, a VMI deleted, a Kata pod ending) and however long it waited.
 
+use kube::ResourceExt;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -9,7 +10,7 @@ use k8s_openapi::api::node::v1::RuntimeClass;
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
 use serde_json::json;
-use teeguard_tests::fixtures::{Tee, annotation};
+use teeguard_tests::fixtures::Tee;
 use teeguard_tests::host::TDX;
 use teeguard_tests::kubevirt::vmis::{self, Size};
 use teeguard_tests::node::pods;
@@ -335,7 +336,10 @@ fn watch_timeline(
                     else {
                         continue;
                     };
-                    let vmi = annotation(&p.metadata, "kubevirt.io/domain")
+                    let vmi = p
+                        .annotations()
+                        .get("kubevirt.io/domain")
+                        .map(String::as_str)
                         .unwrap_or_default()
                         .to_string();
                     let node = p.spec.as_ref().and_then(|s| s.node_name.clone());

@@ -8,6 +8,7 @@
 
 #![allow(dead_code)]
 
+use kube::ResourceExt;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -22,7 +23,7 @@ use teeguard_shared::crd::TeeCapacityStatus;
 use teeguard_tests::e2e::{
     AgentProcess, Backends, ProcessEnv, WebhookProcess, balance, last_lines,
 };
-use teeguard_tests::fixtures::{Tee, annotation};
+use teeguard_tests::fixtures::Tee;
 use teeguard_tests::host::{SEV, SEV_ES, SimHost, TDX};
 use teeguard_tests::kubevirt::{self, KubeVirt, vmis};
 use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime};
@@ -684,8 +685,13 @@ async fn remove_kubevirt_objects(cluster: &Cluster) {
 /// there is none, as a Service without endpoints does. Runs until the test process ends.
 /// Whether the launcher pod of VMI `vmi` among `pods` runs with every container started.
 pub fn running_named(pods: &[Pod], vmi: &str) -> bool {
-    pods.iter()
-        .any(|p| annotation(&p.metadata, "kubevirt.io/domain") == Some(vmi) && running(p))
+    pods.iter().any(|p| {
+        p.annotations()
+            .get("kubevirt.io/domain")
+            .map(String::as_str)
+            == Some(vmi)
+            && running(p)
+    })
 }
 
 /// Start webhook replica `i`: even ones watch and write through the first API server, odd ones

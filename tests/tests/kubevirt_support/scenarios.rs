@@ -1,11 +1,12 @@
 //! The KubeVirt scenarios: VMIs as users write them, KubeVirt's own controller rendering their launcher
 //! pods, teeguard admitting, the scheduler placing and the real kubelets and containerd starting them.
 
+use kube::ResourceExt;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use teeguard_tests::fixtures::{Tee, annotation};
+use teeguard_tests::fixtures::Tee;
 use teeguard_tests::kubevirt::vmis::Size;
 
 use super::{KubeVirtWorld, Options, TeeNode};
@@ -256,7 +257,9 @@ pub async fn runs_with_the_overhead_key_only(w: &KubeVirtWorld, name: &str) {
         "no second key on compute"
     );
     assert_eq!(
-        annotation(&pod.metadata, "misc-max.teeguard.dev/compute"),
+        pod.annotations()
+            .get("misc-max.teeguard.dev/compute")
+            .map(String::as_str),
         Some("tdx 1")
     );
     let got = limits(&w.records(&w.tdx, &pod).await);
