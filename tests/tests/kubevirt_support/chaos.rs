@@ -2,7 +2,6 @@
 //! agent and one of the two API servers are killed and restarted at random (its watches drop with it),
 //! the invariants checked throughout from the API server's and the nodes' truth (issue 42).
 
-use kube::ResourceExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,7 +16,7 @@ use teeguard_tests::kubevirt::vmis::{self, Size};
 use teeguard_tests::prom::Scrape;
 
 use super::full::{BIND_BOUND, WILL_START};
-use super::{KubeVirtWorld, Options};
+use super::{KubeVirtWorld, Options, vmi_of};
 
 /// How long the chaos lasts: 3 minutes in CI, `TEEGUARD_CHAOS_SECONDS` for the 30-minute bench.
 pub fn duration() -> Duration {
@@ -340,12 +339,7 @@ async fn sample(
                 .as_ref()
                 .and_then(|s| s.phase.as_deref())
                 .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
-            let vmi = pod
-                .annotations()
-                .get("kubevirt.io/domain")
-                .map(String::as_str)
-                .unwrap_or_default()
-                .to_string();
+            let vmi = vmi_of(pod).to_string();
             match pod.spec.as_ref().and_then(|s| s.node_name.clone()) {
                 _ if ended => {}
                 Some(node) => bound.entry(node).or_default().push(vmi),
@@ -411,12 +405,7 @@ async fn sample(
                             .as_str()
                             .is_some_and(|m| m.ends_with(WILL_START))
                 });
-            let has_pod = p.items.iter().any(|pod| {
-                pod.annotations()
-                    .get("kubevirt.io/domain")
-                    .map(String::as_str)
-                    == Some(name.as_str())
-            });
+            let has_pod = p.items.iter().any(|pod| vmi_of(pod) == name);
             if refused {
                 s.refused.insert(name.clone());
                 refused_at.entry(name.clone()).or_insert(now);

@@ -2,7 +2,6 @@
 //! VMI refused for lack of a key, and the waiting VMI starting by itself once a key frees, whatever
 //! freed it (an outside VM stopping, a VMI deleted, a Kata pod ending) and however long it waited.
 
-use kube::ResourceExt;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -15,7 +14,7 @@ use teeguard_tests::host::TDX;
 use teeguard_tests::kubevirt::vmis::{self, Size};
 use teeguard_tests::node::pods;
 
-use super::{KubeVirtWorld, Options};
+use super::{KubeVirtWorld, Options, vmi_of};
 
 /// Longest a waiting VMI may take from the moment its key frees to a running launcher pod. The goal is
 /// 5 s (measured: 2-4 s here); two kubelets, containerd, virt-controller, the control plane and the
@@ -336,12 +335,7 @@ fn watch_timeline(
                     else {
                         continue;
                     };
-                    let vmi = p
-                        .annotations()
-                        .get("kubevirt.io/domain")
-                        .map(String::as_str)
-                        .unwrap_or_default()
-                        .to_string();
+                    let vmi = vmi_of(&p).to_string();
                     let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
                     if let Some(node) = node
                         && !t.bound.iter().any(|(_, v, _)| *v == vmi)

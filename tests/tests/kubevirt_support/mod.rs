@@ -685,13 +685,15 @@ async fn remove_kubevirt_objects(cluster: &Cluster) {
 /// there is none, as a Service without endpoints does. Runs until the test process ends.
 /// Whether the launcher pod of VMI `vmi` among `pods` runs with every container started.
 pub fn running_named(pods: &[Pod], vmi: &str) -> bool {
-    pods.iter().any(|p| {
-        p.annotations()
-            .get("kubevirt.io/domain")
-            .map(String::as_str)
-            == Some(vmi)
-            && running(p)
-    })
+    pods.iter().any(|p| vmi_of(p) == vmi && running(p))
+}
+
+/// The name of the VMI a launcher pod runs (KubeVirt's `kubevirt.io/domain` annotation; empty when
+/// it has none).
+pub fn vmi_of(pod: &Pod) -> &str {
+    pod.annotations()
+        .get("kubevirt.io/domain")
+        .map_or("", String::as_str)
 }
 
 /// Start webhook replica `i`: even ones watch and write through the first API server, odd ones
