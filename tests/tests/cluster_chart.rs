@@ -126,6 +126,26 @@ async fn connect() -> Option<Cluster> {
     Some(Cluster { cp, client })
 }
 
+/// Waits until kube-controller-manager has type-checked ValidatingAdmissionPolicy `name`'s current
+/// generation (its CEL against the real schemas), and asserts it found no problem.
+async fn assert_type_checked(c: &Cluster, name: &str) {
+    let api = policy_api(c);
+    let checked = c
+        .wait_for(&format!("policy {name} to be type-checked"), || async {
+            let p = api.get(name).await.ok()?;
+            let status = p.data.get("status")?;
+            (status.get("observedGeneration").and_then(Value::as_i64) == p.metadata.generation)
+                .then(|| status.clone())
+        })
+        .await
+        .expect("type-checked");
+    assert_eq!(
+        checked.get("typeChecking"),
+        Some(&json!({})),
+        "type checking found problems: {checked}"
+    );
+}
+
 fn policy_api(c: &Cluster) -> Api<DynamicObject> {
     let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
         "admissionregistration.k8s.io",
@@ -149,22 +169,7 @@ async fn helm_install_is_accepted_with_zero_warnings_and_the_policy_type_checks_
         assert!(out.stdout.contains("STATUS: deployed"), "{}", out.stdout);
 
         // kube-controller-manager type-checks the policy's CEL against the real schemas.
-        let name = format!("{RELEASE}-agent-own-node");
-        let api = policy_api(&c);
-        let checked = c
-            .wait_for("the own-node policy to be type-checked", || async {
-                let p = api.get(&name).await.ok()?;
-                let status = p.data.get("status")?;
-                (status.get("observedGeneration").and_then(Value::as_i64) == p.metadata.generation)
-                    .then(|| status.clone())
-            })
-            .await
-            .expect("type-checked");
-        assert_eq!(
-            checked.get("typeChecking"),
-            Some(&json!({})),
-            "type checking found problems: {checked}"
-        );
+        assert_type_checked(&c, &format!("{RELEASE}-agent-own-node")).await;
     })
     .await;
 }
@@ -631,22 +636,7 @@ async fn dra_mode_installs_and_holds_the_agent_to_its_own_nodes_slices() {
         }
 
         // The policy's CEL against the real ResourceSlice schema.
-        let policy = "tg-dra-agent-own-node-slices";
-        let api = policy_api(&c);
-        let checked = c
-            .wait_for("the own-node-slices policy to be type-checked", || async {
-                let p = api.get(policy).await.ok()?;
-                let status = p.data.get("status")?;
-                (status.get("observedGeneration").and_then(Value::as_i64) == p.metadata.generation)
-                    .then(|| status.clone())
-            })
-            .await
-            .expect("type-checked");
-        assert_eq!(
-            checked.get("typeChecking"),
-            Some(&json!({})),
-            "type checking found problems: {checked}"
-        );
+        assert_type_checked(&c, "tg-dra-agent-own-node-slices").await;
 
         // RBAC: the driver's calls, and no more.
         let agent = format!("system:serviceaccount:{ns}:tg-dra-agent");

@@ -162,37 +162,18 @@ async fn status_subresource_rules() {
     pods.create(&PostParams::default(), &pod("a", json!({})))
         .await
         .expect("create");
-    let pp = PatchParams::default();
     // Main-resource patches ignore status; status patches ignore everything else.
-    let p = pods
-        .patch(
-            "a",
-            &pp,
-            &Patch::Merge(
-                json!({"metadata": {"labels": {"l": "1"}}, "status": {"phase": "Running"}}),
-            ),
-        )
-        .await
-        .expect("patch main");
-    assert_eq!(
-        p.status.as_ref().and_then(|s| s.phase.as_deref()),
-        Some("Pending")
-    );
+    let mut both = json!({"metadata": {"labels": {"l": "1"}}, "status": {"phase": "Running"}});
+    let phase = |p: &Pod| p.status.as_ref().and_then(|s| s.phase.clone());
+    let p = pods.merge_patch("a", &both).await.expect("patch main");
+    assert_eq!(phase(&p).as_deref(), Some("Pending"));
     assert_eq!(p.labels().get("l").map(String::as_str), Some("1"));
+    both["metadata"]["labels"]["l"] = json!("2");
     let p = pods
-        .patch_status(
-            "a",
-            &pp,
-            &Patch::Merge(
-                json!({"metadata": {"labels": {"l": "2"}}, "status": {"phase": "Running"}}),
-            ),
-        )
+        .merge_patch_status("a", &both)
         .await
         .expect("patch status");
-    assert_eq!(
-        p.status.as_ref().and_then(|s| s.phase.as_deref()),
-        Some("Running")
-    );
+    assert_eq!(phase(&p).as_deref(), Some("Running"));
     assert_eq!(p.labels().get("l").map(String::as_str), Some("1"));
     // Status writes do not bump generation.
     assert_eq!(p.metadata.generation, Some(1));
