@@ -193,7 +193,7 @@ fn seeds(half: u64) -> Vec<u64> {
     let n = std::env::var("TEEGUARD_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(1_000u64);
+        .unwrap_or(2_000u64);
     (0..n).filter(|s| s % 2 == half).collect()
 }
 
