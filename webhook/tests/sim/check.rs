@@ -317,16 +317,15 @@ impl Checks {
             (true, None) => Some(w.now),
             (false, _) => None,
         };
-        let read = w.oracle.read();
+        let ix = w.oracle.read();
         let now = w.oracle.now();
-        let ix = as_truth(w, &read, now);
         let stale = w.config.admission.stale_report_after;
         // What the oracle knows changes with the API server's changes and, for the end rule's
         // graces, each second.
         let at = (w.changes, w.now / 1_000);
         if self.oracle_at != Some(at) {
             self.oracle_at = Some(at);
-            self.serves = admit::promises(&ix, |_| 1, stale, now)
+            self.serves = admit::promises(&as_truth(w, &ix, now), |_| 1, stale, now)
                 .iter()
                 .map(|p| p.waiting.vmi.uid.clone())
                 .collect();
@@ -339,7 +338,6 @@ impl Checks {
             .cloned()
             .collect();
         drop(ix);
-        drop(read);
         for uid in &held {
             if let Some(since) = self.servable.remove(uid) {
                 self.figures.longest_to_hold = self.figures.longest_to_hold.max(w.now - since);

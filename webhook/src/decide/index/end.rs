@@ -96,37 +96,28 @@ impl Index {
     /// the planner that a key frees.
     pub fn next_deadline(&self, now: Timestamp) -> Option<Timestamp> {
         let after = |d: Duration, from: Timestamp| from.checked_add(d).ok().filter(|t| *t > now);
-        let mut next: Option<Timestamp> = None;
-        for (name, state) in &self.nodes {
+        let holds = self.nodes.iter().flat_map(|(name, state)| {
             let entries = state
                 .recorded()
                 .iter()
                 .zip(&state.seen)
                 .chain(state.local.iter().map(|(e, at)| (e, at)));
-            for (e, seen) in entries {
-                if self.end(name, e, now).is_some() {
-                    continue;
-                }
-                let written = after(self.ttl, e.admitted_at.0).map(|t| t.max(*seen + POD_GRACE));
-                let deadlines = [
-                    after(POD_GRACE, *seen),
-                    after(POD_GRACE, e.admitted_at.0),
-                    after(self.ttl, *seen),
-                    written,
-                ];
-                for t in deadlines.into_iter().flatten() {
-                    next = Some(next.map_or(t, |n| n.min(t)));
-                }
-            }
-        }
+            entries
+                .filter(move |(e, _)| self.end(name, e, now).is_none())
+                .flat_map(move |(e, seen)| {
+                    let written =
+                        after(self.ttl, e.admitted_at.0).map(|t| t.max(*seen + POD_GRACE));
+                    [
+                        after(POD_GRACE, *seen),
+                        after(POD_GRACE, e.admitted_at.0),
+                        after(self.ttl, *seen),
+                        written,
+                    ]
+                })
+        });
         // A new decider admits again once no orphan launcher pod is left: the keys waiting VMIs
         // could not be given meanwhile are theirs then.
-        for t in self
-            .orphans_seen(now)
-            .filter_map(|seen| after(self.ttl, seen))
-        {
-            next = Some(next.map_or(t, |n| n.min(t)));
-        }
-        next
+        let orphans = self.orphans_seen(now).map(|seen| after(self.ttl, seen));
+        holds.chain(orphans).flatten().min()
     }
 }
