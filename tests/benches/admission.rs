@@ -245,7 +245,7 @@ fn main() {
             let body = serde_json::to_vec(&review).expect("json");
             api.clear_requests();
             let reviewed = rt
-                .block_on(review_mutation(&body, &caches, &config))
+                .block_on(review_mutation(&body, &caches, &config, None))
                 .expect("review");
             assert_eq!(reviewed.outcome, Outcome::Patched, "{tee:?}");
             let gets = api.requests_where(|r| r.verb == Verb::Get);
@@ -288,7 +288,7 @@ fn main() {
             let r = if validating {
                 rt.block_on(review_validation(body, &caches, &ctx))
             } else {
-                rt.block_on(review_mutation(body, &caches, &config))
+                rt.block_on(review_mutation(body, &caches, &config, None))
             };
             std::hint::black_box(r.expect("review").response.to_json());
         });
@@ -308,7 +308,7 @@ fn main() {
     for (name, body) in &mutations {
         let (stats, wall) = measure(iterations, || {
             let r = rt
-                .block_on(review_mutation(body, &caches, &config))
+                .block_on(review_mutation(body, &caches, &config, None))
                 .expect("review");
             std::hint::black_box(r.response.to_json());
         });
@@ -358,7 +358,7 @@ fn main() {
         };
         let whole_fn = || {
             let r = rt
-                .block_on(review_mutation(&body, &caches, &config))
+                .block_on(review_mutation(&body, &caches, &config, None))
                 .expect("review");
             std::hint::black_box(r.response.to_json());
         };

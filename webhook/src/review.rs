@@ -16,12 +16,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use base64::prelude::{BASE64_STANDARD, Engine as _};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use teeguard_shared::{Config, TeeCapacity, VirtualMachineInstance};
 
@@ -127,77 +128,56 @@ impl FileLookups {
                 && args.pods.is_empty()),
             ..FileLookups::default()
         };
-        for path in &args.vmis {
-            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
-                expect_kind(path, i, &doc, "VirtualMachineInstance")?;
-                let vmi = VirtualMachineInstance::from_json(doc).map_err(|e| Error::FileParse {
-                    path: path.clone(),
+        for (path, i, vmi) in
+            objects::<VirtualMachineInstance>(&args.vmis, "VirtualMachineInstance")?
+        {
+            if vmi.metadata.name.as_deref().is_none_or(str::is_empty) {
+                return Err(Error::FileParse {
+                    path,
                     reason: format!(
-                        "document {}: not a valid VirtualMachineInstance: {e}",
+                        "document {}: VirtualMachineInstance has no metadata.name",
                         i + 1
                     ),
-                })?;
-                if vmi.metadata.name.as_deref().is_none_or(str::is_empty) {
-                    return Err(Error::FileParse {
-                        path: path.clone(),
-                        reason: format!(
-                            "document {}: VirtualMachineInstance has no metadata.name",
-                            i + 1
-                        ),
-                    });
-                }
-                if let Err(e) = vmi.tee_kind() {
-                    tracing::warn!(file = %path.display(), error = %e, "VMI sets more than one TEE kind");
-                }
-                out.add_vmi(vmi);
+                });
             }
+            if let Err(e) = vmi.tee_kind() {
+                tracing::warn!(file = %path.display(), error = %e, "VMI sets more than one TEE kind");
+            }
+            out.add_vmi(vmi);
         }
-        for path in &args.namespaces {
-            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
-                expect_kind(path, i, &doc, "Namespace")?;
-                let ns: k8s_openapi::api::core::v1::Namespace = serde_json::from_value(doc)
-                    .map_err(|e| Error::FileParse {
-                        path: path.clone(),
-                        reason: format!("document {}: not a valid Namespace: {e}", i + 1),
-                    })?;
-                let name = ns.metadata.name.clone().unwrap_or_default();
-                out.add_namespace(name, ns.metadata.labels.unwrap_or_default());
-            }
+        for (_, _, ns) in objects::<Namespace>(&args.namespaces, "Namespace")? {
+            let name = ns.metadata.name.clone().unwrap_or_default();
+            out.add_namespace(name, ns.metadata.labels.unwrap_or_default());
         }
-        for path in &args.tee_capacities {
-            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
-                expect_kind(path, i, &doc, "TeeCapacity")?;
-                let cap: TeeCapacity =
-                    serde_json::from_value(doc).map_err(|e| Error::FileParse {
-                        path: path.clone(),
-                        reason: format!("document {}: not a valid TeeCapacity: {e}", i + 1),
-                    })?;
-                out.add_tee_capacity(cap);
-            }
+        for (_, _, cap) in objects::<TeeCapacity>(&args.tee_capacities, "TeeCapacity")? {
+            out.add_tee_capacity(cap);
         }
-        for path in &args.nodes {
-            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
-                expect_kind(path, i, &doc, "Node")?;
-                let node: Node = serde_json::from_value(doc).map_err(|e| Error::FileParse {
-                    path: path.clone(),
-                    reason: format!("document {}: not a valid Node: {e}", i + 1),
-                })?;
-                let name = node.metadata.name.clone().unwrap_or_default();
-                out.add_node(name, node.metadata.labels.unwrap_or_default());
-            }
+        for (_, _, node) in objects::<Node>(&args.nodes, "Node")? {
+            let name = node.metadata.name.clone().unwrap_or_default();
+            out.add_node(name, node.metadata.labels.unwrap_or_default());
         }
-        for path in &args.pods {
-            for (i, doc) in read_docs(path)?.into_iter().enumerate() {
-                expect_kind(path, i, &doc, "Pod")?;
-                let pod: Pod = serde_json::from_value(doc).map_err(|e| Error::FileParse {
-                    path: path.clone(),
-                    reason: format!("document {}: not a valid Pod: {e}", i + 1),
-                })?;
-                out.add_pod(pod);
-            }
+        for (_, _, pod) in objects::<Pod>(&args.pods, "Pod")? {
+            out.add_pod(pod);
         }
         Ok(out)
     }
+}
+
+/// Every document of `paths`, each checked to be a `kind` and read as a `T`, with its file and its
+/// place in it (errors name both).
+fn objects<T: DeserializeOwned>(paths: &[PathBuf], kind: &str) -> Result<Vec<(PathBuf, usize, T)>> {
+    let mut out = Vec::new();
+    for path in paths {
+        for (i, doc) in read_docs(path)?.into_iter().enumerate() {
+            expect_kind(path, i, &doc, kind)?;
+            let object = serde_json::from_value(doc).map_err(|e| Error::FileParse {
+                path: path.clone(),
+                reason: format!("document {}: not a valid {kind}: {e}", i + 1),
+            })?;
+            out.push((path.clone(), i, object));
+        }
+    }
+    Ok(out)
 }
 
 impl Lookups for FileLookups {
@@ -379,10 +359,23 @@ pub fn review_body(path: &Path, doc: Value) -> Result<Vec<u8>> {
             });
         }
     };
-    serde_json::to_vec(&review).map_err(|e| Error::Serialize {
-        what: "the AdmissionReview",
+    serde_json::to_vec(&review).map_err(serialising("the AdmissionReview"))
+}
+
+/// An [`Error::Serialize`] naming `what`.
+fn serialising<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> Error {
+    move |e| Error::Serialize {
+        what,
         reason: e.to_string(),
-    })
+    }
+}
+
+/// An [`Error::FileParse`] naming the input file.
+fn in_input<E: std::fmt::Display>(path: &Path) -> impl FnOnce(E) -> Error + '_ {
+    move |e| Error::FileParse {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    }
 }
 
 /// Review the input against `lookups` and return the output document.
@@ -392,29 +385,23 @@ pub async fn review_document(
     lookups: &FileLookups,
     config: &Config,
 ) -> Result<Value> {
-    let reviewed = review_mutation(body, lookups, config)
+    let reviewed = review_mutation(body, lookups, config, None)
         .await
-        .map_err(|e| Error::FileParse {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-    let review: Value =
-        serde_json::from_slice(&reviewed.response.to_json()).map_err(|e| Error::Serialize {
-            what: "the AdmissionReview response",
-            reason: e.to_string(),
-        })?;
+        .map_err(in_input(path))?;
+    let review: Value = serde_json::from_slice(&reviewed.response.to_json())
+        .map_err(serialising("the AdmissionReview response"))?;
     let mut out = serde_json::Map::new();
     let patch = match review.pointer("/response/patch").and_then(Value::as_str) {
         Some(b64) => {
-            let bytes = BASE64_STANDARD.decode(b64).map_err(|e| Error::Serialize {
-                what: "the patch (base64)",
-                reason: e.to_string(),
-            })?;
+            let bytes = BASE64_STANDARD
+                .decode(b64)
+                .map_err(serialising("the patch (base64)"))?;
             let patch: json_patch::Patch =
-                serde_json::from_slice(&bytes).map_err(|e| Error::Serialize {
-                    what: "the patch",
-                    reason: e.to_string(),
-                })?;
+                serde_json::from_slice(&bytes).map_err(serialising("the patch"))?;
+            out.insert(
+                "patch".into(),
+                serde_json::to_value(&patch).map_err(serialising("the patch"))?,
+            );
             Some(patch)
         }
         None => None,
@@ -423,75 +410,41 @@ pub async fn review_document(
         .pointer("/response/allowed")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    if let Some(p) = &patch {
-        out.insert(
-            "patch".into(),
-            serde_json::to_value(p).map_err(|e| Error::Serialize {
-                what: "the patch",
-                reason: e.to_string(),
-            })?,
-        );
-    }
-    if allowed {
-        let request: Value = serde_json::from_slice(body).map_err(|e| Error::FileParse {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-        if let Some(object) = request.pointer("/request/object").filter(|o| !o.is_null()) {
-            let mut object = object.clone();
-            if let Some(p) = &patch {
-                json_patch::patch(&mut object, &p.0).map_err(|e| Error::FileParse {
-                    path: path.to_path_buf(),
-                    reason: format!("the patch does not apply to the object: {e}"),
-                })?;
-            }
-            out.insert("patchedObject".into(), object);
-        }
-    }
-    if lookups.validate() {
-        // The validating webhook sees a pod CREATE after the mutation; a denied CREATE never gets there.
-        let validating_body = match out.get("patchedObject") {
-            Some(object) => {
-                let mut request: Value =
-                    serde_json::from_slice(body).map_err(|e| Error::FileParse {
-                        path: path.to_path_buf(),
-                        reason: e.to_string(),
-                    })?;
-                if let Some(slot) = request.pointer_mut("/request/object") {
-                    *slot = object.clone();
-                }
-                Some(serde_json::to_vec(&request).map_err(|e| Error::Serialize {
-                    what: "the validating AdmissionReview",
-                    reason: e.to_string(),
-                })?)
-            }
-            None if allowed => Some(body.to_vec()),
-            None => None,
-        };
-        if let Some(vbody) = validating_body {
-            let hints = crate::cluster::admission::FitHints::default();
-            let ctx = ValidationContext {
-                config,
-                events: None,
-                metrics: None,
-                hints: &hints,
-                replica: "offline",
-                decider: None,
-            };
-            let validated = review_validation(&vbody, lookups, &ctx)
-                .await
-                .map_err(|e| Error::FileParse {
-                    path: path.to_path_buf(),
-                    reason: e.to_string(),
-                })?;
-            let v: Value = serde_json::from_slice(&validated.response.to_json()).map_err(|e| {
-                Error::Serialize {
-                    what: "the validating AdmissionReview response",
-                    reason: e.to_string(),
-                }
+    // The mutation read the body, so it is JSON.
+    let mut request: Value = serde_json::from_slice(body).map_err(in_input(path))?;
+    if allowed
+        && let Some(object) = request
+            .pointer_mut("/request/object")
+            .filter(|o| !o.is_null())
+    {
+        if let Some(p) = &patch {
+            json_patch::patch(object, &p.0).map_err(|e| Error::FileParse {
+                path: path.to_path_buf(),
+                reason: format!("the patch does not apply to the object: {e}"),
             })?;
-            out.insert("validation".into(), v);
         }
+        out.insert("patchedObject".into(), object.clone());
+    }
+    // The validating webhook sees a pod CREATE after the mutation (the request now holds the patched
+    // object); a denied CREATE never gets there.
+    if lookups.validate() && allowed {
+        let vbody =
+            serde_json::to_vec(&request).map_err(serialising("the validating AdmissionReview"))?;
+        let hints = crate::cluster::admission::FitHints::default();
+        let ctx = ValidationContext {
+            config,
+            events: None,
+            metrics: None,
+            hints: &hints,
+            replica: "offline",
+            decider: None,
+        };
+        let validated = review_validation(&vbody, lookups, &ctx)
+            .await
+            .map_err(in_input(path))?;
+        let v: Value = serde_json::from_slice(&validated.response.to_json())
+            .map_err(serialising("the validating AdmissionReview response"))?;
+        out.insert("validation".into(), v);
     }
     let mut doc = serde_json::Map::new();
     doc.insert("review".into(), review);
@@ -521,15 +474,10 @@ pub async fn run(args: &ReviewArgs, out: &mut impl Write) -> Result<()> {
     let text = match args.output {
         OutputFormat::Json => serde_json::to_string_pretty(&doc)
             .map(|s| s + "\n")
-            .map_err(|e| Error::Serialize {
-                what: "the review output",
-                reason: e.to_string(),
-            })?,
-        OutputFormat::Yaml => serde_yaml::to_string(&doc).map_err(|e| Error::Serialize {
-            what: "the review output",
-            reason: e.to_string(),
-        })?,
-    };
+            .map_err(|e| e.to_string()),
+        OutputFormat::Yaml => serde_yaml::to_string(&doc).map_err(|e| e.to_string()),
+    }
+    .map_err(serialising("the review output"))?;
     out.write_all(text.as_bytes()).map_err(Error::Output)?;
     out.flush().map_err(Error::Output)
 }

@@ -582,7 +582,7 @@ fn escaped_label_and_annotation_keys_decode_from_bytes() {
 /// cached virt-launcher pod classifies as the full one.
 #[test]
 fn cached_launcher_pods_classify_as_the_full_pod() {
-    let full: teeguard_webhook::pods::LauncherPod = serde_json::from_value(serde_json::json!({
+    let json = serde_json::json!({
         "metadata": {"name": "virt-launcher-vm-abcde", "namespace": "ns", "uid": "u1",
             "resourceVersion": "9", "generateName": "virt-launcher-vm-",
             "labels": {"kubevirt.io": "virt-launcher", "kubevirt.io/vm": "vm",
@@ -593,9 +593,10 @@ fn cached_launcher_pods_classify_as_the_full_pod() {
                  "uid": "vmi-uid", "controller": true}]},
         "spec": {"containers": [
             {"name": "compute", "resources": {"requests": {"tdx.intel.com/keys": "1"}}}]}
-    }))
-    .expect("launcher pod");
-    let before = full.to_pod();
+    });
+    let before: Pod = serde_json::from_value(json.clone()).expect("pod");
+    let full: teeguard_webhook::pods::LauncherPod =
+        serde_json::from_value(json).expect("launcher pod");
     let after = teeguard_webhook::pods::CachedLauncherPod::from(full).to_pod();
     let classified = teeguard_webhook::decide::mutation::classify_pod(&after);
     assert!(classified.is_ok(), "{classified:?}");

@@ -12,7 +12,7 @@ use common::{Harness, WAIT};
 use http::StatusCode;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
-use teeguard_shared::{TeeKind, names};
+use teeguard_shared::TeeKind;
 use teeguard_tests::fakeapi::{FakeApiServer, FaultRule, Verb};
 use teeguard_tests::fixtures::{
     self, AdmissionReviewBuilder, DEFAULT_NAMESPACE, NodeBuilder, ReportBuilder, TDX_KEYS, Tee,
@@ -927,11 +927,7 @@ async fn exemptions_skip_the_capacity_check() {
 /// A VMI whose launcher pod teeguard refused at `since` (RFC 3339): `Pending`, virt-controller's
 /// `Synchronized` condition quoting the refusal. Returns its UID.
 fn seed_waiting_vmi(api: &FakeApiServer, name: &str, since: &str) -> String {
-    seed_waiting(api, Vmi::new(name), since)
-}
-
-fn seed_waiting(api: &FakeApiServer, vmi: Vmi, since: &str) -> String {
-    let mut vmi = vmi.tee(Tee::Tdx).scheduling().build();
+    let mut vmi = Vmi::new(name).tee(Tee::Tdx).scheduling().build();
     vmi["status"]["phase"] = json!("Pending");
     vmi["status"]["conditions"] = json!([{
         "type": "Synchronized", "status": "False", "reason": "FailedCreate",
@@ -955,14 +951,8 @@ async fn a_launcher_pod_waits_its_turn_behind_the_vmis_refused_before_its_own() 
         .expect("report");
     api.create(&NodeBuilder::new("node-a").tdx(31).build())
         .expect("node");
-    // The retry task hands the key to `older` but does not retry it again: teeguard retried it
-    // moments ago (a time ahead of this clock counts as recent), its pod is on its way, and virt-
-    // controller's retry of a VMI that waited less lands first.
-    let older = seed_waiting(
-        &api,
-        Vmi::new("older").annotation(names::RETRIED_ANNOTATION, "2099-01-01T00:00:00Z"),
-        "2026-11-26T10:00:00Z",
-    );
+    // The key is `older`'s (refused first), whichever launcher pod CREATE lands first.
+    let older = seed_waiting_vmi(&api, "older", "2026-11-26T10:00:00Z");
     let newer = seed_waiting_vmi(&api, "newer", "2026-11-26T10:05:00Z");
     let fresh = seed_vmi(&api, &Vmi::new("fresh").tee(Tee::Tdx).scheduling());
     let h = Harness::start_with(api, None, &[]).await;

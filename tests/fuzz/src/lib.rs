@@ -136,6 +136,7 @@ pub fn mutate(data: &[u8]) -> Seen {
         data,
         lookups(),
         config(),
+        None,
     ));
     match result {
         Err(e) => {

@@ -97,8 +97,8 @@ pub fn check(c: &Checker<'_>, ask: &Ask<'_>, target: Target<'_>) -> (Decision, O
                 admit::at_create(ix, ask, placement, now)
             }
         };
-        let write = planned.write.clone();
-        (planned, write)
+        let holds = planned.node.clone().zip(planned.hold.clone());
+        (planned, holds.map(|(node, hold)| (node, vec![hold])))
     });
     if let (Some(kind), Target::Candidates(_), Some(node)) = (primary, target, &planned.node)
         && hint.as_deref() != Some(node.as_str())

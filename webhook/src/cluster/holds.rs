@@ -19,6 +19,9 @@ use super::index::KeyIndex;
 use crate::decide::admit::Write;
 use crate::metrics::{HoldWriteResult, Metrics};
 
+/// Holds a decision takes on one node: the node and its holds.
+pub type NodeHolds = (String, Vec<teeguard_shared::reservation::KeyReservation>);
+
 /// Writes tried per node before giving up (a conflict means the object changed under the write: a
 /// decider taking over, the planner's trim).
 pub const MAX_ATTEMPTS: u32 = 8;
@@ -51,18 +54,18 @@ pub trait HoldStore: Send + Sync {
 }
 
 /// Decide with `plan` on the index and keep its holds there, under one write lock: two reviews on
-/// the decider never both take one last key. `plan` returns its answer and the write that commits
-/// it (`None`: nothing to hold); returns the answer (the holds are written behind soon after,
+/// the decider never both take one last key. `plan` returns its answer and the holds it takes on a
+/// node (`None`: none); returns the answer (the holds are written behind soon after,
 /// [`write_behind`]).
 pub fn hold<T>(
     index: &KeyIndex,
-    plan: impl FnOnce(&crate::decide::index::Index, jiff::Timestamp) -> (T, Option<Write>),
+    plan: impl FnOnce(&crate::decide::index::Index, jiff::Timestamp) -> (T, Option<NodeHolds>),
 ) -> T {
     let (answer, held) = index.update(|ix, now| {
-        let (answer, write) = plan(ix, now);
-        let held = write.is_some_and(|w| {
-            for hold in w.added {
-                ix.hold_locally(&w.node, hold, now);
+        let (answer, holds) = plan(ix, now);
+        let held = holds.is_some_and(|(node, holds)| {
+            for hold in holds {
+                ix.hold_locally(&node, hold, now);
             }
             true
         });
@@ -339,13 +342,11 @@ mod tests {
                                 std::thread::yield_now();
                             }
                             let free = ix.live("n1", now).count() == 0;
-                            let write = free.then(|| Write {
-                                node: "n1".into(),
-                                base: None,
-                                entries: Vec::new(),
-                                added: vec![entry(&format!("p{i}"), "v", HoldReason::Bound)],
+                            let holds = free.then(|| {
+                                let hold = entry(&format!("p{i}"), "v", HoldReason::Bound);
+                                ("n1".to_string(), vec![hold])
                             });
-                            (free, write)
+                            (free, holds)
                         })
                     })
                 })

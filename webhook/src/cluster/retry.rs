@@ -91,7 +91,7 @@ pub fn promise(index: &KeyIndex, config: &Config, replica: &str) -> Vec<Promised
                 })
                 .collect();
             let holds = admit::promise_holds(&here, per_vmi(config), replica, now);
-            (promised, Some(admit::write(ix, &node, holds, now)))
+            (promised, Some((node.clone(), holds)))
         });
         out.extend(promised);
     }

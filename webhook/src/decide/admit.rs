@@ -39,8 +39,6 @@ pub struct Write {
     pub base: Option<Arc<TeeReservation>>,
     /// Every entry after the write.
     pub entries: Vec<KeyReservation>,
-    /// The holds this write adds (held locally when the write cannot be made).
-    pub added: Vec<KeyReservation>,
 }
 
 /// The node's entries after `added` are held there: those still holding or counted (a replica whose
@@ -64,12 +62,11 @@ pub fn write(ix: &Index, node: &str, added: Vec<KeyReservation>, now: Timestamp)
         .filter(|e| ix.end(node, e, now).is_none_or(|end| !end.trimmed()) && !replaced(e))
         .cloned()
         .collect();
-    entries.extend(added.iter().cloned());
+    entries.extend(added);
     Write {
         node: node.to_string(),
         base,
         entries,
-        added,
     }
 }
 
@@ -155,8 +152,8 @@ pub struct Planned {
     pub decision: Decision,
     /// The node chosen (the named node, or the candidate that fitted).
     pub node: Option<String>,
-    /// The hold to write.
-    pub write: Option<Write>,
+    /// The hold it takes on `node` (kept in the index, written behind).
+    pub hold: Option<KeyReservation>,
 }
 
 /// Whether `decision` takes a key teeguard must hold: admitted for real, not a dry run, and not on a
@@ -197,12 +194,12 @@ pub fn on_node(ix: &Index, trigger: Trigger, node: &str, ask: &Ask<'_>, now: Tim
         decide_on_node(trigger, ask.requests, &a, ask.policy),
         ask.mode,
     );
-    let write = (takes_a_key(&decision, ask.dry_run) && !held_here(ix, node, ask.claimant, now))
-        .then(|| write(ix, node, vec![ask.hold(HoldReason::Bound, now)], now));
+    let hold = (takes_a_key(&decision, ask.dry_run) && !held_here(ix, node, ask.claimant, now))
+        .then(|| ask.hold(HoldReason::Bound, now));
     Planned {
         decision,
         node: Some(node.to_string()),
-        write,
+        hold,
     }
 }
 
@@ -210,7 +207,7 @@ pub fn on_node(ix: &Index, trigger: Trigger, node: &str, ask: &Ask<'_>, now: Tim
 /// report that counts it (a retried binding, a dry run followed by the real request).
 fn held_here(ix: &Index, node: &str, claimant: Claimant<'_>, now: Timestamp) -> bool {
     let uid = claimant.pod_uid;
-    !uid.is_empty() && (ix.is_counted(node, uid) || ix.live(node, now).any(|e| e.pod_uid == uid))
+    !uid.is_empty() && (ix.counted(node, uid) || ix.live(node, now).any(|e| e.pod_uid == uid))
 }
 
 /// How a pod not bound yet is placed.
@@ -269,17 +266,16 @@ pub fn at_create(ix: &Index, ask: &Ask<'_>, placement: Placement<'_>, now: Times
     });
     let decision = apply_mode(scan.verdict(ask.policy), ask.mode);
     let holds = !claimant.vmi_uid.is_empty() && decision.reason == reason::ENOUGH_KEYS;
-    let write = match &fitted {
+    let hold = match &fitted {
         Some(node) if holds && takes_a_key(&decision, ask.dry_run) => {
-            (!held_here(ix, node, claimant, now))
-                .then(|| write(ix, node, vec![ask.hold(HoldReason::Admitted, now)], now))
+            (!held_here(ix, node, claimant, now)).then(|| ask.hold(HoldReason::Admitted, now))
         }
         _ => None,
     };
     Planned {
         decision,
         node: fitted,
-        write,
+        hold,
     }
 }
 

@@ -150,11 +150,6 @@ impl Index {
         self.synced = true;
     }
 
-    /// Whether every watched kind has been listed once.
-    pub fn is_synced(&self) -> bool {
-        self.synced
-    }
-
     fn node_mut(&mut self, name: &str) -> &mut NodeState {
         self.nodes.entry(name.to_string()).or_default()
     }

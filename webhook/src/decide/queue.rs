@@ -50,8 +50,6 @@ pub struct Waiting {
     pub kind: TeeKind,
     /// When its pod was first refused (the condition's `lastTransitionTime`).
     pub since: Option<Timestamp>,
-    /// When teeguard last retried it ([`names::RETRIED_ANNOTATION`]).
-    pub retried: Option<Timestamp>,
     /// Where its launcher pod may go, as KubeVirt renders it: the VMI's node selector with the labels
     /// of its kind, and its affinity.
     pub placement: PodSpec,
@@ -148,12 +146,6 @@ pub fn waiting(vmi: &VirtualMachineInstance) -> Option<Waiting> {
         },
         kind,
         since: parse(refusal.last_transition_time.as_deref()),
-        retried: parse(
-            meta.annotations
-                .as_ref()
-                .and_then(|a| a.get(names::RETRIED_ANNOTATION))
-                .map(String::as_str),
-        ),
         placement: PodSpec {
             node_selector: Some(selector),
             affinity: vmi.spec.affinity.clone(),

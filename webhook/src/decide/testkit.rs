@@ -157,7 +157,6 @@ impl World {
             },
             kind: TeeKind::Tdx,
             since: Some(at(s)),
-            retried: None,
             placement: PodSpec {
                 node_selector: Some(
                     selector

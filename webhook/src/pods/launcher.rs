@@ -99,43 +99,6 @@ impl ContainerResources {
             ..Container::default()
         }
     }
-
-    fn to_container(&self) -> Container {
-        self.clone().into_container()
-    }
-}
-
-impl LauncherPod {
-    /// A k8s-openapi Pod carrying exactly these fields, for the shared pod functions
-    /// (`classify_pod`, `key_requests`).
-    pub fn to_pod(&self) -> Pod {
-        Pod {
-            metadata: self.metadata.clone(),
-            spec: Some(PodSpec {
-                node_name: self.spec.node_name.clone(),
-                containers: self
-                    .spec
-                    .containers
-                    .iter()
-                    .map(ContainerResources::to_container)
-                    .collect(),
-                init_containers: if self.spec.init_containers.is_empty() {
-                    None
-                } else {
-                    Some(
-                        self.spec
-                            .init_containers
-                            .iter()
-                            .map(ContainerResources::to_container)
-                            .collect(),
-                    )
-                },
-                overhead: self.spec.overhead.clone(),
-                ..PodSpec::default()
-            }),
-            status: None,
-        }
-    }
 }
 
 /// `metadata` reduced to identity (name, namespace, uid, resourceVersion), the labels and annotations
@@ -362,15 +325,11 @@ mod tests {
         let want = KeyRequests::from([(TeeKind::Tdx, 3)]);
         assert_eq!(key_requests(&pod, &cfg.resources).expect("keys"), want);
         assert_eq!(
-            key_requests(&lp.to_pod(), &cfg.resources).expect("keys"),
-            want
-        );
-        assert_eq!(
             LauncherPod::url_path(&(), Some("ns")),
             "/api/v1/namespaces/ns/pods"
         );
         // The cache's reduction keeps the decision inputs and drops the rest.
-        let full: LauncherPod = serde_json::from_value(json!({
+        let json = json!({
             "metadata": {"name": "virt-launcher-vm-abcde", "namespace": "ns", "uid": "u1",
                 "resourceVersion": "9", "generateName": "virt-launcher-vm-",
                 "labels": {"kubevirt.io": "virt-launcher", "kubevirt.io/vm": "vm",
@@ -387,10 +346,11 @@ mod tests {
                     "limits": {"memory": "1Gi", "tdx.intel.com/keys": "1"}}},
                 {"name": "side", "resources": {"requests": {"cpu": "100m"}}}],
                 "overhead": {"cpu": "1"}}
-        }))
-        .expect("launcher pod");
-        let before = full.to_pod();
-        let cached = CachedLauncherPod::from(full);
+        });
+        let before: Pod = serde_json::from_value(json.clone()).expect("pod");
+        let cached = CachedLauncherPod::from(
+            serde_json::from_value::<LauncherPod>(json).expect("launcher pod"),
+        );
         let after = cached.to_pod();
         assert_eq!(
             key_requests(&after, &cfg.resources).expect("keys"),
@@ -428,6 +388,7 @@ mod tests {
         // A minimal object still parses.
         let bare: LauncherPod =
             serde_json::from_value(json!({"metadata": {"name": "p"}})).expect("bare");
-        assert!(bare.to_pod().spec.expect("spec").containers.is_empty());
+        let bare = CachedLauncherPod::from(bare).to_pod();
+        assert!(bare.spec.expect("spec").containers.is_empty());
     }
 }

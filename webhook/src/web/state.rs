@@ -25,15 +25,6 @@ pub struct RequestLimits {
     pub request_timeout: Duration,
 }
 
-impl Default for RequestLimits {
-    fn default() -> Self {
-        RequestLimits {
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            request_timeout: Duration::from_secs(30),
-        }
-    }
-}
-
 /// State of the admission router: configuration, caches, metrics and limits. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct AppState {

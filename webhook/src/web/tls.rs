@@ -225,11 +225,6 @@ impl CertReloader {
         Ok((reloader, store))
     }
 
-    /// The directory watched.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// Re-read the files; swap in the new pair if they changed and are usable.
     pub fn reload(&self) -> ReloadOutcome {
         let (contents, cert_path, key_path) = match read_contents(&self.dir) {

@@ -159,11 +159,7 @@ pub fn namespace_labels(labels: Option<Labels>) -> Labels {
 /// `launchSecurity` (the type reads nothing else of the spec).
 pub fn slim_vmi(vmi: &mut VirtualMachineInstance) {
     let deletion = vmi.metadata.deletion_timestamp.take();
-    slim_meta(
-        &mut vmi.metadata,
-        |k| k == names::EXEMPT_LABEL,
-        |k| k == names::RETRIED_ANNOTATION,
-    );
+    slim_meta(&mut vmi.metadata, |k| k == names::EXEMPT_LABEL, |_| false);
     vmi.metadata.deletion_timestamp = deletion;
     // Where its pod may go, and why it has none, matter only while it waits on teeguard.
     if queue::waiting(vmi).is_some() {
@@ -318,11 +314,6 @@ impl Caches {
         (caches, tasks)
     }
 
-    /// The client (for the shared reservations' writes).
-    pub fn client(&self) -> &Client {
-        &self.client
-    }
-
     /// True once every cache has completed its initial list.
     pub fn is_synced(&self) -> bool {
         *self.synced.borrow()
@@ -438,7 +429,7 @@ impl Caches {
                 self.metrics
                     .lookup(Cache::LauncherPods.as_str(), LookupResult::ApiFound);
                 tracing::debug!(namespace, name, "pod not cached yet; found by GET");
-                PodLookup::Found(Arc::new(found.to_pod()))
+                PodLookup::Found(Arc::new(CachedLauncherPod::from(found).to_pod()))
             }
             Ok(_) => {
                 self.metrics

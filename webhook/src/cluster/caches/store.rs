@@ -1,11 +1,10 @@
 //! The store behind every cache: [`CacheBuilder`] starts a reflector per cache (reducing each object
 //! on arrival, counting objects, registering it for the sync wait), and [`NamedStore`] keeps the
-//! objects by namespace and name for borrowed lookups and allocation-free scans.
+//! objects by namespace and name for borrowed lookups.
 
 use std::collections::HashMap;
 use std::fmt::Debug;
 use std::hash::Hash;
-use std::ops::ControlFlow;
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
@@ -254,12 +253,10 @@ impl<T> Objects<T> {
 /// A cache of objects by namespace and name, each reduced to a `T` when it arrives (kube's reflector
 /// `Store` keeps the whole object, keyed by an `ObjectRef` holding four more strings). Cheap to clone.
 ///
-/// Lookups take `&str`s (no key to build) and [`NamedStore::scan`] visits the entries under the read
-/// lock without cloning them.
+/// Lookups take `&str`s (no key to build).
 pub struct NamedStore<T> {
     map: Arc<RwLock<Objects<T>>>,
     ready: tokio::sync::watch::Receiver<bool>,
-    removed: Arc<std::sync::Mutex<Removed>>,
     /// Woken after every change (for [`NamedStore::wait_for`]).
     changed: Arc<tokio::sync::Notify>,
 }
@@ -269,34 +266,8 @@ impl<T> Clone for NamedStore<T> {
         NamedStore {
             map: self.map.clone(),
             ready: self.ready.clone(),
-            removed: self.removed.clone(),
             changed: self.changed.clone(),
         }
-    }
-}
-
-/// Objects deleted recently (`namespace/name`), so a reader can tell "gone" from "not seen yet".
-/// Bounded: at most [`REMOVED_KEPT`] names, none older than [`REMOVED_FOR`].
-#[derive(Debug, Default)]
-struct Removed {
-    at: HashMap<String, std::time::Instant>,
-}
-
-/// How long a deletion is remembered.
-const REMOVED_FOR: Duration = Duration::from_secs(600);
-/// At most this many deletions are remembered.
-const REMOVED_KEPT: usize = 4096;
-
-impl Removed {
-    fn record(&mut self, namespace: &str, name: &str) {
-        let now = std::time::Instant::now();
-        if self.at.len() >= REMOVED_KEPT {
-            self.at.retain(|_, t| now.duration_since(*t) < REMOVED_FOR);
-            if self.at.len() >= REMOVED_KEPT {
-                self.at.clear();
-            }
-        }
-        self.at.insert(format!("{namespace}/{name}"), now);
     }
 }
 
@@ -315,14 +286,12 @@ impl<T: Send + Sync + 'static> NamedStore<T> {
         reduce: fn(K) -> T,
     ) -> (Self, NamedWriter<K, T>) {
         let map = Arc::new(RwLock::new(Objects::default()));
-        let removed = Arc::new(std::sync::Mutex::new(Removed::default()));
         let (tx, rx) = tokio::sync::watch::channel(false);
         let changed = Arc::new(tokio::sync::Notify::new());
         (
             NamedStore {
                 map: map.clone(),
                 ready: rx,
-                removed: removed.clone(),
                 changed: changed.clone(),
             },
             NamedWriter {
@@ -330,7 +299,6 @@ impl<T: Send + Sync + 'static> NamedStore<T> {
                 buffer: None,
                 reduce,
                 ready: tx,
-                removed,
                 observer: None,
                 changed,
             },
@@ -379,15 +347,6 @@ impl<T> NamedStore<T> {
         }
     }
 
-    /// Whether `namespace/name` was deleted within the last ten minutes (and not stored again).
-    pub fn was_removed(&self, namespace: &str, name: &str) -> bool {
-        self.removed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .at
-            .contains_key(&format!("{namespace}/{name}"))
-    }
-
     /// Number of objects.
     pub fn len(&self) -> usize {
         self.read().len
@@ -402,37 +361,6 @@ impl<T> NamedStore<T> {
     pub fn is_ready(&self) -> bool {
         *self.ready.borrow()
     }
-
-    /// Visit every object (name and value), in no particular order, until `visit` breaks. The read
-    /// lock is held throughout: keep `visit` short and never write to this store from it.
-    pub fn scan(&self, visit: impl FnMut(&str, &T) -> ControlFlow<()>) {
-        self.scan_from(None, visit);
-    }
-
-    /// [`NamedStore::scan`], visiting the cluster-scoped object `first` (when stored) before the
-    /// others, and each object once.
-    pub fn scan_from(
-        &self,
-        first: Option<&str>,
-        mut visit: impl FnMut(&str, &T) -> ControlFlow<()>,
-    ) {
-        let objects = self.read();
-        if let Some((name, value)) = first.and_then(|f| Some((f, objects.get("", f)?)))
-            && visit(name, value).is_break()
-        {
-            return;
-        }
-        for (namespace, names) in &objects.by_namespace {
-            for (name, value) in names {
-                if namespace.is_empty() && Some(name.as_str()) == first {
-                    continue;
-                }
-                if visit(name, value).is_break() {
-                    return;
-                }
-            }
-        }
-    }
 }
 
 /// Fills a [`NamedStore`] from watch events (the initial list is buffered and swapped in whole, like
@@ -442,16 +370,11 @@ pub(super) struct NamedWriter<K, T> {
     buffer: Option<Objects<T>>,
     reduce: fn(K) -> T,
     ready: tokio::sync::watch::Sender<bool>,
-    removed: Arc<std::sync::Mutex<Removed>>,
     pub(super) observer: Option<Arc<dyn Observer<T>>>,
     changed: Arc<tokio::sync::Notify>,
 }
 
 impl<K, T> NamedWriter<K, T> {
-    fn removed(&self) -> std::sync::MutexGuard<'_, Removed> {
-        self.removed.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<T>> {
         self.map.write().unwrap_or_else(PoisonError::into_inner)
     }
@@ -471,7 +394,6 @@ impl<K: Resource, T> NamedWriter<K, T> {
         match event {
             watcher::Event::Apply(o) => {
                 let (namespace, name) = key(&o);
-                self.removed().at.remove(&format!("{namespace}/{name}"));
                 let value = Arc::new((self.reduce)(o));
                 self.write().insert(&namespace, name, value.clone());
                 self.changed.notify_waiters();
@@ -482,7 +404,6 @@ impl<K: Resource, T> NamedWriter<K, T> {
             watcher::Event::Delete(o) => {
                 let (namespace, name) = key(&o);
                 let gone = self.write().remove(&namespace, &name);
-                self.removed().record(&namespace, &name);
                 if let Some(observer) = &self.observer {
                     // The stored value, or (never stored here) the deleted object itself.
                     let value = gone.unwrap_or_else(|| Arc::new((self.reduce)(o)));
@@ -505,11 +426,9 @@ impl<K: Resource, T> NamedWriter<K, T> {
                 let mut vanished = Vec::new();
                 {
                     let map = self.map.read().unwrap_or_else(PoisonError::into_inner);
-                    let mut removed = self.removed();
                     for (namespace, names) in &old.by_namespace {
                         for (name, value) in names {
                             if map.get(namespace, name).is_none() {
-                                removed.record(namespace, name);
                                 vanished.push(value.clone());
                             }
                         }

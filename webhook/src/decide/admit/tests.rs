@@ -37,14 +37,17 @@ fn create(ix: &Index, a: &Ask<'_>, queue: bool) -> Planned {
 }
 
 fn added(p: &Planned) -> Vec<(String, String, HoldReason)> {
-    p.write
+    let node = p.node.clone().unwrap_or_default();
+    p.hold
         .iter()
-        .flat_map(|w| {
-            w.added
-                .iter()
-                .map(|e| (w.node.clone(), e.pod_uid.clone(), e.reason()))
-        })
+        .map(|e| (node.clone(), e.pod_uid.clone(), e.reason()))
         .collect()
+}
+
+/// The write-behind's write of `p`'s hold.
+fn written(ix: &Index, p: Planned) -> Write {
+    let node = p.node.expect("node");
+    write(ix, &node, vec![p.hold.expect("hold")], t0())
 }
 
 #[test]
@@ -54,7 +57,7 @@ fn a_binding_takes_a_free_key_and_holds_it_as_bound() {
     let p = on_node(&ix, Trigger::Binding, "n1", &ask("p1", "v1", &one), t0());
     assert!(p.decision.allowed);
     assert_eq!(added(&p), [("n1".into(), "p1".into(), Bound)]);
-    let w = p.write.expect("write");
+    let w = written(&ix, p);
     assert_eq!(
         (w.base, w.entries.len()),
         (None, 1),
@@ -73,7 +76,7 @@ fn keys_held_for_others_refuse_a_binding_and_the_message_says_why() {
         .ix;
     let one = tdx(1);
     let p = on_node(&ix, Trigger::Binding, "n1", &ask("p1", "v1", &one), t0());
-    assert!(!p.decision.allowed && p.write.is_none());
+    assert!(!p.decision.allowed && p.hold.is_none());
     assert_eq!(
         p.decision.message.as_deref(),
         Some(
@@ -84,7 +87,7 @@ fn keys_held_for_others_refuse_a_binding_and_the_message_says_why() {
     );
     // p0's own binding: its hold is its own, and it holds already (no write).
     let p = on_node(&ix, Trigger::Binding, "n1", &ask("p0", "v0", &one), t0());
-    assert!(p.decision.allowed && p.write.is_none());
+    assert!(p.decision.allowed && p.hold.is_none());
 }
 
 #[test]
@@ -97,7 +100,7 @@ fn a_binding_of_a_pod_the_report_counts_writes_nothing() {
     );
     let one = tdx(1);
     let p = on_node(&ix, Trigger::Binding, "n1", &ask("p1", "v1", &one), t0());
-    assert!(p.decision.allowed && p.write.is_none());
+    assert!(p.decision.allowed && p.hold.is_none());
 }
 
 #[test]
@@ -109,13 +112,13 @@ fn a_launcher_pod_create_holds_its_key_on_the_node_that_fitted_and_other_pods_ho
     assert_eq!(added(&p), [("n1".into(), "p1".into(), Admitted)]);
     // A Kata pod (no VMI) is checked, and holds nothing until it is bound.
     let p = create(&ix, &ask("kata", "", &one), false);
-    assert!(p.decision.allowed && p.write.is_none());
+    assert!(p.decision.allowed && p.hold.is_none());
     // A dry run decides and holds nothing.
     let dry = Ask {
         dry_run: true,
         ..ask("p2", "v2", &one)
     };
-    assert!(create(&ix, &dry, true).write.is_none());
+    assert!(create(&ix, &dry, true).hold.is_none());
     // Warn mode admits a refused pod with a warning and holds nothing.
     let full = World::default().node("n1", 1, 0).ix;
     let warn = Ask {
@@ -123,7 +126,7 @@ fn a_launcher_pod_create_holds_its_key_on_the_node_that_fitted_and_other_pods_ho
         ..ask("p3", "v3", &one)
     };
     let p = create(&full, &warn, true);
-    assert!(p.decision.allowed && !p.decision.warnings.is_empty() && p.write.is_none());
+    assert!(p.decision.allowed && !p.decision.warnings.is_empty() && p.hold.is_none());
 }
 
 #[test]
@@ -136,7 +139,7 @@ fn a_pod_whose_vmi_was_promised_a_key_takes_that_key_in_place() {
     let one = tdx(1);
     let p = create(&ix, &ask("p1", "v1", &one), true);
     assert_eq!(p.node.as_deref(), Some("b"), "the promised node first");
-    let w = p.write.expect("write");
+    let w = written(&ix, p);
     assert_eq!(
         w.entries
             .iter()

@@ -78,11 +78,7 @@ impl Index {
     }
 
     /// Whether a report counts pod `uid`: `node`'s current one, or any this replica saw.
-    pub fn is_counted(&self, node: &str, uid: &str) -> bool {
-        self.counted(node, uid)
-    }
-
-    fn counted(&self, node: &str, uid: &str) -> bool {
+    pub fn counted(&self, node: &str, uid: &str) -> bool {
         self.counted.contains_key(uid)
             || self
                 .nodes

@@ -100,34 +100,6 @@ impl SkipReason {
     }
 }
 
-impl fmt::Display for SkipReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SkipReason::ExemptPod => write!(f, "pod is labelled {}=true", names::EXEMPT_LABEL),
-            SkipReason::NotKubeVirt => write!(f, "not a KubeVirt pod"),
-            SkipReason::NotVirtLauncher(role) => {
-                write!(f, "KubeVirt pod of role {role:?}, not a virt-launcher")
-            }
-            SkipReason::Hotplug => write!(f, "hotplug volume pod"),
-            SkipReason::Export => write!(f, "VM export pod"),
-            SkipReason::StorageBinding => write!(f, "temporary storage-binding pod"),
-            SkipReason::NoVmiOwner => write!(
-                f,
-                "no controller owner reference to a kubevirt.io VirtualMachineInstance"
-            ),
-            SkipReason::ExemptNamespace => {
-                write!(f, "namespace is labelled {}=true", names::EXEMPT_LABEL)
-            }
-            SkipReason::ExemptVmi => write!(f, "VMI is labelled {}=true", names::EXEMPT_LABEL),
-            SkipReason::NotTee => write!(f, "VMI has no launchSecurity"),
-            SkipReason::UnmanagedLaunchSecurity => write!(
-                f,
-                "VMI launchSecurity names no TDX/SEV/SNP (e.g. s390x Secure Execution)"
-            ),
-        }
-    }
-}
-
 /// Why a pod is refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DenyReason {

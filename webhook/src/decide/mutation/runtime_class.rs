@@ -13,7 +13,6 @@
 //! decides them.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use json_patch::Patch;
 use k8s_openapi::api::core::v1::{Container, Pod};
@@ -51,27 +50,6 @@ impl RuntimeClassSkip {
             RuntimeClassSkip::ExemptNamespace => "exempt-namespace",
             RuntimeClassSkip::KeyAlreadyRequested => "key-already-requested",
             RuntimeClassSkip::NoContainer => "no-container",
-        }
-    }
-}
-
-impl fmt::Display for RuntimeClassSkip {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RuntimeClassSkip::ExemptPod => {
-                write!(f, "pod is labelled {}=true", names::EXEMPT_LABEL)
-            }
-            RuntimeClassSkip::KubeVirtPod => write!(f, "a KubeVirt pod"),
-            RuntimeClassSkip::NotListed => {
-                write!(f, "RuntimeClass not in admission.teeRuntimeClasses")
-            }
-            RuntimeClassSkip::ExemptNamespace => {
-                write!(f, "namespace is labelled {}=true", names::EXEMPT_LABEL)
-            }
-            RuntimeClassSkip::KeyAlreadyRequested => {
-                write!(f, "a container already requests a TEE key")
-            }
-            RuntimeClassSkip::NoContainer => write!(f, "no container"),
         }
     }
 }

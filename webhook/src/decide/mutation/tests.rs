@@ -571,9 +571,6 @@ fn codes_are_distinct() {
     ];
     let codes: std::collections::BTreeSet<_> = skips.iter().map(|s| s.code()).collect();
     assert_eq!(codes.len(), skips.len());
-    for s in &skips {
-        assert!(!s.to_string().is_empty());
-    }
 }
 
 #[test]

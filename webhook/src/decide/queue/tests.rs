@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use jiff::Timestamp;
 use serde_json::{Value, json};
-use teeguard_shared::{TeeKind, VirtualMachineInstance, names};
+use teeguard_shared::{TeeKind, VirtualMachineInstance};
 
 use super::*;
 
@@ -90,13 +90,11 @@ fn a_pending_tee_vmi_refused_by_teeguard_waits_with_its_refusal_time_and_placeme
         "2026-11-26T10:00:00Z",
     );
     v["spec"]["nodeSelector"] = json!({"rack": "r1"});
-    v["metadata"]["annotations"] = json!({names::RETRIED_ANNOTATION: "2026-11-26T10:05:00Z"});
     let w = waiting(&parse(v)).expect("waiting");
     assert_eq!(w.vmi.to_string(), "vms/a");
     assert_eq!(w.vmi.uid, "uid-a");
     assert_eq!(w.kind, TeeKind::Tdx);
     assert_eq!(w.since, Some(t("2026-11-26T10:00:00Z")));
-    assert_eq!(w.retried, Some(t("2026-11-26T10:05:00Z")));
     let selector = w.placement.node_selector.expect("selector");
     let want: BTreeMap<String, String> = [("kubevirt.io/tdx", "true"), ("rack", "r1")]
         .into_iter()

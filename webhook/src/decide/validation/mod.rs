@@ -138,8 +138,9 @@ pub struct Report<'a> {
     pub lease_renewed: Option<Timestamp>,
 }
 
+/// A report without a Lease (the tests' shorthand).
+#[cfg(test)]
 impl<'a> From<Option<&'a TeeCapacityStatus>> for Report<'a> {
-    /// A report without a Lease.
     fn from(status: Option<&'a TeeCapacityStatus>) -> Self {
         Report {
             status,
@@ -248,14 +249,16 @@ pub struct Held<'h> {
     pub queued: &'h KeyRequests,
 }
 
-/// No keys.
-static NONE: KeyRequests = KeyRequests::new();
-
+/// Keys held for other pods, none kept for VMIs (the tests' shorthand).
+#[cfg(test)]
 impl<'h> From<&'h KeyRequests> for Held<'h> {
     fn from(reserved: &'h KeyRequests) -> Self {
         Held {
             reserved,
-            queued: &NONE,
+            queued: {
+                static NONE: KeyRequests = KeyRequests::new();
+                &NONE
+            },
         }
     }
 }

@@ -15,18 +15,23 @@ use serde_json::value::RawValue;
 
 use crate::error::{Error, Result};
 
-/// Audit annotation keys of the validating webhook's answers (the API server prefixes them with the
-/// webhook's name).
+/// Audit annotation keys of the webhooks' answers (the API server prefixes them with the webhook's
+/// name).
 pub mod audit {
-    /// `admitted`, `warned`, `denied` or `skipped`.
+    /// The decision: `patched`, `unchanged`, `skipped` or `denied` (mutating); `admitted`, `warned`,
+    /// `denied` or `skipped` (validating).
     pub const DECISION: &str = "decision";
-    /// Why (a reason code).
+    /// Why (a reason, skip or deny code).
     pub const REASON: &str = "reason";
-    /// The TEE kind requested (`tdx`, `sev`, `sev_es`).
+    /// The TEE kind (`tdx`, `sev`, `sev_es`).
     pub const TEE_KIND: &str = "tee-kind";
-    /// The node checked (bindings and pods created with `spec.nodeName`).
+    /// The extended resource requested (mutating).
+    pub const RESOURCE: &str = "resource";
+    /// The TEE RuntimeClass of a pod decided by its RuntimeClass (mutating).
+    pub const RUNTIME_CLASS: &str = "runtime-class";
+    /// The node checked (validating: bindings and pods created with `spec.nodeName`).
     pub const NODE: &str = "node";
-    /// The mode applied (`enforce` or `warn`).
+    /// The mode applied (validating: `enforce` or `warn`).
     pub const MODE: &str = "mode";
 }
 

@@ -26,48 +26,40 @@ use crate::decide::mutation::{
 };
 use crate::error::Result;
 use crate::metrics::{Metrics, Outcome, RuntimeClassResult};
-use crate::web::admission::{Operation, ReviewResponse};
+use crate::web::admission::{Operation, ReviewResponse, audit};
 use crate::web::admitted::AdmittedReview;
 use crate::web::state::AppState;
 
 /// Endpoint name in metrics and logs.
 pub const ENDPOINT: &str = crate::metrics::endpoint::MUTATE;
 
-/// Audit annotation keys (the API server prefixes them with the webhook's name).
-pub mod audit {
-    /// `patched`, `unchanged`, `skipped` or `denied`.
-    pub const DECISION: &str = "decision";
-    /// Why (a skip or deny code).
-    pub const REASON: &str = "reason";
-    /// The TEE kind of the VMI (`tdx`, `sev`, `sev_es`).
-    pub const TEE_KIND: &str = "tee-kind";
-    /// The extended resource requested.
-    pub const RESOURCE: &str = "resource";
-    /// The TEE RuntimeClass of a pod decided by its RuntimeClass.
-    pub const RUNTIME_CLASS: &str = "runtime-class";
+/// A patch that could not be serialised. Serialising a patch of strings and maps cannot fail;
+/// refuse rather than admit a TEE pod without its key request if it ever does.
+fn unpatchable(uid: String, pod: &dyn std::fmt::Display, e: &dyn std::fmt::Display) -> Reviewed {
+    tracing::error!(pod = %pod, error = %e, "cannot serialise the patch");
+    Reviewed {
+        response: ReviewResponse::deny(
+            uid,
+            500,
+            format!("teeguard cannot serialise the patch for pod {pod}: {e}"),
+        ),
+        outcome: Outcome::Denied,
+    }
 }
 
 /// The axum handler.
 pub async fn handle(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let s = &state;
     serve_review(s, ENDPOINT, req, |body| async move {
-        review_mutation_with(&body, &s.caches, &s.config, Some(&s.metrics)).await
+        review_mutation(&body, &s.caches, &s.config, Some(&s.metrics)).await
     })
     .await
 }
 
 /// Decide one mutating review from its raw body: the same code serves HTTPS and the offline
-/// `review` command. Errors are malformed reviews (HTTP 400).
+/// `review` command. Decisions on TEE RuntimeClass pods are counted in `metrics` (`None` offline).
+/// Errors are malformed reviews (HTTP 400).
 pub async fn review_mutation<L: Lookups>(
-    body: &[u8],
-    lookups: &L,
-    config: &Config,
-) -> Result<Reviewed> {
-    review_mutation_with(body, lookups, config, None).await
-}
-
-/// [`review_mutation`], counting decisions on TEE RuntimeClass pods in `metrics` (`None` offline).
-pub async fn review_mutation_with<L: Lookups>(
     body: &[u8],
     lookups: &L,
     config: &Config,
@@ -191,19 +183,9 @@ fn respond_runtime_class(
                 .with_patch(&inj.patch)
             {
                 Ok(r) => r.audit(audit::DECISION, "patched"),
-                // Serialising a patch of strings and maps cannot fail; refuse rather than admit a
-                // TEE pod without its key request if it ever does.
                 Err(e) => {
-                    tracing::error!(pod = %pod_name, error = %e, "cannot serialise the patch");
                     rc.count(RuntimeClassResult::Denied);
-                    return Reviewed {
-                        response: ReviewResponse::deny(
-                            rc.uid,
-                            500,
-                            format!("teeguard cannot serialise the patch for pod {pod_name}: {e}"),
-                        ),
-                        outcome: Outcome::Denied,
-                    };
+                    return unpatchable(rc.uid, &pod_name, &e);
                 }
             };
             tracing::debug!(
@@ -291,21 +273,7 @@ fn respond(
                 let uid = base.uid.clone();
                 match base.with_patch(&inj.patch) {
                     Ok(r) => r.audit(audit::DECISION, "patched"),
-                    // Serialising a patch of strings and maps cannot fail; refuse rather than
-                    // admit a TEE pod without its key request if it ever does.
-                    Err(e) => {
-                        tracing::error!(pod = %pod_name, error = %e, "cannot serialise the patch");
-                        return Reviewed {
-                            response: ReviewResponse::deny(
-                                uid,
-                                500,
-                                format!(
-                                    "teeguard cannot serialise the patch for pod {pod_name}: {e}"
-                                ),
-                            ),
-                            outcome: Outcome::Denied,
-                        };
-                    }
+                    Err(e) => return unpatchable(uid, &pod_name, &e),
                 }
             } else {
                 base.audit(audit::DECISION, "unchanged")

@@ -418,7 +418,4 @@ fn skip_codes_are_distinct() {
     ];
     let codes: std::collections::BTreeSet<&str> = all.iter().map(RuntimeClassSkip::code).collect();
     assert_eq!(codes.len(), all.len());
-    for s in &all {
-        assert!(!s.to_string().is_empty());
-    }
 }

@@ -22,82 +22,55 @@ pub struct Decider<'a> {
     pub forwarded: bool,
 }
 
-/// What a review that takes a key does on this replica.
-pub(super) enum Route {
-    /// Decide it here.
-    Here,
-    /// Send it to the deciding replica at this address.
-    Forward(String),
-    /// Nobody decides now (why; `create`: or this replica decides but may not admit a CREATE yet):
-    /// wait a moment for a decider (one may be taking the Lease over, or reading the holds of the
-    /// one that gave it up), then refuse.
-    Nobody { why: String, create: bool },
-    /// Another replica forwarded it here, and this one does not decide (why): that replica asks the
-    /// Lease again.
-    Decline(String),
-}
-
-/// Where the check of a review that takes a key is made (see [`Decider`]): a binding (`create`
-/// false) is decided by a decider that has just taken over too (it holds the pod's keys on the
-/// scheduler's node, what the pod's lost hold held); a CREATE waits for the orphans.
-pub(super) fn route(ctx: &ValidationContext<'_>, index: &KeyIndex, create: bool) -> Route {
-    let Some(d) = ctx.decider else {
-        return Route::Here;
+/// Where the check of a review that takes a key is made (see [`Decider`]): `None` here, else the
+/// verdict that forwards, declines or refuses it (`refused` makes the refusal the handler answers
+/// with: its mode, its note). A binding (`create` false) is decided by a decider that has just taken
+/// over too (it holds the pod's keys on the scheduler's node, what the pod's lost hold held); a CREATE
+/// waits for the orphans.
+pub(super) fn elsewhere(
+    ctx: &ValidationContext<'_>,
+    index: &KeyIndex,
+    create: bool,
+    (request, kind): (&'static str, &'static str),
+    refused: impl FnOnce(Answer) -> Answer,
+) -> Option<Verdict> {
+    let d = ctx.decider?;
+    // Nobody decides now (or this replica decides but may not admit a CREATE yet): wait a moment for
+    // a decider (one may be taking the Lease over, or reading the holds of the one that gave it up),
+    // then refuse.
+    let nobody = |why: String| Verdict::Nobody {
+        refusal: refused(Answer::deny(
+            request,
+            kind,
+            reason::NO_DECIDER,
+            format!("{why}; {}", crate::decide::validation::HINT),
+        )),
+        create,
     };
     let route = if create {
         match d.leadership.route_create(index) {
             Ok(r) => r,
             Err(n) => {
-                return Route::Nobody {
-                    why: format!(
-                        "teeguard's deciding replica has just taken over and waits for {n} launcher \
-                         pod(s) admitted before it to be bound or gone"
-                    ),
-                    create,
-                };
+                return Some(nobody(format!(
+                    "teeguard's deciding replica has just taken over and waits for {n} launcher \
+                     pod(s) admitted before it to be bound or gone"
+                )));
             }
         }
     } else {
         d.leadership.route()
     };
+    // Forwarded here by a replica while this one does not decide: that replica asks the Lease again.
     match route {
-        LeadRoute::Here => Route::Here,
-        LeadRoute::Forward(address) if !d.forwarded => Route::Forward(address),
-        LeadRoute::Forward(address) => Route::Decline(format!("the Lease names {address}")),
-        LeadRoute::Nobody if d.forwarded => Route::Decline("nobody holds the Lease".into()),
-        LeadRoute::Nobody => Route::Nobody {
-            why: "no teeguard replica decides right now (an election, or the deciding replica \
-                  cannot reach the API server to renew its Lease)"
+        LeadRoute::Here => None,
+        LeadRoute::Forward(address) if !d.forwarded => Some(Verdict::Forward(address)),
+        LeadRoute::Forward(address) => Some(Verdict::Decline(format!("the Lease names {address}"))),
+        LeadRoute::Nobody if d.forwarded => Some(Verdict::Decline("nobody holds the Lease".into())),
+        LeadRoute::Nobody => Some(nobody(
+            "no teeguard replica decides right now (an election, or the deciding replica \
+             cannot reach the API server to renew its Lease)"
                 .into(),
-            create,
-        },
-    }
-}
-
-/// A review that takes a key, not decided here: forwarded, declined, or refused (`refused` makes the
-/// refusal the handler answers with: its mode, its note).
-pub(super) fn not_here(
-    request: &'static str,
-    kind: &'static str,
-    route: Route,
-    refused: impl FnOnce(Answer) -> Answer,
-) -> Option<Verdict> {
-    let refusal = |why: String| {
-        refused(Answer::deny(
-            request,
-            kind,
-            reason::NO_DECIDER,
-            format!("{why}; {}", crate::decide::validation::HINT),
-        ))
-    };
-    match route {
-        Route::Here => None,
-        Route::Forward(address) => Some(Verdict::Forward(address)),
-        Route::Nobody { why, create } => Some(Verdict::Nobody {
-            refusal: refusal(why),
-            create,
-        }),
-        Route::Decline(why) => Some(Verdict::Decline(why)),
+        )),
     }
 }
 

@@ -59,7 +59,7 @@ use crate::web::state::AppState;
 mod decider;
 
 pub use decider::Decider;
-use decider::{Verdict, forward, not_here, route, unforwarded};
+use decider::{Verdict, elsewhere, forward, unforwarded};
 
 /// Endpoint name in metrics and logs.
 pub const ENDPOINT: &str = crate::metrics::endpoint::VALIDATE;
@@ -402,9 +402,8 @@ async fn pod_create<L: Lookups>(
         }
         a.in_mode(mode).with_warnings(warnings.clone())
     };
-    let route = route(ctx, lookups.index(), bound.is_none());
-    if let Some(elsewhere) = not_here(REQ, kind, route, refused) {
-        return Ok(elsewhere);
+    if let Some(v) = elsewhere(ctx, lookups.index(), bound.is_none(), (REQ, kind), refused) {
+        return Ok(v);
     }
     let (decision, _) = check(&checker(lookups, ctx), &ask, target);
 
@@ -566,19 +565,13 @@ async fn binding<L: Lookups>(
         replica: ctx.replica,
     };
     let target = Target::Node(node, Trigger::Binding);
-    let route = route(ctx, lookups.index(), false);
     let refused = |a: Answer| a.in_mode(mode).with_warnings(warnings.clone());
-    if let Some(elsewhere) = not_here(REQ, primary_kind(&requests), route, refused) {
-        return Ok(elsewhere);
+    let kind = primary_kind(&requests);
+    if let Some(v) = elsewhere(ctx, lookups.index(), false, (REQ, kind), refused) {
+        return Ok(v);
     }
     let (d, _) = check(&checker(lookups, ctx), &ask, target);
-    let answer = Answer::from_decision(
-        REQ,
-        primary_kind(&requests),
-        d,
-        Some(node.to_string()),
-        mode,
-    );
+    let answer = Answer::from_decision(REQ, kind, d, Some(node.to_string()), mode);
     record_event(&answer, Some(&vmi_ref), req.dry_run, ctx);
     log_decision(&answer, &pod_name);
     Ok(Verdict::Answer(answer.with_warnings(warnings)))
