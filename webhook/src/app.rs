@@ -178,7 +178,7 @@ pub async fn start(
     // One replica, elected through the Lease, decides in memory and writes its holds behind into
     // each node's TeeReservation; the others forward (crate::cluster::lead, crate::web::forward).
     let address = decider_address(args, https_addr)?;
-    let terms = crate::cluster::lead::terms(config.admission.decider_lease);
+    let terms = crate::decide::lead::Terms::of_lease(config.admission.decider_lease);
     // Unique per process, as client-go's `hostname_uuid`: a restarted replica is a new holder.
     let identity = format!(
         "{replica}_{}-{}",

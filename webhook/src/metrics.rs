@@ -69,7 +69,7 @@ pub enum Cache {
     Nodes,
     /// virt-launcher pods.
     LauncherPods,
-    /// Shared reservations (`TeeReservation`).
+    /// The nodes' holds (`TeeReservation`).
     Reservations,
     /// The agents' heartbeat Leases.
     AgentLeases,
@@ -82,8 +82,8 @@ pub enum HoldWriteResult {
     Written,
     /// Another write came first (409 Conflict): read again and decided again.
     Conflict,
-    /// The API server could not be reached, refused, or the object kept changing: decided by the
-    /// stale-report policy.
+    /// The API server could not be reached, refused, or the object kept changing: the holds stay in
+    /// the decider's index and the write-behind tries again.
     Failed,
 }
 
@@ -349,7 +349,7 @@ impl Metrics {
         );
         r.register(
             "hold_write_duration_seconds",
-            "Time from an admission's first TeeReservation write to its last answer (reads and retries included)",
+            "Time from a node's TeeReservation write to its last answer (reads and retries included)",
             m.hold_write_latency.clone(),
         );
         r.register(

@@ -8,7 +8,7 @@
 //! - `patchedObject`: the object with the patch applied (absent when the request is denied);
 //! - `validation`: with `--tee-capacity`, `--node` or `--pod`, the validating AdmissionReview response
 //!   for the request as the validating webhook sees it (a pod CREATE after the patch; nothing when the
-//!   mutation denied it). The ledger starts empty and no Event is recorded.
+//!   mutation denied it). No key is held yet and no Event is recorded.
 //!
 //! VMI manifests without `metadata.namespace` match a pod in any namespace, and so do Pod manifests
 //! without one for a binding. Without `--node` files every node with a report is a candidate node. The

@@ -13,6 +13,7 @@ use super::holds::hold;
 use super::index::KeyIndex;
 use crate::decide::admit::{self, Ask, Placement, Planned};
 use crate::decide::affinity::node_matches;
+use crate::decide::index::Labels;
 use crate::decide::validation::{Decision, Trigger, reason};
 
 /// Per TEE kind, the node that last fitted a pod not bound yet: candidate scans stop at the first node
@@ -86,9 +87,8 @@ pub fn check(c: &Checker<'_>, ask: &Ask<'_>, target: Target<'_>) -> (Decision, O
         let planned: Planned = match target {
             Target::Node(node, trigger) => admit::on_node(ix, trigger, node, ask, now),
             Target::Candidates(spec) => {
-                let fits = |name: &str, labels: &KeyLabels| {
-                    !labels_known || node_matches(spec, name, labels)
-                };
+                let fits =
+                    |name: &str, labels: &Labels| !labels_known || node_matches(spec, name, labels);
                 let placement = Placement {
                     fits: &fits,
                     hint: hint.as_deref(),
@@ -117,5 +117,3 @@ pub fn check(c: &Checker<'_>, ask: &Ask<'_>, target: Target<'_>) -> (Decision, O
     }
     (decision, planned.node)
 }
-
-type KeyLabels = std::collections::BTreeMap<String, String>;

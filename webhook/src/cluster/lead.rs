@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::index::{Clock, KeyIndex};
-use crate::decide::lead::{Elector, Record, Route, Step, Terms};
+use crate::decide::lead::{Elector, Record, Route, Step};
 
 /// Where the holder takes forwarded reviews (`https://ip:port`).
 pub const ADDRESS_ANNOTATION: &str = "teeguard.dev/decider-address";
@@ -400,14 +400,5 @@ async fn write(
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 409 => Err(LeaseWrite::Lost),
         Err(e) => Err(LeaseWrite::Failed(format!("writing Lease {name}: {e}"))),
-    }
-}
-
-/// The elector's timings, from the lease duration: client-go's proportions (15 s, 10 s, 2 s).
-pub fn terms(lease: Duration) -> Terms {
-    Terms {
-        lease,
-        renew_deadline: lease.mul_f64(2.0 / 3.0),
-        retry: lease.mul_f64(2.0 / 15.0),
     }
 }

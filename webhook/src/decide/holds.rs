@@ -4,8 +4,8 @@
 //! A **hold** is a key held on a node for a pod or a VMI that the node's `TeeCapacity` report does
 //! not count yet. The table is the nodes' `TeeReservation` objects (one per node, shared by every
 //! replica and written with a `resourceVersion` precondition, so a key is held for one claimant only),
-//! plus the holds a replica admitted while it could not write them ([`crate::decide::index::Index`]'s
-//! local holds, counted by that replica alone). A hold is one [`KeyReservation`]:
+//! plus the holds the deciding replica admitted and has not written yet ([`crate::decide::index::Index`]'s
+//! local holds, counted by that replica alone until its write-behind writes them). A hold is one [`KeyReservation`]:
 //!
 //! | reason | for | made when |
 //! |---|---|---|

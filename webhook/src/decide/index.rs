@@ -52,7 +52,7 @@ pub struct NodeState {
     seen: Vec<Timestamp>,
     /// When this replica last saw the object change (written by anyone).
     changed: Timestamp,
-    /// Holds this replica admitted here but could not write (or, with shared holds off, all of them).
+    /// Holds this replica admitted here that its write-behind has not written yet.
     local: Vec<(KeyReservation, Timestamp)>,
 }
 
@@ -353,8 +353,8 @@ impl Index {
         self.placements.insert(vmi_uid.to_string(), placement);
     }
 
-    /// A hold this replica admitted on `node` but could not record (or, with shared holds off, every
-    /// hold): counted here only, ended by the same rule.
+    /// A hold this replica admitted on `node`, counted here until it is written (behind) into the
+    /// node's object; ended by the same rule.
     pub fn hold_locally(&mut self, node: &str, hold: KeyReservation, now: Timestamp) {
         let claimant = Claimant {
             pod_uid: &hold.pod_uid,

@@ -26,13 +26,13 @@ pub struct Terms {
     pub retry: Duration,
 }
 
-impl Default for Terms {
-    /// client-go's defaults: 15 s, 10 s, 2 s.
-    fn default() -> Self {
+impl Terms {
+    /// The elector's timings from the lease duration, in client-go's proportions (15 s, 10 s, 2 s).
+    pub fn of_lease(lease: Duration) -> Terms {
         Terms {
-            lease: Duration::from_secs(15),
-            renew_deadline: Duration::from_secs(10),
-            retry: Duration::from_secs(2),
+            lease,
+            renew_deadline: lease.mul_f64(2.0 / 3.0),
+            retry: lease.mul_f64(2.0 / 15.0),
         }
     }
 }
@@ -227,7 +227,7 @@ mod tests {
 
     #[test]
     fn the_first_replica_takes_a_missing_lease_and_decides_until_its_renew_deadline() {
-        let mut a = Elector::new("a", "https://a", Terms::default());
+        let mut a = Elector::new("a", "https://a", Terms::of_lease(Duration::from_secs(15)));
         a.observe(None, at(0));
         written(&mut a, at(0));
         assert_eq!(a.route(at(0)), Route::Here);
@@ -243,8 +243,8 @@ mod tests {
 
     #[test]
     fn another_replica_forwards_to_the_holder_and_takes_over_only_after_a_whole_lease_unrenewed() {
-        let mut a = Elector::new("a", "https://a", Terms::default());
-        let mut b = Elector::new("b", "https://b", Terms::default());
+        let mut a = Elector::new("a", "https://a", Terms::of_lease(Duration::from_secs(15)));
+        let mut b = Elector::new("b", "https://b", Terms::of_lease(Duration::from_secs(15)));
         a.observe(None, at(0));
         let r = written(&mut a, at(0));
         b.observe(Some(r.clone()), at(1_000));
@@ -262,8 +262,8 @@ mod tests {
 
     #[test]
     fn a_renewal_seen_late_restarts_the_wait() {
-        let mut a = Elector::new("a", "https://a", Terms::default());
-        let mut b = Elector::new("b", "https://b", Terms::default());
+        let mut a = Elector::new("a", "https://a", Terms::of_lease(Duration::from_secs(15)));
+        let mut b = Elector::new("b", "https://b", Terms::of_lease(Duration::from_secs(15)));
         a.observe(None, at(0));
         let r1 = written(&mut a, at(0));
         b.observe(Some(r1), at(0));
@@ -275,10 +275,10 @@ mod tests {
 
     #[test]
     fn a_restarted_replica_waits_out_a_lease_in_its_own_name() {
-        let mut before = Elector::new("a", "https://a", Terms::default());
+        let mut before = Elector::new("a", "https://a", Terms::of_lease(Duration::from_secs(15)));
         before.observe(None, at(0));
         let r = written(&mut before, at(0));
-        let mut after = Elector::new("a", "https://a", Terms::default());
+        let mut after = Elector::new("a", "https://a", Terms::of_lease(Duration::from_secs(15)));
         after.observe(Some(r), at(1_000));
         assert_eq!(after.step(at(1_000)), Step::Wait);
         assert_eq!(
@@ -291,7 +291,7 @@ mod tests {
 
     #[test]
     fn a_replica_that_stepped_down_routes_nowhere_until_it_reads_the_lease_again() {
-        let mut a = Elector::new("a", "https://a", Terms::default());
+        let mut a = Elector::new("a", "https://a", Terms::of_lease(Duration::from_secs(15)));
         a.observe(None, at(0));
         written(&mut a, at(0));
         a.step_down();

@@ -48,9 +48,7 @@ impl std::fmt::Debug for Forwarder {
 impl Forwarder {
     /// A forwarder trusting the certificate `served` serves, giving up after `within` per review.
     pub fn new(served: Arc<CertStore>, within: Duration) -> crate::error::Result<Forwarder> {
-        let provider = CryptoProvider::get_default()
-            .cloned()
-            .unwrap_or_else(|| Arc::new(rustls::crypto::ring::default_provider()));
+        let provider = crate::web::tls::provider();
         let verifier = Arc::new(SameCertificate {
             served,
             provider: provider.clone(),

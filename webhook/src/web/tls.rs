@@ -35,7 +35,8 @@ pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
-fn provider() -> Arc<CryptoProvider> {
+/// The process's crypto provider (ring when none is installed).
+pub(crate) fn provider() -> Arc<CryptoProvider> {
     CryptoProvider::get_default()
         .cloned()
         .unwrap_or_else(|| Arc::new(rustls::crypto::ring::default_provider()))

@@ -526,7 +526,7 @@ impl World {
                 renew_deadline: Duration::from_secs(60),
                 retry: Duration::from_secs(2),
             },
-            _ => Terms::default(),
+            _ => Terms::of_lease(Duration::from_secs(15)),
         };
         let leadership = Leadership::new(
             Elector::new(format!("replica-{i}"), i.to_string(), terms),

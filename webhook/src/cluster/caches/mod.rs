@@ -237,7 +237,7 @@ impl Caches {
         shutdown: CancellationToken,
     ) -> (Caches, CacheTasks) {
         let mut b = CacheBuilder::new(metrics.clone(), shutdown);
-        let vmis = b.watch_observed(
+        let vmis = b.watch(
             Cache::Vmis.as_str(),
             Api::<VirtualMachineInstance>::all(client.clone()),
             watcher::Config::default().any_semantic(),
@@ -252,8 +252,9 @@ impl Caches {
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Namespace>| namespace_labels(n.metadata.labels),
+            None,
         );
-        let launcher_pods = b.watch_observed(
+        let launcher_pods = b.watch(
             Cache::LauncherPods.as_str(),
             Api::<LauncherPod>::all(client.clone()),
             watcher::Config::default()

@@ -54,26 +54,10 @@ impl CacheBuilder {
     }
 
     /// Start a cache over `api` holding `reduce(object)` by namespace and name (after `managedFields`
-    /// and the last-applied annotation are stripped). Use `Api<PartialObjectMeta<K>>` for a
+    /// and the last-applied annotation are stripped), telling `observer` of every object stored or
+    /// removed (after the change, outside the store's lock). Use `Api<PartialObjectMeta<K>>` for a
     /// metadata-only watch.
     pub fn watch<K, T>(
-        &mut self,
-        name: &'static str,
-        api: Api<K>,
-        config: watcher::Config,
-        reduce: fn(K) -> T,
-    ) -> NamedStore<T>
-    where
-        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-        K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
-        T: Send + Sync + 'static,
-    {
-        self.watch_observed(name, api, config, reduce, None)
-    }
-
-    /// [`CacheBuilder::watch`], telling `observer` of every object stored or removed (after the
-    /// change, outside the store's lock).
-    pub fn watch_observed<K, T>(
         &mut self,
         name: &'static str,
         api: Api<K>,

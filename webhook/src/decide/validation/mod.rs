@@ -1,6 +1,6 @@
 //! The pure validating decision: does a node (or any candidate node) have the TEE keys a pod requests,
 //! what to answer in `enforce` and `warn` mode, and whether a pod carries cgroup-limit annotations that
-//! teeguard did not write. No I/O: the handler passes the reports, ledger figures and lookups in.
+//! teeguard did not write. No I/O: the handler passes the reports, held figures and lookups in.
 //!
 //! Free keys of a node = the report's `free` − keys held there for other pods the report does not
 //! count yet − keys kept for VMIs (promised to retried VMIs, and for a launcher pod not bound yet, those

@@ -26,7 +26,7 @@ use crate::web::state::AppState;
 /// The HTTPS router: `POST /mutate`, `POST /validate`. Unknown paths get a JSON 404.
 ///
 /// The state is shared behind one `Arc`: axum clones the state for every request, and cloning
-/// [`AppState`] itself would touch a dozen reference counts (caches, client, metrics, ledger, Event
+/// [`AppState`] itself would touch a dozen reference counts (caches, client, metrics, index, Event
 /// sink) that every worker thread shares.
 pub fn router(state: AppState) -> Router {
     Router::new()
