@@ -78,9 +78,10 @@ fn nri_request(pod: &Value, container: &str) -> (Value, Value) {
     (sandbox, ctr)
 }
 
-fn nri_config(socket: &std::path::Path) -> String {
+/// NRI mode on `socket`, with `enforcement` lines after the mode's (e.g. `  strict: true\n`).
+fn nri_config(socket: &std::path::Path, enforcement: &str) -> String {
     format!(
-        "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nenforcement:\n  mode: nri\n  nriSocket: {}\n",
+        "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nenforcement:\n  mode: nri\n  nriSocket: {}\n{enforcement}",
         socket.display()
     )
 }
@@ -104,19 +105,22 @@ struct NriWorld {
 }
 
 async fn nri_world(host: SimHost) -> (NriWorld, Registration) {
-    nri_world_with(host, |_| (Vec::new(), Vec::new())).await
+    nri_world_with(host, "", |_| (Vec::new(), Vec::new())).await
 }
 
 /// [`nri_world`] where the runtime already has the pods and containers `existing` makes (once the API
-/// server is up) when the agent registers: Synchronize lists them.
+/// server is up) when the agent registers: Synchronize lists them; `enforcement` as in [`nri_config`].
 async fn nri_world_with(
     host: SimHost,
+    enforcement: &str,
     existing: impl FnOnce(&E2eEnv) -> (Vec<Value>, Vec<Value>),
 ) -> (NriWorld, Registration) {
     let sock_dir = tempfile::tempdir().expect("socket dir");
     let socket = sock_dir.path().join("nri.sock");
     let runtime = NriRuntime::start(&socket).await.expect("runtime listens");
-    let env = E2eEnv::new(&nri_config(&socket)).await.expect("env");
+    let env = E2eEnv::new(&nri_config(&socket, enforcement))
+        .await
+        .expect("env");
     seed_node(&env, NODE);
     let (pods, containers) = existing(&env);
     runtime.set_existing(pods, containers);
@@ -283,7 +287,7 @@ async fn nri_plugin_keeps_a_registered_connection_that_the_runtime_synchronizes_
         let runtime = NriRuntime::start(sock_dir.path().join("nri.sock"))
             .await
             .expect("runtime listens");
-        let env = E2eEnv::new(&nri_config(runtime.socket())).await.expect("env");
+        let env = E2eEnv::new(&nri_config(runtime.socket(), "")).await.expect("env");
         seed_node(&env, NODE);
         let held = runtime.hold_sync_lock().await;
         let agent = env.start_agent(NODE, &host).await.expect("agent starts");
@@ -326,7 +330,7 @@ async fn nri_plugin_gives_running_tee_containers_their_limit_at_synchronize() {
     bounded(async {
         let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
         let mut compute = Value::Null;
-        let (_w, reg) = nri_world_with(host, |env| {
+        let (_w, reg) = nri_world_with(host, "", |env| {
             let vm = store_pod(env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
             let (sandbox, c) = nri_request(&vm, "compute");
             let (_, console) = nri_request(&vm, "guest-console-log");
@@ -380,7 +384,7 @@ async fn nri_plugin_updates_a_tee_container_created_before_it_registered_once_it
             c
         };
         let (mut sandbox, mut compute, mut console) = (Value::Null, Value::Null, Value::Null);
-        let (w, reg) = nri_world_with(host, |env| {
+        let (w, reg) = nri_world_with(host, "", |env| {
             let vm = store_pod(env, &launcher(Tee::Tdx, TDX_KEYS, "tdx 1"));
             (sandbox, compute) = nri_request(&vm, "compute");
             console = nri_request(&vm, "guest-console-log").1;
@@ -425,6 +429,89 @@ async fn nri_plugin_updates_a_tee_container_created_before_it_registered_once_it
             "{updates:?}"
         );
         assert_eq!(update["ignore_failure"], json!(true), "{updates:?}");
+    })
+    .await;
+}
+
+// Strict mode through NRI: a container given `tdx 0` before its namespace was labelled exempt gets the
+// zero lifted (`tdx max`, UpdateContainers) once the agent sees the label, as the cgroup writer lifts
+// its own; a container of a namespace still not exempt, and one the runtime removed, are left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_strict_mode_lifts_the_zero_of_a_container_whose_namespace_is_labelled_exempt_later() {
+    bounded(async {
+        let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
+        let (w, reg) = nri_world_with(host, "  strict: true\n", |_| (Vec::new(), Vec::new())).await;
+        assert!(
+            reg.subscribes(11),
+            "strict mode follows REMOVE_CONTAINER: events {:#b}",
+            reg.events
+        );
+        let namespace = |labels: Value| {
+            json!({"apiVersion": "v1", "kind": "Namespace",
+                   "metadata": {"name": "late", "labels": labels}})
+        };
+        w.env.api.create(&namespace(json!({}))).expect("namespace");
+        let mut containers = Vec::new();
+        for (name, ns) in [
+            ("in-late", "late"),
+            ("removed", "late"),
+            ("in-default", "default"),
+        ] {
+            let pod = VirtLauncherPod::for_tee(name, Tee::None)
+                .namespace(ns)
+                .running_on(NODE)
+                .build();
+            let (sandbox, compute) = nri_request(&store_pod(&w.env, &pod), "compute");
+            // Zeroed once the agent has the pod and has listed the exempt namespaces.
+            eventually(&format!("{name}: tdx 0"), async || {
+                let resp = w
+                    .runtime
+                    .create_container(sandbox.clone(), compute.clone())
+                    .await
+                    .ok()?;
+                (misc_max(&resp) == Some("tdx 0")).then_some(())
+            })
+            .await;
+            containers.push((sandbox, compute));
+        }
+        let (sandbox, removed) = &containers[1];
+        w.runtime
+            .call(
+                "RemoveContainer",
+                "RemoveContainerRequest",
+                "RemoveContainerResponse",
+                json!({"pod": sandbox, "container": removed}),
+            )
+            .await
+            .expect("RemoveContainer answered");
+        assert!(w.runtime.container_updates().is_empty());
+        w.env
+            .api
+            .insert(&namespace(
+                json!({teeguard_shared::names::EXEMPT_LABEL: "true"}),
+            ))
+            .expect("namespace labelled exempt");
+        let updates = w
+            .runtime
+            .wait_updates(1, Duration::from_secs(10))
+            .await
+            .expect("an UpdateContainers call once the namespace is exempt");
+        let update = &updates[0]["update"][0];
+        assert_eq!(update["container_id"], containers[0].1["id"], "{updates:?}");
+        assert_eq!(
+            update.pointer("/linux/resources/unified/misc.max"),
+            Some(&json!("tdx max")),
+            "{updates:?}"
+        );
+        // Nothing else: the removed container and the one in `default` keep theirs. The lifts of one
+        // change of the namespaces go out together, back to back; 500 ms is a loaded machine's slack.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            w.runtime.container_updates().len(),
+            1,
+            "{:?}",
+            w.runtime.container_updates()
+        );
     })
     .await;
 }

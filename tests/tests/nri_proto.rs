@@ -151,14 +151,16 @@ fn the_agents_nri_messages_mean_what_upstream_api_proto_says() {
         UpdateContainersResponse { failed: vec![u] },
         json!({"failed": [uj]}),
     );
-    agrees(
-        s,
-        "PostStartContainerRequest",
-        PostStartContainerRequest {
-            container: Some(c.clone()),
-        },
-        json!({"container": cj.clone()}),
-    );
+    for message in ["PostStartContainerRequest", "RemoveContainerRequest"] {
+        agrees(
+            s,
+            message,
+            ContainerEventRequest {
+                container: Some(c.clone()),
+            },
+            json!({"container": cj.clone()}),
+        );
+    }
     agrees(
         s,
         "StateChangeEvent",
@@ -178,6 +180,10 @@ fn the_agents_nri_messages_mean_what_upstream_api_proto_says() {
     assert_eq!(
         value("Event", "POST_START_CONTAINER"),
         EVENT_POST_START_CONTAINER as i32
+    );
+    assert_eq!(
+        value("Event", "REMOVE_CONTAINER"),
+        EVENT_REMOVE_CONTAINER as i32
     );
     assert_eq!(
         value("ContainerState", "CONTAINER_CREATED"),

@@ -16,7 +16,7 @@ use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::{DRA_DRIVER, EXEMPT_LABEL};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -33,8 +33,10 @@ where
 {
     /// The cache.
     pub store: Store<K>,
-    /// Notified (coalesced) whenever an event was applied to the store.
+    /// Notified (coalesced) whenever an event was applied to the store (the agent's loop waits on it).
     pub changed: Arc<Notify>,
+    /// Counts the events applied, for other waiters (each with a receiver of its own).
+    pub revision: Arc<watch::Sender<u64>>,
     /// True once the initial list has been applied.
     pub synced: Arc<AtomicBool>,
     /// The reflector task (ends on shutdown).
@@ -66,8 +68,17 @@ where
 /// webhook does). Cheap to clone; empty when not watched.
 #[derive(Clone, Default)]
 pub struct ExemptNamespaces {
-    /// The watch's cache and whether its first list is in; `None` when not watched.
-    watched: Option<(Store<PartialObjectMeta<Namespace>>, Arc<AtomicBool>)>,
+    /// `None` when not watched.
+    watched: Option<NamespaceWatch>,
+}
+
+/// What [`ExemptNamespaces`] reads of its watch.
+#[derive(Clone)]
+struct NamespaceWatch {
+    store: Store<PartialObjectMeta<Namespace>>,
+    /// The first list is in.
+    synced: Arc<AtomicBool>,
+    revision: Arc<watch::Sender<u64>>,
 }
 
 impl Debug for ExemptNamespaces {
@@ -83,11 +94,16 @@ impl ExemptNamespaces {
     /// list every namespace counts as exempt: strict mode zeroes no pod it cannot yet tell is exempt
     /// (a wrong zero would stop a container that should start; a late one only delays strictness).
     pub fn contains(&self, namespace: &str) -> bool {
-        let Some((store, synced)) = &self.watched else {
+        let Some(w) = &self.watched else {
             return false;
         };
-        !synced.load(Ordering::Acquire)
-            || store.get(&reflector::ObjectRef::new(namespace)).is_some()
+        !w.synced.load(Ordering::Acquire)
+            || w.store.get(&reflector::ObjectRef::new(namespace)).is_some()
+    }
+
+    /// A receiver that sees every change of the exempt namespaces (`None` when not watched).
+    pub fn changes(&self) -> Option<watch::Receiver<u64>> {
+        self.watched.as_ref().map(|w| w.revision.subscribe())
     }
 }
 
@@ -141,7 +157,8 @@ impl Watches {
 
     /// Watch the namespaces labelled `teeguard.dev/exempt=true` (metadata only; the label selector
     /// keeps the watch to those few). A namespace's label added or removed takes effect for
-    /// containers created from then on and, with the cgroup writer, at the next poll.
+    /// containers created from then on; a label added also lifts strict mode's zeros (the cgroup
+    /// writer at the next poll, the NRI plugin through `UpdateContainers`).
     pub fn exempt_namespaces(&self) -> (ExemptNamespaces, Watched<PartialObjectMeta<Namespace>>) {
         let cfg = watcher::Config::default().labels(&format!("{EXEMPT_LABEL}=true"));
         let watched = self.spawn(
@@ -150,7 +167,11 @@ impl Watches {
             "watch exempt namespaces",
         );
         let exempt = ExemptNamespaces {
-            watched: Some((watched.store.clone(), watched.synced.clone())),
+            watched: Some(NamespaceWatch {
+                store: watched.store.clone(),
+                synced: watched.synced.clone(),
+                revision: watched.revision.clone(),
+            }),
         };
         (exempt, watched)
     }
@@ -168,6 +189,7 @@ impl Watches {
     {
         let (store, writer) = reflector::store::<K>();
         let changed = Arc::new(Notify::new());
+        let revision = Arc::new(watch::Sender::new(0));
         let synced = Arc::new(AtomicBool::new(false));
         let stream = watcher(Api::all(self.client.clone()), cfg)
             .modify(modify)
@@ -177,6 +199,7 @@ impl Watches {
         let shutdown = self.shutdown.clone();
         let task = {
             let changed = changed.clone();
+            let revision = revision.clone();
             let synced = synced.clone();
             tokio::spawn(async move {
                 let mut stream = std::pin::pin!(stream);
@@ -189,6 +212,7 @@ impl Watches {
                                     tracing::info!(operation, "cache synced");
                                 }
                                 changed.notify_one();
+                                revision.send_modify(|r| *r += 1);
                             }
                             Some(Err(e)) => {
                                 metrics.api_error(operation);
@@ -203,6 +227,7 @@ impl Watches {
         Watched {
             store,
             changed,
+            revision,
             synced,
             task,
         }

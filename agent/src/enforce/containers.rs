@@ -168,6 +168,16 @@ impl Containers for NriContainers {
         }
     }
 
+    fn exempt(&self, namespace: &str) -> bool {
+        self.exempt_namespaces.contains(namespace)
+    }
+
+    fn exempt_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.strict
+            .then(|| self.exempt_namespaces.changes())
+            .flatten()
+    }
+
     fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>> {
         let this = self.clone();
         async move {

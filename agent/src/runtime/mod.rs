@@ -5,9 +5,11 @@
 //! - [`wire`]: the NRI messages used (prost structs, the fields used, upstream's numbers);
 //! - [`transport`]: the multiplexed ttrpc framing;
 //! - [`plugin`]: the connection (register, serve, reconnect);
-//! - [`sync`]: `Synchronize`, which gives containers that already run their limits.
+//! - [`sync`]: `Synchronize`, which gives containers that already run their limits;
+//! - [`zeros`]: strict mode's zeros the plugin gave, lifted when their namespace is labelled exempt.
 
 pub mod plugin;
 pub mod sync;
 pub mod transport;
 pub mod wire;
+pub mod zeros;

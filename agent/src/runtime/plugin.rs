@@ -11,6 +11,13 @@
 //! apply an update to a container that is not running (its created task keeps the old resources). So
 //! the plugin also subscribes to `POST_START_CONTAINER` and, when such a container starts, asks the
 //! runtime to update it (`UpdateContainers`, `ignore_failure`).
+//!
+//! Strict mode: a container given `<kind> 0` whose namespace is labelled exempt later (or seen so only
+//! after the container, the namespace watch being apart from the pod watch) gets the zero lifted
+//! (`<kind> max`, `UpdateContainers`) as soon as the label is seen, as the cgroup writer lifts its
+//! own. The plugin remembers the containers it zeroed (at `CreateContainer` and `Synchronize`) until
+//! the runtime removes them (`REMOVE_CONTAINER`). Not lifted: a zero given before the connection last
+//! dropped, in a namespace labelled while it was down (`Synchronize` answers such a container nothing).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -27,8 +34,10 @@ use tokio_util::sync::CancellationToken;
 use super::sync::{ExistingContainer, SynchronizeRequest, live_containers, synchronize_response};
 use super::transport::{self as t, Demux, FrameError};
 use super::wire::{
-    self, CONTAINER_CREATED, CreateContainer, EVENT_CREATE_CONTAINER, EVENT_POST_START_CONTAINER,
+    self, CONTAINER_CREATED, ContainerEvent, CreateContainer, EVENT_CREATE_CONTAINER,
+    EVENT_POST_START_CONTAINER, EVENT_REMOVE_CONTAINER,
 };
+use super::zeros::Zeros;
 use crate::decide::enforcing::NriState;
 
 /// The plugin's registered name.
@@ -68,6 +77,11 @@ pub trait Containers: Send + Sync + 'static {
     fn decide(&self, req: &CreateContainer) -> Answer;
     /// Decide after looking the pod up (called only after [`Answer::Lookup`]).
     fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>>;
+    /// Whether strict mode leaves the pods of `namespace` alone now (labelled exempt).
+    fn exempt(&self, namespace: &str) -> bool;
+    /// Sees every change of what [`Containers::exempt`] reads (`None`: strict mode is off, no zero is
+    /// ever lifted).
+    fn exempt_changes(&self) -> Option<watch::Receiver<u64>>;
 }
 
 /// Plugin settings.
@@ -149,7 +163,10 @@ async fn session(
     .await
     .map_err(|e| format!("cannot send RegisterPlugin: {e}"))?;
     let started = Instant::now();
+    let mut exempt = containers.exempt_changes();
     let mut session = Session {
+        strict: exempt.is_some(),
+        zeroed: Arc::default(),
         containers,
         writer,
         runtime: String::new(),
@@ -186,6 +203,14 @@ async fn session(
                 );
                 continue;
             }
+            () = changed(&mut exempt) => {
+                for (id, value) in session.lifts() {
+                    session
+                        .update_container(&id, &value, "its namespace is labelled exempt now: strict mode's zero lifted")
+                        .await?;
+                }
+                continue;
+            }
             frame = frames.recv() => frame,
         };
         let (conn, payload) = match frame {
@@ -202,6 +227,17 @@ async fn session(
             }
         }
     }
+}
+
+/// Resolves when `rx` sees a change; never when there is nothing to watch (or the watch ended).
+async fn changed(rx: &mut Option<watch::Receiver<u64>>) {
+    if let Some(r) = rx
+        && r.changed().await.is_ok()
+    {
+        return;
+    }
+    *rx = None;
+    std::future::pending::<()>().await;
 }
 
 /// Reads mux frames `(logical connection, payload)` into `frames` until the connection ends (the
@@ -317,6 +353,10 @@ struct Session {
     update_at_start: Arc<std::sync::Mutex<HashMap<String, String>>>,
     /// An update to ask for once the current call is answered.
     update_now: Option<(String, String)>,
+    /// Strict mode's zeros this session answered, until lifted or removed.
+    zeroed: Arc<Zeros>,
+    /// Strict mode is on: zeros are remembered, and removals followed.
+    strict: bool,
     /// The stream of the plugin's next call to the runtime.
     next_stream: u32,
 }
@@ -355,7 +395,8 @@ impl Session {
                     self.reply(m.stream, code, &message, &body).await?;
                 }
                 if let Some((id, value)) = self.update_now.take() {
-                    self.update_container(&id, &value).await?;
+                    self.update_container(&id, &value, "started after Synchronize")
+                        .await?;
                 }
                 Ok(end)
             }
@@ -393,10 +434,11 @@ impl Session {
                     let half = Duration::from_millis(req.request_timeout as u64) / 2;
                     self.lookup_timeout = half.min(MAX_LOOKUP);
                 }
-                ok(wire::configure_response(wire::event_mask(&[
-                    EVENT_CREATE_CONTAINER,
-                    EVENT_POST_START_CONTAINER,
-                ])))
+                let mut events = vec![EVENT_CREATE_CONTAINER, EVENT_POST_START_CONTAINER];
+                if self.strict {
+                    events.push(EVENT_REMOVE_CONTAINER);
+                }
+                ok(wire::configure_response(wire::event_mask(&events)))
             }
             "Synchronize" => {
                 let req = SynchronizeRequest::decode(
@@ -430,11 +472,20 @@ impl Session {
                     &std::mem::take(&mut self.sync_pods),
                     &std::mem::take(&mut self.sync_containers),
                 );
+                let namespaces: HashMap<String, String> = existing
+                    .iter()
+                    .map(|c| (c.container_id.clone(), c.pod_namespace.clone()))
+                    .collect();
                 let (containers, writer) = (self.containers.clone(), self.writer.clone());
                 let timeout = self.lookup_timeout;
                 let update_at_start = self.update_at_start.clone();
+                let zeroed = self.zeroed.clone();
                 tokio::spawn(async move {
                     let updates = existing_limits(containers, existing, timeout).await;
+                    for (id, value) in &updates {
+                        let namespace = namespaces.get(id).map_or("", String::as_str);
+                        zeroed.note(id, namespace, Some(value));
+                    }
                     if !updates.is_empty() {
                         tracing::info!(
                             containers = updates.len(),
@@ -472,11 +523,17 @@ impl Session {
                     }
                 };
                 match self.containers.decide(&req) {
-                    Answer::Now(value) => ok(wire::create_container_response(value.as_deref())),
+                    Answer::Now(value) => {
+                        self.zeroed
+                            .note(&req.container_id, &req.pod_namespace, value.as_deref());
+                        ok(wire::create_container_response(value.as_deref()))
+                    }
                     Answer::Lookup => {
                         let containers = self.containers.clone();
                         let writer = self.writer.clone();
                         let timeout = self.lookup_timeout;
+                        let zeroed = self.zeroed.clone();
+                        let (id, namespace) = (req.container_id.clone(), req.pod_namespace.clone());
                         tokio::spawn(async move {
                             let value = tokio::time::timeout(timeout, containers.decide_after_lookup(req))
                                 .await
@@ -484,6 +541,7 @@ impl Session {
                                     tracing::warn!("looking up a pod took longer than {timeout:?}; no limit applied");
                                     None
                                 });
+                            zeroed.note(&id, &namespace, value.as_deref());
                             let body = wire::create_container_response(value.as_deref());
                             let resp = t::encode_response(0, "", &body);
                             let frame =
@@ -496,15 +554,18 @@ impl Session {
                     }
                 }
             }
-            "PostStartContainer" | "StateChange" => {
-                match wire::started_container(method, payload) {
-                    Ok(Some(id)) => {
-                        let pending = self
-                            .update_at_start
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .remove(&id);
-                        self.update_now = pending.map(|value| (id, value));
+            "PostStartContainer" | "RemoveContainer" | "StateChange" => {
+                let mut at_start = self
+                    .update_at_start
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                match wire::container_event(method, payload) {
+                    Ok(Some(ContainerEvent::Started(id))) => {
+                        self.update_now = at_start.remove(&id).map(|value| (id, value));
+                    }
+                    Ok(Some(ContainerEvent::Removed(id))) => {
+                        at_start.remove(&id);
+                        self.zeroed.forget(&id);
                     }
                     Ok(None) => {}
                     Err(e) => tracing::warn!(method, error = %e, "NRI event not understood"),
@@ -521,7 +582,6 @@ impl Session {
             | "UpdateContainer"
             | "PostUpdateContainer"
             | "StopContainer"
-            | "RemoveContainer"
             | "UpdatePodSandbox"
             | "PostUpdatePodSandbox" => ok(Vec::new()),
             other => Ok((
@@ -533,10 +593,25 @@ impl Session {
         }
     }
 
-    /// Ask the runtime to set `misc.max` of the running container `id` (its answer is logged by
-    /// [`updated`]).
-    async fn update_container(&mut self, id: &str, value: &str) -> Result<(), String> {
-        tracing::info!(container = %id, misc_max = %value, "started after Synchronize: misc.max asked for (NRI UpdateContainers)");
+    /// The zeroed containers whose namespace is exempt now, forgotten as zeroed: `(ID, the value
+    /// lifting the zero)`. Each is also asked for again when it starts (a runtime that does not update
+    /// a created container keeps it until then).
+    fn lifts(&self) -> Vec<(String, String)> {
+        let lifted = self.zeroed.lift(|ns| self.containers.exempt(ns));
+        let mut at_start = self
+            .update_at_start
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for (id, value) in &lifted {
+            at_start.insert(id.clone(), value.clone());
+        }
+        lifted
+    }
+
+    /// Ask the runtime to set `misc.max` of the running container `id` (`why`, for the log; its answer
+    /// is logged by [`updated`]).
+    async fn update_container(&mut self, id: &str, value: &str, why: &str) -> Result<(), String> {
+        tracing::info!(container = %id, misc_max = %value, "{why}: misc.max asked for (NRI UpdateContainers)");
         let req = t::encode_request(
             t::RUNTIME_SERVICE,
             "UpdateContainers",

@@ -19,6 +19,8 @@ pub const NRI_VERSION: &str = "v0.12.2";
 pub const EVENT_CREATE_CONTAINER: u32 = 4;
 /// NRI's `POST_START_CONTAINER` event number (`enum Event`).
 pub const EVENT_POST_START_CONTAINER: u32 = 7;
+/// NRI's `REMOVE_CONTAINER` event number (`enum Event`).
+pub const EVENT_REMOVE_CONTAINER: u32 = 11;
 /// `ContainerState`: `CONTAINER_CREATED` (created, not started yet).
 pub const CONTAINER_CREATED: i32 = 1;
 
@@ -209,10 +211,10 @@ pub struct UpdateContainersResponse {
     pub failed: Vec<ContainerUpdate>,
 }
 
-/// `PostStartContainerRequest` (NRI v0.12 on).
+/// `PostStartContainerRequest` (NRI v0.12 on) and `RemoveContainerRequest`: the same fields.
 #[derive(Clone, PartialEq, prost::Message)]
-pub struct PostStartContainerRequest {
-    /// The container that started.
+pub struct ContainerEventRequest {
+    /// The container.
     #[prost(message, optional, tag = "2")]
     pub container: Option<Container>,
 }
@@ -339,21 +341,42 @@ pub fn failed_updates(bytes: &[u8]) -> Result<Vec<String>, DecodeError> {
     Ok(resp.failed.into_iter().map(|u| u.container_id).collect())
 }
 
-/// The ID of the container that started, from a `PostStartContainer` call or a `StateChange` call
-/// for `POST_START_CONTAINER`; `None` for any other call or event.
-pub fn started_container(method: &str, bytes: &[u8]) -> Result<Option<String>, DecodeError> {
-    let container = match method {
-        "PostStartContainer" => PostStartContainerRequest::decode(bytes)?.container,
+/// A container event the plugin subscribes to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ContainerEvent {
+    /// The container with this ID started.
+    Started(String),
+    /// The container with this ID was removed.
+    Removed(String),
+}
+
+/// The container event of a `PostStartContainer` or `RemoveContainer` call, or of a `StateChange`
+/// call for `POST_START_CONTAINER` or `REMOVE_CONTAINER` (runtimes before NRI v0.12 send those);
+/// `None` for any other call or event.
+pub fn container_event(method: &str, bytes: &[u8]) -> Result<Option<ContainerEvent>, DecodeError> {
+    let (event, container) = match method {
+        "PostStartContainer" => (
+            EVENT_POST_START_CONTAINER,
+            ContainerEventRequest::decode(bytes)?.container,
+        ),
+        "RemoveContainer" => (
+            EVENT_REMOVE_CONTAINER,
+            ContainerEventRequest::decode(bytes)?.container,
+        ),
         "StateChange" => {
-            let event = StateChangeEvent::decode(bytes)?;
-            if event.event != EVENT_POST_START_CONTAINER as i32 {
-                return Ok(None);
-            }
-            event.container
+            let e = StateChangeEvent::decode(bytes)?;
+            (u32::try_from(e.event).unwrap_or(0), e.container)
         }
         _ => return Ok(None),
     };
-    Ok(container.map(|c| c.id).filter(|id| !id.is_empty()))
+    let Some(id) = container.map(|c| c.id).filter(|id| !id.is_empty()) else {
+        return Ok(None);
+    };
+    Ok(match event {
+        EVENT_POST_START_CONTAINER => Some(ContainerEvent::Started(id)),
+        EVENT_REMOVE_CONTAINER => Some(ContainerEvent::Removed(id)),
+        _ => None,
+    })
 }
 
 #[cfg(test)]

@@ -4,11 +4,14 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::Api;
 use kube::api::PostParams;
+use serde_json::json;
 use teeguard_tests::e2e::json_log_line;
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
-use teeguard_tests::node::{Runtime, pods};
+use teeguard_tests::node::{ContainerKind, Runtime, pods};
+use teeguard_tests::patch::MergePatch;
 
 use super::{AgentHost, NodeWorld, Options, unguarded_namespace};
 
@@ -486,15 +489,24 @@ pub async fn strict(runtime: Runtime) {
         .get_or_insert_default()
         .insert(EXEMPT.into(), "true".into());
     let in_exempt_ns = pods::plain(&exempt_ns, "in-exempt-ns", &two, &w.selector());
+    let mut zeroed = Vec::new();
     for (pod, want) in [(plain, "tdx 0"), (labelled, "-"), (in_exempt_ns, "-")] {
         let name = pod.metadata.name.clone().unwrap_or_default();
         let created = w.create(&pod).await.expect("created");
         let running = w.wait_running(&created).await;
+        let records = w.records(&running).await;
         assert_eq!(
-            limits(&w.records(&running).await),
+            limits(&records),
             expected(&[("main", want), ("sidecar", want)]),
             "{name}"
         );
+        if want == "tdx 0" {
+            zeroed.extend(
+                records
+                    .into_iter()
+                    .filter(|r| r.kind == ContainerKind::Container),
+            );
+        }
     }
     let vm = w.create_vm("tdx-vm", Tee::Tdx).await.expect("admitted");
     let vm = w.wait_running(&vm).await;
@@ -506,6 +518,35 @@ pub async fn strict(runtime: Runtime) {
             ("guest-console-log", "-"),
         ])
     );
+    // The namespace labelled exempt later: the agent lifts the zeros of its running containers
+    // (`tdx max` through NRI's UpdateContainers), and the runtime asks runc to update each (this
+    // machine's runc then refuses `unified` on cgroup v1: the request is the evidence, as for the
+    // container created while the agent was away).
+    let namespaces: Api<Namespace> = Api::all(w.cluster.client.clone());
+    namespaces
+        .merge_patch(&w.ns, json!({"metadata": {"labels": {EXEMPT: "true"}}}))
+        .await
+        .expect("label the test namespace exempt");
+    for container in &zeroed {
+        let update =
+            w.cluster
+                .wait_for(
+                    &format!("runc asked to update {} to tdx max", container.container),
+                    || async {
+                        w.turn.updates().into_iter().find(|u| {
+                            u.container_id == container.id && u.misc_max() == Some("tdx max")
+                        })
+                    },
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+        eprintln!(
+            "{}: {}'s zero lifted once its namespace was labelled exempt: runc asked for {}",
+            runtime.name(),
+            container.container,
+            update.resources
+        );
+    }
 }
 
 /// teeguard's exemption label.

@@ -98,14 +98,22 @@ fn container(id: &str) -> Option<Container> {
 }
 
 #[test]
-fn a_started_container_is_read_from_post_start_and_from_a_post_start_state_change_only() {
-    let post_start = PostStartContainerRequest {
-        container: container("c1"),
-    }
-    .encode_to_vec();
+fn a_start_or_a_removal_is_read_from_its_call_and_from_a_state_change_and_nothing_else_is() {
+    let request = |id: &str| {
+        ContainerEventRequest {
+            container: container(id),
+        }
+        .encode_to_vec()
+    };
+    let started = |id: &str| Ok(Some(ContainerEvent::Started(id.into())));
+    let removed = |id: &str| Ok(Some(ContainerEvent::Removed(id.into())));
     assert_eq!(
-        started_container("PostStartContainer", &post_start),
-        Ok(Some("c1".into()))
+        container_event("PostStartContainer", &request("c1")),
+        started("c1")
+    );
+    assert_eq!(
+        container_event("RemoveContainer", &request("c1")),
+        removed("c1")
     );
     let event = |number: u32| {
         StateChangeEvent {
@@ -115,13 +123,22 @@ fn a_started_container_is_read_from_post_start_and_from_a_post_start_state_chang
         .encode_to_vec()
     };
     assert_eq!(
-        started_container("StateChange", &event(EVENT_POST_START_CONTAINER)),
-        Ok(Some("c2".into())),
-        "runtimes before NRI v0.12 send the event as a StateChange"
+        container_event("StateChange", &event(EVENT_POST_START_CONTAINER)),
+        started("c2"),
+        "runtimes before NRI v0.12 send the events as a StateChange"
     );
-    assert_eq!(started_container("StateChange", &event(6)), Ok(None));
-    assert_eq!(started_container("StopContainer", &post_start), Ok(None));
-    assert!(started_container("PostStartContainer", &[0x12, 5, 1]).is_err());
+    assert_eq!(
+        container_event("StateChange", &event(EVENT_REMOVE_CONTAINER)),
+        removed("c2")
+    );
+    assert_eq!(container_event("StateChange", &event(6)), Ok(None));
+    assert_eq!(container_event("StopContainer", &request("c1")), Ok(None));
+    assert_eq!(
+        container_event("RemoveContainer", &request("")),
+        Ok(None),
+        "no ID"
+    );
+    assert!(container_event("PostStartContainer", &[0x12, 5, 1]).is_err());
 }
 
 #[test]
