@@ -516,6 +516,63 @@ async fn nri_strict_mode_lifts_the_zero_of_a_container_whose_namespace_is_labell
     .await;
 }
 
+// Strict mode through NRI across a reconnect: containers zeroed before the agent registered (their
+// resources in Synchronize show `tdx 0`) get `tdx max` in the Synchronize answer when their namespace
+// was labelled exempt meanwhile, and `tdx 0` again when it was not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_strict_mode_lifts_at_synchronize_a_zero_given_before_its_namespace_was_labelled_exempt()
+ {
+    bounded(async {
+        let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
+        let zeroed = |mut c: Value| {
+            c["state"] = json!(3);
+            c["linux"] = json!({"resources": {"unified": {"misc.max": "tdx 0"}}});
+            c
+        };
+        let (mut late, mut default) = (Value::Null, Value::Null);
+        let (_w, reg) = nri_world_with(host, "  strict: true\n", |env| {
+            env.api
+                .create(
+                    &json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "late",
+                    "labels": {teeguard_shared::names::EXEMPT_LABEL: "true"}}}),
+                )
+                .expect("namespace");
+            let mut sandboxes = Vec::new();
+            for (name, ns, slot) in [
+                ("in-late", "late", &mut late),
+                ("in-default", "default", &mut default),
+            ] {
+                let pod = VirtLauncherPod::for_tee(name, Tee::None)
+                    .namespace(ns)
+                    .running_on(NODE)
+                    .build();
+                let (sandbox, compute) = nri_request(&store_pod(env, &pod), "compute");
+                sandboxes.push(sandbox);
+                *slot = compute;
+            }
+            (
+                sandboxes,
+                vec![zeroed(late.clone()), zeroed(default.clone())],
+            )
+        })
+        .await;
+        let updates = reg.synchronize["update"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let asked = |c: &Value| {
+            updates
+                .iter()
+                .find(|u| u["container_id"] == c["id"])
+                .and_then(|u| u.pointer("/linux/resources/unified/misc.max"))
+                .cloned()
+        };
+        assert_eq!(asked(&late), Some(json!("tdx max")), "{}", reg.synchronize);
+        assert_eq!(asked(&default), Some(json!("tdx 0")), "{}", reg.synchronize);
+    })
+    .await;
+}
+
 const CGROUP_CONFIG: &str =
     "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nenforcement:\n  mode: cgroup\n";
 

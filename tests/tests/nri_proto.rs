@@ -57,8 +57,14 @@ fn container() -> (Container, Value) {
             pod_sandbox_id: "sandbox".into(),
             name: "compute".into(),
             state: CONTAINER_CREATED,
+            linux: Some(LinuxContainer {
+                resources: Some(LinuxResources {
+                    unified: [("misc.max".to_string(), "tdx 0".to_string())].into(),
+                }),
+            }),
         },
-        json!({"id": "c1", "pod_sandbox_id": "sandbox", "name": "compute", "state": 1}),
+        json!({"id": "c1", "pod_sandbox_id": "sandbox", "name": "compute", "state": 1,
+            "linux": {"resources": {"unified": {"misc.max": "tdx 0"}}}}),
     )
 }
 

@@ -101,6 +101,23 @@ impl ExemptNamespaces {
             || w.store.get(&reflector::ObjectRef::new(namespace)).is_some()
     }
 
+    /// Whether `namespace` is labelled exempt as the watch, once it has listed them, says (unlike
+    /// [`ExemptNamespaces::contains`], false until then).
+    pub fn labelled(&self, namespace: &str) -> bool {
+        self.watched.as_ref().is_some_and(|w| {
+            w.synced.load(Ordering::Acquire)
+                && w.store.get(&reflector::ObjectRef::new(namespace)).is_some()
+        })
+    }
+
+    /// Resolves once the watch has listed the namespaces (at once when not watched).
+    pub async fn listed(&self) {
+        if let Some(w) = &self.watched {
+            let mut rx = w.revision.subscribe();
+            let _ = rx.wait_for(|_| w.synced.load(Ordering::Acquire)).await;
+        }
+    }
+
     /// A receiver that sees every change of the exempt namespaces (`None` when not watched).
     pub fn changes(&self) -> Option<watch::Receiver<u64>> {
         self.watched.as_ref().map(|w| w.revision.subscribe())

@@ -136,14 +136,17 @@ pub const READY_WAIT: Duration = Duration::from_secs(10);
 impl Containers for NriContainers {
     fn ready(&self) -> BoxFuture<'static, ()> {
         let (mut host, pods) = (self.host.clone(), self.pods.clone());
+        let namespaces = self.exempt_namespaces.clone();
         async move {
-            let both = async {
+            // Strict mode: the exempt namespaces too, so `Synchronize` zeroes and lifts rightly.
+            let all = async {
                 let _ = host.changed().await;
                 let _ = pods.wait_until_ready().await;
+                namespaces.listed().await;
             };
-            if tokio::time::timeout(READY_WAIT, both).await.is_err() {
+            if tokio::time::timeout(READY_WAIT, all).await.is_err() {
                 tracing::warn!(
-                    "registering with the runtime before the first scan and pod list: containers that already run get no limit now"
+                    "registering with the runtime before the first scan and the pod (and, strict, namespace) lists: containers that already run get no limit now"
                 );
             }
         }
@@ -169,7 +172,7 @@ impl Containers for NriContainers {
     }
 
     fn exempt(&self, namespace: &str) -> bool {
-        self.exempt_namespaces.contains(namespace)
+        self.exempt_namespaces.labelled(namespace)
     }
 
     fn exempt_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {

@@ -16,8 +16,9 @@
 //! after the container, the namespace watch being apart from the pod watch) gets the zero lifted
 //! (`<kind> max`, `UpdateContainers`) as soon as the label is seen, as the cgroup writer lifts its
 //! own. The plugin remembers the containers it zeroed (at `CreateContainer` and `Synchronize`) until
-//! the runtime removes them (`REMOVE_CONTAINER`). Not lifted: a zero given before the connection last
-//! dropped, in a namespace labelled while it was down (`Synchronize` answers such a container nothing).
+//! the runtime removes them (`REMOVE_CONTAINER`); a zero given before the plugin's connection dropped,
+//! in a namespace labelled exempt meanwhile, shows in `Synchronize` (the container's resources) and is
+//! lifted in its answer.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -25,9 +26,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::AsyncWriteExt as _;
 use tokio::net::UnixStream;
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::{Mutex, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -77,7 +78,8 @@ pub trait Containers: Send + Sync + 'static {
     fn decide(&self, req: &CreateContainer) -> Answer;
     /// Decide after looking the pod up (called only after [`Answer::Lookup`]).
     fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>>;
-    /// Whether strict mode leaves the pods of `namespace` alone now (labelled exempt).
+    /// Whether `namespace` is labelled exempt, as a watch that has listed them says (strict mode's
+    /// zeros there are lifted).
     fn exempt(&self, namespace: &str) -> bool;
     /// Sees every change of what [`Containers::exempt`] reads (`None`: strict mode is off, no zero is
     /// ever lifted).
@@ -182,7 +184,7 @@ async fn session(
     };
     let mut demux = Demux::default();
     let (frames_tx, mut frames) = mpsc::channel(8);
-    let _reader = AbortOnDrop(tokio::spawn(read_frames(reader, frames_tx)));
+    let _reader = t::AbortOnDrop(tokio::spawn(t::read_frames(reader, frames_tx)));
     let mut slow_noted = false;
     loop {
         // Until RegisterPlugin is answered the deadline ends the session; after it, it only notes
@@ -238,44 +240,6 @@ async fn changed(rx: &mut Option<watch::Receiver<u64>>) {
     }
     *rx = None;
     std::future::pending::<()>().await;
-}
-
-/// Reads mux frames `(logical connection, payload)` into `frames` until the connection ends (the
-/// channel closes on end of file), so the session's loop can wait on a timer without cancelling a read
-/// halfway through a frame.
-async fn read_frames(
-    mut reader: OwnedReadHalf,
-    frames: mpsc::Sender<Result<(u32, Vec<u8>), std::io::Error>>,
-) {
-    loop {
-        let mut header = [0u8; t::MUX_HEADER_LEN];
-        let frame: std::io::Result<(u32, Vec<u8>)> = async {
-            reader.read_exact(&mut header).await?;
-            let (conn, len) = t::parse_mux_header(header).map_err(std::io::Error::other)?;
-            let mut payload = vec![0; len];
-            reader.read_exact(&mut payload).await?;
-            Ok((conn, payload))
-        }
-        .await;
-        match frame {
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return,
-            frame => {
-                let failed = frame.is_err();
-                if frames.send(frame).await.is_err() || failed {
-                    return;
-                }
-            }
-        }
-    }
-}
-
-/// Aborts its task when dropped (the session's reader ends with the session).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// `(container ID, misc.max)` for the containers that already run and need a limit; an unknown
@@ -468,6 +432,11 @@ impl Session {
                     .filter(|c| c.state == CONTAINER_CREATED)
                     .map(|c| c.id.clone())
                     .collect();
+                let current: Vec<(String, String)> = self
+                    .sync_containers
+                    .iter()
+                    .filter_map(|c| Some((c.id.clone(), c.misc_max.clone()?)))
+                    .collect();
                 let existing = live_containers(
                     &std::mem::take(&mut self.sync_pods),
                     &std::mem::take(&mut self.sync_containers),
@@ -480,11 +449,27 @@ impl Session {
                 let timeout = self.lookup_timeout;
                 let update_at_start = self.update_at_start.clone();
                 let zeroed = self.zeroed.clone();
+                let strict = self.strict;
                 tokio::spawn(async move {
-                    let updates = existing_limits(containers, existing, timeout).await;
+                    let mut updates = existing_limits(containers.clone(), existing, timeout).await;
                     for (id, value) in &updates {
                         let namespace = namespaces.get(id).map_or("", String::as_str);
                         zeroed.note(id, namespace, Some(value));
+                    }
+                    // A zero strict mode gave before this connection (the container's resources
+                    // show it) is remembered like one given now, and lifted at once when its
+                    // namespace was labelled exempt meanwhile.
+                    for (id, value) in current.iter().filter(|_| strict) {
+                        if let Some(namespace) = namespaces.get(id)
+                            && !updates.iter().any(|(u, _)| u == id)
+                        {
+                            zeroed.note(id, namespace, Some(value));
+                        }
+                    }
+                    for (id, lift) in zeroed.lift(|ns| containers.exempt(ns)) {
+                        tracing::info!(container = %id, misc_max = %lift, "its namespace was labelled exempt while the plugin was away: strict mode's zero lifted");
+                        updates.retain(|(u, _)| *u != id);
+                        updates.push((id, lift));
                     }
                     if !updates.is_empty() {
                         tracing::info!(

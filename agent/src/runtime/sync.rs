@@ -32,6 +32,8 @@ pub struct ExistingContainer {
     pub name: String,
     /// `ContainerState`.
     pub state: i32,
+    /// Its `misc.max` as the runtime has it (`linux.resources.unified`).
+    pub misc_max: Option<String>,
 }
 
 impl SynchronizeRequest {
@@ -48,6 +50,10 @@ impl SynchronizeRequest {
                 .containers
                 .into_iter()
                 .map(|c| ExistingContainer {
+                    misc_max: c
+                        .linux
+                        .and_then(|l| l.resources)
+                        .and_then(|mut r| r.unified.remove("misc.max")),
                     id: c.id,
                     pod_sandbox_id: c.pod_sandbox_id,
                     name: c.name,
@@ -120,6 +126,7 @@ mod tests {
             pod_sandbox_id: pod.into(),
             name: name.into(),
             state,
+            linux: None,
         }
     }
 

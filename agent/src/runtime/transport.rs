@@ -1,5 +1,6 @@
 //! NRI's transport: two ttrpc connections multiplexed over one Unix stream (containerd/nri
-//! `pkg/net/multiplex`), and the ttrpc message framing inside them. Pure: bytes in, bytes out.
+//! `pkg/net/multiplex`), and the ttrpc message framing inside them. Bytes in, bytes out, but for
+//! [`read_frames`], the task that reads the mux frames off the socket.
 //!
 //! - Mux frame: 8-byte header (connection ID, payload length; both `u32` big-endian) + payload. The
 //!   payloads of one connection form a byte stream; a ttrpc message may span frames.
@@ -13,6 +14,9 @@
 use std::collections::HashMap;
 
 use prost::Message as _;
+use tokio::io::AsyncReadExt as _;
+use tokio::net::unix::OwnedReadHalf;
+use tokio::sync::mpsc;
 
 use super::wire::DecodeError;
 
@@ -225,6 +229,45 @@ pub fn encode_response(code: i32, message: &str, payload: &[u8]) -> Vec<u8> {
 /// Decode a ttrpc `Response`.
 pub fn decode_response(bytes: &[u8]) -> Result<Response, DecodeError> {
     Response::decode(bytes)
+}
+
+/// Reads mux frames `(logical connection, payload)` into `frames` until the connection ends (the
+/// channel closes on end of file), so the session's loop can wait on a timer without cancelling a read
+/// halfway through a frame.
+pub async fn read_frames(
+    mut reader: OwnedReadHalf,
+    frames: mpsc::Sender<Result<(u32, Vec<u8>), std::io::Error>>,
+) {
+    loop {
+        let mut header = [0u8; MUX_HEADER_LEN];
+        let frame: std::io::Result<(u32, Vec<u8>)> = async {
+            reader.read_exact(&mut header).await?;
+            let (conn, len) = parse_mux_header(header).map_err(std::io::Error::other)?;
+            let mut payload = vec![0; len];
+            reader.read_exact(&mut payload).await?;
+            Ok((conn, payload))
+        }
+        .await;
+        match frame {
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return,
+            frame => {
+                let failed = frame.is_err();
+                if frames.send(frame).await.is_err() || failed {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Aborts its task when dropped (the session's reader ends with the session).
+#[derive(Debug)]
+pub struct AbortOnDrop(pub tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 #[cfg(test)]

@@ -147,6 +147,17 @@ pub struct Container {
     /// `ContainerState` ([`CONTAINER_CREATED`], ...).
     #[prost(int32, tag = "4")]
     pub state: i32,
+    /// Linux-specific: its resources as they are (`Synchronize` shows a zero strict mode gave).
+    #[prost(message, optional, tag = "11")]
+    pub linux: Option<LinuxContainer>,
+}
+
+/// `LinuxContainer`: its resources only.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct LinuxContainer {
+    /// Resources.
+    #[prost(message, optional, tag = "3")]
+    pub resources: Option<LinuxResources>,
 }
 
 /// `ContainerAdjustment`.

@@ -470,7 +470,7 @@ pub async fn strict(runtime: Runtime) {
         strict: true,
         ..Options::simulated()
     };
-    let Some(w) = NodeWorld::start(runtime, "strict", options).await else {
+    let Some(mut w) = NodeWorld::start(runtime, "strict", options).await else {
         return;
     };
     w.wait_allocatable(TDX_KEYS, "4", Duration::from_secs(20))
@@ -518,16 +518,45 @@ pub async fn strict(runtime: Runtime) {
             ("guest-console-log", "-"),
         ])
     );
-    // The namespace labelled exempt later: the agent lifts the zeros of its running containers
-    // (`tdx max` through NRI's UpdateContainers), and the runtime asks runc to update each (this
-    // machine's runc then refuses `unified` on cgroup v1: the request is the evidence, as for the
-    // container created while the agent was away).
-    let namespaces: Api<Namespace> = Api::all(w.cluster.client.clone());
-    namespaces
-        .merge_patch(&w.ns, json!({"metadata": {"labels": {EXEMPT: "true"}}}))
+    // A namespace labelled exempt later: the agent lifts the zeros of its running containers (`tdx
+    // max`), and the runtime asks runc to update each (this machine's runc then refuses `unified` on
+    // cgroup v1: the request is the evidence, as for the container created while the agent was away).
+    // Labelled while the agent is away: the zero shows in the runtime's Synchronize, lifted in the
+    // answer; labelled while it runs: lifted through UpdateContainers.
+    let away_ns = w
+        .cluster
+        .namespace(&w.test, "strict-away", &[])
         .await
-        .expect("label the test namespace exempt");
-    for container in &zeroed {
+        .expect("namespace");
+    let away = pods::plain(&away_ns, "zeroed-away", &two, &w.selector());
+    let away = w
+        .wait_running(&w.create(&away).await.expect("created"))
+        .await;
+    let away: Vec<_> = w
+        .records(&away)
+        .await
+        .into_iter()
+        .filter(|r| r.kind == ContainerKind::Container)
+        .collect();
+    assert_eq!(
+        limits(&away),
+        expected(&[("main", "tdx 0"), ("sidecar", "tdx 0")])
+    );
+    let namespaces: Api<Namespace> = Api::all(w.cluster.client.clone());
+    let label_exempt = |ns: &str| {
+        let (namespaces, ns) = (namespaces.clone(), ns.to_string());
+        async move {
+            namespaces
+                .merge_patch(&ns, json!({"metadata": {"labels": {EXEMPT: "true"}}}))
+                .await
+                .expect("label the namespace exempt");
+        }
+    };
+    w.agent.proc.kill();
+    label_exempt(&away_ns).await;
+    w.restart_agent().await;
+    label_exempt(&w.ns).await;
+    for container in away.iter().chain(&zeroed) {
         let update =
             w.cluster
                 .wait_for(
