@@ -168,7 +168,7 @@ async fn session(
     let mut exempt = containers.exempt_changes();
     let mut session = Session {
         strict: exempt.is_some(),
-        zeroed: Arc::default(),
+        zeroed: Arc::new(Zeros::new(exempt.is_some())),
         containers,
         writer,
         runtime: String::new(),

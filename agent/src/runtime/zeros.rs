@@ -8,15 +8,31 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 /// Container ID → (its pod's namespace, the value lifting its zero). Shared by the plugin's session
 /// and its answering tasks.
 #[derive(Debug, Default)]
-pub struct Zeros(Mutex<HashMap<String, (String, String)>>);
+pub struct Zeros {
+    /// Strict mode is on (off, nothing is remembered: no zero is ever lifted, and no removal is
+    /// followed that would forget it).
+    strict: bool,
+    zeroed: Mutex<HashMap<String, (String, String)>>,
+}
 
 impl Zeros {
+    /// The zeros of a plugin in strict mode (`strict`), or none.
+    pub fn new(strict: bool) -> Zeros {
+        Zeros {
+            strict,
+            zeroed: Mutex::default(),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<String, (String, String)>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.zeroed.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Container `id` of `namespace` was answered `value`: remembered when that is strict mode's zero.
     pub fn note(&self, id: &str, namespace: &str, value: Option<&str>) {
+        if !self.strict {
+            return;
+        }
         if let Some(lift) = value.and_then(lifting) {
             self.lock()
                 .insert(id.to_string(), (namespace.to_string(), lift));
@@ -75,7 +91,13 @@ mod tests {
 
     #[test]
     fn zeros_are_lifted_once_by_namespace_and_removed_containers_never() {
-        let z = Zeros::default();
+        let off = Zeros::new(false);
+        off.note("a", "late", Some("tdx 0"));
+        assert!(
+            off.lift(|_| true).is_empty(),
+            "nothing remembered out of strict mode"
+        );
+        let z = Zeros::new(true);
         z.note("a", "late", Some("tdx 0"));
         z.note("b", "late", Some("tdx 0"));
         z.note("c", "default", Some("tdx 0"));
