@@ -94,11 +94,11 @@ impl ExemptNamespaces {
     /// list every namespace counts as exempt: strict mode zeroes no pod it cannot yet tell is exempt
     /// (a wrong zero would stop a container that should start; a late one only delays strictness).
     pub fn contains(&self, namespace: &str) -> bool {
-        let Some(w) = &self.watched else {
-            return false;
-        };
-        !w.synced.load(Ordering::Acquire)
-            || w.store.get(&reflector::ObjectRef::new(namespace)).is_some()
+        let listing = self
+            .watched
+            .as_ref()
+            .is_some_and(|w| !w.synced.load(Ordering::Acquire));
+        listing || self.labelled(namespace)
     }
 
     /// Whether `namespace` is labelled exempt as the watch, once it has listed them, says (unlike
