@@ -137,7 +137,9 @@ impl KubeVirtWorld {
     /// Take both nodes, start their agents and the webhook for test `test`; `None` when the test
     /// should skip (no KubeVirt kit or no real node here).
     pub async fn start(test: &str, options: Options) -> Option<KubeVirtWorld> {
+        let asked = Instant::now();
         let (kv, cluster, [tdx_turn, snp_turn]) = kubevirt_to_this_test().await?;
+        let acquired = Instant::now();
         for turn in [&tdx_turn, &snp_turn] {
             stand_in_images(turn);
         }
@@ -168,7 +170,12 @@ impl KubeVirtWorld {
                     tdx.env.all_logs()
                 );
             }
+            let probed = Instant::now();
             remove_vmis(&cluster, &ns).await;
+            eprintln!(
+                "{test}: the probe VMI gone {:.1?} after the webhooks were called",
+                probed.elapsed()
+            );
         }
         let world = KubeVirtWorld {
             webhooks,
@@ -195,6 +202,12 @@ impl KubeVirtWorld {
                     && all_free(r.sev.as_ref(), options.sev_keys)
             })
             .await;
+        // Where a slow run's time went (the nodes are taken by one world at a time).
+        eprintln!(
+            "{test}: the nodes taken after {:.1?}, the world ready {:.1?} later",
+            acquired - asked,
+            acquired.elapsed()
+        );
         Some(world)
     }
 
@@ -712,9 +725,12 @@ async fn start_replica(cluster: &Cluster, env: &ProcessEnv, i: usize) -> Webhook
 
 /// Wait until the API server calls teeguard's webhooks for namespace `ns`: a TDX VMI's launcher pod
 /// is created with teeguard's annotation, or refused by teeguard (virt-controller's condition says
-/// which). The probe VMI is left for the caller to delete.
+/// which). The probe VMI is left for the caller to delete. Its node selector matches no node, so its
+/// pod (when admitted) is never bound: deleting it needs no kubelet (one CI run, with the pod on a
+/// node, waited over 60 s for the VMI to go).
 async fn webhooks_called(cluster: &Cluster, ns: &str) -> Result<(), String> {
-    let probe = vmis::vmi("webhook-probe", Tee::Tdx, vmis::Size::SMALL);
+    let mut probe = vmis::vmi("webhook-probe", Tee::Tdx, vmis::Size::SMALL);
+    probe["spec"]["nodeSelector"] = json!({"teeguard.test/probe": "no-such-node"});
     vmis::create(&cluster.client, ns, &probe)
         .await
         .map_err(|e| format!("create the probe VMI: {e}"))?;
@@ -752,16 +768,20 @@ async fn webhooks_called(cluster: &Cluster, ns: &str) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-/// Delete every VMI of namespace `ns` and wait until they are gone.
+/// Delete every VMI of namespace `ns` and wait until they are gone: virt-controller removes a
+/// VMI's finalizer once its launcher pod is gone, and the kubelet ends that pod (its scripts exit on
+/// SIGTERM). The bound only keeps a stuck deletion from hanging the test: 180 s, because on a loaded
+/// 2-core machine a pod deleted while its containers are still being created waits for the kubelet to
+/// finish creating them first. On a timeout the panic says what is left.
 pub(crate) async fn remove_vmis(cluster: &Cluster, ns: &str) {
     let api = vmis::api(&cluster.client, ns, "VirtualMachineInstance");
     let _ = api
         .delete_collection(&DeleteParams::default(), &ListParams::default())
         .await;
-    cluster
+    let gone = cluster
         .wait_for_within(
             &format!("the VMIs of {ns} gone"),
-            Duration::from_secs(60),
+            Duration::from_secs(180),
             || async {
                 api.list(&ListParams::default())
                     .await
@@ -770,8 +790,49 @@ pub(crate) async fn remove_vmis(cluster: &Cluster, ns: &str) {
                     .map(|_| ())
             },
         )
+        .await;
+    if let Err(e) = gone {
+        panic!("{e}; left: {}", leftovers(cluster, ns).await);
+    }
+}
+
+/// What keeps the VMIs of `ns` from going: each VMI's phase, deletion and finalizers, each pod's
+/// phase and deletion.
+async fn leftovers(cluster: &Cluster, ns: &str) -> String {
+    let vmis = vmis::api(&cluster.client, ns, "VirtualMachineInstance")
+        .list(&ListParams::default())
         .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        .map(|l| {
+            l.items
+                .iter()
+                .map(|v| {
+                    format!(
+                        "VMI {} phase {} deleted {:?} finalizers {:?}",
+                        v.name_any(),
+                        v.data["status"]["phase"],
+                        v.metadata.deletion_timestamp.as_ref().map(|t| t.0),
+                        v.finalizers()
+                    )
+                })
+                .collect::<Vec<_>>()
+        });
+    let pods = Api::<Pod>::namespaced(cluster.client.clone(), ns)
+        .list(&ListParams::default())
+        .await
+        .map(|l| {
+            l.items
+                .iter()
+                .map(|p| {
+                    format!(
+                        "pod {} phase {:?} deleted {:?}",
+                        p.name_any(),
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                        p.metadata.deletion_timestamp.as_ref().map(|t| t.0),
+                    )
+                })
+                .collect::<Vec<_>>()
+        });
+    format!("{vmis:?}; {pods:?}")
 }
 
 pub use teeguard_tests::node::pods::running;
