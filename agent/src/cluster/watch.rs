@@ -16,7 +16,7 @@ use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use teeguard_shared::config::ResourcesConfig;
 use teeguard_shared::names::{DRA_DRIVER, EXEMPT_LABEL};
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -25,7 +25,7 @@ use crate::metrics::Metrics;
 
 pub use teeguard_shared::ops::Backoff;
 
-/// A running reflector: its store, a notification on every change, and whether the initial list
+/// A running reflector: its store, a revision counting its changes, and whether the initial list
 /// completed.
 pub struct Watched<K: Resource + 'static>
 where
@@ -33,9 +33,8 @@ where
 {
     /// The cache.
     pub store: Store<K>,
-    /// Notified (coalesced) whenever an event was applied to the store (the agent's loop waits on it).
-    pub changed: Arc<Notify>,
-    /// Counts the events applied, for other waiters (each with a receiver of its own).
+    /// Counts the events applied to the store; each waiter (the agent's loop, the NRI plugin)
+    /// subscribes a receiver of its own and wakes, coalesced, on the next change.
     pub revision: Arc<watch::Sender<u64>>,
     /// True once the initial list has been applied.
     pub synced: Arc<AtomicBool>,
@@ -205,7 +204,6 @@ impl Watches {
         K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
     {
         let (store, writer) = reflector::store::<K>();
-        let changed = Arc::new(Notify::new());
         let revision = Arc::new(watch::Sender::new(0));
         let synced = Arc::new(AtomicBool::new(false));
         let stream = watcher(Api::all(self.client.clone()), cfg)
@@ -215,7 +213,6 @@ impl Watches {
         let metrics = self.metrics.clone();
         let shutdown = self.shutdown.clone();
         let task = {
-            let changed = changed.clone();
             let revision = revision.clone();
             let synced = synced.clone();
             tokio::spawn(async move {
@@ -228,7 +225,6 @@ impl Watches {
                                 if matches!(event, watcher::Event::InitDone) && !synced.swap(true, Ordering::AcqRel) {
                                     tracing::info!(operation, "cache synced");
                                 }
-                                changed.notify_one();
                                 revision.send_modify(|r| *r += 1);
                             }
                             Some(Err(e)) => {
@@ -243,7 +239,6 @@ impl Watches {
         };
         Watched {
             store,
-            changed,
             revision,
             synced,
             task,

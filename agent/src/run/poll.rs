@@ -14,6 +14,25 @@ use crate::decide::host::{HostState, Interest};
 use crate::error::{Error, Result};
 use crate::kernel::Scanner;
 
+/// Resolves when the watch behind `revision` applied another event; never when there is no such
+/// watch (or its reflector is gone: the agent then runs on its tick alone).
+async fn changed(revision: Option<&mut tokio::sync::watch::Receiver<u64>>) {
+    if let Some(rx) = revision
+        && rx.changed().await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
+}
+
+/// A receiver of `revision` that wakes the loop once at once: what the watch applied before the loop
+/// subscribed (its first list, often) is read too.
+fn subscribe(revision: &tokio::sync::watch::Sender<u64>) -> tokio::sync::watch::Receiver<u64> {
+    let mut rx = revision.subscribe();
+    rx.mark_changed();
+    rx
+}
+
 impl Agent {
     /// Run until `shutdown`; then wait (briefly) for the watches to stop.
     pub(super) async fn run(&mut self, shutdown: CancellationToken) -> Result<()> {
@@ -30,8 +49,8 @@ impl Agent {
             advertise = self.opts.config.agent.advertise,
             "agent started"
         );
-        let pods_changed = self.pods.changed.clone();
-        let node_changed = self.node.changed.clone();
+        let mut pods_changed = subscribe(&self.pods.revision);
+        let mut node_changed = subscribe(&self.node.revision);
         let events_changed = self.events.changed();
         // DRA mode: a claim prepared or unprepared, or the node's slices changed (the kubelet deletes
         // them when it starts).
@@ -40,24 +59,8 @@ impl Agent {
             .as_ref()
             .map(|d| d.driver.changed())
             .or_else(|| self.draining.as_ref().map(crate::dra::Dra::changed));
-        let slices_changed = self.dra.as_ref().map(|d| d.slices.changed.clone());
-        let dra_wait = || async {
-            match (&dra_changed, &slices_changed) {
-                (Some(a), Some(b)) => tokio::select! {
-                    _ = a.notified() => {}
-                    _ = b.notified() => {}
-                },
-                (Some(a), None) => a.notified().await,
-                _ => std::future::pending().await,
-            }
-        };
-        let namespaces_changed = self.exempt_watch.as_ref().map(|w| w.changed.clone());
-        let namespaces_wait = || async {
-            match &namespaces_changed {
-                Some(n) => n.notified().await,
-                None => std::future::pending().await,
-            }
-        };
+        let mut slices_changed = self.dra.as_ref().map(|d| subscribe(&d.slices.revision));
+        let mut namespaces_changed = self.exempt_watch.as_ref().map(|w| subscribe(&w.revision));
         loop {
             let deadline = self.next_deadline();
             let wake = tokio::select! {
@@ -65,10 +68,16 @@ impl Agent {
                 _ = shutdown.cancelled() => break,
                 _ = events_changed.notified() => Wake::Events,
                 _ = ticker.tick() => Wake::Tick,
-                _ = pods_changed.notified() => Wake::Pods,
-                _ = node_changed.notified() => Wake::Node,
-                _ = dra_wait() => Wake::Dra,
-                _ = namespaces_wait() => Wake::Namespaces,
+                _ = changed(Some(&mut pods_changed)) => Wake::Pods,
+                _ = changed(Some(&mut node_changed)) => Wake::Node,
+                _ = async {
+                    match &dra_changed {
+                        Some(d) => d.notified().await,
+                        None => std::future::pending().await,
+                    }
+                } => Wake::Dra,
+                _ = changed(slices_changed.as_mut()) => Wake::Dra,
+                _ = changed(namespaces_changed.as_mut()) => Wake::Namespaces,
                 _ = tokio::time::sleep_until(deadline.into()) => Wake::Deadline,
             };
             self.step(wake).await;
