@@ -799,40 +799,33 @@ pub(crate) async fn remove_vmis(cluster: &Cluster, ns: &str) {
 /// What keeps the VMIs of `ns` from going: each VMI's phase, deletion and finalizers, each pod's
 /// phase and deletion.
 async fn leftovers(cluster: &Cluster, ns: &str) -> String {
-    let vmis = vmis::api(&cluster.client, ns, "VirtualMachineInstance")
-        .list(&ListParams::default())
-        .await
-        .map(|l| {
-            l.items
-                .iter()
-                .map(|v| {
-                    format!(
-                        "VMI {} phase {} deleted {:?} finalizers {:?}",
-                        v.name_any(),
-                        v.data["status"]["phase"],
-                        v.metadata.deletion_timestamp.as_ref().map(|t| t.0),
-                        v.finalizers()
-                    )
-                })
-                .collect::<Vec<_>>()
-        });
-    let pods = Api::<Pod>::namespaced(cluster.client.clone(), ns)
-        .list(&ListParams::default())
-        .await
-        .map(|l| {
-            l.items
-                .iter()
-                .map(|p| {
-                    format!(
-                        "pod {} phase {:?} deleted {:?}",
-                        p.name_any(),
-                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                        p.metadata.deletion_timestamp.as_ref().map(|t| t.0),
-                    )
-                })
-                .collect::<Vec<_>>()
-        });
-    format!("{vmis:?}; {pods:?}")
+    fn each<T>(list: kube::Result<kube::api::ObjectList<T>>, line: impl Fn(&T) -> String) -> String
+    where
+        T: Clone,
+    {
+        match list {
+            Ok(l) => l.items.iter().map(line).collect::<Vec<_>>().join("; "),
+            Err(e) => format!("cannot list: {e}"),
+        }
+    }
+    let params = ListParams::default();
+    let vmis = vmis::api(&cluster.client, ns, "VirtualMachineInstance");
+    let vmis = each(vmis.list(&params).await, |v| {
+        let deleted = v.metadata.deletion_timestamp.as_ref().map(|t| t.0);
+        let phase = &v.data["status"]["phase"];
+        format!(
+            "VMI {} phase {phase} deleted {deleted:?} finalizers {:?}",
+            v.name_any(),
+            v.finalizers()
+        )
+    });
+    let pods = Api::<Pod>::namespaced(cluster.client.clone(), ns);
+    let pods = each(pods.list(&params).await, |p| {
+        let deleted = p.metadata.deletion_timestamp.as_ref().map(|t| t.0);
+        let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+        format!("pod {} phase {phase:?} deleted {deleted:?}", p.name_any())
+    });
+    format!("{vmis}; {pods}")
 }
 
 pub use teeguard_tests::node::pods::running;
