@@ -224,7 +224,8 @@ impl ControlPlane {
         // The API server reads the public key from the certificate; the private key is PKCS#8.
         let sa_key = write("sa.key", signing.key_pem())?;
         let sa_pub = write("sa.crt", signing.cert_pem())?;
-        let token = |who: &str| format!("{who}-{:016x}{:08x}", rand_u64(), std::process::id());
+        let token =
+            |who: &str| format!("{who}-{:016x}{:08x}", fastrand::u64(..), std::process::id());
         let (admin, scheduler) = (token("admin"), token("sched"));
         let tokens = write(
             "tokens.csv",
@@ -606,18 +607,6 @@ fn make_executable(p: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
         .map_err(io(format!("chmod {}", p.display())))
-}
-
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish()
 }
 
 /// Runs a component until the test process (`$1`) exits or the component dies, then stops it (TERM,

@@ -82,7 +82,21 @@ pub fn stable_hex(seed: &str, len: usize) -> String {
 
 /// A version-4-shaped UUID derived from `seed`.
 pub fn stable_uid(seed: &str) -> String {
-    let mut hex: Vec<char> = stable_hex(seed, 32).chars().collect();
+    uuid_v4(&stable_hex(seed, 32))
+}
+
+/// A random version 4 UUID, as the API server gives a new object (and virt-api a VMI's firmware).
+pub fn random_uid() -> String {
+    uuid_v4(&format!(
+        "{:016x}{:016x}",
+        fastrand::u64(..),
+        fastrand::u64(..)
+    ))
+}
+
+/// 32 hex digits as a version 4 UUID (its version and variant digits set).
+fn uuid_v4(hex: &str) -> String {
+    let mut hex: Vec<char> = hex.chars().collect();
     hex[12] = '4';
     hex[16] = ['8', '9', 'a', 'b'][(hex[16].to_digit(16).unwrap_or(0) % 4) as usize];
     let s: String = hex.into_iter().collect();

@@ -1,7 +1,7 @@
 //! Deterministic input mutation for bounded fuzzing on stable Rust (the `robust_fuzz` test) and a
 //! corpus of realistic seeds.
 //!
-//! [`Mutator`] is a seeded xorshift generator with byte-level mutations (flips, truncation, splicing,
+//! [`Mutator`] is a seeded generator (`fastrand`) with byte-level mutations (flips, truncation, splicing,
 //! insertion of interesting tokens) and JSON-structure mutations (values replaced by other types, keys
 //! deleted, deep nesting, huge numbers, odd unicode). Same seed, same sequence: a failure is reproduced
 //! by its seed and iteration number.
@@ -10,52 +10,9 @@ use std::path::PathBuf;
 
 use serde_json::{Map, Value, json};
 
-/// xorshift64* generator: fast, deterministic, good enough to pick mutations.
-#[derive(Clone, Debug)]
-pub struct XorShift {
-    state: u64,
-}
-
-impl XorShift {
-    /// A generator from `seed` (0 is replaced by a fixed non-zero constant).
-    pub fn new(seed: u64) -> Self {
-        Self {
-            state: if seed == 0 {
-                0x9E37_79B9_7F4A_7C15
-            } else {
-                seed
-            },
-        }
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.state;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.state = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform-ish in `0..n` (`0` when `n == 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            (self.next_u64() % n as u64) as usize
-        }
-    }
-
-    /// True with probability `1 / n`.
-    pub fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-
-    /// One element of a non-empty slice.
-    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
+/// One element of a non-empty slice.
+fn pick<'a, T>(rng: &mut fastrand::Rng, items: &'a [T]) -> &'a T {
+    &items[rng.usize(..items.len())]
 }
 
 /// Tokens that tend to reach parser corner cases.
@@ -106,26 +63,26 @@ const TOKENS: &[&str] = &[
 /// Mutates byte strings and JSON documents deterministically.
 #[derive(Clone, Debug)]
 pub struct Mutator {
-    rng: XorShift,
+    rng: fastrand::Rng,
 }
 
 impl Mutator {
     /// A mutator from `seed`.
     pub fn new(seed: u64) -> Self {
         Self {
-            rng: XorShift::new(seed),
+            rng: fastrand::Rng::with_seed(seed),
         }
     }
 
     /// The random source (for callers choosing their own variations).
-    pub fn rng(&mut self) -> &mut XorShift {
+    pub fn rng(&mut self) -> &mut fastrand::Rng {
         &mut self.rng
     }
 
     /// Apply 1-4 random byte-level mutations; `other` is a second input for splicing.
     pub fn mutate_bytes(&mut self, input: &[u8], other: &[u8]) -> Vec<u8> {
         let mut out = input.to_vec();
-        let rounds = 1 + self.rng.below(4);
+        let rounds = 1 + self.rng.usize(..4);
         for _ in 0..rounds {
             self.mutate_bytes_once(&mut out, other);
         }
@@ -134,74 +91,78 @@ impl Mutator {
 
     fn mutate_bytes_once(&mut self, out: &mut Vec<u8>, other: &[u8]) {
         let len = out.len();
-        match self.rng.below(9) {
+        match self.rng.usize(..9) {
             // Flip a bit.
             0 if len > 0 => {
-                let i = self.rng.below(len);
-                out[i] ^= 1 << self.rng.below(8);
+                let i = self.rng.usize(..len);
+                out[i] ^= 1 << self.rng.usize(..8);
             }
             // Replace a byte with an interesting one.
             1 if len > 0 => {
-                let i = self.rng.below(len);
-                out[i] = *self.rng.pick(&[
-                    0u8, b'"', b'\\', b'{', b'}', b'[', b']', b':', b',', 0xff, 0xc3, b'\n',
-                ]);
+                let i = self.rng.usize(..len);
+                out[i] = *pick(
+                    &mut self.rng,
+                    &[
+                        0u8, b'"', b'\\', b'{', b'}', b'[', b']', b':', b',', 0xff, 0xc3, b'\n',
+                    ],
+                );
             }
             // Truncate.
             2 if len > 0 => {
-                let at = self.rng.below(len);
+                let at = self.rng.usize(..len);
                 out.truncate(at);
             }
             // Delete a range.
             3 if len > 1 => {
-                let a = self.rng.below(len);
-                let b = (a + 1 + self.rng.below(64)).min(len);
+                let a = self.rng.usize(..len);
+                let b = (a + 1 + self.rng.usize(..64)).min(len);
                 out.drain(a..b);
             }
             // Duplicate a range.
             4 if len > 1 => {
-                let a = self.rng.below(len);
-                let b = (a + 1 + self.rng.below(256)).min(len);
+                let a = self.rng.usize(..len);
+                let b = (a + 1 + self.rng.usize(..256)).min(len);
                 let chunk = out[a..b].to_vec();
-                let at = self.rng.below(len);
+                let at = self.rng.usize(..len);
                 out.splice(at..at, chunk);
             }
             // Insert a token.
             5 => {
-                let at = self.rng.below(len + 1);
-                let tok = self.rng.pick(TOKENS).as_bytes().to_vec();
+                let at = self.rng.usize(..len + 1);
+                let tok = pick(&mut self.rng, TOKENS).as_bytes().to_vec();
                 out.splice(at..at, tok);
             }
             // Splice: our head + the other input's tail.
             6 if !other.is_empty() => {
-                let at = self.rng.below(len + 1);
-                let from = self.rng.below(other.len());
+                let at = self.rng.usize(..len + 1);
+                let from = self.rng.usize(..other.len());
                 out.truncate(at);
                 out.extend_from_slice(&other[from..]);
             }
             // Overwrite a digit with a huge or odd number.
             7 if len > 0 => {
-                let start = self.rng.below(len);
+                let start = self.rng.usize(..len);
                 if let Some(i) = (0..len)
                     .map(|k| (start + k) % len)
                     .find(|&i| out[i].is_ascii_digit())
                 {
-                    let tok = *self
-                        .rng
-                        .pick(&["99999999999999999999999", "-1", "1e308", "0.5"]);
+                    let tok = *pick(
+                        &mut self.rng,
+                        &["99999999999999999999999", "-1", "1e308", "0.5"],
+                    );
                     out.splice(i..i + 1, tok.bytes());
                 }
             }
             // Invalid UTF-8 sequence.
             _ => {
-                let at = self.rng.below(len + 1);
+                let at = self.rng.usize(..len + 1);
                 const SEQS: [&[u8]; 4] = [
                     &[0xff],
                     &[0xc3, 0x28],
                     &[0xed, 0xa0, 0x80],
                     &[0xf4, 0x90, 0x80, 0x80],
                 ];
-                let seq = *self.rng.pick(&SEQS);
+                let seq = *pick(&mut self.rng, &SEQS);
                 out.splice(at..at, seq.iter().copied());
             }
         }
@@ -210,17 +171,17 @@ impl Mutator {
     /// Apply 1-3 random structural mutations to a JSON document.
     pub fn mutate_json(&mut self, doc: &Value) -> Value {
         let mut out = doc.clone();
-        let rounds = 1 + self.rng.below(3);
+        let rounds = 1 + self.rng.usize(..3);
         for _ in 0..rounds {
             let paths = collect_paths(&out);
-            let path = self.rng.pick(&paths).clone();
+            let path = pick(&mut self.rng, &paths).clone();
             self.mutate_at(&mut out, &path);
         }
         out
     }
 
     fn mutate_at(&mut self, doc: &mut Value, path: &[Step]) {
-        let choice = self.rng.below(8);
+        let choice = self.rng.usize(..8);
         // Deleting a key needs the parent.
         if choice == 0 && !path.is_empty() {
             let Some((last, parent)) = path.split_last() else {
@@ -245,10 +206,10 @@ impl Mutator {
                 Some(v) => *slot = v,
                 None => {
                     // Wrap in deep nesting.
-                    let depth = 1 + self.rng.below(200);
+                    let depth = 1 + self.rng.usize(..200);
                     let mut v = std::mem::take(slot);
                     for _ in 0..depth {
-                        v = if self.rng.one_in(2) {
+                        v = if self.rng.bool() {
                             Value::Array(vec![v])
                         } else {
                             json!({ "x": v })
@@ -265,7 +226,7 @@ impl Mutator {
         let r = &mut self.rng;
         Some(match choice {
             1 => Value::Null,
-            2 => json!(*r.pick(&[true, false])),
+            2 => json!(r.bool()),
             3 => {
                 let numbers = [
                     json!(0),
@@ -276,31 +237,34 @@ impl Mutator {
                     json!(-0.0),
                     json!(4_294_967_296u64),
                 ];
-                r.pick(&numbers).clone()
+                pick(r, &numbers).clone()
             }
             4 => {
-                let s = *r.pick(&[
-                    "",
-                    "CREATE",
-                    "UPDATE",
-                    "pods",
-                    "binding",
-                    "compute",
-                    "virt-launcher",
-                    "true",
-                    "1",
-                    "-1",
-                    "1.5",
-                    "999999999999999999999",
-                    "tdx 1",
-                    "\u{0}",
-                    "\u{202e}evil",
-                    "ユニコード",
-                    "a/b~c",
-                    "kubevirt.io/v1",
-                    "VirtualMachineInstance",
-                ]);
-                if r.one_in(8) {
+                let s = *pick(
+                    r,
+                    &[
+                        "",
+                        "CREATE",
+                        "UPDATE",
+                        "pods",
+                        "binding",
+                        "compute",
+                        "virt-launcher",
+                        "true",
+                        "1",
+                        "-1",
+                        "1.5",
+                        "999999999999999999999",
+                        "tdx 1",
+                        "\u{0}",
+                        "\u{202e}evil",
+                        "ユニコード",
+                        "a/b~c",
+                        "kubevirt.io/v1",
+                        "VirtualMachineInstance",
+                    ],
+                );
+                if r.usize(..8) == 0 {
                     Value::String(s.repeat(10_000))
                 } else {
                     Value::String(s.to_owned())

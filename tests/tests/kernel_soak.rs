@@ -49,22 +49,6 @@ const AGENT_POLL: Duration = Duration::from_secs(1);
 /// on a busy 2-core machine, through QEMU's user-mode network (seen: well under a second when idle).
 const BOUND_SLACK: Duration = Duration::from_secs(4);
 
-/// xorshift64*: a reproducible sequence without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 /// A pod whose VM holds its key.
 struct PodVm {
     name: String,
@@ -99,7 +83,7 @@ async fn soak(kernel: Kernel) {
                 | 1
         });
     eprintln!("kernel_soak ({kernel}): seed {seed} (TEEGUARD_SOAK_SEED={seed} replays it)");
-    let mut rng = Rng(seed);
+    let mut rng = fastrand::Rng::with_seed(seed);
     let names = LAYOUTS[0];
     let mut outside_cgroups = vec![libvirt_vm_cgroup(1, "a"), libvirt_vm_cgroup(2, "b")];
     for cg in &outside_cgroups {
@@ -128,7 +112,7 @@ async fn soak(kernel: Kernel) {
         }
         // Half the time a new pod when the report says a key is free; otherwise a VM outside
         // Kubernetes starts, or some VM stops.
-        match (free > 0 && rng.below(2) == 0, rng.below(3)) {
+        match (free > 0 && rng.bool(), rng.usize(..3)) {
             (true, _) => {
                 let name = format!("vm-{n}");
                 let p = w.create_pod(&w.ns, &name, &[(ASIDS, 1)], &[]).await;
@@ -146,7 +130,7 @@ async fn soak(kernel: Kernel) {
                 pods.push(PodVm { name, cgroup, vm });
             }
             (false, 0) => {
-                let cg = outside_cgroups[rng.below(outside_cgroups.len())].clone();
+                let cg = outside_cgroups[rng.usize(..outside_cgroups.len())].clone();
                 let vm = ok(g, g.start_vm(&format!("x{n}"), &cg, "sev", 1).await);
                 tally.outside_starts += 1;
                 if vm.granted() == 1 {
@@ -159,7 +143,7 @@ async fn soak(kernel: Kernel) {
                 }
             }
             (false, 1) if !pods.is_empty() => {
-                let p = pods.remove(rng.below(pods.len()));
+                let p = pods.remove(rng.usize(..pods.len()));
                 ok(g, g.stop_vm(&p.vm).await);
                 ok(g, g.rm_cgroup_tree(&p.cgroup.pod).await);
                 pods_api
@@ -169,7 +153,7 @@ async fn soak(kernel: Kernel) {
                 tally.pod_stops += 1;
             }
             _ if !outside.is_empty() => {
-                let vm = outside.remove(rng.below(outside.len()));
+                let vm = outside.remove(rng.usize(..outside.len()));
                 ok(g, g.stop_vm(&vm).await);
                 tally.outside_stops += 1;
             }

@@ -96,9 +96,9 @@ fn admission_bounded(target: &str, seed: u64, body: fn(&[u8]) -> Seen) {
     let mut m = Mutator::new(seed);
     let mut seen: BTreeMap<Seen, usize> = BTreeMap::new();
     for i in 0..ADMISSION_ITERATIONS {
-        let a = m.rng().below(corpus.len());
-        let b = m.rng().below(corpus.len());
-        let input = if m.rng().one_in(2) {
+        let a = m.rng().usize(..corpus.len());
+        let b = m.rng().usize(..corpus.len());
+        let input = if m.rng().bool() {
             m.mutate_bytes(&corpus[a].1, &corpus[b].1)
         } else {
             let doc = m.mutate_json(&docs[a]);
@@ -136,8 +136,8 @@ fn misc_parsers_bounded() {
     let mut m = Mutator::new(SEED ^ 0x5a5a);
     let mut seen: BTreeMap<Seen, usize> = BTreeMap::new();
     for i in 0..MISC_ITERATIONS {
-        let a = corpus[m.rng().below(corpus.len())].as_bytes();
-        let b = corpus[m.rng().below(corpus.len())].as_bytes();
+        let a = corpus[m.rng().usize(..corpus.len())].as_bytes();
+        let b = corpus[m.rng().usize(..corpus.len())].as_bytes();
         let input = m.mutate_bytes(a, b);
         let s = run_one("misc", i, &input, bodies::misc);
         *seen.entry(s).or_insert(0) += 1;

@@ -2,9 +2,7 @@
 //! `resourceVersion` counter, a bounded history of change events for watches, and every write verb with the
 //! real server's semantics (preconditions, status subresource rules, generation, finalizers, managed fields).
 
-use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, VecDeque};
-use std::hash::{BuildHasher, Hasher};
 use std::ops::Bound;
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 
@@ -106,52 +104,12 @@ pub(crate) struct ListPage {
     pub continue_token: Option<String>,
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn new() -> Self {
-        let mut h = RandomState::new().build_hasher();
-        h.write_u128(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0),
-        );
-        Self(h.finish() | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        // xorshift64*
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn uid(&mut self) -> String {
-        let a = self.next();
-        let b = self.next();
-        let a = (a & 0xffff_ffff_ffff_0fff) | 0x4000; // version 4
-        let b = (b & 0x3fff_ffff_ffff_ffff) | 0x8000_0000_0000_0000; // variant
-        format!(
-            "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
-            a >> 32,
-            (a >> 16) & 0xffff,
-            a & 0xffff,
-            b >> 48,
-            b & 0xffff_ffff_ffff
-        )
-    }
-
-    /// 5 characters from the alphabet the real server uses for `generateName`.
-    fn suffix(&mut self) -> String {
-        const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
-        (0..5)
-            .map(|_| ALPHABET[(self.next() % ALPHABET.len() as u64) as usize] as char)
-            .collect()
-    }
+/// 5 characters from the alphabet the real server uses for `generateName`.
+fn random_suffix() -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    (0..5)
+        .map(|_| ALPHABET[fastrand::usize(..ALPHABET.len())] as char)
+        .collect()
 }
 
 /// Current time as the API server formats `metav1.Time`.
@@ -184,7 +142,6 @@ pub(crate) struct State {
     /// Events with `rv <= compacted` may be gone from the history.
     pub compacted: u64,
     pending: Vec<Arc<StoredEvent>>,
-    rng: Rng,
 }
 
 impl std::fmt::Debug for State {
@@ -242,7 +199,6 @@ impl State {
             history_cap,
             compacted: 0,
             pending: Vec::new(),
-            rng: Rng::new(),
         };
         for (def, storage_of, view) in resources::builtin() {
             let storage = match storage_of {
@@ -521,7 +477,7 @@ impl State {
                 let storage = &self.storages[reg.storage];
                 let mut name;
                 loop {
-                    name = format!("{prefix}{}", self.rng.suffix());
+                    name = format!("{prefix}{}", random_suffix());
                     if !storage.contains_key(&(ns.clone().unwrap_or_default(), name.clone())) {
                         break;
                     }
@@ -556,7 +512,7 @@ impl State {
             })
             .flatten()
             .map(str::to_string);
-        let uid = given_uid.unwrap_or_else(|| self.rng.uid());
+        let uid = given_uid.unwrap_or_else(crate::fixtures::random_uid);
         m.insert("uid".into(), Value::String(uid));
         m.insert("creationTimestamp".into(), Value::String(now.clone()));
         m.insert("generation".into(), json!(1));

@@ -333,7 +333,7 @@ impl State {
             .cloned();
         if let Some(mut defaulted) = known {
             if let Some(uuid) = defaulted.pointer_mut("/spec/domain/firmware/uuid") {
-                *uuid = Value::String(random_uuid());
+                *uuid = Value::String(crate::fixtures::random_uid());
             }
             return Ok((defaulted, true));
         }
@@ -408,31 +408,4 @@ async fn handle(state: Arc<State>, req: Request<hyper::body::Incoming>) -> Respo
         Ok(v) => reply(StatusCode::OK, serde_json::to_vec(&v).unwrap_or_default()),
         Err(_) => reply(StatusCode::INTERNAL_SERVER_ERROR, b"{}".to_vec()),
     }
-}
-
-/// A random (version 4) UUID, as virt-api draws for a VMI's firmware.
-fn random_uuid() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let mut bytes = [0u8; 16];
-    for chunk in bytes.chunks_mut(8) {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u128(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0),
-        );
-        chunk.copy_from_slice(&h.finish().to_le_bytes());
-    }
-    bytes[6] = (bytes[6] & 0x0f) | 0x40;
-    bytes[8] = (bytes[8] & 0x3f) | 0x80;
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
 }

@@ -78,19 +78,6 @@ impl Health {
     }
 }
 
-/// A pseudo-random number below `n` (SplitMix64 over a seed printed at the start).
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        (z ^ (z >> 31)) % n.max(1)
-    }
-}
-
 /// Chaos for [`duration`] on two nodes (2 TDX keys, 2 SEV-ES keys), 3 webhook replicas behind the
 /// balancer (the other KubeVirt tests run the chart's 2), two API servers: no node ever gets more pods
 /// than keys, no VMI is left waiting beside a free key while everything is up, and once the VMIs are
@@ -135,18 +122,18 @@ pub async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart(
             stop.clone(),
         )));
     }
-    let mut rng = Rng(seed);
+    let mut rng = fastrand::Rng::with_seed(seed);
     let end = Instant::now() + duration();
     while Instant::now() < end {
-        tokio::time::sleep(Duration::from_millis(12_000 + rng.below(10_000))).await;
+        tokio::time::sleep(Duration::from_millis(12_000 + rng.u64(..10_000))).await;
         if Instant::now() >= end {
             break;
         }
-        let outage = Duration::from_millis(2_000 + rng.below(3_000));
+        let outage = Duration::from_millis(2_000 + rng.u64(..3_000));
         health.set(false);
-        let event = match rng.below(4) {
+        let event = match rng.u64(..4) {
             0 | 1 => {
-                let i = rng.below(w.webhooks.len() as u64) as usize;
+                let i = rng.usize(..w.webhooks.len());
                 w.stop_replica(i);
                 tokio::time::sleep(outage).await;
                 w.start_replica(i).await;
@@ -268,16 +255,12 @@ async fn client(
     seen: Arc<Mutex<Seen>>,
     stop: Arc<AtomicBool>,
 ) {
-    let mut rng = Rng(seed);
+    let mut rng = fastrand::Rng::with_seed(seed);
     let api = vmis::api(&kube, &ns, "VirtualMachineInstance");
     let mut n = 0;
     while !stop.load(Ordering::SeqCst) {
         n += 1;
-        let tee = if rng.below(2) == 0 {
-            Tee::Tdx
-        } else {
-            Tee::Snp
-        };
+        let tee = if rng.bool() { Tee::Tdx } else { Tee::Snp };
         let name = format!("c{id}-{n:03}-{}", tee.slug());
         if vmis::create(&kube, &ns, &vmis::vmi(&name, tee, Size::SMALL))
             .await
@@ -285,7 +268,7 @@ async fn client(
         {
             lock(&seen).created += 1;
         }
-        let keep = Duration::from_millis(3_000 + rng.below(20_000));
+        let keep = Duration::from_millis(3_000 + rng.u64(..20_000));
         let until = Instant::now() + keep;
         while Instant::now() < until && !stop.load(Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_millis(200)).await;

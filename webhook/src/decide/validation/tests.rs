@@ -450,20 +450,9 @@ fn reference_verdict(
     }
 }
 
-/// A small deterministic generator (xorshift), so the property test needs no extra crate.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 #[test]
 fn scan_matches_the_full_sort_in_any_order() {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = fastrand::Rng::with_seed(0x9e37_79b9_7f4a_7c15);
     let both = KeyRequests::from([(TeeKind::Tdx, 1), (TeeKind::SevEs, 2)]);
     for round in 0..2_000 {
         let requests = match round % 3 {
@@ -471,25 +460,25 @@ fn scan_matches_the_full_sort_in_any_order() {
             1 => tdx(2),
             _ => both.clone(),
         };
-        let n = rng.next(14) as usize;
+        let n = rng.usize(..14);
         let mut candidates = Vec::new();
         for i in 0..n {
             // Mostly full nodes, so that refusals (and their lists) are common.
-            let status = match rng.next(8) {
+            let status = match rng.u64(..8) {
                 0 => None,
-                1 => Some(report(Some(kind(8, rng.next(3), rng.next(2))), 600)),
+                1 => Some(report(Some(kind(8, rng.u64(..3), rng.u64(..2))), 600)),
                 2 => Some(report(None, 5)),
                 _ => {
-                    let mut s = report(Some(kind(8, rng.next(3), rng.next(2))), 5);
-                    if rng.next(2) == 0 {
-                        s.sev_es = Some(kind(16, rng.next(4), 0));
+                    let mut s = report(Some(kind(8, rng.u64(..3), rng.u64(..2))), 5);
+                    if rng.u64(..2) == 0 {
+                        s.sev_es = Some(kind(16, rng.u64(..4), 0));
                     }
                     Some(s)
                 }
             };
             let mut reserved = KeyRequests::new();
-            if rng.next(4) == 0 {
-                reserved.insert(TeeKind::Tdx, rng.next(3));
+            if rng.u64(..4) == 0 {
+                reserved.insert(TeeKind::Tdx, rng.u64(..3));
             }
             // Names collide in rank often; a few share prefixes.
             let name = format!("n{}", (i * 7 + round) % 23);
