@@ -10,9 +10,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Event, Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{DynamicObject, PostParams};
+use kube::api::{DynamicObject, ListParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client, CustomResourceExt};
 use serde_json::{Value, json};
@@ -30,6 +30,15 @@ pub async fn within(deadline: Duration, body: impl std::future::Future<Output = 
     tokio::time::timeout(deadline, body)
         .await
         .unwrap_or_else(|_| panic!("the test did not finish within {deadline:?}"));
+}
+
+/// An Event as `reason: message`.
+pub fn event_line(e: &Event) -> String {
+    format!(
+        "{}: {}",
+        e.reason.as_deref().unwrap_or_default(),
+        e.message.as_deref().unwrap_or_default()
+    )
 }
 
 /// The label that scopes a test's webhook configurations to its namespaces.
@@ -158,6 +167,19 @@ impl Cluster {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         Some(cluster)
+    }
+
+    /// The Events about object `ns/name` (none when they cannot be listed).
+    pub async fn events_about(&self, ns: &str, name: &str) -> Vec<Event> {
+        let events: Api<Event> = Api::namespaced(self.client.clone(), ns);
+        events
+            .list(&ListParams::default())
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
+            .collect()
     }
 
     /// Install the `TeeCapacity`, `TeeReservation` and `VirtualMachineInstance` CRDs (once;

@@ -8,16 +8,16 @@ mod chart_support;
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, PostParams};
 use serde_json::json;
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess};
 use teeguard_tests::fixtures::{NodeBuilder, TDX_KEYS, Tee};
 use teeguard_tests::host::{SimHost, TDX};
 use teeguard_tests::patch::MergePatch;
-use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL, event_line, within};
 
 const DEADLINE: Duration = Duration::from_secs(150);
 
@@ -119,20 +119,8 @@ impl World {
 
     /// `reason: message` of the events about pod `name`.
     async fn events_of(&self, name: &str) -> Vec<String> {
-        let events: Api<Event> = Api::namespaced(self.cluster.client.clone(), &self.ns);
-        let list = events.list(&ListParams::default()).await;
-        list.map(|l| l.items)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|e| e.involved_object.name.as_deref() == Some(name))
-            .map(|e| {
-                format!(
-                    "{}: {}",
-                    e.reason.unwrap_or_default(),
-                    e.message.unwrap_or_default()
-                )
-            })
-            .collect()
+        let events = self.cluster.events_about(&self.ns, name).await;
+        events.iter().map(event_line).collect()
     }
 
     /// The node's report, once it shows `pending` keys and `free`.
@@ -256,14 +244,12 @@ async fn a_full_node_refuses_the_binding_until_a_key_is_freed() {
 
         let vm = w.create_vm("vm-1").await.expect("admitted at CREATE");
         let name = vm.metadata.name.clone().expect("name");
-        let events: Api<Event> = Api::namespaced(w.cluster.client.clone(), &w.ns);
         let event = w
             .cluster
             .wait_for("FailedScheduling with teeguard's message", || async {
-                let list = events.list(&ListParams::default()).await.ok()?;
-                list.items.into_iter().find(|e| {
-                    e.involved_object.name.as_deref() == Some(name.as_str())
-                        && e.reason.as_deref() == Some("FailedScheduling")
+                let events = w.cluster.events_about(&w.ns, &name).await;
+                events.into_iter().find(|e| {
+                    e.reason.as_deref() == Some("FailedScheduling")
                         && e.message.as_deref().is_some_and(|m| {
                             m.contains(&format!("node {full} cannot host this TDX VM"))
                         })

@@ -190,20 +190,7 @@ impl WebhookClient {
                     Err(e) => Err(e),
                 };
                 match sent {
-                    Ok(resp) => {
-                        let status = resp.status();
-                        let bytes = resp
-                            .into_body()
-                            .collect()
-                            .await
-                            .map_err(|e| StandaloneError::Http {
-                                method: "POST",
-                                url: self.url(path),
-                                reason: format!("reading the response body: {e}"),
-                            })?
-                            .to_bytes();
-                        return Ok((status, bytes));
-                    }
+                    Ok(resp) => return self.read(resp, "POST", path).await,
                     Err(e) if reused && (e.is_closed() || e.is_canceled()) => {
                         // The server closed the idle connection as we reused it: nothing was
                         // answered, so the request is sent again on a fresh connection.
@@ -231,6 +218,23 @@ impl WebhookClient {
                 })
             }
         }
+    }
+
+    /// The status and whole body of the answer to `method path`.
+    async fn read(
+        &self,
+        resp: http::Response<hyper::body::Incoming>,
+        method: &'static str,
+        path: &str,
+    ) -> Result<(StatusCode, Bytes)> {
+        let status = resp.status();
+        let body = resp.into_body().collect().await;
+        let bytes = body.map_err(|e| StandaloneError::Http {
+            method,
+            url: self.url(path),
+            reason: format!("reading the response body: {e}"),
+        })?;
+        Ok((status, bytes.to_bytes()))
     }
 
     /// POST `body` to `path` on a new connection that is closed afterwards.
@@ -261,18 +265,7 @@ impl WebhookClient {
                     url: self.url(path),
                     reason: e.to_string(),
                 })?;
-            let status = resp.status();
-            let bytes = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| StandaloneError::Http {
-                    method: name,
-                    url: self.url(path),
-                    reason: format!("reading the response body: {e}"),
-                })?
-                .to_bytes();
-            Ok((status, bytes))
+            self.read(resp, name, path).await
         };
         match tokio::time::timeout(self.timeout, work).await {
             Ok(r) => r,

@@ -8,9 +8,9 @@
 use std::time::Duration;
 
 use base64::Engine as _;
-use k8s_openapi::api::core::v1::{Event, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::api::{ListParams, PostParams};
+use kube::api::PostParams;
 use serde_json::{Value, json};
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::e2e::last_lines;
@@ -179,13 +179,9 @@ impl AgentWorld {
 
     /// `(reason, message)` of the Events about pod `ns/name`.
     pub async fn events(&self, ns: &str, name: &str) -> Vec<(String, String)> {
-        let api: Api<Event> = Api::namespaced(self.cluster.client.clone(), ns);
-        api.list(&ListParams::default())
-            .await
-            .map(|l| l.items)
-            .unwrap_or_default()
+        let events = self.cluster.events_about(ns, name).await;
+        events
             .into_iter()
-            .filter(|e| e.involved_object.name.as_deref() == Some(name))
             .map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default()))
             .collect()
     }

@@ -392,15 +392,7 @@ impl KubeVirtWorld {
 
     /// Events about the object `name` in the test's namespace, oldest first.
     pub async fn events(&self, name: &str) -> Vec<Event> {
-        let events: Api<Event> = Api::namespaced(self.cluster.client.clone(), &self.ns);
-        let mut got: Vec<Event> = events
-            .list(&ListParams::default())
-            .await
-            .map(|l| l.items)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|e| e.involved_object.name.as_deref() == Some(name))
-            .collect();
+        let mut got = self.cluster.events_about(&self.ns, name).await;
         got.sort_by_key(|e| {
             e.last_timestamp
                 .as_ref()

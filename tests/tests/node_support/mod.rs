@@ -13,10 +13,10 @@ pub mod scenarios;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::Api;
-use kube::api::{ListParams, PostParams};
+use kube::api::PostParams;
 use serde_json::json;
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess, balance, last_lines};
@@ -24,7 +24,7 @@ use teeguard_tests::fixtures::Tee;
 use teeguard_tests::host::{SEV_ES, SimHost, TDX};
 use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime, pods};
 use teeguard_tests::patch::MergePatch;
-use teeguard_tests::realcluster::{Cluster, TEST_LABEL};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL, event_line};
 
 use crate::chart_support;
 
@@ -325,30 +325,8 @@ impl NodeWorld {
 
     /// `reason: message` of the events about `ns/name`.
     pub async fn events(&self, ns: &str, name: &str) -> Vec<String> {
-        self.event_objects(ns, name)
-            .await
-            .into_iter()
-            .map(|e| {
-                format!(
-                    "{}: {}",
-                    e.reason.unwrap_or_default(),
-                    e.message.unwrap_or_default()
-                )
-            })
-            .collect()
-    }
-
-    /// The events about `ns/name`.
-    pub async fn event_objects(&self, ns: &str, name: &str) -> Vec<Event> {
-        let events: Api<Event> = Api::namespaced(self.cluster.client.clone(), ns);
-        events
-            .list(&ListParams::default())
-            .await
-            .map(|l| l.items)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|e| e.involved_object.name.as_deref() == Some(name))
-            .collect()
+        let events = self.cluster.events_about(ns, name).await;
+        events.iter().map(event_line).collect()
     }
 
     /// The node's `TeeCapacity` condition `type_`, once the report has one.

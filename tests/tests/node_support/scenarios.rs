@@ -142,7 +142,7 @@ pub async fn launchers(runtime: Runtime) {
     let event = w
         .cluster
         .wait_for("the TEEKeyLimitMismatch Event", || async {
-            w.event_objects(&ns, "mismatch")
+            w.cluster.events_about(&ns, "mismatch")
                 .await
                 .into_iter()
                 .find(|e| e.reason.as_deref() == Some("TEEKeyLimitMismatch"))
@@ -601,7 +601,7 @@ pub async fn kubelet_admission(runtime: Runtime) {
     let event = w
         .cluster
         .wait_for("FailedScheduling for five-keys", || async {
-            w.event_objects(&w.ns, "five-keys")
+            w.cluster.events_about(&w.ns, "five-keys")
                 .await
                 .into_iter()
                 .find(|e| e.reason.as_deref() == Some("FailedScheduling"))
