@@ -433,11 +433,14 @@ async fn nri_plugin_updates_a_tee_container_created_before_it_registered_once_it
     .await;
 }
 
-// Strict mode through NRI: a container given `tdx 0` before its namespace was labelled exempt gets the
-// zero lifted (`tdx max`, UpdateContainers) once the agent sees the label, as the cgroup writer lifts
-// its own; a container of a namespace still not exempt, and one the runtime removed, are left alone.
+// Strict mode through NRI follows a namespace's exempt label as the cgroup writer does: a container
+// given `tdx 0` before its namespace was labelled exempt gets the zero lifted (`tdx max`,
+// UpdateContainers) once the agent sees the label; the label removed, it and a container created
+// while the namespace was exempt get `tdx 0`; a container of a namespace never exempt, and one the
+// runtime removed, are left alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nri_strict_mode_lifts_the_zero_of_a_container_whose_namespace_is_labelled_exempt_later() {
+async fn nri_strict_mode_lifts_a_zero_when_the_namespace_is_labelled_exempt_and_gives_it_again_when_the_label_goes()
+ {
     bounded(async {
         let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
         let (w, reg) = nri_world_with(host, "  strict: true\n", |_| (Vec::new(), Vec::new())).await;
@@ -503,12 +506,49 @@ async fn nri_strict_mode_lifts_the_zero_of_a_container_whose_namespace_is_labell
             Some(&json!("tdx max")),
             "{updates:?}"
         );
-        // Nothing else: the removed container and the one in `default` keep theirs. The lifts of one
+        // A container created while the namespace is exempt gets no limit.
+        let pod = VirtLauncherPod::for_tee("born-exempt", Tee::None)
+            .namespace("late")
+            .running_on(NODE)
+            .build();
+        let (sandbox, born) = nri_request(&store_pod(&w.env, &pod), "compute");
+        let resp = w
+            .runtime
+            .create_container(sandbox, born.clone())
+            .await
+            .expect("CreateContainer answered");
+        assert_eq!(misc_max(&resp), None, "{resp:?}");
+        // The label removed: both get the zero (again).
+        w.env
+            .api
+            .insert(&namespace(json!({})))
+            .expect("namespace label removed");
+        let updates = w
+            .runtime
+            .wait_updates(3, Duration::from_secs(10))
+            .await
+            .expect("UpdateContainers calls once the namespace is exempt no more");
+        let mut zeroed: Vec<(Value, Value)> = updates[1..]
+            .iter()
+            .map(|u| {
+                let u = &u["update"][0];
+                let value = u.pointer("/linux/resources/unified/misc.max").cloned();
+                (u["container_id"].clone(), value.unwrap_or_default())
+            })
+            .collect();
+        zeroed.sort_by_key(|(id, _)| id.to_string());
+        let mut want = vec![
+            (containers[0].1["id"].clone(), json!("tdx 0")),
+            (born["id"].clone(), json!("tdx 0")),
+        ];
+        want.sort_by_key(|(id, _)| id.to_string());
+        assert_eq!(zeroed, want, "{updates:?}");
+        // Nothing else: the removed container and the one in `default` keep theirs. The updates of one
         // change of the namespaces go out together, back to back; 500 ms is a loaded machine's slack.
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert_eq!(
             w.runtime.container_updates().len(),
-            1,
+            3,
             "{:?}",
             w.runtime.container_updates()
         );

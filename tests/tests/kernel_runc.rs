@@ -158,7 +158,8 @@ async fn record(runtime: Runtime) -> Option<Configs> {
     let event = w
         .cluster
         .wait_for("the TEEKeyKindUnavailable Event", || async {
-            w.cluster.events_about(&ns, "snp-nfd")
+            w.cluster
+                .events_about(&ns, "snp-nfd")
                 .await
                 .into_iter()
                 .find(|e| e.reason.as_deref() == Some("TEEKeyKindUnavailable"))

@@ -164,6 +164,23 @@ pub fn is_exempt(pod: &Pod, namespace_exempt: bool) -> bool {
             .is_some_and(|v| v == "true")
 }
 
+/// Strict mode's zero for `container` that its namespace's label alone decides (the container's
+/// limit unless the namespace is labelled exempt, none if it is); `None` for any other container, whose
+/// limit does not depend on that label. The NRI plugin gives or lifts such zeros as the label changes.
+pub fn namespace_zero(facts: PodFacts<'_>, container: &str, policy: Policy<'_>) -> Option<Limit> {
+    let limit = |namespace_exempt| {
+        let facts = PodFacts {
+            namespace_exempt,
+            ..facts
+        };
+        container_limit(facts, container, policy)
+    };
+    match (limit(false), limit(true)) {
+        (ContainerLimit::Set { limit, .. }, ContainerLimit::Unlimited) => Some(limit),
+        _ => None,
+    }
+}
+
 /// The container's limit: see the module documentation. Never a kind the host has no capacity for
 /// (not in `policy.host_kinds`): the kernel answers `EINVAL` to such a `misc.max` line, and runc then
 /// refuses to start the container ([`unavailable_kinds`] says which kinds were left out).

@@ -69,8 +69,13 @@ impl NriContainers {
         (pod.metadata.uid.as_deref() == Some(req.pod_uid.as_str())).then_some(pod)
     }
 
-    /// The value to answer, with metrics, logs and Events.
-    fn answer(&self, req: &CreateContainer, pod: Option<&Pod>) -> Option<String> {
+    /// Decide with `decide(facts, policy)` (`None` when no limit can be set on this host).
+    fn with_facts<T>(
+        &self,
+        req: &CreateContainer,
+        pod: Option<&Pod>,
+        decide: impl FnOnce(PodFacts<'_>, Policy<'_>) -> T,
+    ) -> Option<T> {
         let host = self.host.borrow().clone();
         if !host.limits_possible() {
             return None;
@@ -87,12 +92,33 @@ impl NriContainers {
             host_kinds: &host.kinds,
             strict: self.strict,
         };
+        Some(decide(facts, policy))
+    }
+
+    /// The value to answer, with metrics, logs and Events.
+    fn answer(&self, req: &CreateContainer, pod: Option<&Pod>) -> Option<String> {
+        self.with_facts(req, pod, |facts, policy| {
+            self.answer_with(req, facts, policy)
+        })
+        .flatten()
+    }
+
+    fn answer_with(
+        &self,
+        req: &CreateContainer,
+        facts: PodFacts<'_>,
+        policy: Policy<'_>,
+    ) -> Option<String> {
         let decision = limits::container_limit(facts, &req.container_name, policy);
         let pod_name = format!("{}/{}", req.pod_namespace, req.pod_name);
         let missing = limits::unavailable_kinds(facts, &req.container_name, policy);
         if !missing.is_empty() {
-            let note =
-                unavailable_note(&pod_name, Some(&req.container_name), &missing, &host.kinds);
+            let note = unavailable_note(
+                &pod_name,
+                Some(&req.container_name),
+                &missing,
+                policy.host_kinds,
+            );
             tracing::warn!(pod = %pod_name, container = %req.container_name, "{note}");
             self.events.warn(
                 PodRef {
@@ -169,6 +195,15 @@ impl Containers for NriContainers {
             }
             None => Answer::Now(self.answer(req, None)),
         }
+    }
+
+    fn namespace_zero(&self, req: &CreateContainer) -> Option<String> {
+        let pod = self.cached(req)?;
+        self.with_facts(req, Some(&pod), |facts, policy| {
+            limits::namespace_zero(facts, &req.container_name, policy)
+        })
+        .flatten()
+        .map(|limit| limit.to_string())
     }
 
     fn exempt(&self, namespace: &str) -> bool {

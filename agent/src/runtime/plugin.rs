@@ -12,13 +12,13 @@
 //! the plugin also subscribes to `POST_START_CONTAINER` and, when such a container starts, asks the
 //! runtime to update it (`UpdateContainers`, `ignore_failure`).
 //!
-//! Strict mode: a container given `<kind> 0` whose namespace is labelled exempt later (or seen so only
-//! after the container, the namespace watch being apart from the pod watch) gets the zero lifted
-//! (`<kind> max`, `UpdateContainers`) as soon as the label is seen, as the cgroup writer lifts its
-//! own. The plugin remembers the containers it zeroed (at `CreateContainer` and `Synchronize`) until
-//! the runtime removes them (`REMOVE_CONTAINER`); a zero given before the plugin's connection dropped,
-//! in a namespace labelled exempt meanwhile, shows in `Synchronize` (the container's resources) and is
-//! lifted in its answer.
+//! Strict mode: a keyless container (one whose `<kind> 0` its namespace's exempt label alone decides)
+//! follows that label while it runs, as the cgroup writer's pod cgroups do: labelled exempt later (or
+//! seen so only after the container, the namespace watch being apart from the pod watch), its zero is
+//! lifted (`<kind> max`, `UpdateContainers`); the label removed, the zero is given again. The plugin
+//! remembers these containers (at `CreateContainer` and `Synchronize`) until the runtime removes them
+//! (`REMOVE_CONTAINER`); a label changed while the plugin's connection was down shows in
+//! `Synchronize` (the container's resources against the label) and is followed in its answer.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -78,11 +78,14 @@ pub trait Containers: Send + Sync + 'static {
     fn decide(&self, req: &CreateContainer) -> Answer;
     /// Decide after looking the pod up (called only after [`Answer::Lookup`]).
     fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>>;
+    /// Strict mode's zero for the container unless its namespace is labelled exempt (`tdx 0`;
+    /// `None`: its limit does not depend on the label), from memory.
+    fn namespace_zero(&self, req: &CreateContainer) -> Option<String>;
     /// Whether `namespace` is labelled exempt, as a watch that has listed them says (strict mode's
     /// zeros there are lifted).
     fn exempt(&self, namespace: &str) -> bool;
     /// Sees every change of what [`Containers::exempt`] reads (`None`: strict mode is off, no zero is
-    /// ever lifted).
+    /// ever given or lifted later).
     fn exempt_changes(&self) -> Option<watch::Receiver<u64>>;
 }
 
@@ -168,7 +171,7 @@ async fn session(
     let mut exempt = containers.exempt_changes();
     let mut session = Session {
         strict: exempt.is_some(),
-        zeroed: Arc::new(Zeros::new(exempt.is_some())),
+        zeroed: Arc::default(),
         containers,
         writer,
         runtime: String::new(),
@@ -206,9 +209,9 @@ async fn session(
                 continue;
             }
             () = changed(&mut exempt) => {
-                for (id, value) in session.lifts() {
+                for (id, value) in session.label_changes() {
                     session
-                        .update_container(&id, &value, "its namespace is labelled exempt now: strict mode's zero lifted")
+                        .update_container(&id, &value, "its namespace's exempt label changed: strict mode's zero given or lifted")
                         .await?;
                 }
                 continue;
@@ -317,7 +320,7 @@ struct Session {
     update_at_start: Arc<std::sync::Mutex<HashMap<String, String>>>,
     /// An update to ask for once the current call is answered.
     update_now: Option<(String, String)>,
-    /// Strict mode's zeros this session answered, until lifted or removed.
+    /// Strict mode's keyless containers this session answered or was told of, until removed.
     zeroed: Arc<Zeros>,
     /// Strict mode is on: zeros are remembered, and removals followed.
     strict: bool,
@@ -432,7 +435,7 @@ impl Session {
                     .filter(|c| c.state == CONTAINER_CREATED)
                     .map(|c| c.id.clone())
                     .collect();
-                let current: Vec<(String, String)> = self
+                let current: HashMap<String, String> = self
                     .sync_containers
                     .iter()
                     .filter_map(|c| Some((c.id.clone(), c.misc_max.clone()?)))
@@ -441,35 +444,33 @@ impl Session {
                     &std::mem::take(&mut self.sync_pods),
                     &std::mem::take(&mut self.sync_containers),
                 );
-                let namespaces: HashMap<String, String> = existing
+                // Strict mode's keyless containers, with the zero each gets unless its namespace
+                // is exempt.
+                let keyless: Vec<(String, String, String)> = existing
                     .iter()
-                    .map(|c| (c.container_id.clone(), c.pod_namespace.clone()))
+                    .filter_map(|c| {
+                        let zero = self.containers.namespace_zero(c)?;
+                        Some((c.container_id.clone(), c.pod_namespace.clone(), zero))
+                    })
                     .collect();
                 let (containers, writer) = (self.containers.clone(), self.writer.clone());
                 let timeout = self.lookup_timeout;
                 let update_at_start = self.update_at_start.clone();
                 let zeroed = self.zeroed.clone();
-                let strict = self.strict;
                 tokio::spawn(async move {
                     let mut updates = existing_limits(containers.clone(), existing, timeout).await;
-                    for (id, value) in &updates {
-                        let namespace = namespaces.get(id).map_or("", String::as_str);
-                        zeroed.note(id, namespace, Some(value));
+                    // Each as it will be once answered (or as its resources show it: a zero given
+                    // before this connection), then given or lifted at once when its namespace's
+                    // label changed meanwhile.
+                    for (id, namespace, zero) in &keyless {
+                        let answered = updates.iter().find(|(u, _)| u == id).map(|(_, v)| v);
+                        let now = answered.or_else(|| current.get(id));
+                        zeroed.note(id, namespace, Some(zero), now.map(String::as_str));
                     }
-                    // A zero strict mode gave before this connection (the container's resources
-                    // show it) is remembered like one given now, and lifted at once when its
-                    // namespace was labelled exempt meanwhile.
-                    for (id, value) in current.iter().filter(|_| strict) {
-                        if let Some(namespace) = namespaces.get(id)
-                            && !updates.iter().any(|(u, _)| u == id)
-                        {
-                            zeroed.note(id, namespace, Some(value));
-                        }
-                    }
-                    for (id, lift) in zeroed.lift(|ns| containers.exempt(ns)) {
-                        tracing::info!(container = %id, misc_max = %lift, "its namespace was labelled exempt while the plugin was away: strict mode's zero lifted");
+                    for (id, value) in zeroed.follow(|ns| containers.exempt(ns)) {
+                        tracing::info!(container = %id, misc_max = %value, "its namespace's exempt label changed while the plugin was away: strict mode's zero given or lifted");
                         updates.retain(|(u, _)| *u != id);
-                        updates.push((id, lift));
+                        updates.push((id, value));
                     }
                     if !updates.is_empty() {
                         tracing::info!(
@@ -507,10 +508,12 @@ impl Session {
                         return ok(wire::create_container_response(None));
                     }
                 };
+                let zero = self.containers.namespace_zero(&req);
                 match self.containers.decide(&req) {
                     Answer::Now(value) => {
+                        let (id, namespace) = (&req.container_id, &req.pod_namespace);
                         self.zeroed
-                            .note(&req.container_id, &req.pod_namespace, value.as_deref());
+                            .note(id, namespace, zero.as_deref(), value.as_deref());
                         ok(wire::create_container_response(value.as_deref()))
                     }
                     Answer::Lookup => {
@@ -526,7 +529,7 @@ impl Session {
                                     tracing::warn!("looking up a pod took longer than {timeout:?}; no limit applied");
                                     None
                                 });
-                            zeroed.note(&id, &namespace, value.as_deref());
+                            zeroed.note(&id, &namespace, zero.as_deref(), value.as_deref());
                             let body = wire::create_container_response(value.as_deref());
                             let resp = t::encode_response(0, "", &body);
                             let frame =
@@ -578,19 +581,19 @@ impl Session {
         }
     }
 
-    /// The zeroed containers whose namespace is exempt now, forgotten as zeroed: `(ID, the value
-    /// lifting the zero)`. Each is also asked for again when it starts (a runtime that does not update
-    /// a created container keeps it until then).
-    fn lifts(&self) -> Vec<(String, String)> {
-        let lifted = self.zeroed.lift(|ns| self.containers.exempt(ns));
+    /// Strict mode's keyless containers whose namespace's exempt label changed: `(ID, misc.max)`,
+    /// the zero lifted or given again ([`Zeros::follow`]). Each is also asked for again when it starts
+    /// (a runtime that does not update a created container keeps it until then).
+    fn label_changes(&self) -> Vec<(String, String)> {
+        let changed = self.zeroed.follow(|ns| self.containers.exempt(ns));
         let mut at_start = self
             .update_at_start
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        for (id, value) in &lifted {
+        for (id, value) in &changed {
             at_start.insert(id.clone(), value.clone());
         }
-        lifted
+        changed
     }
 
     /// Ask the runtime to set `misc.max` of the running container `id` (`why`, for the log; its answer

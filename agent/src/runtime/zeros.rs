@@ -1,42 +1,45 @@
-//! Strict mode's zeros the NRI plugin gave: which containers got `<kind> 0`, in which namespace, so
-//! that the zero can be lifted (`<kind> max`) when the namespace is labelled exempt later, and
-//! forgotten when the runtime removes the container.
+//! Strict mode's keyless containers: which containers get `<kind> 0` unless their namespace is
+//! labelled exempt, in which namespace, and whether they have that zero now, so that the plugin gives
+//! or lifts it (`<kind> max`) as the label comes and goes, as the cgroup writer does for pod cgroups.
+//! A container is forgotten when the runtime removes it.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-/// Container ID → (its pod's namespace, the value lifting its zero). Shared by the plugin's session
-/// and its answering tasks.
+/// One keyless container of strict mode.
+#[derive(Debug)]
+struct Keyless {
+    /// Its pod's namespace.
+    namespace: String,
+    /// The zero it gets unless the namespace is exempt (`tdx 0`).
+    zero: String,
+    /// It has the zero now (else no limit, or the zero lifted).
+    zeroed: bool,
+}
+
+/// Container ID → what strict mode gives it. Shared by the plugin's session and its answering tasks.
 #[derive(Debug, Default)]
 pub struct Zeros {
-    /// Strict mode is on (off, nothing is remembered: no zero is ever lifted, and no removal is
-    /// followed that would forget it).
-    strict: bool,
-    zeroed: Mutex<HashMap<String, (String, String)>>,
+    keyless: Mutex<HashMap<String, Keyless>>,
 }
 
 impl Zeros {
-    /// The zeros of a plugin in strict mode (`strict`), or none.
-    pub fn new(strict: bool) -> Zeros {
-        Zeros {
-            strict,
-            zeroed: Mutex::default(),
-        }
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Keyless>> {
+        self.keyless.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, (String, String)>> {
-        self.zeroed.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Container `id` of `namespace` was answered `value`: remembered when that is strict mode's zero.
-    pub fn note(&self, id: &str, namespace: &str, value: Option<&str>) {
-        if !self.strict {
+    /// Container `id` of `namespace` gets `zero` unless the namespace is exempt (`None`: it is not one
+    /// of strict mode's keyless containers, nothing to remember), and has `now` (`None`: no limit).
+    pub fn note(&self, id: &str, namespace: &str, zero: Option<&str>, now: Option<&str>) {
+        let Some(zero) = zero else {
             return;
-        }
-        if let Some(lift) = value.and_then(lifting) {
-            self.lock()
-                .insert(id.to_string(), (namespace.to_string(), lift));
-        }
+        };
+        let keyless = Keyless {
+            namespace: namespace.to_string(),
+            zero: zero.to_string(),
+            zeroed: now == Some(zero),
+        };
+        self.lock().insert(id.to_string(), keyless);
     }
 
     /// The runtime removed container `id`.
@@ -44,13 +47,27 @@ impl Zeros {
         self.lock().remove(id);
     }
 
-    /// The zeroed containers whose namespace is `exempt` now, forgotten here: `(ID, the value lifting
-    /// the zero)`.
-    pub fn lift(&self, exempt: impl Fn(&str) -> bool) -> Vec<(String, String)> {
-        self.lock()
-            .extract_if(|_, (namespace, _)| exempt(namespace))
-            .map(|(id, (_, value))| (id, value))
-            .collect()
+    /// The containers whose limit no longer fits their namespace's label (`exempt`), taken as set
+    /// from now on: `(ID, misc.max)`, the zero lifted (`tdx max`) where the namespace is labelled
+    /// exempt now, given again (`tdx 0`) where the label was removed.
+    pub fn follow(&self, exempt: impl Fn(&str) -> bool) -> Vec<(String, String)> {
+        let mut changed = Vec::new();
+        for (id, k) in self.lock().iter_mut() {
+            let zeroed = !exempt(&k.namespace);
+            if zeroed == k.zeroed {
+                continue;
+            }
+            let value = if zeroed {
+                Some(k.zero.clone())
+            } else {
+                lifting(&k.zero)
+            };
+            if let Some(value) = value {
+                k.zeroed = zeroed;
+                changed.push((id.clone(), value));
+            }
+        }
+        changed
     }
 }
 
@@ -89,30 +106,33 @@ mod tests {
         }
     }
 
+    fn sorted(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
+        v.sort();
+        v
+    }
+
+    fn pairs(v: &[(&str, &str)]) -> Vec<(String, String)> {
+        v.iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
+    }
+
     #[test]
-    fn zeros_are_lifted_once_by_namespace_and_removed_containers_never() {
-        let off = Zeros::new(false);
-        off.note("a", "late", Some("tdx 0"));
-        assert!(
-            off.lift(|_| true).is_empty(),
-            "nothing remembered out of strict mode"
-        );
-        let z = Zeros::new(true);
-        z.note("a", "late", Some("tdx 0"));
-        z.note("b", "late", Some("tdx 0"));
-        z.note("c", "default", Some("tdx 0"));
-        z.note("d", "late", Some("tdx 1"));
-        z.note("e", "late", None);
+    fn zeros_follow_the_namespace_label_both_ways_once_and_removed_containers_never() {
+        let z = Zeros::default();
+        z.note("a", "late", Some("tdx 0"), Some("tdx 0"));
+        z.note("b", "late", Some("tdx 0"), Some("tdx 0"));
+        z.note("c", "default", Some("tdx 0"), Some("tdx 0"));
+        z.note("d", "late", None, Some("tdx 1"));
+        z.note("e", "open", Some("tdx 0"), None);
         z.forget("b");
+        let exempt = |ns: &str| ns == "late" || ns == "open";
+        assert_eq!(z.follow(exempt), pairs(&[("a", "tdx max")]));
+        assert!(z.follow(exempt).is_empty(), "each change once");
+        // The label moves from `late` and `open` to `default`.
         assert_eq!(
-            z.lift(|ns| ns == "late"),
-            [("a".to_string(), "tdx max".to_string())]
-        );
-        assert!(z.lift(|ns| ns == "late").is_empty(), "lifted once");
-        assert_eq!(
-            z.lift(|_| true).len(),
-            1,
-            "c, whose namespace was not exempt"
+            sorted(z.follow(|ns| ns == "default")),
+            pairs(&[("a", "tdx 0"), ("c", "tdx max"), ("e", "tdx 0")])
         );
     }
 }

@@ -465,7 +465,7 @@ macro_rules! every_runtime_runs {
         after_a_runtime_restart_the_agent_registers_again_within_two_seconds => faults::runtime_restarted;
         across_a_kubelet_restart_the_node_keeps_the_key_resource => faults::kubelet_restarted;
         a_node_deleted_and_registered_again_gets_the_key_resource_within_one_poll => faults::node_deleted;
-        strict_mode_gives_keyless_pods_tdx_0_and_exempt_pods_nothing => scenarios::strict;
+        strict_mode_zeroes_keyless_pods_spares_exempt_ones_and_follows_a_namespace_label_changed_later => scenarios::strict;
         more_keys_than_advertised_are_refused_by_the_scheduler_and_the_kubelets_admission => scenarios::kubelet_admission;
         );
     };

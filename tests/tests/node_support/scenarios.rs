@@ -10,7 +10,7 @@ use kube::api::PostParams;
 use serde_json::json;
 use teeguard_tests::e2e::json_log_line;
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
-use teeguard_tests::node::{ContainerKind, Runtime, pods};
+use teeguard_tests::node::{ContainerKind, Recorded, RecordedUpdate, Runtime, pods};
 use teeguard_tests::patch::MergePatch;
 
 use super::{AgentHost, NodeWorld, Options, unguarded_namespace};
@@ -142,7 +142,8 @@ pub async fn launchers(runtime: Runtime) {
     let event = w
         .cluster
         .wait_for("the TEEKeyLimitMismatch Event", || async {
-            w.cluster.events_about(&ns, "mismatch")
+            w.cluster
+                .events_about(&ns, "mismatch")
                 .await
                 .into_iter()
                 .find(|e| e.reason.as_deref() == Some("TEEKeyLimitMismatch"))
@@ -463,7 +464,8 @@ pub async fn created_while_away_started_after(runtime: Runtime) {
 
 /// Scenario 2: strict mode on a host with one kind (TDX): a pod that requested no key gets `tdx 0` on
 /// each of its containers; a pod labelled exempt, and a pod in a namespace labelled exempt, get nothing;
-/// a TDX VM gets `tdx 1` on compute and nothing elsewhere.
+/// a TDX VM gets `tdx 1` on compute and nothing elsewhere. A namespace's exempt label added later (also
+/// while the agent is away) lifts its running containers' zeros; removed, gives them the zero.
 pub async fn strict(runtime: Runtime) {
     let options = Options {
         host: AgentHost::Simulated { tdx: 4, sev_es: 0 },
@@ -489,7 +491,7 @@ pub async fn strict(runtime: Runtime) {
         .get_or_insert_default()
         .insert(EXEMPT.into(), "true".into());
     let in_exempt_ns = pods::plain(&exempt_ns, "in-exempt-ns", &two, &w.selector());
-    let mut zeroed = Vec::new();
+    let (mut zeroed, mut born_exempt) = (Vec::new(), Vec::new());
     for (pod, want) in [(plain, "tdx 0"), (labelled, "-"), (in_exempt_ns, "-")] {
         let name = pod.metadata.name.clone().unwrap_or_default();
         let created = w.create(&pod).await.expect("created");
@@ -500,12 +502,13 @@ pub async fn strict(runtime: Runtime) {
             expected(&[("main", want), ("sidecar", want)]),
             "{name}"
         );
-        if want == "tdx 0" {
-            zeroed.extend(
-                records
-                    .into_iter()
-                    .filter(|r| r.kind == ContainerKind::Container),
-            );
+        let containers = records
+            .into_iter()
+            .filter(|r| r.kind == ContainerKind::Container);
+        match want {
+            "tdx 0" => zeroed.extend(containers),
+            _ if name == "in-exempt-ns" => born_exempt.extend(containers),
+            _ => {}
         }
     }
     let vm = w.create_vm("tdx-vm", Tee::Tdx).await.expect("admitted");
@@ -522,7 +525,8 @@ pub async fn strict(runtime: Runtime) {
     // max`), and the runtime asks runc to update each (this machine's runc then refuses `unified` on
     // cgroup v1: the request is the evidence, as for the container created while the agent was away).
     // Labelled while the agent is away: the zero shows in the runtime's Synchronize, lifted in the
-    // answer; labelled while it runs: lifted through UpdateContainers.
+    // answer; labelled while it runs: lifted through UpdateContainers. Then the label of the namespace
+    // exempt from the start removed: its containers get the zero through UpdateContainers.
     let away_ns = w
         .cluster
         .namespace(&w.test, "strict-away", &[])
@@ -557,18 +561,7 @@ pub async fn strict(runtime: Runtime) {
     w.restart_agent().await;
     label_exempt(&w.ns).await;
     for container in away.iter().chain(&zeroed) {
-        let update =
-            w.cluster
-                .wait_for(
-                    &format!("runc asked to update {} to tdx max", container.container),
-                    || async {
-                        w.turn.updates().into_iter().find(|u| {
-                            u.container_id == container.id && u.misc_max() == Some("tdx max")
-                        })
-                    },
-                )
-                .await
-                .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+        let update = runc_updated(&w, container, "tdx max").await;
         eprintln!(
             "{}: {}'s zero lifted once its namespace was labelled exempt: runc asked for {}",
             runtime.name(),
@@ -576,6 +569,35 @@ pub async fn strict(runtime: Runtime) {
             update.resources
         );
     }
+    namespaces
+        .merge_patch(&exempt_ns, json!({"metadata": {"labels": {EXEMPT: null}}}))
+        .await
+        .expect("remove the namespace's exempt label");
+    for container in &born_exempt {
+        let update = runc_updated(&w, container, "tdx 0").await;
+        eprintln!(
+            "{}: {} zeroed once its namespace's exempt label was removed: runc asked for {}",
+            runtime.name(),
+            container.container,
+            update.resources
+        );
+    }
+}
+
+/// The runtime's request to runc to update `container` to `misc.max` `to`, once it comes.
+async fn runc_updated(w: &NodeWorld, container: &Recorded, to: &str) -> RecordedUpdate {
+    w.cluster
+        .wait_for(
+            &format!("runc asked to update {} to {to}", container.container),
+            || async {
+                w.turn
+                    .updates()
+                    .into_iter()
+                    .find(|u| u.container_id == container.id && u.misc_max() == Some(to))
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()))
 }
 
 /// teeguard's exemption label.
@@ -601,7 +623,8 @@ pub async fn kubelet_admission(runtime: Runtime) {
     let event = w
         .cluster
         .wait_for("FailedScheduling for five-keys", || async {
-            w.cluster.events_about(&w.ns, "five-keys")
+            w.cluster
+                .events_about(&w.ns, "five-keys")
                 .await
                 .into_iter()
                 .find(|e| e.reason.as_deref() == Some("FailedScheduling"))

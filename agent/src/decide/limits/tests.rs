@@ -407,6 +407,61 @@ fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
 }
 
 #[test]
+fn only_strict_modes_zero_of_a_keyless_pod_depends_on_the_namespace_label() {
+    let resources = ResourcesConfig::default();
+    let policy = |strict| Policy {
+        resources: &resources,
+        host_kinds: &[TeeKind::Tdx],
+        strict,
+    };
+    let plain = VirtLauncherPod::for_tee("plain", Tee::None)
+        .running_on("node-a")
+        .build();
+    let labelled = VirtLauncherPod::for_tee("labelled", Tee::None)
+        .exempt()
+        .running_on("node-a")
+        .build();
+    let vm = admitted(Tee::Tdx, TDX_KEYS, Some("tdx 1"));
+    let (none, vm_annotations) = (BTreeMap::new(), annotations(&vm));
+    let facts = |pod, annotations, namespace_exempt| PodFacts {
+        pod: Some(pod),
+        annotations,
+        namespace_exempt,
+        claimed: &NO_CLAIMS,
+    };
+    // Whatever the namespace's label is now.
+    for namespace_exempt in [false, true] {
+        let zero = |pod, annotations, container, strict| {
+            namespace_zero(
+                facts(pod, annotations, namespace_exempt),
+                container,
+                policy(strict),
+            )
+        };
+        assert_eq!(zero(&plain, &none, "compute", true), Some(tdx(0)));
+        assert_eq!(zero(&plain, &none, "compute", false), None, "strict off");
+        assert_eq!(
+            zero(&labelled, &none, "compute", true),
+            None,
+            "the pod itself exempt"
+        );
+        assert_eq!(zero(&vm, &vm_annotations, "compute", true), None, "its key");
+        assert_eq!(
+            zero(&vm, &vm_annotations, "sidecar", true),
+            None,
+            "its pod's key"
+        );
+    }
+    // A zero its annotation gives (a container requesting no key of the kind annotated) does not
+    // depend on the label.
+    let annotated = BTreeMap::from([(ANNOTATION.to_string(), "tdx 1".to_string())]);
+    assert_eq!(
+        namespace_zero(facts(&plain, &annotated, true), "compute", policy(true)),
+        None
+    );
+}
+
+#[test]
 fn a_launchers_key_in_the_pod_overhead_is_computes_once_and_no_other_containers() {
     // KubeVirt's defaultRuntimeClass with the key in overhead.podFixed: the scheduler counted one key
     // for the pod, and the VM runs in compute.
