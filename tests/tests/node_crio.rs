@@ -25,29 +25,27 @@ every_runtime_runs!(RUNTIME);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_dra_mode_a_tdx_launcher_is_allocated_prepared_and_gets_misc_max_on_crio() {
-    within(DEADLINE, async {
-        let Some(w) = NodeWorld::start(RUNTIME, "crio-dra", Options::dra(2)).await else {
-            return;
-        };
-        dra::launcher_allocated_prepared_limited(&w).await;
-        dra::end(&w).await;
-    })
+    dra::run(
+        RUNTIME,
+        "crio-dra",
+        Options::dra(2),
+        dra::launcher_allocated_prepared_limited,
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_dra_mode_a_pod_holding_a_key_through_its_own_claim_is_limited_to_it_on_crio() {
-    within(DEADLINE, async {
-        let options = Options {
-            strict: true,
-            ..Options::dra(2)
-        };
-        let Some(w) = NodeWorld::start(RUNTIME, "crio-dra-claim", options).await else {
-            return;
-        };
-        dra::own_claim_limited_by_its_allocation(&w).await;
-        dra::end(&w).await;
-    })
+    let options = Options {
+        strict: true,
+        ..Options::dra(2)
+    };
+    dra::run(
+        RUNTIME,
+        "crio-dra-claim",
+        options,
+        dra::own_claim_limited_by_its_allocation,
+    )
     .await;
 }
 

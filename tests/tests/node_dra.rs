@@ -14,157 +14,121 @@
 mod chart_support;
 mod node_support;
 
-use node_support::scenarios::DEADLINE;
-use node_support::{NodeWorld, Options, dra};
+use node_support::{Options, dra};
 use teeguard_tests::node::Runtime;
-use teeguard_tests::realcluster::within;
 
 const RUNTIME: Runtime = Runtime::Containerd;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tdx_launcher_is_allocated_a_device_by_the_scheduler_prepared_by_the_agent_and_gets_misc_max()
  {
-    within(DEADLINE, async {
-        let Some(w) = NodeWorld::start(RUNTIME, "dra-launcher", Options::dra(2)).await else {
-            return;
-        };
-        dra::launcher_allocated_prepared_limited(&w).await;
-        dra::end(&w).await;
-    })
+    dra::run(
+        RUNTIME,
+        "dra-launcher",
+        Options::dra(2),
+        dra::launcher_allocated_prepared_limited,
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_key_pods_for_one_free_key_one_is_allocated_and_runs_49_wait_with_the_schedulers_message()
  {
-    within(DEADLINE, async {
-        let Some(w) = NodeWorld::start(RUNTIME, "dra-fifty", Options::dra(1)).await else {
-            return;
-        };
-        dra::fifty_pods_one_key(&w).await;
-        dra::end(&w).await;
-    })
+    dra::run(
+        RUNTIME,
+        "dra-fifty",
+        Options::dra(1),
+        dra::fifty_pods_one_key,
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_tdx_vms_through_the_webhook_for_one_free_key_one_runs_49_wait_and_the_webhook_refuses_none()
  {
-    within(DEADLINE, async {
-        let Some(w) = NodeWorld::start(RUNTIME, "dra-fifty-vms", Options::dra(1)).await else {
-            return;
-        };
-        dra::fifty_vms_one_key(&w).await;
-        dra::end(&w).await;
-    })
+    dra::run(
+        RUNTIME,
+        "dra-fifty-vms",
+        Options::dra(1),
+        dra::fifty_vms_one_key,
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_tdx_vms_through_three_webhook_replicas_for_one_free_key_one_runs_49_wait_and_none_is_refused()
  {
-    within(DEADLINE, async {
-        let options = Options {
-            webhook_replicas: 3,
-            ..Options::dra(1)
-        };
-        let Some(w) = NodeWorld::start(RUNTIME, "dra-fifty-3", options).await else {
-            return;
-        };
-        dra::fifty_vms_one_key(&w).await;
-        dra::end(&w).await;
-    })
-    .await;
+    let options = Options {
+        webhook_replicas: 3,
+        ..Options::dra(1)
+    };
+    dra::run(RUNTIME, "dra-fifty-3", options, dra::fifty_vms_one_key).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_held_outside_kubernetes_is_withheld_from_the_slice_and_comes_back_when_freed() {
-    within(DEADLINE, async {
-        let Some(w) = NodeWorld::start(RUNTIME, "dra-outside", Options::dra(2)).await else {
-            return;
-        };
-        dra::outside_key_withheld(&w).await;
-        dra::end(&w).await;
-    })
+    dra::run(
+        RUNTIME,
+        "dra-outside",
+        Options::dra(2),
+        dra::outside_key_withheld,
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kata_style_pod_of_a_tee_runtime_class_and_a_kubevirt_launcher_draw_from_the_same_pool() {
-    within(DEADLINE, async {
-        let options = Options {
-            extra_config: "admission:\n  teeRuntimeClasses:\n    kata-qemu-tdx: tdx\n",
-            chart_args: &[
-                "--set-json",
-                r#"config.admission.teeRuntimeClasses={"kata-qemu-tdx":"tdx"}"#,
-            ],
-            ..Options::dra(2)
-        };
-        let Some(w) = NodeWorld::start(RUNTIME, "dra-kata", options).await else {
-            return;
-        };
-        dra::kata_and_launcher_share_the_pool(&w).await;
-        dra::end(&w).await;
-    })
+    let options = Options {
+        extra_config: "admission:\n  teeRuntimeClasses:\n    kata-qemu-tdx: tdx\n",
+        chart_args: &[
+            "--set-json",
+            r#"config.admission.teeRuntimeClasses={"kata-qemu-tdx":"tdx"}"#,
+        ],
+        ..Options::dra(2)
+    };
+    dra::run(
+        RUNTIME,
+        "dra-kata",
+        options,
+        dra::kata_and_launcher_share_the_pool,
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_holding_a_key_only_through_its_own_claim_gets_misc_max_from_the_allocation_in_strict_mode()
  {
-    within(DEADLINE, async {
-        // Strict mode on: a pod whose keys come from a claim is held to it, and not zeroed.
-        let options = Options {
-            strict: true,
-            ..Options::dra(2)
-        };
-        let Some(w) = NodeWorld::start(RUNTIME, "dra-own-claim", options).await else {
-            return;
-        };
-        dra::own_claim_limited_by_its_allocation(&w).await;
-        dra::end(&w).await;
-    })
+    // Strict mode on: a pod whose keys come from a claim is held to it, and not zeroed.
+    let options = Options {
+        strict: true,
+        ..Options::dra(2)
+    };
+    dra::run(
+        RUNTIME,
+        "dra-own-claim",
+        options,
+        dra::own_claim_limited_by_its_allocation,
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_kubelet_restart_the_slices_come_back_and_after_an_agent_restart_prepared_claims_are_kept()
  {
-    within(DEADLINE, async {
-        let Some(mut w) = NodeWorld::start(RUNTIME, "dra-restarts", Options::dra(2)).await else {
-            return;
-        };
-        dra::restarts(&mut w).await;
-        dra::end(&w).await;
-    })
-    .await;
+    dra::run(RUNTIME, "dra-restarts", Options::dra(2), dra::restarts).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_switched_to_dra_and_back_keeps_its_pods_running_through_a_kubelet_restart_and_a_dra_allocated_pod_can_still_end()
  {
-    within(DEADLINE, async {
-        let options = Options {
-            dra: false,
-            ..Options::dra(2)
-        };
-        let Some(mut w) = NodeWorld::start(RUNTIME, "dra-switch", options).await else {
-            return;
-        };
-        dra::switch_and_back(&mut w).await;
-        dra::end(&w).await;
-    })
-    .await;
+    let options = Options {
+        dra: false,
+        ..Options::dra(2)
+    };
+    dra::run(RUNTIME, "dra-switch", options, dra::switch_and_back).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_allocatable_still_names_the_key_says_dra_is_bypassed() {
-    within(DEADLINE, async {
-        let Some(mut w) = NodeWorld::start(RUNTIME, "dra-bypassed", Options::dra(2)).await else {
-            return;
-        };
-        dra::bypassed(&mut w).await;
-        dra::end(&w).await;
-    })
-    .await;
+    dra::run(RUNTIME, "dra-bypassed", Options::dra(2), dra::bypassed).await;
 }

@@ -16,14 +16,34 @@ use teeguard_tests::node::pods;
 use teeguard_tests::patch::MergePatch;
 use teeguard_tests::prom::Scrape;
 
+use super::scenarios::DEADLINE;
 use super::scenarios::limits;
-use super::{NodeWorld, unguarded_namespace};
-use teeguard_tests::realcluster::Cluster;
+use super::{NodeWorld, Options, unguarded_namespace};
+use teeguard_tests::node::Runtime;
+use teeguard_tests::realcluster::{Cluster, within};
 
 /// The TDX key resource.
 pub const TDX_KEYS: &str = "tdx.intel.com/keys";
 /// The DeviceClass the chart creates for TDX (its `extendedResourceName` is [`TDX_KEYS`]).
 pub const TDX_CLASS: &str = "tdx.tee.teeguard.dev";
+
+/// One DRA scenario as a test: a world named `test` with `options` on `runtime`, the scenario, then
+/// [`end`]; skipped as the world is.
+pub async fn run(
+    runtime: Runtime,
+    test: &str,
+    options: Options,
+    scenario: impl AsyncFnOnce(&mut NodeWorld),
+) {
+    within(DEADLINE, async {
+        let Some(mut w) = NodeWorld::start(runtime, test, options).await else {
+            return;
+        };
+        scenario(&mut w).await;
+        end(&w).await;
+    })
+    .await;
+}
 
 /// End a DRA scenario: delete the node's pods while the agent (the driver) still runs, so the
 /// kubelet can unprepare their claims, and wait until they are gone.
@@ -286,7 +306,7 @@ pub async fn wait_placed(
 /// Scenario: a TDX launcher pod (through the webhook) is allocated a device by the real scheduler,
 /// the kubelet has the agent prepare it, the pod runs, its compute container gets `tdx 1`; the report
 /// shows the device allocated.
-pub async fn launcher_allocated_prepared_limited(w: &NodeWorld) {
+pub async fn launcher_allocated_prepared_limited(w: &mut NodeWorld) {
     ensure_device_class(&w.cluster).await;
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
@@ -324,7 +344,7 @@ pub async fn launcher_allocated_prepared_limited(w: &NodeWorld) {
 /// the agent prepares it, and `compute` gets `misc.max` `tdx 1` from the claim's allocation (there
 /// is no key request to take it from); `sidecar` gets none (not even strict mode's zero: the pod
 /// holds a key).
-pub async fn own_claim_limited_by_its_allocation(w: &NodeWorld) {
+pub async fn own_claim_limited_by_its_allocation(w: &mut NodeWorld) {
     ensure_device_class(&w.cluster).await;
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
@@ -391,7 +411,8 @@ pub async fn own_claim_limited_by_its_allocation(w: &NodeWorld) {
 /// Scenario: 50 pods requesting one TDX key each, created at once (past any webhook) for a node with
 /// one free key: the scheduler allocates exactly one, which runs; 49 stay Pending with the scheduler's
 /// message.
-pub async fn fifty_pods_one_key(w: &NodeWorld) {
+pub async fn fifty_pods_one_key(w: &mut NodeWorld) {
+    let w = &*w; // shared by the concurrent creates
     ensure_device_class(&w.cluster).await;
     wait_published(w, 1, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
@@ -423,7 +444,8 @@ pub async fn fifty_pods_one_key(w: &NodeWorld) {
 /// Scenario: 50 TDX VMs (VMI + launcher pod, through the webhook) at once for a node with one free key:
 /// the scheduler allocates one and the others wait with its message; the webhook refuses nothing (the
 /// scheduler's allocation decides, not the webhook's reservations).
-pub async fn fifty_vms_one_key(w: &NodeWorld) {
+pub async fn fifty_vms_one_key(w: &mut NodeWorld) {
+    let w = &*w; // shared by the concurrent creates
     ensure_device_class(&w.cluster).await;
     wait_published(w, 1, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
@@ -455,7 +477,7 @@ pub async fn fifty_vms_one_key(w: &NodeWorld) {
 
 /// Scenario: a key held outside Kubernetes shrinks the slice and no new pod gets it; when it goes
 /// away the key comes back and a waiting pod runs.
-pub async fn outside_key_withheld(w: &NodeWorld) {
+pub async fn outside_key_withheld(w: &mut NodeWorld) {
     ensure_device_class(&w.cluster).await;
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
@@ -483,7 +505,7 @@ pub async fn outside_key_withheld(w: &NodeWorld) {
 
 /// Scenario: a Kata-style pod (a TEE RuntimeClass, whose key the webhook turns into a container
 /// request) and a KubeVirt launcher draw from the same pool of 2; a third TEE pod waits.
-pub async fn kata_and_launcher_share_the_pool(w: &NodeWorld) {
+pub async fn kata_and_launcher_share_the_pool(w: &mut NodeWorld) {
     ensure_device_class(&w.cluster).await;
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
