@@ -71,10 +71,10 @@ pub enum Target<'a> {
     Candidates(&'a PodSpec),
 }
 
-/// The decision for `ask` at `target`, its hold kept when it takes a key, and the node chosen. A
+/// The decision for `ask` at `target`, its hold kept when it takes a key. A
 /// virt-launcher pod not bound yet that is refused for lack of keys leaves where it could go (its node
 /// selector and affinity) in the index, for the queue and the retry planner.
-pub fn check(c: &Checker<'_>, ask: &Ask<'_>, target: Target<'_>) -> (Decision, Option<String>) {
+pub fn check(c: &Checker<'_>, ask: &Ask<'_>, target: Target<'_>) -> Decision {
     let index = c.index;
     let primary = ask.requests.keys().next().copied();
     let hint = primary.and_then(|k| c.hints.get(k));
@@ -115,5 +115,5 @@ pub fn check(c: &Checker<'_>, ask: &Ask<'_>, target: Target<'_>) -> (Decision, O
     {
         index.update(|ix, _| ix.refused(ask.claimant.vmi_uid, spec));
     }
-    (decision, planned.node)
+    decision
 }

@@ -44,24 +44,19 @@ pub enum VmiEventKind {
 }
 
 impl VmiEventKind {
-    fn reason(self) -> &'static str {
+    /// Its reason, type and action.
+    fn describe(self) -> (&'static str, EventType, &'static str) {
         match self {
-            VmiEventKind::InsufficientKeys => names::reasons::INSUFFICIENT_TEE_KEYS,
-            VmiEventKind::KeyFree => names::reasons::TEE_KEY_FREE,
-        }
-    }
-
-    fn type_(self) -> EventType {
-        match self {
-            VmiEventKind::InsufficientKeys => EventType::Warning,
-            VmiEventKind::KeyFree => EventType::Normal,
-        }
-    }
-
-    fn action(self) -> &'static str {
-        match self {
-            VmiEventKind::InsufficientKeys => EVENT_ACTION,
-            VmiEventKind::KeyFree => RETRY_ACTION,
+            VmiEventKind::InsufficientKeys => (
+                names::reasons::INSUFFICIENT_TEE_KEYS,
+                EventType::Warning,
+                EVENT_ACTION,
+            ),
+            VmiEventKind::KeyFree => (
+                names::reasons::TEE_KEY_FREE,
+                EventType::Normal,
+                RETRY_ACTION,
+            ),
         }
     }
 }
@@ -115,16 +110,6 @@ impl RateLimiter {
     /// Forget `key` (its event was not sent after all).
     pub fn forget(&mut self, key: &str) {
         self.last.remove(key);
-    }
-
-    /// Keys remembered.
-    pub fn len(&self) -> usize {
-        self.last.len()
-    }
-
-    /// True when nothing is remembered.
-    pub fn is_empty(&self) -> bool {
-        self.last.is_empty()
     }
 }
 
@@ -206,7 +191,7 @@ impl EventSink {
 
     /// Queue an Event unless the VMI got one of its kind recently or the queue is full. Never blocks.
     pub fn record(&self, event: VmiEvent) -> EventResult {
-        let key = format!("{}/{}", vmi_key(&event.vmi), event.kind.reason());
+        let key = format!("{}/{}", vmi_key(&event.vmi), event.kind.describe().0);
         let allowed = self
             .limiter
             .lock()
@@ -246,12 +231,12 @@ async fn write_events(
                 None => break,
             },
         };
-        let reason = event.kind.reason();
+        let (reason, type_, action) = event.kind.describe();
         let ev = Event {
-            type_: event.kind.type_(),
+            type_,
             reason: reason.to_string(),
             note: Some(truncate(&event.message, MAX_NOTE_BYTES).to_string()),
-            action: event.kind.action().to_string(),
+            action: action.to_string(),
             secondary: None,
         };
         let vmi = vmi_key(&event.vmi);
@@ -287,7 +272,7 @@ mod tests {
         assert!(l.allow("ns/a/u", t0 + Duration::from_secs(30)));
         l.forget("ns/a/u");
         assert!(l.allow("ns/a/u", t0 + Duration::from_secs(31)));
-        assert_eq!(l.len(), 2);
+        assert_eq!(l.last.len(), 2);
     }
 
     #[test]
@@ -299,7 +284,7 @@ mod tests {
         }
         // Once full and the old entries have aged out, they are swept.
         assert!(l.allow("new", t0 + Duration::from_secs(31)));
-        assert_eq!(l.len(), 1);
+        assert_eq!(l.last.len(), 1);
     }
 
     #[test]

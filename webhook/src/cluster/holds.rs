@@ -158,36 +158,26 @@ pub async fn write_behind<S: HoldStore>(
     metrics: std::sync::Arc<Metrics>,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
-    write_behind_until(&index, &store, within, &metrics, &shutdown).await;
-    write_behind_once(&index, &store, within, Some(&metrics)).await;
-}
-
-async fn write_behind_until<S: HoldStore>(
-    index: &KeyIndex,
-    store: &S,
-    within: Duration,
-    metrics: &Metrics,
-    shutdown: &tokio_util::sync::CancellationToken,
-) {
     loop {
-        let failed = write_behind_once(index, store, within, Some(metrics)).await;
+        let failed = write_behind_once(&index, &store, within, Some(&metrics)).await;
         let again = if failed {
             BEHIND_RETRY
         } else {
             Duration::from_secs(5)
         };
         tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => break,
             _ = index.held_locally() => {}
             _ = tokio::time::sleep(again) => {}
         }
         // One write for the holds of a burst: each write costs the API server about what a review's
         // whole call costs, and nobody decides from the written holds while this replica decides.
         tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => break,
             _ = tokio::time::sleep(BEHIND_BATCH) => {}
         }
     }
+    write_behind_once(&index, &store, within, Some(&metrics)).await;
 }
 
 /// One pass of [`write_behind`]: every node's unwritten live holds, one write each. Returns whether

@@ -101,7 +101,7 @@ pub struct VmiState {
 }
 
 /// The index. See the module.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Index {
     ttl: Duration,
     synced: bool,
@@ -128,17 +128,7 @@ impl Index {
     pub fn new(ttl: Duration) -> Self {
         Index {
             ttl,
-            synced: false,
-            nodes: BTreeMap::new(),
-            pods: HashMap::new(),
-            pods_seen: HashMap::new(),
-            gone_pods: HashMap::new(),
-            vmis: HashMap::new(),
-            gone_vmis: HashMap::new(),
-            placements: HashMap::new(),
-            counted: HashMap::new(),
-            located: HashMap::new(),
-            launched: HashMap::new(),
+            ..Index::default()
         }
     }
 
@@ -356,25 +346,32 @@ impl Index {
     /// A hold this replica admitted on `node`, counted here until it is written (behind) into the
     /// node's object; ended by the same rule.
     pub fn hold_locally(&mut self, node: &str, hold: KeyReservation, now: Timestamp) {
-        let claimant = Claimant {
-            pod_uid: &hold.pod_uid,
-            vmi_uid: &hold.vmi_uid,
-        };
-        self.locate(node, false);
-        let state = self.node_mut(node);
-        state.local.retain(|(e, _)| !claimant.owns(e));
-        state.local.push((hold, now));
-        self.locate(node, true);
+        self.change_local(node, |local| {
+            let claimant = Claimant {
+                pod_uid: &hold.pod_uid,
+                vmi_uid: &hold.vmi_uid,
+            };
+            local.retain(|(e, _)| !claimant.owns(e));
+            local.push((hold, now));
+        });
     }
 
     /// Forget the key promised to VMI `vmi_uid` on `node` that this replica keeps (not written yet).
     pub fn drop_local_promise(&mut self, node: &str, vmi_uid: &str) {
         let promise = Claimant::promise(vmi_uid);
+        self.change_local(node, |local| local.retain(|(e, _)| !promise.owns(e)));
+    }
+
+    /// Change `node`'s local holds, keeping where each UID is held in step.
+    fn change_local(
+        &mut self,
+        node: &str,
+        change: impl FnOnce(&mut Vec<(KeyReservation, Timestamp)>),
+    ) {
         self.locate(node, false);
-        if let Some(state) = self.nodes.get_mut(node) {
-            state.local.retain(|(e, _)| !promise.owns(e));
-        }
+        change(&mut self.node_mut(node).local);
         self.locate(node, true);
+        self.drop_if_empty(node);
     }
 
     /// Live holds kept here that no `TeeReservation` records yet, per node (written behind).
@@ -416,12 +413,9 @@ impl Index {
             })
             .collect();
         for (name, i) in ended.into_iter().rev() {
-            self.locate(&name, false);
-            if let Some(n) = self.nodes.get_mut(&name) {
-                n.local.remove(i);
-            }
-            self.locate(&name, true);
-            self.drop_if_empty(&name);
+            self.change_local(&name, |local| {
+                local.remove(i);
+            });
         }
     }
 
@@ -502,11 +496,8 @@ impl Index {
         let mut out: Vec<&Waiting> = self
             .waiting_vmis()
             .filter(|w| kind.is_none_or(|k| w.kind == k))
+            .filter(|w| !self.vmi_holds(&w.vmi.uid, now))
             .collect();
-        if out.is_empty() {
-            return out;
-        }
-        out.retain(|w| !self.vmi_holds(&w.vmi.uid, now));
         out.sort_by(|a, b| queue::turn(a).cmp(&queue::turn(b)));
         out
     }

@@ -61,62 +61,54 @@ struct Contents {
 }
 
 fn read_contents(dir: &Path) -> Result<(Contents, PathBuf, PathBuf)> {
-    let cert_path = dir.join(CERT_FILE);
-    let key_path = dir.join(KEY_FILE);
-    let cert = std::fs::read(&cert_path).map_err(|source| Error::TlsRead {
-        what: "certificate",
-        path: cert_path.clone(),
-        source,
-    })?;
-    let key = std::fs::read(&key_path).map_err(|source| Error::TlsRead {
-        what: "private key",
-        path: key_path.clone(),
-        source,
-    })?;
+    let (cert_path, key_path) = (dir.join(CERT_FILE), dir.join(KEY_FILE));
+    let read = |what, path: &Path| {
+        std::fs::read(path).map_err(|source| Error::TlsRead {
+            what,
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    let (cert, key) = (
+        read("certificate", &cert_path)?,
+        read("private key", &key_path)?,
+    );
     Ok((Contents { cert, key }, cert_path, key_path))
 }
 
 fn parse_pair(c: &Contents, cert_path: &Path, key_path: &Path) -> Result<LoadedPair> {
+    let invalid = |what, path: &Path, reason: String| Error::TlsInvalid {
+        what,
+        path: path.to_path_buf(),
+        reason,
+    };
+    let bad_cert = |reason| invalid("certificate", cert_path, reason);
+    let bad_key = |reason| invalid("private key", key_path, reason);
     let chain = CertificateDer::pem_slice_iter(&c.cert)
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| Error::TlsInvalid {
-            what: "certificate",
-            path: cert_path.to_path_buf(),
-            reason: format!("not valid PEM: {e}"),
-        })?;
+        .map_err(|e| bad_cert(format!("not valid PEM: {e}")))?;
     let Some(leaf) = chain.first() else {
-        return Err(Error::TlsInvalid {
-            what: "certificate",
-            path: cert_path.to_path_buf(),
-            reason: "no CERTIFICATE PEM block found (empty or half-written file?)".into(),
-        });
+        return Err(bad_cert(
+            "no CERTIFICATE PEM block found (empty or half-written file?)".into(),
+        ));
     };
-    let (_, parsed) = x509_parser::parse_x509_certificate(leaf).map_err(|e| Error::TlsInvalid {
-        what: "certificate",
-        path: cert_path.to_path_buf(),
-        reason: format!("the first certificate is not valid X.509: {e}"),
-    })?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(leaf)
+        .map_err(|e| bad_cert(format!("the first certificate is not valid X.509: {e}")))?;
     let not_after = parsed.validity().not_after.timestamp();
     let subject = parsed.subject().to_string();
-    let key_der = PrivateKeyDer::from_pem_slice(&c.key).map_err(|e| Error::TlsInvalid {
-        what: "private key",
-        path: key_path.to_path_buf(),
-        reason: match e {
+    let key_der = PrivateKeyDer::from_pem_slice(&c.key).map_err(|e| {
+        bad_key(match e {
             rustls_pki_types::pem::Error::NoItemsFound => {
                 "no PRIVATE KEY, RSA PRIVATE KEY or EC PRIVATE KEY PEM block found (empty or half-written file?)"
                     .to_string()
             }
             other => format!("not valid PEM: {other}"),
-        },
+        })
     })?;
     let signing_key = provider()
         .key_provider
         .load_private_key(key_der)
-        .map_err(|e| Error::TlsInvalid {
-            what: "private key",
-            path: key_path.to_path_buf(),
-            reason: format!("unsupported or corrupt key: {e}"),
-        })?;
+        .map_err(|e| bad_key(format!("unsupported or corrupt key: {e}")))?;
     let certified = CertifiedKey::new(chain, signing_key);
     match certified.keys_match() {
         Ok(()) | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => {}

@@ -852,7 +852,7 @@ impl World {
             config: &self.config,
             labels_known: true,
         };
-        let (decision, _) = check(&checker, &ask, Target::Candidates(&spec));
+        let decision = check(&checker, &ask, Target::Candidates(&spec));
         if !decision.allowed {
             if self.model {
                 let fp = self.index_fingerprint(r);
@@ -1099,7 +1099,7 @@ impl World {
                         labels_known: true,
                     };
                     let target = Target::Node(&node, Trigger::Binding);
-                    check(&checker, &ask, target).0.allowed
+                    check(&checker, &ask, target).allowed
                 }
             },
         };

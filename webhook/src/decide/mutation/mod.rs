@@ -180,15 +180,11 @@ pub enum MutationDecision {
     Deny(Denial),
 }
 
-fn is_exempt(labels: Option<&BTreeMap<String, String>>) -> bool {
+/// Whether `labels` (a pod's, a VMI's or a namespace's) carry `teeguard.dev/exempt: "true"`.
+pub fn is_exempt(labels: Option<&BTreeMap<String, String>>) -> bool {
     labels
         .and_then(|l| l.get(names::EXEMPT_LABEL))
         .is_some_and(|v| v == "true")
-}
-
-/// Whether namespace labels exempt the namespace.
-pub fn namespace_exempt(labels: Option<&BTreeMap<String, String>>) -> bool {
-    is_exempt(labels)
 }
 
 /// The pod-only rules: the VMI to look up for a virt-launcher pod, or why the pod is skipped
@@ -246,20 +242,11 @@ pub fn decide_mutation(
     namespace_labels: Option<&BTreeMap<String, String>>,
     config: &Config,
 ) -> MutationDecision {
-    decide(pod, vmi, namespace_labels, config)
-}
-
-fn decide(
-    pod: &Pod,
-    vmi: Option<&VmiLookup>,
-    namespace_labels: Option<&BTreeMap<String, String>>,
-    config: &Config,
-) -> MutationDecision {
     let vmi_ref = match classify_pod(pod) {
         Ok(r) => r,
         Err(skip) => return MutationDecision::Skip(skip),
     };
-    if namespace_exempt(namespace_labels) {
+    if is_exempt(namespace_labels) {
         return MutationDecision::Skip(SkipReason::ExemptNamespace);
     }
     let vmi = match vmi {

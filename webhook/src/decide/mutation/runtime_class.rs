@@ -20,8 +20,8 @@ use serde_json::{Map, Value};
 use teeguard_shared::names;
 use teeguard_shared::{Config, TeeKind};
 
+use super::is_exempt;
 use super::patch::add;
-use super::{is_exempt, namespace_exempt};
 
 /// Why a pod of (or claiming) a TEE RuntimeClass is left untouched.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -138,7 +138,7 @@ pub fn decide_runtime_class(
     let Some((class, kind)) = tee_runtime_class(pod, config) else {
         return Skip(RuntimeClassSkip::NotListed);
     };
-    if namespace_exempt(namespace_labels) {
+    if is_exempt(namespace_labels) {
         return Skip(RuntimeClassSkip::ExemptNamespace);
     }
     let Some(spec) = pod.spec.as_ref() else {

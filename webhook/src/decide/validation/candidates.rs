@@ -60,18 +60,16 @@ impl<'r> CandidateScan<'r> {
         let held = held.into();
         let report = current_report(given, now, stale_after);
         let requests = self.requests;
-        if scheduler_allocates(requests, &report) {
+        let (fit, rank) = if scheduler_allocates(requests, &report) {
             // DRA mode: the scheduler allocates this node's keys; the pod may wait there (Pending).
             self.dra = true;
-            return self.add(Fit::Fits, u64::MAX, node, || {
-                NodeAssessment::new(node, requests, given, held, now, stale_after)
-            });
-        }
-        let (fit, rank) = fit_and_rank(
-            requests
+            (Fit::Fits, u64::MAX)
+        } else {
+            let figures = requests
                 .iter()
-                .map(|(kind, n)| (*n, kind_figures(*kind, &report, held))),
-        );
+                .map(|(kind, n)| (*n, kind_figures(*kind, &report, held)));
+            fit_and_rank(figures)
+        };
         self.add(fit, rank, node, || {
             NodeAssessment::new(node, requests, given, held, now, stale_after)
         })

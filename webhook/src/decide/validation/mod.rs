@@ -222,7 +222,6 @@ pub enum Fit {
     Unknown,
 }
 
-/// One kind's figures on a node from its report (or why the report is unknown).
 /// Whether the scheduler allocates the requested kinds on a node: its current report says DRA mode and
 /// has every requested kind.
 fn scheduler_allocates(
@@ -263,6 +262,7 @@ impl<'h> From<&'h KeyRequests> for Held<'h> {
     }
 }
 
+/// One kind's figures on a node from its report (or why the report is unknown).
 fn kind_figures(
     kind: TeeKind,
     report: &Result<&TeeCapacityStatus, Unknown>,

@@ -21,8 +21,7 @@ use crate::decide::mutation::runtime_class::{
     RuntimeClassDecision, RuntimeClassSkip, decide_runtime_class, tee_runtime_class,
 };
 use crate::decide::mutation::{
-    Denial, DenyReason, MutationDecision, SkipReason, classify_pod, decide_mutation,
-    namespace_exempt,
+    Denial, DenyReason, MutationDecision, SkipReason, classify_pod, decide_mutation, is_exempt,
 };
 use crate::error::Result;
 use crate::metrics::{Metrics, Outcome, RuntimeClassResult};
@@ -102,7 +101,7 @@ pub async fn review_mutation<L: Lookups>(
                 ),
             }),
             Ok(labels) => {
-                let lookup = if namespace_exempt(labels.as_ref()) {
+                let lookup = if is_exempt(labels.as_ref()) {
                     None
                 } else {
                     Some(lookups.vmi(&vmi_ref).await)

@@ -42,8 +42,8 @@ use crate::cluster::events::{EventSink, VmiEvent, VmiEventKind, vmi_reference};
 use crate::decide::admit::Ask;
 use crate::decide::holds::Claimant;
 use crate::decide::mutation::{
-    MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation,
-    namespace_exempt, runtime_class::tee_runtime_class,
+    MutationDecision, SkipReason, VmiLookup, VmiRef, classify_pod, decide_mutation, is_exempt,
+    runtime_class::tee_runtime_class,
 };
 use crate::decide::queue;
 use crate::decide::validation::{
@@ -301,7 +301,7 @@ async fn pod_create<L: Lookups>(
     }
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let (ns_labels, mut warnings) = namespace(lookups, &ns).await;
-    if namespace_exempt(ns_labels.as_ref()) {
+    if is_exempt(ns_labels.as_ref()) {
         return Ok(Verdict::Answer(Answer::skip(REQ, "exempt-namespace")));
     }
     let config = ctx.config;
@@ -405,7 +405,7 @@ async fn pod_create<L: Lookups>(
     if let Some(v) = elsewhere(ctx, lookups.index(), bound.is_none(), (REQ, kind), refused) {
         return Ok(v);
     }
-    let (decision, _) = check(&checker(lookups, ctx), &ask, target);
+    let decision = check(&checker(lookups, ctx), &ask, target);
 
     // Answer: the planner starts the VM when a key frees (crate::cluster::retry), unless it was bound.
     let mut answer = Answer::from_decision(REQ, kind, decision, bound.map(str::to_string), mode);
@@ -519,11 +519,11 @@ async fn binding<L: Lookups>(
         Err(skip) => return Ok(Verdict::Answer(Answer::skip(REQ, skip.code()))),
     };
     let (ns_labels, mut warnings) = namespace(lookups, &ns).await;
-    if namespace_exempt(ns_labels.as_ref()) {
+    if is_exempt(ns_labels.as_ref()) {
         return Ok(Verdict::Answer(Answer::skip(REQ, "exempt-namespace")));
     }
     if let VmiLookup::Found(v) = lookups.vmi(&vmi_ref).await
-        && namespace_exempt(v.metadata.labels.as_ref())
+        && is_exempt(v.metadata.labels.as_ref())
     {
         return Ok(Verdict::Answer(Answer::skip(
             REQ,
@@ -570,7 +570,7 @@ async fn binding<L: Lookups>(
     if let Some(v) = elsewhere(ctx, lookups.index(), false, (REQ, kind), refused) {
         return Ok(v);
     }
-    let (d, _) = check(&checker(lookups, ctx), &ask, target);
+    let d = check(&checker(lookups, ctx), &ask, target);
     let answer = Answer::from_decision(REQ, kind, d, Some(node.to_string()), mode);
     record_event(&answer, Some(&vmi_ref), req.dry_run, ctx);
     log_decision(&answer, &pod_name);
@@ -586,7 +586,7 @@ async fn pod_update<L: Lookups>(review: &mut AdmittedReview<'_>, lookups: &L) ->
     };
     let ns = new.metadata.namespace.clone().unwrap_or_default();
     let (ns_labels, _) = namespace(lookups, &ns).await;
-    if namespace_exempt(ns_labels.as_ref()) {
+    if is_exempt(ns_labels.as_ref()) {
         return Ok(Answer::skip(REQ, "exempt-namespace"));
     }
     tracing::info!(
