@@ -246,7 +246,7 @@ struct ReloadLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LookupLabels {
-    cache: &'static str,
+    cache: Cache,
     result: LookupResult,
 }
 
@@ -464,7 +464,7 @@ impl Metrics {
     }
 
     /// Count a lookup on the admission path.
-    pub fn lookup(&self, cache: &'static str, result: LookupResult) {
+    pub fn lookup(&self, cache: Cache, result: LookupResult) {
         self.lookups
             .get_or_create(&LookupLabels { cache, result })
             .inc();
@@ -493,7 +493,7 @@ mod tests {
         let m = Metrics::new(&mut registry);
         m.observe_request("mutate", Outcome::Patched, Duration::from_micros(300));
         m.set_cache_objects("vmis", 3);
-        m.lookup("vmis", LookupResult::CacheHit);
+        m.lookup(Cache::Vmis, LookupResult::CacheHit);
         m.cert_reload(ReloadResult::Failed);
         m.set_cert_expiry(1_900_000_000);
         m.validation("binding", "tdx", ValidationOutcome::Denied);
@@ -530,8 +530,8 @@ mod tests {
             m.observe_request("other", Outcome::Allowed, Duration::from_micros(80));
             m.validation("pod_create", "sev_es", ValidationOutcome::Warned);
             m.validation("pod_create", "future_kind", ValidationOutcome::Warned);
-            m.lookup(Cache::Vmis.as_str(), LookupResult::ApiError);
-            m.lookup("nodes", LookupResult::CacheHit);
+            m.lookup(Cache::Vmis, LookupResult::ApiError);
+            m.lookup(Cache::Nodes, LookupResult::CacheHit);
         }
         m.requests
             .get_or_create(&RequestLabels {

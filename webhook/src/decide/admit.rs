@@ -21,7 +21,7 @@ use teeguard_shared::pod::KeyRequests;
 use teeguard_shared::reservation::{HoldReason, KeyReservation, TeeReservation};
 
 use super::affinity::node_matches;
-use super::holds::{Claimant, NewHold};
+use super::holds::{Claimant, HeldKeys, NewHold};
 use super::index::{Index, Labels};
 use super::queue::{self, Waiting};
 use super::validation::{
@@ -162,31 +162,26 @@ fn takes_a_key(decision: &Decision, dry_run: bool) -> bool {
     decision.reserve && !dry_run && decision.reason != reason::SCHEDULER_ALLOCATED
 }
 
-/// The keys held on `node` for others than `claimant`, as the messages split them.
-fn held_on(
-    ix: &Index,
-    node: &str,
-    claimant: Claimant<'_>,
-    now: Timestamp,
-) -> (KeyRequests, KeyRequests) {
-    let h = ix.held(node, claimant, now);
-    (h.pods, h.promised)
+/// The keys held for others, as the messages split them: for pods, and kept for VMIs.
+impl<'h> From<&'h HeldKeys> for Held<'h> {
+    fn from(h: &'h HeldKeys) -> Self {
+        Held {
+            reserved: &h.pods,
+            queued: &h.promised,
+        }
+    }
 }
 
 /// A pod on one named node: the scheduler's binding, or a pod created with `spec.nodeName`. Admitted
 /// when the node's report less the other claimants' holds has the keys; the pod then holds them as
 /// `Bound` there, unless it holds them there already or the report counts it.
 pub fn on_node(ix: &Index, trigger: Trigger, node: &str, ask: &Ask<'_>, now: Timestamp) -> Planned {
-    let (pods, promised) = held_on(ix, node, ask.claimant, now);
-    let held = Held {
-        reserved: &pods,
-        queued: &promised,
-    };
+    let held = ix.held(node, ask.claimant, now);
     let a = NodeAssessment::new(
         node,
         ask.requests,
         ix.report(node),
-        held,
+        Held::from(&held),
         now,
         ask.stale_after,
     );
@@ -250,15 +245,11 @@ pub fn at_create(ix: &Index, ask: &Ask<'_>, placement: Placement<'_>, now: Times
     let mut fitted = None;
     let first = own.or(placement.hint);
     ix.scan_nodes(placement.fits, first, &mut |node, _| {
-        let (pods, mut queued) = held_on(ix, node, claimant, now);
+        let mut held = ix.held(node, claimant, now);
         if let (Some(kind), Some(n)) = (primary, ahead.get(node)) {
-            *queued.entry(kind).or_insert(0) += n;
+            *held.promised.entry(kind).or_insert(0) += n;
         }
-        let held = Held {
-            reserved: &pods,
-            queued: &queued,
-        };
-        let flow = scan.offer(node, ix.report(node), held, now, ask.stale_after);
+        let flow = scan.offer(node, ix.report(node), &held, now, ask.stale_after);
         if flow.is_break() {
             fitted = Some(node.to_string());
         }

@@ -326,18 +326,26 @@ impl Caches {
         let _ = rx.wait_for(|s| *s).await;
     }
 
-    async fn get_with_timeout<K, F>(&self, fut: F) -> Result<Option<K>, String>
+    /// A GET of an object `cache` misses, bounded by the API timeout and counted.
+    async fn get_with_timeout<K, F>(&self, cache: Cache, fut: F) -> Result<Option<K>, String>
     where
         F: Future<Output = kube::Result<Option<K>>>,
     {
-        match tokio::time::timeout(self.api_timeout, fut).await {
+        let got = match tokio::time::timeout(self.api_timeout, fut).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err(format!(
                 "the API server did not answer within {:?}",
                 self.api_timeout
             )),
-        }
+        };
+        let result = match &got {
+            Ok(Some(_)) => LookupResult::ApiFound,
+            Ok(None) => LookupResult::ApiNotFound,
+            Err(_) => LookupResult::ApiError,
+        };
+        self.metrics.lookup(cache, result);
+        got
     }
 
     /// The API fallback of [`Lookups::namespace_labels`] on a cache miss.
@@ -346,13 +354,9 @@ impl Caches {
         namespace: &str,
     ) -> Result<Option<BTreeMap<String, String>>, String> {
         let api = Api::<PartialObjectMeta<Namespace>>::all(self.client.clone());
-        let got = self.get_with_timeout(api.get_opt(namespace)).await;
-        let result = match &got {
-            Ok(Some(_)) => LookupResult::ApiFound,
-            Ok(None) => LookupResult::ApiNotFound,
-            Err(_) => LookupResult::ApiError,
-        };
-        self.metrics.lookup(Cache::Namespaces.as_str(), result);
+        let got = self
+            .get_with_timeout(Cache::Namespaces, api.get_opt(namespace))
+            .await;
         if let Err(e) = &got {
             tracing::warn!(namespace, error = %e, "namespace not cached and the GET failed");
         }
@@ -372,8 +376,7 @@ impl Caches {
                 .wait_for(&vmi.namespace, &vmi.name, VMI_WATCH_WAIT, same)
                 .await
         {
-            self.metrics
-                .lookup(Cache::Vmis.as_str(), LookupResult::WatchHit);
+            self.metrics.lookup(Cache::Vmis, LookupResult::WatchHit);
             return VmiLookup::Found(found);
         }
         self.vmi_from_api(vmi).await
@@ -382,22 +385,17 @@ impl Caches {
     /// The API fallback of [`Lookups::vmi`] on a cache miss.
     async fn vmi_from_api(&self, vmi: &VmiRef) -> VmiLookup {
         let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), &vmi.namespace);
-        match self.get_with_timeout(api.get_opt(&vmi.name)).await {
+        match self
+            .get_with_timeout(Cache::Vmis, api.get_opt(&vmi.name))
+            .await
+        {
             Ok(Some(mut found)) => {
-                self.metrics
-                    .lookup(Cache::Vmis.as_str(), LookupResult::ApiFound);
                 tracing::debug!(vmi = %vmi, "VMI not cached yet; found by GET");
                 found.managed_fields_mut().clear();
                 VmiLookup::Found(Arc::new(found))
             }
-            Ok(None) => {
-                self.metrics
-                    .lookup(Cache::Vmis.as_str(), LookupResult::ApiNotFound);
-                VmiLookup::NotFound
-            }
+            Ok(None) => VmiLookup::NotFound,
             Err(e) => {
-                self.metrics
-                    .lookup(Cache::Vmis.as_str(), LookupResult::ApiError);
                 tracing::warn!(vmi = %vmi, error = %e, "VMI not cached and the GET failed");
                 VmiLookup::Failed(e)
             }
@@ -416,7 +414,7 @@ impl Caches {
                 .await
         {
             self.metrics
-                .lookup(Cache::LauncherPods.as_str(), LookupResult::WatchHit);
+                .lookup(Cache::LauncherPods, LookupResult::WatchHit);
             return PodLookup::Found(Arc::new(found.to_pod()));
         }
         self.launcher_pod_from_api(namespace, name, uid).await
@@ -425,21 +423,18 @@ impl Caches {
     /// The API fallback of [`Lookups::launcher_pod`] on a cache miss.
     async fn launcher_pod_from_api(&self, namespace: &str, name: &str, uid: &str) -> PodLookup {
         let api = Api::<LauncherPod>::namespaced(self.client.clone(), namespace);
-        match self.get_with_timeout(api.get_opt(name)).await {
-            Ok(Some(found)) if uid.is_empty() || found.metadata.uid.as_deref() == Some(uid) => {
-                self.metrics
-                    .lookup(Cache::LauncherPods.as_str(), LookupResult::ApiFound);
+        // A pod of that name with another UID (a deleted predecessor) is not the one asked for.
+        let get = async {
+            let got = api.get_opt(name).await?;
+            Ok(got.filter(|p| uid.is_empty() || p.metadata.uid.as_deref() == Some(uid)))
+        };
+        match self.get_with_timeout(Cache::LauncherPods, get).await {
+            Ok(Some(found)) => {
                 tracing::debug!(namespace, name, "pod not cached yet; found by GET");
                 PodLookup::Found(Arc::new(CachedLauncherPod::from(found).to_pod()))
             }
-            Ok(_) => {
-                self.metrics
-                    .lookup(Cache::LauncherPods.as_str(), LookupResult::ApiNotFound);
-                PodLookup::NotFound
-            }
+            Ok(None) => PodLookup::NotFound,
             Err(e) => {
-                self.metrics
-                    .lookup(Cache::LauncherPods.as_str(), LookupResult::ApiError);
                 tracing::warn!(namespace, name, error = %e, "pod not cached and the GET failed");
                 PodLookup::Failed(e)
             }
@@ -462,7 +457,7 @@ impl Lookups for Caches {
     ) -> Result<Option<BTreeMap<String, String>>, String> {
         if let Some(labels) = self.namespaces.get(namespace) {
             self.metrics
-                .lookup(Cache::Namespaces.as_str(), LookupResult::CacheHit);
+                .lookup(Cache::Namespaces, LookupResult::CacheHit);
             return Ok(Some((*labels).clone()));
         }
         Box::pin(self.namespace_from_api(namespace)).await
@@ -478,8 +473,7 @@ impl Lookups for Caches {
             .get_namespaced(&vmi.namespace, &vmi.name)
             .filter(|f| same(f))
         {
-            self.metrics
-                .lookup(Cache::Vmis.as_str(), LookupResult::CacheHit);
+            self.metrics.lookup(Cache::Vmis, LookupResult::CacheHit);
             return VmiLookup::Found(found);
         }
         Box::pin(self.vmi_after_wait(vmi, same)).await
@@ -490,7 +484,7 @@ impl Lookups for Caches {
             // A cached pod of the same name but another UID is a deleted predecessor: ask.
             if uid.is_empty() || found.uid.as_deref() == Some(uid) {
                 self.metrics
-                    .lookup(Cache::LauncherPods.as_str(), LookupResult::CacheHit);
+                    .lookup(Cache::LauncherPods, LookupResult::CacheHit);
                 return PodLookup::Found(Arc::new(found.to_pod()));
             }
         }

@@ -3,7 +3,7 @@
 
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, ResourceRequirements};
 use serde_json::{Map, Value};
 use teeguard_shared::config::CrioAnnotation;
 use teeguard_shared::names;
@@ -98,6 +98,44 @@ pub(super) fn ptr(tokens: &[&str]) -> PointerBuf {
     }
     // Escaped as above, the string always parses; jsonptr's own encoding is the fallback.
     PointerBuf::parse(s).unwrap_or_else(|_| PointerBuf::from_tokens(tokens.iter().copied()))
+}
+
+/// The operations adding `<resource>: <keys>` to the `fields` (`requests`, `limits`) of container
+/// `idx`, whose resources are `res`: a whole `resources`, `requests` or `limits` map where it is
+/// missing, else one entry.
+pub(super) fn request_ops(
+    idx: usize,
+    res: Option<&ResourceRequirements>,
+    fields: &[&str],
+    resource: &str,
+    keys: u32,
+) -> Vec<PatchOperation> {
+    let idx = idx.to_string();
+    let base = ["spec", "containers", idx.as_str(), "resources"];
+    let qty = Value::String(keys.to_string());
+    let one = || Value::Object(Map::from_iter([(resource.to_string(), qty.clone())]));
+    let Some(res) = res else {
+        if fields.is_empty() {
+            return Vec::new();
+        }
+        let whole = fields.iter().map(|f| (f.to_string(), one())).collect();
+        return vec![add(&base, Value::Object(whole))];
+    };
+    let ops = fields.iter().map(|&field| {
+        let present = match field {
+            "requests" => res.requests.is_some(),
+            _ => res.limits.is_some(),
+        };
+        if present {
+            add(
+                &[base[0], base[1], base[2], base[3], field, resource],
+                qty.clone(),
+            )
+        } else {
+            add(&[base[0], base[1], base[2], base[3], field], one())
+        }
+    });
+    ops.collect()
 }
 
 pub(super) fn add(tokens: &[&str], value: Value) -> PatchOperation {
@@ -231,48 +269,7 @@ pub(super) fn injection_patch(
             },
         }
     }
-    let idx = idx.to_string();
-    let qty = keys.to_string();
-    let mut ops = Vec::with_capacity(4);
-    let base = ["spec", "containers", idx.as_str(), "resources"];
-    match res {
-        None if !missing.is_empty() => {
-            let mut obj = Map::new();
-            for field in &missing {
-                obj.insert(
-                    (*field).to_string(),
-                    Value::Object(Map::from_iter([(
-                        resource.to_string(),
-                        Value::String(qty.clone()),
-                    )])),
-                );
-            }
-            ops.push(add(&base, Value::Object(obj)));
-        }
-        _ => {
-            for field in &missing {
-                let present = match *field {
-                    "requests" => res.and_then(|r| r.requests.as_ref()).is_some(),
-                    _ => res.and_then(|r| r.limits.as_ref()).is_some(),
-                };
-                if present {
-                    ops.push(add(
-                        &[base[0], base[1], base[2], base[3], field, resource],
-                        Value::String(qty.clone()),
-                    ));
-                } else {
-                    ops.push(add(
-                        &[base[0], base[1], base[2], base[3], field],
-                        Value::Object(Map::from_iter([(
-                            resource.to_string(),
-                            Value::String(qty.clone()),
-                        )])),
-                    ));
-                }
-            }
-        }
-    }
-
+    let mut ops = request_ops(idx, res, &missing, resource, keys);
     let annotations = pod.metadata.annotations.as_ref();
     let wanted = wanted_annotations(pod, kind, keys, config);
     match annotations {

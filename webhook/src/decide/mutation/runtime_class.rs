@@ -16,12 +16,11 @@ use std::collections::BTreeMap;
 
 use json_patch::Patch;
 use k8s_openapi::api::core::v1::{Container, Pod};
-use serde_json::{Map, Value};
 use teeguard_shared::names;
 use teeguard_shared::{Config, TeeKind};
 
 use super::is_exempt;
-use super::patch::add;
+use super::patch::request_ops;
 
 /// Why a pod of (or claiming) a TEE RuntimeClass is left untouched.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -186,41 +185,14 @@ pub fn decide_runtime_class(
         resource: kind_cfg.resource_name.clone(),
         keys: kind_cfg.keys_per_vm,
         container: first.name.clone(),
-        patch: request_patch(first, 0, &kind_cfg.resource_name, kind_cfg.keys_per_vm),
+        patch: Patch(request_ops(
+            0,
+            first.resources.as_ref(),
+            &["requests", "limits"],
+            &kind_cfg.resource_name,
+            kind_cfg.keys_per_vm,
+        )),
     })
-}
-
-/// The patch adding `<resource>: <keys>` to the requests and limits of container `idx`, which has
-/// neither: a whole `resources`, `requests` or `limits` map where it is missing, else one entry.
-fn request_patch(container: &Container, idx: usize, resource: &str, keys: u32) -> Patch {
-    let idx = idx.to_string();
-    let base = ["spec", "containers", idx.as_str(), "resources"];
-    let qty = Value::String(keys.to_string());
-    let one = || Value::Object(Map::from_iter([(resource.to_string(), qty.clone())]));
-    let Some(res) = container.resources.as_ref() else {
-        let whole = Map::from_iter([
-            ("requests".to_string(), one()),
-            ("limits".to_string(), one()),
-        ]);
-        return Patch(vec![add(&base, Value::Object(whole))]);
-    };
-    let ops = [
-        ("requests", res.requests.is_some()),
-        ("limits", res.limits.is_some()),
-    ]
-    .into_iter()
-    .map(|(field, present)| {
-        if present {
-            add(
-                &[base[0], base[1], base[2], base[3], field, resource],
-                qty.clone(),
-            )
-        } else {
-            add(&[base[0], base[1], base[2], base[3], field], one())
-        }
-    })
-    .collect();
-    Patch(ops)
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 
 use super::*;
 use pretty_assertions::assert_eq;
-use serde_json::json;
+use serde_json::{Value, json};
 
 const TDX: &str = "tdx.intel.com/keys";
 const ESIDS: &str = "sev-snp.amd.com/esids";
