@@ -101,38 +101,6 @@ impl ContainerResources {
     }
 }
 
-/// `metadata` reduced to identity (name, namespace, uid, resourceVersion), the labels and annotations
-/// whose keys `keep_label` / `keep_annotation` accept (an empty map becomes `None`: an empty
-/// `BTreeMap` costs nothing, one with a single entry a whole B-tree node) and the controller owner
-/// reference.
-pub fn slim_meta(
-    meta: &mut ObjectMeta,
-    keep_label: impl Fn(&str) -> bool,
-    keep_annotation: impl Fn(&str) -> bool,
-) {
-    let old = std::mem::take(meta);
-    let keep = |m: Option<BTreeMap<String, String>>, f: &dyn Fn(&str) -> bool| {
-        let m: BTreeMap<String, String> = m?.into_iter().filter(|(k, _)| f(k)).collect();
-        (!m.is_empty()).then_some(m)
-    };
-    let owners: Vec<_> = old
-        .owner_references
-        .into_iter()
-        .flatten()
-        .filter(|o| o.controller == Some(true))
-        .collect();
-    *meta = ObjectMeta {
-        name: old.name,
-        namespace: old.namespace,
-        uid: old.uid,
-        resource_version: old.resource_version,
-        labels: keep(old.labels, &keep_label),
-        annotations: keep(old.annotations, &keep_annotation),
-        owner_references: (!owners.is_empty()).then_some(owners),
-        ..ObjectMeta::default()
-    };
-}
-
 /// A virt-launcher pod as the cache keeps it: [`LauncherPod`] reduced to what a binding decision
 /// reads (identity, the `kubevirt.io` and exemption labels, the storage-binding and domain
 /// annotations, the controller owner, the node, and the extended resources of each container), held

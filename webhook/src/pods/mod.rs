@@ -7,6 +7,4 @@ pub mod admitted;
 pub mod decode;
 pub mod launcher;
 
-pub use launcher::{
-    CachedContainer, CachedLauncherPod, ContainerResources, LauncherPod, slim_meta,
-};
+pub use launcher::{CachedContainer, CachedLauncherPod, ContainerResources, LauncherPod};

@@ -36,7 +36,7 @@ use crate::decide::index::{PodState, VmiState};
 use crate::decide::mutation::{VmiLookup, VmiRef};
 use crate::decide::queue;
 use crate::metrics::{Cache, LookupResult, Metrics};
-use crate::pods::{CachedLauncherPod, LauncherPod, slim_meta};
+use crate::pods::{CachedLauncherPod, LauncherPod};
 
 mod store;
 #[cfg(test)]
@@ -155,12 +155,30 @@ pub fn namespace_labels(labels: Option<Labels>) -> Labels {
     labels
 }
 
-/// What the VMI cache keeps of a VMI: identity, the exemption label, the controller owner and
-/// `launchSecurity` (the type reads nothing else of the spec).
+/// What the VMI cache keeps of a VMI: identity, its deletion, the exemption label, the controller
+/// owner and `launchSecurity` (the type reads nothing else of the spec).
 pub fn slim_vmi(vmi: &mut VirtualMachineInstance) {
-    let deletion = vmi.metadata.deletion_timestamp.take();
-    slim_meta(&mut vmi.metadata, |k| k == names::EXEMPT_LABEL, |_| false);
-    vmi.metadata.deletion_timestamp = deletion;
+    let old = std::mem::take(&mut vmi.metadata);
+    let exempt = old.labels.and_then(|l| {
+        let value = l.get(names::EXEMPT_LABEL)?.clone();
+        Some(BTreeMap::from([(names::EXEMPT_LABEL.to_string(), value)]))
+    });
+    let owners: Vec<_> = old
+        .owner_references
+        .into_iter()
+        .flatten()
+        .filter(|o| o.controller == Some(true))
+        .collect();
+    vmi.metadata = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        name: old.name,
+        namespace: old.namespace,
+        uid: old.uid,
+        resource_version: old.resource_version,
+        deletion_timestamp: old.deletion_timestamp,
+        labels: exempt,
+        owner_references: (!owners.is_empty()).then_some(owners),
+        ..Default::default()
+    };
     // Where its pod may go, and why it has none, matter only while it waits on teeguard.
     if queue::waiting(vmi).is_some() {
         if let Some(status) = vmi.status.as_mut() {
