@@ -76,6 +76,12 @@ impl NodeState {
             .as_deref()
             .map_or(&[][..], |o| o.spec.reservations.as_slice())
     }
+
+    /// Every hold, recorded then local, with when this replica first saw it.
+    fn seen_holds(&self) -> impl Iterator<Item = (&KeyReservation, &Timestamp)> {
+        let recorded = self.recorded().iter().zip(&self.seen);
+        recorded.chain(self.local.iter().map(|(e, at)| (e, at)))
+    }
 }
 
 /// What the index knows of a virt-launcher pod.

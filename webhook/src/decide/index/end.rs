@@ -69,10 +69,7 @@ impl Index {
 
     fn first_seen(&self, node: &str, e: &KeyReservation) -> Option<Timestamp> {
         let n = self.nodes.get(node)?;
-        n.recorded()
-            .iter()
-            .zip(&n.seen)
-            .chain(n.local.iter().map(|(l, at)| (l, at)))
+        n.seen_holds()
             .find(|(l, _)| same_holder(l, e))
             .map(|(_, at)| *at)
     }
@@ -93,12 +90,8 @@ impl Index {
     pub fn next_deadline(&self, now: Timestamp) -> Option<Timestamp> {
         let after = |d: Duration, from: Timestamp| from.checked_add(d).ok().filter(|t| *t > now);
         let holds = self.nodes.iter().flat_map(|(name, state)| {
-            let entries = state
-                .recorded()
-                .iter()
-                .zip(&state.seen)
-                .chain(state.local.iter().map(|(e, at)| (e, at)));
-            entries
+            state
+                .seen_holds()
                 .filter(move |(e, _)| self.end(name, e, now).is_none())
                 .flat_map(move |(e, seen)| {
                     let written =

@@ -38,11 +38,7 @@ impl Index {
                 r.heartbeat_time.as_ref().map(|t| t.0).hash(h);
                 r.accounting.hash(h);
             }
-            for (e, at) in n.recorded().iter().zip(&n.seen) {
-                entry(e, h);
-                at.hash(h);
-            }
-            for (e, at) in &n.local {
+            for (e, at) in n.seen_holds() {
                 entry(e, h);
                 at.hash(h);
             }
