@@ -272,7 +272,7 @@ fn enforcement_alert_is_rendered_unless_enforcement_is_off() {
 /// `_bucket`, `_sum`, `_count`), read from their registries' text encoding after one count in every
 /// labelled family (a family shows in the encoding only once it has a series).
 fn exported() -> BTreeSet<String> {
-    use teeguard_webhook::metrics::{EventResult, LookupResult, Outcome, ReloadResult};
+    use teeguard_webhook::metrics::{Cache, EventResult, LookupResult, Outcome, ReloadResult};
     let mut registry = prometheus_client::registry::Registry::default();
     let webhook = teeguard_webhook::metrics::Metrics::new(&mut registry);
     webhook.observe_request(
@@ -285,7 +285,7 @@ fn exported() -> BTreeSet<String> {
         "tdx",
         teeguard_webhook::metrics::ValidationOutcome::Denied,
     );
-    webhook.lookup("vmis", LookupResult::CacheHit);
+    webhook.lookup(Cache::Vmis, LookupResult::CacheHit);
     webhook.set_cache_objects("vmis", 1);
     webhook.cert_reload(ReloadResult::Ok);
     webhook.vmi_event(EventResult::Recorded);
