@@ -454,6 +454,13 @@ async fn nri_strict_mode_lifts_a_zero_when_the_namespace_is_labelled_exempt_and_
                    "metadata": {"name": "late", "labels": labels}})
         };
         w.env.api.create(&namespace(json!({}))).expect("namespace");
+        // A pod whose container is created while the namespace is exempt (below), stored first: the
+        // agent has it once it has the pods stored after it (its watch delivers in order).
+        let pod = VirtLauncherPod::for_tee("born-exempt", Tee::None)
+            .namespace("late")
+            .running_on(NODE)
+            .build();
+        let (born_sandbox, born) = nri_request(&store_pod(&w.env, &pod), "compute");
         let mut containers = Vec::new();
         for (name, ns) in [
             ("in-late", "late"),
@@ -507,14 +514,9 @@ async fn nri_strict_mode_lifts_a_zero_when_the_namespace_is_labelled_exempt_and_
             "{updates:?}"
         );
         // A container created while the namespace is exempt gets no limit.
-        let pod = VirtLauncherPod::for_tee("born-exempt", Tee::None)
-            .namespace("late")
-            .running_on(NODE)
-            .build();
-        let (sandbox, born) = nri_request(&store_pod(&w.env, &pod), "compute");
         let resp = w
             .runtime
-            .create_container(sandbox, born.clone())
+            .create_container(born_sandbox, born.clone())
             .await
             .expect("CreateContainer answered");
         assert_eq!(misc_max(&resp), None, "{resp:?}");

@@ -198,6 +198,9 @@ impl Containers for NriContainers {
     }
 
     fn namespace_zero(&self, req: &CreateContainer) -> Option<String> {
+        if !self.strict {
+            return None; // no zero at all: nothing to convert or decide
+        }
         let pod = self.cached(req)?;
         self.with_facts(req, Some(&pod), |facts, policy| {
             limits::namespace_zero(facts, &req.container_name, policy)
