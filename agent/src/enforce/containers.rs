@@ -95,6 +95,19 @@ impl NriContainers {
         Some(decide(facts, policy))
     }
 
+    /// Strict mode's zero for the container of the cached `pod` unless its namespace is labelled
+    /// exempt ([`limits::namespace_zero`]); none out of strict mode (nothing to decide then).
+    fn namespace_zero(&self, req: &CreateContainer, pod: &Pod) -> Option<String> {
+        if !self.strict {
+            return None;
+        }
+        self.with_facts(req, Some(pod), |facts, policy| {
+            limits::namespace_zero(facts, &req.container_name, policy)
+        })
+        .flatten()
+        .map(|limit| limit.to_string())
+    }
+
     /// The value to answer, with metrics, logs and Events.
     fn answer(&self, req: &CreateContainer, pod: Option<&Pod>) -> Option<String> {
         self.with_facts(req, pod, |facts, policy| {
@@ -181,10 +194,16 @@ impl Containers for NriContainers {
 
     fn decide(&self, req: &CreateContainer) -> Answer {
         if !self.host.borrow().limits_possible() {
-            return Answer::Now(None);
+            return Answer::Now {
+                value: None,
+                zero: None,
+            };
         }
         match self.cached(req) {
-            Some(pod) => Answer::Now(self.answer(req, Some(&pod))),
+            Some(pod) => Answer::Now {
+                value: self.answer(req, Some(&pod)),
+                zero: self.namespace_zero(req, &pod),
+            },
             // Worth one GET: a pod admitted with teeguard's annotation, or one holding a claim
             // the driver prepared.
             None if self.client.is_some()
@@ -193,20 +212,11 @@ impl Containers for NriContainers {
             {
                 Answer::Lookup
             }
-            None => Answer::Now(self.answer(req, None)),
+            None => Answer::Now {
+                value: self.answer(req, None),
+                zero: None,
+            },
         }
-    }
-
-    fn namespace_zero(&self, req: &CreateContainer) -> Option<String> {
-        if !self.strict {
-            return None; // no zero at all: nothing to convert or decide
-        }
-        let pod = self.cached(req)?;
-        self.with_facts(req, Some(&pod), |facts, policy| {
-            limits::namespace_zero(facts, &req.container_name, policy)
-        })
-        .flatten()
-        .map(|limit| limit.to_string())
     }
 
     fn exempt(&self, namespace: &str) -> bool {

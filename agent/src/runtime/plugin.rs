@@ -62,8 +62,13 @@ pub const RECONNECT_MAX: Duration = Duration::from_secs(1);
 /// The answer for one container.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Answer {
-    /// Answer now: `misc.max` to set, or none.
-    Now(Option<String>),
+    /// Answer now: `misc.max` to set, or none (`value`); and strict mode's zero for the container
+    /// unless its namespace is labelled exempt (`zero`, e.g. `tdx 0`; `None`: its limit does not
+    /// depend on the label).
+    Now {
+        value: Option<String>,
+        zero: Option<String>,
+    },
     /// The pod is unknown and carries teeguard's annotation: look it up first.
     Lookup,
 }
@@ -78,9 +83,6 @@ pub trait Containers: Send + Sync + 'static {
     fn decide(&self, req: &CreateContainer) -> Answer;
     /// Decide after looking the pod up (called only after [`Answer::Lookup`]).
     fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>>;
-    /// Strict mode's zero for the container unless its namespace is labelled exempt (`tdx 0`;
-    /// `None`: its limit does not depend on the label), from memory.
-    fn namespace_zero(&self, req: &CreateContainer) -> Option<String>;
     /// Whether `namespace` is labelled exempt, as a watch that has listed them says (strict mode's
     /// zeros there are lifted).
     fn exempt(&self, namespace: &str) -> bool;
@@ -245,36 +247,47 @@ async fn changed(rx: &mut Option<watch::Receiver<u64>>) {
     std::future::pending::<()>().await;
 }
 
-/// `(container ID, misc.max)` for the containers that already run and need a limit; an unknown
-/// annotated pod is looked up as at `CreateContainer`, within `timeout`.
+/// What `Synchronize` decided for one container that already runs.
+struct Existing {
+    id: String,
+    namespace: String,
+    /// `misc.max` to set, or none.
+    value: Option<String>,
+    /// Strict mode's zero unless its namespace is exempt ([`Answer::Now`]).
+    zero: Option<String>,
+}
+
+/// The decisions for the containers that already run; an unknown annotated pod is looked up as at
+/// `CreateContainer`, within `timeout`.
 async fn existing_limits(
     containers: Arc<dyn Containers>,
     existing: Vec<CreateContainer>,
     timeout: Duration,
-) -> Vec<(String, String)> {
+) -> Vec<Existing> {
     let decided = existing.into_iter().map(|c| {
         let containers = containers.clone();
         async move {
-            let value = match containers.decide(&c) {
-                Answer::Now(value) => value,
+            let (id, namespace) = (c.container_id.clone(), c.pod_namespace.clone());
+            let (value, zero) = match containers.decide(&c) {
+                Answer::Now { value, zero } => (value, zero),
                 Answer::Lookup => {
-                    let id = c.container_id.clone();
                     let looked_up = containers.decide_after_lookup(c);
-                    return tokio::time::timeout(timeout, looked_up)
+                    let value = tokio::time::timeout(timeout, looked_up)
                         .await
                         .ok()
-                        .flatten()
-                        .map(|v| (id, v));
+                        .flatten();
+                    (value, None)
                 }
             };
-            value.map(|v| (c.container_id, v))
+            Existing {
+                id,
+                namespace,
+                value,
+                zero,
+            }
         }
     });
-    futures::future::join_all(decided)
-        .await
-        .into_iter()
-        .flatten()
-        .collect()
+    futures::future::join_all(decided).await
 }
 
 /// Log the runtime's answer to an `UpdateContainers` call.
@@ -444,29 +457,28 @@ impl Session {
                     &std::mem::take(&mut self.sync_pods),
                     &std::mem::take(&mut self.sync_containers),
                 );
-                // Strict mode's keyless containers, with the zero each gets unless its namespace
-                // is exempt.
-                let keyless: Vec<(String, String, String)> = existing
-                    .iter()
-                    .filter_map(|c| {
-                        let zero = self.containers.namespace_zero(c)?;
-                        Some((c.container_id.clone(), c.pod_namespace.clone(), zero))
-                    })
-                    .collect();
                 let (containers, writer) = (self.containers.clone(), self.writer.clone());
                 let timeout = self.lookup_timeout;
                 let update_at_start = self.update_at_start.clone();
                 let zeroed = self.zeroed.clone();
                 tokio::spawn(async move {
-                    let mut updates = existing_limits(containers.clone(), existing, timeout).await;
-                    // Each as it will be once answered (or as its resources show it: a zero given
-                    // before this connection), then given or lifted at once when its namespace's
-                    // label changed meanwhile.
-                    for (id, namespace, zero) in &keyless {
-                        let answered = updates.iter().find(|(u, _)| u == id).map(|(_, v)| v);
-                        let now = answered.or_else(|| current.get(id));
-                        zeroed.note(id, namespace, Some(zero), now.map(String::as_str));
+                    let decided = existing_limits(containers.clone(), existing, timeout).await;
+                    // Strict mode's keyless containers, each as it will be once answered (or as its
+                    // resources show it: a zero given before this connection), then given or lifted
+                    // at once when its namespace's label changed meanwhile.
+                    for c in &decided {
+                        let now = c.value.as_ref().or_else(|| current.get(&c.id));
+                        zeroed.note(
+                            &c.id,
+                            &c.namespace,
+                            c.zero.as_deref(),
+                            now.map(String::as_str),
+                        );
                     }
+                    let mut updates: Vec<(String, String)> = decided
+                        .into_iter()
+                        .filter_map(|c| Some((c.id, c.value?)))
+                        .collect();
                     for (id, value) in zeroed.follow(|ns| containers.exempt(ns)) {
                         tracing::info!(container = %id, misc_max = %value, "its namespace's exempt label changed while the plugin was away: strict mode's zero given or lifted");
                         updates.retain(|(u, _)| *u != id);
@@ -508,9 +520,8 @@ impl Session {
                         return ok(wire::create_container_response(None));
                     }
                 };
-                let zero = self.containers.namespace_zero(&req);
                 match self.containers.decide(&req) {
-                    Answer::Now(value) => {
+                    Answer::Now { value, zero } => {
                         let (id, namespace) = (&req.container_id, &req.pod_namespace);
                         self.zeroed
                             .note(id, namespace, zero.as_deref(), value.as_deref());
@@ -520,8 +531,8 @@ impl Session {
                         let containers = self.containers.clone();
                         let writer = self.writer.clone();
                         let timeout = self.lookup_timeout;
-                        let zeroed = self.zeroed.clone();
-                        let (id, namespace) = (req.container_id.clone(), req.pod_namespace.clone());
+                        // A pod the agent does not have yet: no strict zero to follow (it needs
+                        // the pod), as at `Synchronize`.
                         tokio::spawn(async move {
                             let value = tokio::time::timeout(timeout, containers.decide_after_lookup(req))
                                 .await
@@ -529,7 +540,6 @@ impl Session {
                                     tracing::warn!("looking up a pod took longer than {timeout:?}; no limit applied");
                                     None
                                 });
-                            zeroed.note(&id, &namespace, zero.as_deref(), value.as_deref());
                             let body = wire::create_container_response(value.as_deref());
                             let resp = t::encode_response(0, "", &body);
                             let frame =
