@@ -21,16 +21,20 @@ use tokio_util::sync::CancellationToken;
 
 use super::{NodeWorld, Options, POLL, RUN_DEADLINE, prepare_node, running};
 
-/// How often the stream creates a pod.
-const EVERY: Duration = Duration::from_millis(400);
+/// How often the stream creates a pod: slower than a loaded 2-core node starts them (each sandbox and
+/// start 1-2 s of runc work, on two cores), so a pod's start time says what happened to it, not how
+/// long the stream has run. At one every 400 ms the stream outran such a node: its queue grew for as
+/// long as the stream ran, pods created 15 s after the stopped agent's one timeout waited longest
+/// (9.4 s with two busy loops beside the test, 15 s in CI, against 3-5 s for the calm phase's
+/// shorter stream), and the bound blamed teeguard for the queue.
+const EVERY: Duration = Duration::from_millis(1000);
 /// What a loaded 2-core machine may add to a pod's start on top of the baseline's slowest ([`calm`]),
-/// besides one NRI request timeout. The timeout costs more than itself on containerd: its NRI calls
-/// plugins one at a time, so while it waits for the stopped plugin every other pod's `RunPodSandbox`
-/// waits too (all returned within 1 ms of the timeout), and the burst it then releases, with the
-/// stream still arriving every 400 ms, takes the runtime seconds to catch up with (each sandbox and
-/// start 1-2 s of runc work on this VM): pods created after the plugin was dropped took 4-6 s to
-/// start, on a loaded machine 6-16 s, as long as the baseline's. The precise check is the runtime's
-/// own: how often it gave up waiting for the plugin ([`timeouts`]).
+/// besides one NRI request timeout. The timeout costs a little more than itself on containerd: its
+/// NRI calls plugins one at a time, so while it waits for the stopped plugin every other pod's
+/// `RunPodSandbox` waits too (all returned within 1 ms of the timeout), and the runtime then catches
+/// up with the burst it releases (with two busy loops beside the test: the pods caught in the wait
+/// 4-5 s against the calm phase's 2.9 s, those after it back to 2-3 s). The precise check is the
+/// runtime's own: how often it gave up waiting for the plugin ([`timeouts`]).
 const SLACK: Duration = Duration::from_secs(6);
 
 /// A pod of the stream and how long it took from its CREATE to Running.
@@ -153,9 +157,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// The slowest pod of the fault phases' shape without the fault, for comparison: the stream with a
 /// TDX VM started in it, the agent running. The VM's start is what slows the pods beside it: on a
-/// loaded 2-core machine, pods started beside a VM took 4.3-8.2 s with the agent running throughout
-/// and 4.0-6.7 s with it stopped (calm pods without a VM: 1.9-3.2 s), so a baseline without the VM
-/// blamed the agent for the VM's share (issue 43's "10-33 s" under CI load).
+/// loaded 2-core machine (with the stream at one pod every 400 ms), pods started beside a VM took
+/// 4.3-8.2 s with the agent running throughout and 4.0-6.7 s with it stopped (calm pods without a VM:
+/// 1.9-3.2 s), so a baseline without the VM blamed the agent for the VM's share (issue 43's
+/// "10-33 s" under CI load).
 async fn calm(w: &NodeWorld) -> Duration {
     let stream = PodStream::start(w, "calm");
     let vm = w.create_vm("calm-vm", Tee::Tdx).await.expect("admitted");
