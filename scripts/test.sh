@@ -25,17 +25,6 @@ fi
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 cargo --version
 
-if [ -z "${SKIP_LINT:-}" ]; then
-  step "format (cargo fmt --check)"
-  cargo fmt --all -- --check
-  # clippy is CPU work, the tools below mostly downloads and unpacking: together they took 60-100 s
-  # less than one after the other on a 2-core machine. Its output comes at the "lint" step.
-  step "lint (cargo clippy -D warnings) started in the background"
-  mkdir -p .tools
-  cargo clippy --workspace --all-targets --locked -- -D warnings >.tools/clippy.log 2>&1 &
-  LINT_PID=$!
-fi
-
 if [ -f charts/teeguard/Chart.yaml ]; then
   step "chart tools (helm, kubernetes-validate)"
   # shellcheck source=scripts/chart-tools.sh
@@ -71,12 +60,11 @@ step "tee-vm (Debian's Linux 6.1 and 6.12 under QEMU with the fake_tee module; q
 # shellcheck source=scripts/tee-vm.sh
 source scripts/tee-vm.sh
 
-if [ -n "${LINT_PID:-}" ]; then
-  step "lint (cargo clippy -D warnings, started before the tools: its output)"
-  lint_status=0
-  wait "$LINT_PID" || lint_status=$?
-  cat .tools/clippy.log
-  [ "$lint_status" = 0 ] || { echo "lint: cargo clippy failed (exit $lint_status)" >&2; exit 1; }
+if [ -z "${SKIP_LINT:-}" ]; then
+  step "format (cargo fmt --check)"
+  cargo fmt --all -- --check
+  step "lint (cargo clippy -D warnings)"
+  cargo clippy --workspace --all-targets --locked -- -D warnings
 fi
 
 step "images (scripts/images.sh: the tests' own dev-profile binaries, buildah from Debian, OCI archives in .tools/images)"
