@@ -114,6 +114,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// A length in the NRI stream beyond the protocol's maximum: the stream is out of step, and the
+    /// plugin closes it and registers again.
+    #[error("NRI stream: {what} of {len} bytes exceeds the maximum of {max}")]
+    FrameTooLong {
+        /// Which length (`mux frame`, `ttrpc message`).
+        what: &'static str,
+        /// The length announced.
+        len: usize,
+        /// The maximum.
+        max: usize,
+    },
+
     /// A blocking task (the cgroup scan) panicked or was cancelled.
     #[error("background task failed: {0}")]
     Task(String),

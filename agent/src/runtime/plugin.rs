@@ -33,7 +33,7 @@ use tokio::sync::{Mutex, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::sync::{ExistingContainer, SynchronizeRequest, live_containers, synchronize_response};
-use super::transport::{self as t, Demux, FrameError};
+use super::transport::{self as t, Demux};
 use super::wire::{
     self, CONTAINER_CREATED, ContainerEvent, CreateContainer, EVENT_CREATE_CONTAINER,
     EVENT_POST_START_CONTAINER, EVENT_REMOVE_CONTAINER,
@@ -227,7 +227,7 @@ async fn session(
         };
         let messages = demux
             .push(conn, &payload)
-            .map_err(|e: FrameError| format!("the runtime sent a bad frame: {e}"))?;
+            .map_err(|e| format!("the runtime sent a bad frame: {e}"))?;
         for m in messages {
             if session.handle(m, state).await? {
                 return Ok(true);

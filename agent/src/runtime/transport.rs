@@ -19,6 +19,7 @@ use tokio::net::unix::OwnedReadHalf;
 use tokio::sync::mpsc;
 
 use super::wire::DecodeError;
+use crate::error::{Error, Result};
 
 /// Mux connection of the `Plugin` service.
 pub const PLUGIN_CONN: u32 = 1;
@@ -43,24 +44,6 @@ pub const RUNTIME_SERVICE: &str = "nri.pkg.api.v1alpha1.Runtime";
 /// gRPC status code `UNIMPLEMENTED`.
 pub const CODE_UNIMPLEMENTED: i32 = 12;
 
-/// A transport error: the stream is out of step and must be closed.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum FrameError {
-    /// A length beyond the protocol's maximum.
-    #[error("{what} of {len} bytes exceeds the maximum of {max}")]
-    TooLong {
-        /// Which length.
-        what: &'static str,
-        /// The length announced.
-        len: usize,
-        /// The maximum.
-        max: usize,
-    },
-    /// A message body that is not valid protobuf.
-    #[error(transparent)]
-    Decode(#[from] DecodeError),
-}
-
 /// One ttrpc message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Message {
@@ -75,11 +58,11 @@ pub struct Message {
 }
 
 /// The mux frame header: `(connection, payload length)`, checked against the maximum.
-pub fn parse_mux_header(h: [u8; MUX_HEADER_LEN]) -> Result<(u32, usize), FrameError> {
+pub fn parse_mux_header(h: [u8; MUX_HEADER_LEN]) -> Result<(u32, usize)> {
     let conn = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
     let len = u32::from_be_bytes([h[4], h[5], h[6], h[7]]) as usize;
     if len > MUX_MAX_PAYLOAD {
-        return Err(FrameError::TooLong {
+        return Err(Error::FrameTooLong {
             what: "mux frame",
             len,
             max: MUX_MAX_PAYLOAD,
@@ -96,7 +79,7 @@ pub struct Demux {
 
 impl Demux {
     /// Add one frame's payload; returns the messages it completed.
-    pub fn push(&mut self, conn: u32, payload: &[u8]) -> Result<Vec<Message>, FrameError> {
+    pub fn push(&mut self, conn: u32, payload: &[u8]) -> Result<Vec<Message>> {
         let buf = self.pending.entry(conn).or_default();
         buf.extend_from_slice(payload);
         let mut out = Vec::new();
@@ -106,7 +89,7 @@ impl Demux {
             }
             let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
             if len > TTRPC_MAX_PAYLOAD {
-                return Err(FrameError::TooLong {
+                return Err(Error::FrameTooLong {
                     what: "ttrpc message",
                     len,
                     max: TTRPC_MAX_PAYLOAD,
@@ -329,11 +312,22 @@ mod tests {
     fn oversized_lengths_are_refused() {
         let mut h = [0u8; 8];
         h[4..].copy_from_slice(&((MUX_MAX_PAYLOAD + 1) as u32).to_be_bytes());
-        assert!(parse_mux_header(h).is_err());
+        let err = parse_mux_header(h).expect_err("refused");
+        assert!(
+            matches!(err, Error::FrameTooLong { what: "mux frame", len, .. } if len == MUX_MAX_PAYLOAD + 1),
+            "{err}"
+        );
         let mut d = Demux::default();
         let mut bad = vec![0u8; TTRPC_HEADER_LEN];
         bad[..4].copy_from_slice(&u32::MAX.to_be_bytes());
-        assert!(d.push(PLUGIN_CONN, &bad).is_err());
+        let err = d.push(PLUGIN_CONN, &bad).expect_err("refused");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "NRI stream: ttrpc message of {} bytes exceeds the maximum of {TTRPC_MAX_PAYLOAD}",
+                u32::MAX
+            )
+        );
     }
 
     #[test]
