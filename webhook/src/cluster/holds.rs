@@ -26,7 +26,7 @@ pub type NodeHolds = (String, Vec<teeguard_shared::reservation::KeyReservation>)
 /// decider taking over, the planner's trim).
 pub const MAX_ATTEMPTS: u32 = 8;
 
-/// Why a write did not go through.
+/// Why a write (of a node's holds, or of the decider Lease) did not go through.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum WriteError {
     /// Another write came first (409): read again and decide again.

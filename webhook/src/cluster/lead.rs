@@ -17,6 +17,7 @@ use kube::api::PostParams;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::holds::WriteError;
 use super::index::{Clock, KeyIndex};
 use crate::decide::lead::{Elector, Record, Route, Step};
 
@@ -288,13 +289,13 @@ impl Leadership {
                     self.settled.store(self.term(), Ordering::Release);
                 }
             }
-            Ok(Err(LeaseWrite::Lost)) => {
+            Ok(Err(WriteError::Conflict)) => {
                 tracing::debug!(
                     lease = name,
                     "another replica wrote the decider Lease first"
                 );
             }
-            Ok(Err(LeaseWrite::Failed(e))) => {
+            Ok(Err(WriteError::Failed(e))) => {
                 tracing::warn!(
                     lease = name,
                     error = e,
@@ -351,22 +352,15 @@ fn record(lease: &Lease) -> Record {
     }
 }
 
-/// Why a write of the Lease did not go through.
-enum LeaseWrite {
-    /// Another replica wrote it first (409).
-    Lost,
-    /// The API server could not be asked, or refused (why).
-    Failed(String),
-}
-
-/// Write `next` over `base` (the Lease read; `None`: create it).
+/// Write `next` over `base` (the Lease read; `None`: create it). A conflict: another replica wrote
+/// it first.
 async fn write(
     api: &Api<Lease>,
     name: &str,
     base: Option<Lease>,
     next: &Record,
     duration: Duration,
-) -> Result<(), LeaseWrite> {
+) -> Result<(), WriteError> {
     let taking = base
         .as_ref()
         .and_then(|l| l.spec.as_ref())
@@ -398,7 +392,7 @@ async fn write(
     };
     match result {
         Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Err(LeaseWrite::Lost),
-        Err(e) => Err(LeaseWrite::Failed(format!("writing Lease {name}: {e}"))),
+        Err(kube::Error::Api(s)) if s.code == 409 => Err(WriteError::Conflict),
+        Err(e) => Err(WriteError::Failed(format!("writing Lease {name}: {e}"))),
     }
 }
