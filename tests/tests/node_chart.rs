@@ -168,13 +168,14 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
         let before = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
 
         let host = SharedHost::new(4);
-        let Release { name: release, ns } = install(
+        let release = install(
             cp,
             &turn,
             &images,
             &host.host,
             &[("config.enforcement.mode", "nri".into())],
         );
+        let ns = release.ns.clone();
 
         // The agent's pod: on this node, the chart's securityContext and mounts, Ready.
         let agent = ready_pod(&cluster, &ns, "agent", &format!("{AGENT_IMAGE}:{VERSION}")).await;
@@ -285,17 +286,7 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
             })
         };
         let upgrade_started = Instant::now();
-        let mut up: Vec<String> = vec![
-            "upgrade".into(),
-            release.clone(),
-            chart_support::chart_dir().display().to_string(),
-            "--namespace".into(),
-            ns.clone(),
-            "--reuse-values".into(),
-        ];
-        up.extend(set(&[("agent.image.tag", format!("{VERSION}-upgrade"))]));
-        let out = helm_on(cp, &up);
-        assert!(out.success, "helm upgrade failed:\n{}", out.stderr);
+        release.upgrade(cp, &[("agent.image.tag", format!("{VERSION}-upgrade"))]);
         let upgraded = ready_pod(
             &cluster,
             &ns,
@@ -329,7 +320,7 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
             .delete(&vm.name, &Default::default())
             .await
             .expect("delete the VM's pod");
-        uninstall_and_clean_up(cp, &turn, &release, &ns);
+        release.uninstall_and_clean_up(cp, &turn);
         let after = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
         assert_eq!(after, before, "the Node after uninstall and cleanup");
         assert!(
@@ -374,7 +365,7 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
         }
         let host = SharedHost::new(2);
         let kubelet_dir = turn.kubelet_root().display().to_string();
-        let Release { name: release, ns } = install(
+        let release = install(
             cp,
             &turn,
             &images,
@@ -385,6 +376,7 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
                 ("agent.kubeletDir", kubelet_dir.clone()),
             ],
         );
+        let ns = release.ns.clone();
 
         // The agent's pod: root without capabilities, the kubelet's plugin directories mounted at
         // their host paths.
@@ -479,23 +471,12 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
         // Switched back to extended resources with `dra.drain`, the VM still running: the agent
         // advertises again, the DeviceClasses go; the VM's pod, deleted, ends (the draining agent
         // unprepares its claim), and the kubelet then deletes the driver's slices.
-        let mut back: Vec<String> = vec![
-            "upgrade".into(),
-            release.clone(),
-            chart_support::chart_dir().display().to_string(),
-            "--namespace".into(),
-            ns.clone(),
-            "--reuse-values".into(),
-        ];
-        back.extend(set(&[
-            ("config.agent.accounting", "extendedResource".into()),
-            ("dra.drain", "true".into()),
-        ]));
-        let out = helm_on(cp, &back);
-        assert!(
-            out.success,
-            "helm upgrade (switch back) failed:\n{}",
-            out.stderr
+        release.upgrade(
+            cp,
+            &[
+                ("config.agent.accounting", "extendedResource".into()),
+                ("dra.drain", "true".into()),
+            ],
         );
         cluster
             .wait_for_within(
@@ -555,7 +536,7 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
             )
             .await
             .expect("slices deleted");
-        uninstall_and_clean_up(cp, &turn, &release, &ns);
+        release.uninstall_and_clean_up(cp, &turn);
         assert!(
             slices
                 .list(&on_node)
@@ -573,24 +554,6 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
         assert_eq!(after, before, "the Node after uninstall and cleanup");
     })
     .await;
-}
-
-/// `helm uninstall --wait` of the release, then `teeguard-agent cleanup` for the node.
-fn uninstall_and_clean_up(cp: &ControlPlane, turn: &NodeTurn, release: &str, ns: &str) {
-    let out = helm_on(cp, &["uninstall", release, "--namespace", ns, "--wait"]);
-    assert!(out.success, "helm uninstall failed:\n{}", out.stderr);
-    let bins = teeguard_tests::e2e::binaries().expect("teeguard binaries");
-    let cleanup = std::process::Command::new(&bins.agent)
-        .args(["cleanup", "--node-name", &turn.name, "--namespace", ns])
-        .env("KUBECONFIG", &cp.kubeconfig)
-        .output()
-        .expect("run teeguard-agent cleanup");
-    assert!(
-        cleanup.status.success(),
-        "teeguard-agent cleanup failed: {}{}",
-        String::from_utf8_lossy(&cleanup.stdout),
-        String::from_utf8_lossy(&cleanup.stderr)
-    );
 }
 
 /// The images `scripts/images.sh` built, imported into the node's runtime under the chart's names.
@@ -611,6 +574,54 @@ fn import_images(turn: &NodeTurn, images: &std::path::Path) {
 struct Release {
     name: String,
     ns: String,
+}
+
+impl Release {
+    /// `helm upgrade --reuse-values` with `values` set on top.
+    fn upgrade(&self, cp: &ControlPlane, values: &[(&str, String)]) {
+        let mut args: Vec<String> = vec![
+            "upgrade".into(),
+            self.name.clone(),
+            chart_support::chart_dir().display().to_string(),
+            "--namespace".into(),
+            self.ns.clone(),
+            "--reuse-values".into(),
+        ];
+        args.extend(set(values));
+        let out = helm_on(cp, &args);
+        assert!(
+            out.success,
+            "helm upgrade {values:?} failed:\n{}",
+            out.stderr
+        );
+    }
+
+    /// `helm uninstall --wait`, then `teeguard-agent cleanup` for the node.
+    fn uninstall_and_clean_up(&self, cp: &ControlPlane, turn: &NodeTurn) {
+        let out = helm_on(
+            cp,
+            &["uninstall", &self.name, "--namespace", &self.ns, "--wait"],
+        );
+        assert!(out.success, "helm uninstall failed:\n{}", out.stderr);
+        let bins = teeguard_tests::e2e::binaries().expect("teeguard binaries");
+        let cleanup = std::process::Command::new(&bins.agent)
+            .args([
+                "cleanup",
+                "--node-name",
+                &turn.name,
+                "--namespace",
+                &self.ns,
+            ])
+            .env("KUBECONFIG", &cp.kubeconfig)
+            .output()
+            .expect("run teeguard-agent cleanup");
+        assert!(
+            cleanup.status.success(),
+            "teeguard-agent cleanup failed: {}{}",
+            String::from_utf8_lossy(&cleanup.stdout),
+            String::from_utf8_lossy(&cleanup.stderr)
+        );
+    }
 }
 
 /// `helm install` of the chart on the real control plane for this node: the images built here
