@@ -286,7 +286,7 @@ fn exported() -> BTreeSet<String> {
         teeguard_webhook::metrics::ValidationOutcome::Denied,
     );
     webhook.lookup(Cache::Vmis, LookupResult::CacheHit);
-    webhook.set_cache_objects("vmis", 1);
+    webhook.set_cache_objects(Cache::Vmis, 1);
     webhook.cert_reload(ReloadResult::Ok);
     webhook.vmi_event(EventResult::Recorded);
     let agent = teeguard_agent::metrics::Metrics::new(&mut registry);

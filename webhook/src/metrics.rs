@@ -197,7 +197,7 @@ struct RequestLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CacheLabels {
-    cache: &'static str,
+    cache: Cache,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -457,7 +457,7 @@ impl Metrics {
     }
 
     /// Set the number of objects in a cache.
-    pub fn set_cache_objects(&self, cache: &'static str, n: usize) {
+    pub fn set_cache_objects(&self, cache: Cache, n: usize) {
         self.cache_objects
             .get_or_create(&CacheLabels { cache })
             .set(i64::try_from(n).unwrap_or(i64::MAX));
@@ -492,7 +492,7 @@ mod tests {
         let mut registry = Registry::default();
         let m = Metrics::new(&mut registry);
         m.observe_request("mutate", Outcome::Patched, Duration::from_micros(300));
-        m.set_cache_objects("vmis", 3);
+        m.set_cache_objects(Cache::Vmis, 3);
         m.lookup(Cache::Vmis, LookupResult::CacheHit);
         m.cert_reload(ReloadResult::Failed);
         m.set_cert_expiry(1_900_000_000);

@@ -256,7 +256,7 @@ impl Caches {
     ) -> (Caches, CacheTasks) {
         let mut b = CacheBuilder::new(metrics.clone(), shutdown);
         let vmis = b.watch(
-            Cache::Vmis.as_str(),
+            Cache::Vmis,
             Api::<VirtualMachineInstance>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             |mut v: VirtualMachineInstance| {
@@ -266,14 +266,14 @@ impl Caches {
             Some(Arc::new(index.clone())),
         );
         let namespaces = b.watch(
-            Cache::Namespaces.as_str(),
+            Cache::Namespaces,
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             |n: PartialObjectMeta<Namespace>| namespace_labels(n.metadata.labels),
             None,
         );
         let launcher_pods = b.watch(
-            Cache::LauncherPods.as_str(),
+            Cache::LauncherPods,
             Api::<LauncherPod>::all(client.clone()),
             watcher::Config::default()
                 .labels(&format!(
@@ -287,25 +287,25 @@ impl Caches {
         );
         let sink = Arc::new(index.clone());
         b.watch_into(
-            Cache::TeeCapacities.as_str(),
+            Cache::TeeCapacities,
             Api::<TeeCapacity>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             sink.clone(),
         );
         b.watch_into(
-            Cache::Nodes.as_str(),
+            Cache::Nodes,
             Api::<PartialObjectMeta<Node>>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             sink.clone(),
         );
         b.watch_into(
-            Cache::Reservations.as_str(),
+            Cache::Reservations,
             Api::<TeeReservation>::all(client.clone()),
             watcher::Config::default().any_semantic(),
             sink.clone(),
         );
         b.watch_into(
-            Cache::AgentLeases.as_str(),
+            Cache::AgentLeases,
             Api::<Lease>::namespaced(client.clone(), client.default_namespace()),
             watcher::Config::default()
                 .labels(&format!("{}=true", names::AGENT_LEASE_LABEL))

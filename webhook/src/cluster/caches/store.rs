@@ -17,7 +17,7 @@ use teeguard_shared::ops::Backoff;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
+use crate::metrics::{Cache, Metrics};
 
 /// First watch retry delay after an error.
 pub const WATCH_BACKOFF_INITIAL: Duration = Duration::from_millis(500);
@@ -59,7 +59,7 @@ impl CacheBuilder {
     /// metadata-only watch.
     pub fn watch<K, T>(
         &mut self,
-        name: &'static str,
+        cache: Cache,
         api: Api<K>,
         config: watcher::Config,
         reduce: fn(K) -> T,
@@ -77,7 +77,7 @@ impl CacheBuilder {
             // Only fails if the writer is dropped, i.e. the cache is shutting down.
             let _ = ready.wait_for(|r| *r).await;
         }));
-        self.spawn(name, api, config, move |event| {
+        self.spawn(cache, api, config, move |event| {
             writer.apply(event);
             writer.len()
         });
@@ -88,7 +88,7 @@ impl CacheBuilder {
     /// keeps what it reads of them). A re-list tells `sink` of the objects that vanished meanwhile.
     pub fn watch_into<K>(
         &mut self,
-        name: &'static str,
+        cache: Cache,
         api: Api<K>,
         config: watcher::Config,
         sink: Arc<dyn crate::cluster::index::Sink<K>>,
@@ -103,7 +103,7 @@ impl CacheBuilder {
         // The names stored, to tell a re-list which vanished.
         let mut names = std::collections::HashSet::new();
         let mut listed: Option<std::collections::HashSet<String>> = None;
-        self.spawn(name, api, config, move |event| {
+        self.spawn(cache, api, config, move |event| {
             match event {
                 watcher::Event::Init => listed = Some(Default::default()),
                 watcher::Event::InitApply(o) => {
@@ -138,7 +138,7 @@ impl CacheBuilder {
     /// and replicas re-list at different moments.
     fn spawn<K>(
         &mut self,
-        name: &'static str,
+        cache: Cache,
         api: Api<K>,
         config: watcher::Config,
         mut apply: impl FnMut(watcher::Event<K>) -> usize + Send + 'static,
@@ -162,9 +162,9 @@ impl CacheBuilder {
                     event = stream.next() => event,
                 };
                 match event {
-                    Some(Ok(event)) => metrics.set_cache_objects(name, apply(event)),
+                    Some(Ok(event)) => metrics.set_cache_objects(cache, apply(event)),
                     Some(Err(e)) => {
-                        tracing::warn!(cache = name, error = %e, "watch failed; retrying with backoff");
+                        tracing::warn!(cache = cache.as_str(), error = %e, "watch failed; retrying with backoff");
                     }
                     None => break,
                 }
