@@ -27,6 +27,7 @@ use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use teeguard_certs::{CertificateAuthority, ServingCertRequest};
 
+use crate::error::{self, Component, Error, Result};
 use crate::ports::free_ports;
 
 /// The environment variable naming the directory with the binaries.
@@ -60,42 +61,15 @@ const HOW_TO: &str = "set TEEGUARD_CONTROL_PLANE to a directory holding etcd, ku
     kube-scheduler and kube-controller-manager (>= 1.30; plain or .xz), e.g. ../shared/control-plane \
     or the binaries envtest's setup tool downloads; scripts/test.sh does this when ../shared/control-plane exists";
 
-/// Errors of the harness; each names what failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ControlPlaneError {
-    /// No binaries (the tests skip, unless `CI=true`).
-    #[error("no control plane binaries: {0}; {HOW_TO}")]
-    Missing(String),
-    /// A file or process operation failed.
-    #[error("control plane: cannot {what}: {source}")]
-    Io {
-        /// What was attempted.
-        what: String,
-        /// Why it failed.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A component did not come up; the logs say why.
-    #[error("control plane: {what}; logs in {}", logs.display())]
-    NotReady {
-        /// What did not happen.
-        what: String,
-        /// The log directory.
-        logs: PathBuf,
-    },
-    /// Certificates could not be made.
-    #[error("control plane certificates: {0}")]
-    Certs(#[from] teeguard_certs::Error),
-    /// The kube client could not be built.
-    #[error("control plane client: {0}")]
-    Client(String),
-}
+/// This harness's component, as its errors name it.
+pub(crate) const KIT: Component = Component {
+    name: "control plane",
+    how_to: HOW_TO,
+};
 
-type Result<T, E = ControlPlaneError> = std::result::Result<T, E>;
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ControlPlaneError {
-    let what = what.into();
-    move |source| ControlPlaneError::Io { what, source }
+/// A failure to build or use a client of the control plane.
+fn client_err(e: impl std::fmt::Display) -> Error {
+    Error::failed("control plane client", e)
 }
 
 /// A running control plane.
@@ -153,9 +127,9 @@ impl ControlPlane {
             // Started on its own thread: a test's tokio runtime cannot block on another runtime.
             std::thread::spawn(Self::start)
                 .join()
-                .unwrap_or_else(|_| Err(ControlPlaneError::Client("start-up panicked".into())))
+                .unwrap_or_else(|_| Err(Error::failed(KIT.name, "start-up panicked")))
                 .map_err(|e| match e {
-                    ControlPlaneError::Missing(m) => format!("missing: {m}"),
+                    Error::Missing { reason, .. } => format!("missing: {reason}"),
                     other => other.to_string(),
                 })
         });
@@ -178,24 +152,24 @@ impl ControlPlane {
         let started = Instant::now();
         let source = std::env::var_os(ENV)
             .map(PathBuf::from)
-            .ok_or_else(|| ControlPlaneError::Missing(format!("{ENV} is not set")))?;
+            .ok_or_else(|| KIT.missing(format!("{ENV} is not set")))?;
         let dir = tempfile::Builder::new()
             .prefix("teeguard-control-plane-")
             .tempdir()
-            .map_err(io("create the state directory"))?
+            .map_err(KIT.io("create the state directory"))?
             .keep();
         for sub in ["log", "etcd", "pki"] {
-            std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("create {sub}/")))?;
+            std::fs::create_dir_all(dir.join(sub)).map_err(KIT.io(format!("create {sub}/")))?;
         }
         let bin = binaries(&source, &dir.join("bin"), chosen_version().as_deref())?;
         if let Some(want) = chosen_version() {
             let out = Command::new(bin.join("kube-apiserver"))
                 .arg("--version")
                 .output()
-                .map_err(io("run kube-apiserver --version"))?;
+                .map_err(KIT.io("run kube-apiserver --version"))?;
             let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
             if !said.contains(&want) {
-                return Err(ControlPlaneError::Missing(format!(
+                return Err(KIT.missing(format!(
                     "{VERSION_ENV}={want}, but {} says {said:?}",
                     bin.join("kube-apiserver").display()
                 )));
@@ -215,7 +189,7 @@ impl ControlPlane {
         let signing = ca.issue(&ServingCertRequest::localhost())?;
         let write = |name: &str, body: &str| -> Result<PathBuf> {
             let p = pki.join(name);
-            std::fs::write(&p, body).map_err(io(format!("write {}", p.display())))?;
+            std::fs::write(&p, body).map_err(KIT.io(format!("write {}", p.display())))?;
             Ok(p)
         };
         let ca_file = write("ca.crt", ca.cert_pem())?;
@@ -242,7 +216,7 @@ impl ControlPlane {
             api_port,
             scheduler_port,
             api_port_b,
-        ] = free_ports().map_err(io("find free ports"))?;
+        ] = free_ports().map_err(KIT.io("find free ports"))?;
         let url = format!("https://127.0.0.1:{api_port}");
         let url_b = format!("https://127.0.0.1:{api_port_b}");
         let two = TWO_API_SERVERS.load(Ordering::SeqCst);
@@ -371,7 +345,7 @@ impl ControlPlane {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(io("start a runtime"))?;
+            .map_err(KIT.io("start a runtime"))?;
         rt.block_on(self.restart_second())
     }
 
@@ -383,18 +357,17 @@ impl ControlPlane {
         };
         let log = self.dir.join("log").join("kube-apiserver-b.log");
         spawn_watched(&log, &self.bin.join("kube-apiserver"), &second.args)
-            .map_err(io("start the second kube-apiserver (needs bash)"))?;
+            .map_err(KIT.io("start the second kube-apiserver (needs bash)"))?;
         let deadline = Instant::now() + READY_DEADLINE;
-        let kc = Kubeconfig::read_from(&second.kubeconfig)
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        let kc = Kubeconfig::read_from(&second.kubeconfig).map_err(client_err)?;
         let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
             .await
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
-        let client =
-            Client::try_from(config).map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+            .map_err(client_err)?;
+        let client = Client::try_from(config).map_err(client_err)?;
         match ready(&client, deadline).await? {
             None => Ok(()),
-            Some(last) => Err(ControlPlaneError::NotReady {
+            Some(last) => Err(Error::NotReady {
+                component: KIT.name,
                 what: format!("the second kube-apiserver's /readyz is not ok ({last})"),
                 logs: self.dir.join("log"),
             }),
@@ -407,7 +380,7 @@ impl ControlPlane {
     pub async fn stop_second(&self) -> Result<()> {
         let pid_file = self.dir.join("log").join("kube-apiserver-b.log.pid");
         let pid = std::fs::read_to_string(&pid_file)
-            .map_err(io(format!("read {}", pid_file.display())))?;
+            .map_err(KIT.io(format!("read {}", pid_file.display())))?;
         let proc_dir = PathBuf::from(format!("/proc/{}", pid.trim()));
         let _ = Command::new("kill").args(["-KILL", pid.trim()]).status();
         let deadline = Instant::now() + READY_DEADLINE;
@@ -434,7 +407,7 @@ impl ControlPlane {
     pub async fn restart_scheduler(&self, extra: &[String]) -> Result<()> {
         let pid_file = self.dir.join("log").join("kube-scheduler.log.pid");
         let pid = std::fs::read_to_string(&pid_file)
-            .map_err(io(format!("read {}", pid_file.display())))?;
+            .map_err(KIT.io(format!("read {}", pid_file.display())))?;
         let proc_dir = PathBuf::from(format!("/proc/{}", pid.trim()));
         let _ = Command::new("kill").arg(pid.trim()).status();
         let deadline = Instant::now() + READY_DEADLINE;
@@ -447,7 +420,8 @@ impl ControlPlane {
             None => return Ok(()),
             Some(last) => last,
         };
-        Err(ControlPlaneError::NotReady {
+        Err(Error::NotReady {
+            component: KIT.name,
             what: format!("kube-scheduler (restarted with {extra:?}) is not ready: {last}"),
             logs: self.dir.join("log"),
         })
@@ -457,12 +431,14 @@ impl ControlPlane {
     pub async fn scheduler_metrics(&self) -> Result<String> {
         let req = http::Request::get("/metrics")
             .body(Vec::new())
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+            .map_err(client_err)?;
         self.scheduler_client()
             .await?
             .request_text(req)
             .await
-            .map_err(|e| ControlPlaneError::Client(format!("kube-scheduler /metrics: {e}")))
+            .map_err(error::failed(
+                "control plane client: kube-scheduler /metrics",
+            ))
     }
 
     /// An admin client for kube-scheduler's secure port.
@@ -470,37 +446,36 @@ impl ControlPlane {
         let mut config = self.admin_config().await?;
         config.cluster_url = format!("https://127.0.0.1:{}", self.scheduler_port)
             .parse()
-            .map_err(|e: http::uri::InvalidUri| ControlPlaneError::Client(e.to_string()))?;
-        Client::try_from(config).map_err(|e| ControlPlaneError::Client(e.to_string()))
+            .map_err(|e: http::uri::InvalidUri| client_err(e))?;
+        Client::try_from(config).map_err(client_err)
     }
 
     /// A new admin client (a client belongs to the tokio runtime it is made in: one per test).
     pub async fn client(&self) -> Result<Client> {
-        Client::try_from(self.admin_config().await?)
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))
+        Client::try_from(self.admin_config().await?).map_err(client_err)
     }
 
     /// The admin kubeconfig as a client configuration.
     async fn admin_config(&self) -> Result<kube::Config> {
-        let kc = Kubeconfig::read_from(&self.kubeconfig)
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+        let kc = Kubeconfig::read_from(&self.kubeconfig).map_err(client_err)?;
         kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
             .await
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))
+            .map_err(client_err)
     }
 
     fn wait_ready(&self, deadline: Instant) -> Result<()> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(io("start a runtime"))?;
+            .map_err(KIT.io("start a runtime"))?;
         rt.block_on(async {
             let last = match ready(&self.client().await?, deadline).await? {
                 None => return Ok(()),
                 Some(last) => last,
             };
             let log = self.log("kube-apiserver");
-            Err(ControlPlaneError::NotReady {
+            Err(Error::NotReady {
+                component: KIT.name,
                 what: format!(
                     "kube-apiserver's /readyz is not ok ({last}); its last log lines:\n{}",
                     crate::e2e::last_lines(&log, 5)
@@ -518,7 +493,7 @@ async fn ready(client: &Client, deadline: Instant) -> Result<Option<String>> {
     while Instant::now() < deadline {
         let req = http::Request::get("/readyz")
             .body(Vec::new())
-            .map_err(|e| ControlPlaneError::Client(e.to_string()))?;
+            .map_err(client_err)?;
         match client.request_text(req).await {
             Ok(body) if body.trim() == "ok" => return Ok(None),
             Ok(body) => last = body,
@@ -549,10 +524,7 @@ pub fn unique_name(prefix: &str) -> String {
 /// Kubernetes ones from `source/versions/<version>/` and etcd from `source`.
 fn binaries(top: &Path, unpack: &Path, version: Option<&str>) -> Result<PathBuf> {
     if !top.is_dir() {
-        return Err(ControlPlaneError::Missing(format!(
-            "{ENV}={} is not a directory",
-            top.display()
-        )));
+        return Err(KIT.missing(format!("{ENV}={} is not a directory", top.display())));
     }
     let source_of = |b: &str| match version {
         Some(v) if b != "etcd" => top.join("versions").join(v),
@@ -561,36 +533,30 @@ fn binaries(top: &Path, unpack: &Path, version: Option<&str>) -> Result<PathBuf>
     if version.is_none() && BINARIES.iter().all(|b| is_executable(&top.join(b))) {
         return Ok(top.to_path_buf());
     }
-    std::fs::create_dir_all(unpack).map_err(io(format!("create {}", unpack.display())))?;
+    std::fs::create_dir_all(unpack).map_err(KIT.io(format!("create {}", unpack.display())))?;
     for b in BINARIES {
         let source = source_of(b);
         if is_executable(&source.join(b)) {
             std::os::unix::fs::symlink(source.join(b), unpack.join(b))
-                .map_err(io(format!("link {b} into {}", unpack.display())))?;
+                .map_err(KIT.io(format!("link {b} into {}", unpack.display())))?;
             continue;
         }
         let xz = source.join(format!("{b}.xz"));
         if !xz.is_file() {
-            return Err(ControlPlaneError::Missing(format!(
-                "{} has neither {b} nor {b}.xz",
-                source.display()
-            )));
+            return Err(KIT.missing(format!("{} has neither {b} nor {b}.xz", source.display())));
         }
         let out = std::fs::File::create(unpack.join(b))
-            .map_err(io(format!("create {}", unpack.join(b).display())))?;
+            .map_err(KIT.io(format!("create {}", unpack.join(b).display())))?;
         let status = Command::new("xz")
             .arg("-dc")
             .arg(&xz)
             .stdout(out)
             .status()
-            .map_err(io(
-                "run xz (Debian package xz-utils) to unpack the binaries",
-            ))?;
+            .map_err(KIT.io("run xz (Debian package xz-utils) to unpack the binaries"))?;
         if !status.success() {
-            return Err(ControlPlaneError::Io {
-                what: format!("unpack {}", xz.display()),
-                source: std::io::Error::other(format!("xz exited with {status}")),
-            });
+            return Err(KIT.io(format!("unpack {}", xz.display()))(
+                std::io::Error::other(format!("xz exited with {status}")),
+            ));
         }
         make_executable(&unpack.join(b))?;
     }
@@ -606,7 +572,7 @@ fn is_executable(p: &Path) -> bool {
 fn make_executable(p: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
-        .map_err(io(format!("chmod {}", p.display())))
+        .map_err(KIT.io(format!("chmod {}", p.display())))
 }
 
 /// Runs a component until the test process (`$1`) exits or the component dies, then stops it (TERM,
@@ -634,7 +600,7 @@ if [ -e "$dir/FAILED" ]; then rm -rf "$dir/etcd" "$dir/bin"; else rm -rf "$dir";
 
 fn spawn(dir: &Path, bin: &Path, name: &str, args: &[String]) -> Result<()> {
     let log = dir.join("log").join(format!("{name}.log"));
-    spawn_watched(&log, &bin.join(name), args).map_err(io(format!("start {name} (needs bash)")))
+    spawn_watched(&log, &bin.join(name), args).map_err(KIT.io(format!("start {name} (needs bash)")))
 }
 
 /// Start `program` with `args` under the watchdog: output to `log`, stopped (TERM, then KILL after
@@ -666,7 +632,7 @@ pub(crate) fn spawn_janitor(dir: &Path) -> Result<()> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(io("start the janitor (needs bash)"))?;
+        .map_err(KIT.io("start the janitor (needs bash)"))?;
     Ok(())
 }
 

@@ -28,7 +28,8 @@ use teeguard_certs::{CertificateAuthority, ServingCert, ServingCertRequest};
 use teeguard_shared::Config;
 use teeguard_shared::crd::TeeCapacityStatus;
 
-use crate::fakeapi::{FakeApiError, FakeApiServer, ServedFakeApi};
+use crate::error::{self, Error, Result};
+use crate::fakeapi::{FakeApiServer, ServedFakeApi};
 use crate::host::SimHost;
 use crate::standalone::{ApiServerDriver, WebhookClient};
 
@@ -37,76 +38,11 @@ pub const BUILD_DEADLINE: Duration = Duration::from_secs(20 * 60);
 /// Longest a process may take to start (log line, readiness, first report).
 pub const START_DEADLINE: Duration = Duration::from_secs(30);
 
-/// Errors of the harness. Messages say what failed and include the process log where there is one.
-#[derive(Debug, thiserror::Error)]
-pub enum E2eError {
-    /// The binaries could not be found or built.
-    #[error("teeguard binaries: {0}")]
-    Binaries(String),
-    /// A process could not be started.
-    #[error("cannot start {name} ({program}): {source}")]
-    Spawn {
-        /// Process name.
-        name: String,
-        /// Program path.
-        program: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A process exited while it was expected to run.
-    #[error("{name} exited ({status}) before {what}; its log:\n{log}")]
-    Exited {
-        /// Process name.
-        name: String,
-        /// Exit status.
-        status: String,
-        /// What was awaited.
-        what: String,
-        /// Its output.
-        log: String,
-    },
-    /// A wait passed its deadline.
-    #[error("timed out after {after:?} waiting for {what}{}", log.as_ref().map(|l| format!("; log:\n{l}")).unwrap_or_default())]
-    Timeout {
-        /// What was awaited.
-        what: String,
-        /// Deadline.
-        after: Duration,
-        /// The log of the process concerned, if any.
-        log: Option<String>,
-    },
-    /// A file operation failed.
-    #[error("cannot {op} {path}: {source}")]
-    Io {
-        /// What.
-        op: &'static str,
-        /// Which file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The fake API server failed.
-    #[error(transparent)]
-    Api(#[from] FakeApiError),
-    /// Certificates could not be made.
-    #[error(transparent)]
-    Certs(#[from] teeguard_certs::Error),
-    /// The webhook client could not be set up.
-    #[error(transparent)]
-    Standalone(#[from] crate::standalone::StandaloneError),
-    /// The configuration is invalid.
-    #[error("configuration: {0}")]
-    Config(String),
-}
+/// The component teeguard's processes' I/O errors name.
+const COMPONENT: &str = "teeguard processes";
 
-/// Result alias of this module.
-pub type Result<T, E = E2eError> = std::result::Result<T, E>;
-
-fn io_err(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> E2eError {
-    let path = path.to_path_buf();
-    move |source| E2eError::Io { op, path, source }
+fn io_err(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    error::io_at(COMPONENT, op, path)
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -132,10 +68,10 @@ pub fn workspace_root() -> PathBuf {
 /// test executables).
 fn profile_dir() -> Result<PathBuf> {
     let exe = std::env::current_exe()
-        .map_err(|e| E2eError::Binaries(format!("cannot locate the test executable: {e}")))?;
+        .map_err(|e| Error::Binaries(format!("cannot locate the test executable: {e}")))?;
     let mut dir = exe
         .parent()
-        .ok_or_else(|| E2eError::Binaries(format!("{} has no parent", exe.display())))?
+        .ok_or_else(|| Error::Binaries(format!("{} has no parent", exe.display())))?
         .to_path_buf();
     if dir
         .file_name()
@@ -238,7 +174,7 @@ pub fn build_command(profile_dir: &Path) -> Result<Command> {
         .to_string();
     let mut target_dir = profile_dir
         .parent()
-        .ok_or_else(|| E2eError::Binaries(format!("{} has no parent", profile_dir.display())))?
+        .ok_or_else(|| Error::Binaries(format!("{} has no parent", profile_dir.display())))?
         .to_path_buf();
     // `target/<triple>/<profile>` when cross-compiling: the triple directory has no CACHEDIR.TAG.
     let mut target_triple = None;
@@ -294,13 +230,13 @@ fn build(profile_dir: &Path, reason: &str) -> Result<()> {
         .stdout(Stdio::from(out))
         .stderr(Stdio::from(err))
         .spawn()
-        .map_err(|e| E2eError::Binaries(format!("cannot run {:?}: {e}", cmd.get_program())))?;
+        .map_err(|e| Error::Binaries(format!("cannot run {:?}: {e}", cmd.get_program())))?;
     let started = Instant::now();
     loop {
         match child.try_wait() {
             Ok(Some(status)) if status.success() => return Ok(()),
             Ok(Some(status)) => {
-                return Err(E2eError::Binaries(format!(
+                return Err(Error::Binaries(format!(
                     "`cargo build` failed ({status}):\n{}",
                     std::fs::read_to_string(&log).unwrap_or_default()
                 )));
@@ -308,13 +244,13 @@ fn build(profile_dir: &Path, reason: &str) -> Result<()> {
             Ok(None) if started.elapsed() > BUILD_DEADLINE => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(E2eError::Binaries(format!(
+                return Err(Error::Binaries(format!(
                     "`cargo build` did not finish within {BUILD_DEADLINE:?}:\n{}",
                     std::fs::read_to_string(&log).unwrap_or_default()
                 )));
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(200)),
-            Err(e) => return Err(E2eError::Binaries(format!("waiting for cargo: {e}"))),
+            Err(e) => return Err(Error::Binaries(format!("waiting for cargo: {e}"))),
         }
     }
 }
@@ -326,7 +262,7 @@ pub fn binaries() -> Result<&'static Binaries> {
     BINARIES
         .get_or_init(|| locate_or_build().map_err(|e| e.to_string()))
         .as_ref()
-        .map_err(|e| E2eError::Binaries(e.clone()))
+        .map_err(|e| Error::Binaries(e.clone()))
 }
 
 /// Names the cargo profile [`guest_binaries`] takes (default `release`; `scripts/test.sh` sets `dev`:
@@ -342,14 +278,14 @@ pub fn guest_binaries() -> Result<&'static Binaries> {
     BINARIES
         .get_or_init(|| locate_or_build_guest().map_err(|e| e.to_string()))
         .as_ref()
-        .map_err(|e| E2eError::Binaries(e.clone()))
+        .map_err(|e| Error::Binaries(e.clone()))
 }
 
 fn locate_or_build_guest() -> Result<Binaries> {
     let dir = profile_dir()?;
     let target = dir
         .parent()
-        .ok_or_else(|| E2eError::Binaries(format!("{} has no parent", dir.display())))?;
+        .ok_or_else(|| Error::Binaries(format!("{} has no parent", dir.display())))?;
     let profile = std::env::var(GUEST_PROFILE_ENV).unwrap_or_else(|_| "release".to_string());
     // cargo puts the `dev` profile's binaries in `debug/`.
     let dir = if profile == "dev" {
@@ -427,7 +363,7 @@ impl ChildProcess {
         for (k, v) in envs {
             cmd.env(k, v);
         }
-        let child = cmd.spawn().map_err(|source| E2eError::Spawn {
+        let child = cmd.spawn().map_err(|source| Error::Spawn {
             name: name.to_string(),
             program: program.to_path_buf(),
             source,
@@ -491,7 +427,7 @@ impl ChildProcess {
                 return Ok(v);
             }
             if let Some(status) = self.exit_status() {
-                return Err(E2eError::Exited {
+                return Err(Error::Exited {
                     name: self.name.clone(),
                     status,
                     what: what.to_string(),
@@ -499,7 +435,7 @@ impl ChildProcess {
                 });
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(E2eError::Timeout {
+                return Err(Error::Timeout {
                     what: format!("{} to log {what}", self.name),
                     after: timeout,
                     log: Some(log),
@@ -624,7 +560,7 @@ pub async fn peer_certificate(
     };
     match tokio::time::timeout(Duration::from_secs(5), work).await {
         Ok(r) => r.map_err(io_err("handshake with", Path::new(&addr.to_string()))),
-        Err(_) => Err(E2eError::Timeout {
+        Err(_) => Err(Error::Timeout {
             what: format!("a TLS handshake with {addr}"),
             after: Duration::from_secs(5),
             log: None,
@@ -705,7 +641,7 @@ impl E2eEnv {
     pub async fn new(config_yaml: &str) -> Result<E2eEnv> {
         let api = FakeApiServer::new();
         let served = api.serve().await?;
-        let procs = ProcessEnv::new(config_yaml, |path| Ok(served.write_kubeconfig(path)?))?;
+        let procs = ProcessEnv::new(config_yaml, |path| served.write_kubeconfig(path))?;
         Ok(E2eEnv { procs, api, served })
     }
 
@@ -731,7 +667,7 @@ impl ProcessEnv {
         config_yaml: &str,
         write_kubeconfig: impl FnOnce(&Path) -> Result<()>,
     ) -> Result<ProcessEnv> {
-        let config = Config::from_yaml(config_yaml).map_err(|e| E2eError::Config(e.to_string()))?;
+        let config = Config::from_yaml(config_yaml).map_err(|e| Error::Config(e.to_string()))?;
         let dir = tempfile::Builder::new()
             .prefix("teeguard-e2e-")
             .tempdir()
@@ -963,7 +899,7 @@ pub struct WebhookProcess {
 impl WebhookProcess {
     /// A new client for it (trusting the world's CA).
     pub fn client(&self) -> Result<WebhookClient> {
-        Ok(WebhookClient::new(self.https, self.ca.clone())?)
+        WebhookClient::new(self.https, self.ca.clone())
     }
 
     /// Wait until `/readyz` answers 200.
@@ -975,7 +911,7 @@ impl WebhookProcess {
                 return Ok(());
             }
             if let Some(status) = self.proc.exit_status() {
-                return Err(E2eError::Exited {
+                return Err(Error::Exited {
                     name: self.proc.name.clone(),
                     status,
                     what: "getting ready".into(),
@@ -983,7 +919,7 @@ impl WebhookProcess {
                 });
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(E2eError::Timeout {
+                return Err(Error::Timeout {
                     what: format!("the webhook's /readyz ({got:?})"),
                     after: timeout,
                     log: Some(self.proc.log()),
@@ -1137,7 +1073,7 @@ impl World {
         let host = SimHost::builder()
             .capacity(crate::host::TDX, keys)
             .build()
-            .map_err(|e| E2eError::Config(e.to_string()))?;
+            .map_err(|e| Error::Config(e.to_string()))?;
         let agent = env.start_agent(NODE, &host).await?;
         let webhook = env.start_webhook(webhook_flags).await?;
         let driver = env
@@ -1166,15 +1102,14 @@ impl World {
 
     /// Wait until the next review sees the current state (see [`ApiServerDriver::settle`]).
     pub async fn settle(&self) -> Result<teeguard_shared::crd::KindStatus> {
-        Ok(self
-            .driver
+        self.driver
             .settle(
                 NODE,
                 teeguard_shared::TeeKind::Tdx,
                 &self.host,
                 SETTLE_DEADLINE,
             )
-            .await?)
+            .await
     }
 
     /// Kill the agent (SIGKILL).

@@ -81,6 +81,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use tempfile::TempDir;
 
+use crate::error::{self, Error, Result};
+
 /// Kernel name of Intel TDX keys (HKIDs).
 pub const TDX: &str = "tdx";
 /// Kernel name of AMD SEV ASIDs.
@@ -207,116 +209,6 @@ pub enum WriteMode {
     InPlace,
 }
 
-/// Errors from the simulated host. Messages name the cgroup or file involved.
-#[derive(Debug, thiserror::Error)]
-pub enum HostError {
-    /// A file operation on the simulated tree failed.
-    #[error("simulated host: cannot {op} {path}: {source}")]
-    Io {
-        /// What was being done.
-        op: &'static str,
-        /// The file or directory.
-        path: PathBuf,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The cgroup does not exist in the simulated tree.
-    #[error("simulated host: no cgroup {0:?}; create it first (add_pod, add_external, add_cgroup)")]
-    UnknownCgroup(String),
-    /// No pod with this UID was added.
-    #[error("simulated host: no pod with uid {0}; add it with SimHost::add_pod first")]
-    UnknownPod(String),
-    /// The pod has no container of this name.
-    #[error("simulated host: pod {uid} has no container {container:?}")]
-    UnknownContainer {
-        /// Pod UID.
-        uid: String,
-        /// Container name.
-        container: String,
-    },
-    /// A pod, external consumer or cgroup with this identity already exists.
-    #[error("simulated host: {0} already exists")]
-    AlreadyExists(String),
-    /// The kernel refused the charge (`EBUSY`): a `misc.max` or the capacity would be exceeded.
-    #[error(
-        "simulated host: charge of {amount} {resource} in cgroup {cgroup:?} refused at {failed_at:?}: \
-         usage would be {would_be}, limit {limit} (EBUSY)"
-    )]
-    ChargeRefused {
-        /// The cgroup the charge was made in.
-        cgroup: String,
-        /// Resource name.
-        resource: String,
-        /// How many were requested.
-        amount: u64,
-        /// The level that refused it (`""` = the root, i.e. the host is full).
-        failed_at: String,
-        /// The usage the refusing level would have reached.
-        would_be: u64,
-        /// That level's limit (its `misc.max` or the capacity, whichever is lower).
-        limit: u64,
-    },
-    /// An uncharge asked for more than was charged in that cgroup.
-    #[error(
-        "simulated host: cannot release {amount} {resource} from cgroup {cgroup:?}: only {charged} charged there"
-    )]
-    NotCharged {
-        /// The cgroup.
-        cgroup: String,
-        /// Resource name.
-        resource: String,
-        /// How many were to be released.
-        amount: u64,
-        /// How many the cgroup holds itself.
-        charged: u64,
-    },
-    /// The kernel answered `EINVAL`: a charge or a `misc.max` of a resource whose capacity is 0 (its
-    /// `misc_cg_try_charge` checks the capacity before walking the cgroups, so no `misc.events` counts
-    /// it; seen on Linux 6.1 and 6.12 with `fake_tee`).
-    #[error(
-        "simulated host: {what} of {resource:?} in cgroup {cgroup:?} refused: its capacity is 0 (EINVAL)"
-    )]
-    Invalid {
-        /// A charge or a `misc.max` write.
-        what: &'static str,
-        /// The cgroup.
-        cgroup: String,
-        /// Resource name.
-        resource: String,
-    },
-    /// The misc controller is not enabled in that cgroup (writing `misc.max` fails like on a real host).
-    #[error("simulated host: misc controller not available in cgroup {0:?} (not delegated)")]
-    MiscNotEnabled(String),
-    /// The resource was never given a capacity (the simulated kernel does not know it).
-    #[error(
-        "simulated host: resource {0:?} unknown to the simulated kernel; call set_capacity first"
-    )]
-    UnknownResource(String),
-    /// The requested combination is not modelled.
-    #[error("simulated host: {0}")]
-    Unsupported(&'static str),
-}
-
-impl HostError {
-    /// For a refused charge: the level that refused it (`""`: the root), the usage it would have
-    /// reached and its limit.
-    pub fn refusal(&self) -> Option<(&str, u64, u64)> {
-        match self {
-            HostError::ChargeRefused {
-                failed_at,
-                would_be,
-                limit,
-                ..
-            } => Some((failed_at, *would_be, *limit)),
-            _ => None,
-        }
-    }
-}
-
-/// Result alias for this module.
-pub type HostResult<T> = Result<T, HostError>;
-
 /// Builder for a [`SimHost`].
 #[derive(Debug, Clone)]
 pub struct SimHostBuilder {
@@ -405,9 +297,9 @@ impl SimHostBuilder {
     /// Create the directory tree and write every file. Without [`SimHostBuilder::in_dir`] the tree goes in a
     /// fresh temporary directory under `$TEEGUARD_SIM_DIR`, else `/dev/shm`, else the system temporary
     /// directory.
-    pub fn build(self) -> HostResult<SimHost> {
+    pub fn build(self) -> Result<SimHost> {
         if self.version == CgroupVersion::V1 && self.delegation != MiscDelegation::Full {
-            return Err(HostError::Unsupported(
+            return Err(Error::Unsupported(
                 "misc delegation settings apply to cgroup v2 only; a v1 misc hierarchy has misc files in every cgroup",
             ));
         }
@@ -650,12 +542,8 @@ pub struct SimHost {
     state: Mutex<State>,
 }
 
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> HostError + 'a {
-    move |source| HostError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
+fn io_err(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    error::io_at("simulated host", op, path)
 }
 
 fn parent_rel(rel: &str) -> Option<&str> {
@@ -942,7 +830,7 @@ impl SimHost {
     /// Take in what other processes wrote into every `misc.max` file (see the module docs) and rewrite
     /// those files with the kernel's full view. The simulator does this by itself where it matters (before
     /// a charge, for the levels the charge walks); call it to make every file show the kernel's view now.
-    pub fn absorb_limit_writes(&self) -> HostResult<()> {
+    pub fn absorb_limit_writes(&self) -> Result<()> {
         let mut st = self.lock();
         self.absorb_all(&mut st);
         self.sync(&mut st)
@@ -959,13 +847,11 @@ impl SimHost {
     }
 
     /// Read and strictly parse one misc file of a cgroup (e.g. `read_misc("", "misc.current")`).
-    pub fn read_misc(&self, cgroup: &str, file: &str) -> HostResult<BTreeMap<String, u64>> {
+    pub fn read_misc(&self, cgroup: &str, file: &str) -> Result<BTreeMap<String, u64>> {
         let path = self.path(cgroup).join(file);
         let text = fs::read_to_string(&path).map_err(io_err("read", &path))?;
-        parse_misc(&text).map_err(|msg| HostError::Io {
-            op: "parse",
-            path,
-            source: std::io::Error::new(std::io::ErrorKind::InvalidData, msg),
+        parse_misc(&text).map_err(|msg| {
+            io_err("parse", &path)(std::io::Error::new(std::io::ErrorKind::InvalidData, msg))
         })
     }
 
@@ -973,14 +859,14 @@ impl SimHost {
 
     /// Add a pod cgroup with its sandbox ([`SANDBOX`]) and the named containers, like kubelet does when
     /// it starts a pod. Returns the pod's cgroup directory.
-    pub fn add_pod(&self, uid: &str, qos: QosClass, containers: &[&str]) -> HostResult<PathBuf> {
+    pub fn add_pod(&self, uid: &str, qos: QosClass, containers: &[&str]) -> Result<PathBuf> {
         let mut st = self.lock();
         if st.pods.contains_key(uid) {
-            return Err(HostError::AlreadyExists(format!("pod {uid}")));
+            return Err(Error::AlreadyExists(format!("pod {uid}")));
         }
         let rel = self.layout.pod_rel(qos, uid);
         if st.nodes.contains_key(&rel) {
-            return Err(HostError::AlreadyExists(format!("cgroup {rel}")));
+            return Err(Error::AlreadyExists(format!("cgroup {rel}")));
         }
         self.ensure_node(&mut st, &self.layout.qos_rel(qos), false);
         self.ensure_node(&mut st, &rel, false);
@@ -1002,14 +888,14 @@ impl SimHost {
     }
 
     /// Add a container cgroup to an existing pod (e.g. a hotplugged sidecar). Returns its directory.
-    pub fn add_container(&self, uid: &str, container: &str) -> HostResult<PathBuf> {
+    pub fn add_container(&self, uid: &str, container: &str) -> Result<PathBuf> {
         let mut st = self.lock();
         let pod = st
             .pods
             .get(uid)
-            .ok_or_else(|| HostError::UnknownPod(uid.to_owned()))?;
+            .ok_or_else(|| Error::UnknownPod(uid.to_owned()))?;
         if pod.containers.contains_key(container) {
-            return Err(HostError::AlreadyExists(format!(
+            return Err(Error::AlreadyExists(format!(
                 "container {container} of pod {uid}"
             )));
         }
@@ -1027,22 +913,22 @@ impl SimHost {
     }
 
     /// Remove a pod's cgroups, releasing every key its processes held (the VMs exited).
-    pub fn remove_pod(&self, uid: &str) -> HostResult<()> {
+    pub fn remove_pod(&self, uid: &str) -> Result<()> {
         let mut st = self.lock();
         let pod = st
             .pods
             .remove(uid)
-            .ok_or_else(|| HostError::UnknownPod(uid.to_owned()))?;
+            .ok_or_else(|| Error::UnknownPod(uid.to_owned()))?;
         self.remove_subtree(&mut st, &pod.rel)?;
         self.sync(&mut st)
     }
 
     /// Create an arbitrary cgroup (and its missing ancestors). `leaf` gives it an empty
     /// `cgroup.subtree_control`. Returns its directory.
-    pub fn add_cgroup(&self, cgroup: &str, leaf: bool) -> HostResult<PathBuf> {
+    pub fn add_cgroup(&self, cgroup: &str, leaf: bool) -> Result<PathBuf> {
         let mut st = self.lock();
         if st.nodes.contains_key(cgroup) {
-            return Err(HostError::AlreadyExists(format!("cgroup {cgroup}")));
+            return Err(Error::AlreadyExists(format!("cgroup {cgroup}")));
         }
         self.ensure_node(&mut st, cgroup, leaf);
         self.sync(&mut st)?;
@@ -1050,13 +936,13 @@ impl SimHost {
     }
 
     /// Remove an arbitrary cgroup subtree, releasing its charges.
-    pub fn remove_cgroup(&self, cgroup: &str) -> HostResult<()> {
+    pub fn remove_cgroup(&self, cgroup: &str) -> Result<()> {
         if cgroup.is_empty() {
-            return Err(HostError::Unsupported("the root cgroup cannot be removed"));
+            return Err(Error::Unsupported("the root cgroup cannot be removed"));
         }
         let mut st = self.lock();
         if !st.nodes.contains_key(cgroup) {
-            return Err(HostError::UnknownCgroup(cgroup.to_owned()));
+            return Err(Error::UnknownCgroup(cgroup.to_owned()));
         }
         st.pods.retain(|_, p| !is_within(&p.rel, cgroup));
         st.externals.retain(|_, rel| !is_within(rel, cgroup));
@@ -1067,7 +953,7 @@ impl SimHost {
     /// Create a pod-looking cgroup whose name carries `bogus` where the UID belongs (e.g.
     /// `kubepods-burstable-podnot_a_uid.slice`), which a scanner must skip without crashing. Returns its
     /// path relative to the misc root.
-    pub fn add_unparsable_pod_dir(&self, qos: QosClass, bogus: &str) -> HostResult<String> {
+    pub fn add_unparsable_pod_dir(&self, qos: QosClass, bogus: &str) -> Result<String> {
         let rel = self.layout.pod_rel(qos, bogus);
         self.add_cgroup(&rel, false)?;
         Ok(rel)
@@ -1076,18 +962,11 @@ impl SimHost {
     /// Add a non-Kubernetes consumer holding `n` keys. `name` is either a cgroup path relative to the misc
     /// root (contains `/`, e.g. [`docker_container_cgroup`]) or a VM name, placed like libvirt does in
     /// `machine.slice/machine-qemu\x2d1\x2d<name>.scope`. Returns the cgroup's directory.
-    pub fn add_external(
-        &self,
-        name: &str,
-        resource: impl AsRef<str>,
-        n: u64,
-    ) -> HostResult<PathBuf> {
+    pub fn add_external(&self, name: &str, resource: impl AsRef<str>, n: u64) -> Result<PathBuf> {
         let resource = resource.as_ref();
         let mut st = self.lock();
         if st.externals.contains_key(name) {
-            return Err(HostError::AlreadyExists(format!(
-                "external consumer {name}"
-            )));
+            return Err(Error::AlreadyExists(format!("external consumer {name}")));
         }
         let rel = if name.contains('/') {
             name.to_owned()
@@ -1096,7 +975,7 @@ impl SimHost {
             libvirt_vm_cgroup(st.next_vm_id, name)
         };
         if st.externals.values().any(|r| *r == rel) {
-            return Err(HostError::AlreadyExists(format!(
+            return Err(Error::AlreadyExists(format!(
                 "external consumer in cgroup {rel}"
             )));
         }
@@ -1117,12 +996,12 @@ impl SimHost {
     }
 
     /// Remove a consumer added with [`SimHost::add_external`], releasing its keys.
-    pub fn remove_external(&self, name: &str) -> HostResult<()> {
+    pub fn remove_external(&self, name: &str) -> Result<()> {
         let mut st = self.lock();
         let rel = st
             .externals
             .remove(name)
-            .ok_or_else(|| HostError::UnknownCgroup(name.to_owned()))?;
+            .ok_or_else(|| Error::UnknownCgroup(name.to_owned()))?;
         self.remove_subtree(&mut st, &rel)?;
         self.sync(&mut st)
     }
@@ -1131,7 +1010,7 @@ impl SimHost {
 
     /// Charge `n` keys in a cgroup, like KVM does when a process there creates a TEE VM. Refused (and
     /// counted in `misc.events`) when a `misc.max` or the capacity would be exceeded.
-    pub fn charge(&self, cgroup: &str, resource: impl AsRef<str>, n: u64) -> HostResult<()> {
+    pub fn charge(&self, cgroup: &str, resource: impl AsRef<str>, n: u64) -> Result<()> {
         let mut st = self.lock();
         let result = self.try_charge(&mut st, cgroup, resource.as_ref(), n);
         self.sync(&mut st)?;
@@ -1139,25 +1018,20 @@ impl SimHost {
     }
 
     /// Release `n` keys charged in a cgroup (the VM exited).
-    pub fn uncharge(&self, cgroup: &str, resource: impl AsRef<str>, n: u64) -> HostResult<()> {
+    pub fn uncharge(&self, cgroup: &str, resource: impl AsRef<str>, n: u64) -> Result<()> {
         let mut st = self.lock();
         self.release(&mut st, cgroup, resource.as_ref(), n)?;
         self.sync(&mut st)
     }
 
     /// Start a TEE VM in a pod's container: charge one key there (and in every ancestor).
-    pub fn start_vm(
-        &self,
-        uid: &str,
-        container: &str,
-        resource: impl AsRef<str>,
-    ) -> HostResult<()> {
+    pub fn start_vm(&self, uid: &str, container: &str, resource: impl AsRef<str>) -> Result<()> {
         let rel = self.container_rel_checked(uid, container)?;
         self.charge(&rel, resource, 1)
     }
 
     /// Stop a TEE VM in a pod's container: release one key.
-    pub fn stop_vm(&self, uid: &str, container: &str, resource: impl AsRef<str>) -> HostResult<()> {
+    pub fn stop_vm(&self, uid: &str, container: &str, resource: impl AsRef<str>) -> Result<()> {
         let rel = self.container_rel_checked(uid, container)?;
         self.uncharge(&rel, resource, 1)
     }
@@ -1165,11 +1039,11 @@ impl SimHost {
     /// Record a failed charge in a cgroup, as the kernel does when a charge there hits that cgroup's
     /// limit: `<resource>.max` in `misc.events` goes up by one in this cgroup and every ancestor, and in
     /// `misc.events.local` of this cgroup. Usage is unchanged.
-    pub fn fail_charge(&self, cgroup: &str, resource: impl AsRef<str>) -> HostResult<()> {
+    pub fn fail_charge(&self, cgroup: &str, resource: impl AsRef<str>) -> Result<()> {
         let resource = resource.as_ref();
         let mut st = self.lock();
         if !st.capacity.contains_key(resource) {
-            return Err(HostError::UnknownResource(resource.to_owned()));
+            return Err(Error::UnknownMiscResource(resource.to_owned()));
         }
         let at = self.effective(&st, cgroup)?;
         self.record_failure(&mut st, &at, resource);
@@ -1182,7 +1056,7 @@ impl SimHost {
         uid: &str,
         container: &str,
         resource: impl AsRef<str>,
-    ) -> HostResult<()> {
+    ) -> Result<()> {
         let rel = self.container_rel_checked(uid, container)?;
         self.fail_charge(&rel, resource)
     }
@@ -1190,16 +1064,11 @@ impl SimHost {
     /// Set a cgroup's `misc.max` for a resource (`None` = `max`), like a runtime applying
     /// `linux.resources.unified["misc.max"]`. Fails where the controller is not enabled. Lowering it
     /// below the current usage is allowed (as in the kernel); later charges are refused.
-    pub fn set_max(
-        &self,
-        cgroup: &str,
-        resource: impl AsRef<str>,
-        max: Option<u64>,
-    ) -> HostResult<()> {
+    pub fn set_max(&self, cgroup: &str, resource: impl AsRef<str>, max: Option<u64>) -> Result<()> {
         let resource = resource.as_ref();
         let mut st = self.lock();
         if cgroup.is_empty() {
-            return Err(HostError::Unsupported("the root cgroup has no misc.max"));
+            return Err(Error::Unsupported("the root cgroup has no misc.max"));
         }
         // Keep what other processes wrote for other resources.
         self.absorb_max(&mut st, cgroup);
@@ -1207,20 +1076,20 @@ impl SimHost {
         let node = st
             .nodes
             .get_mut(cgroup)
-            .ok_or_else(|| HostError::UnknownCgroup(cgroup.to_owned()))?;
+            .ok_or_else(|| Error::UnknownCgroup(cgroup.to_owned()))?;
         if !node.misc {
-            return Err(HostError::MiscNotEnabled(cgroup.to_owned()));
+            return Err(Error::MiscNotEnabled(cgroup.to_owned()));
         }
         if !has_capacity {
             // The kernel answers EINVAL for a resource it does not know or whose capacity is 0.
             return Err(if st.capacity.contains_key(resource) {
-                HostError::Invalid {
+                Error::Invalid {
                     what: "misc.max",
                     cgroup: cgroup.to_owned(),
                     resource: resource.to_owned(),
                 }
             } else {
-                HostError::UnknownResource(resource.to_owned())
+                Error::UnknownMiscResource(resource.to_owned())
             });
         }
         node.res.entry(resource.to_owned()).or_default().max = max;
@@ -1230,7 +1099,7 @@ impl SimHost {
 
     /// Change a resource's capacity (0 keeps the resource known but removes it from `misc.capacity`;
     /// lines in other files stay while usage or events are non-zero, like the kernel).
-    pub fn set_capacity(&self, resource: impl AsRef<str>, n: u64) -> HostResult<()> {
+    pub fn set_capacity(&self, resource: impl AsRef<str>, n: u64) -> Result<()> {
         let mut st = self.lock();
         // Limits written before the change were accepted or refused under the old capacities.
         self.absorb_all(&mut st);
@@ -1240,7 +1109,7 @@ impl SimHost {
     }
 
     /// Make the kernel forget a resource: it disappears from every file, usage and events included.
-    pub fn remove_resource(&self, resource: impl AsRef<str>) -> HostResult<()> {
+    pub fn remove_resource(&self, resource: impl AsRef<str>) -> Result<()> {
         let resource = resource.as_ref();
         let mut st = self.lock();
         self.absorb_all(&mut st);
@@ -1267,7 +1136,7 @@ impl SimHost {
     }
 
     /// Atomically replace a file with arbitrary content and pin it (not rewritten until healed).
-    pub fn write_raw(&self, path: impl AsRef<Path>, contents: &str) -> HostResult<()> {
+    pub fn write_raw(&self, path: impl AsRef<Path>, contents: &str) -> Result<()> {
         let path = self.file(path);
         let mut st = self.lock();
         st.pinned.insert(path.clone());
@@ -1277,7 +1146,7 @@ impl SimHost {
 
     /// Atomically replace a file with deterministic garbage (binary bytes, lines without numbers,
     /// overflowing numbers) and pin it.
-    pub fn write_garbage(&self, path: impl AsRef<Path>) -> HostResult<()> {
+    pub fn write_garbage(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = self.file(path);
         let mut bytes: Vec<u8> =
             b"tdx \xff\xfe\x00garbage\nsev_es -3\nsev 99999999999999999999999\n\tnot a line"
@@ -1290,13 +1159,13 @@ impl SimHost {
     }
 
     /// Atomically empty a file and pin it.
-    pub fn truncate(&self, path: impl AsRef<Path>) -> HostResult<()> {
+    pub fn truncate(&self, path: impl AsRef<Path>) -> Result<()> {
         self.write_raw(path, "")
     }
 
     /// Deliberately NOT atomic: rewrite the file in place with only the first half of its current
     /// content (a torn write, e.g. `"tdx 3\nse"`), and pin it. Returns what was written.
-    pub fn write_half(&self, path: impl AsRef<Path>) -> HostResult<String> {
+    pub fn write_half(&self, path: impl AsRef<Path>) -> Result<String> {
         let path = self.file(path);
         let current = fs::read(&path).map_err(io_err("read", &path))?;
         let half = &current[..current.len() / 2];
@@ -1310,7 +1179,7 @@ impl SimHost {
 
     /// Deliberately NOT atomic: truncate the file and write `contents` in place with a separate write
     /// call per line (a reader may see any prefix). Pins the file.
-    pub fn write_in_place(&self, path: impl AsRef<Path>, contents: &str) -> HostResult<()> {
+    pub fn write_in_place(&self, path: impl AsRef<Path>, contents: &str) -> Result<()> {
         let path = self.file(path);
         let mut st = self.lock();
         st.pinned.insert(path.clone());
@@ -1321,7 +1190,7 @@ impl SimHost {
 
     /// Replace a file with an empty directory, so reading it fails with an I/O error (`EISDIR`) even as
     /// root. Pinned until healed.
-    pub fn replace_with_dir(&self, path: impl AsRef<Path>) -> HostResult<()> {
+    pub fn replace_with_dir(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = self.file(path);
         let mut st = self.lock();
         st.pinned.insert(path.clone());
@@ -1337,10 +1206,10 @@ impl SimHost {
 
     /// Make reading a pod's `misc.current` fail with an I/O error (replaces it with a directory). Use this
     /// rather than [`SimHost::make_pod_unreadable`] when tests run as root. Returns the broken file.
-    pub fn break_pod_misc_current(&self, uid: &str) -> HostResult<PathBuf> {
+    pub fn break_pod_misc_current(&self, uid: &str) -> Result<PathBuf> {
         let rel = self
             .pod_cgroup_rel(uid)
-            .ok_or_else(|| HostError::UnknownPod(uid.to_owned()))?;
+            .ok_or_else(|| Error::UnknownPod(uid.to_owned()))?;
         let file = self.path(&rel).join("misc.current");
         self.replace_with_dir(&file)?;
         Ok(file)
@@ -1350,20 +1219,20 @@ impl SimHost {
     /// processes: root (`CAP_DAC_OVERRIDE`, as in CI containers) still reads them; see
     /// [`SimHost::break_pod_misc_current`] for an error that also hits root. Undo with
     /// [`SimHost::make_pod_readable`].
-    pub fn make_pod_unreadable(&self, uid: &str) -> HostResult<PathBuf> {
+    pub fn make_pod_unreadable(&self, uid: &str) -> Result<PathBuf> {
         self.set_pod_mode(uid, 0o000, 0o000)
     }
 
     /// Restore the permissions changed by [`SimHost::make_pod_unreadable`].
-    pub fn make_pod_readable(&self, uid: &str) -> HostResult<PathBuf> {
+    pub fn make_pod_readable(&self, uid: &str) -> Result<PathBuf> {
         self.set_pod_mode(uid, 0o755, 0o444)
     }
 
-    fn set_pod_mode(&self, uid: &str, dir_mode: u32, file_mode: u32) -> HostResult<PathBuf> {
+    fn set_pod_mode(&self, uid: &str, dir_mode: u32, file_mode: u32) -> Result<PathBuf> {
         use std::os::unix::fs::PermissionsExt as _;
         let rel = self
             .pod_cgroup_rel(uid)
-            .ok_or_else(|| HostError::UnknownPod(uid.to_owned()))?;
+            .ok_or_else(|| Error::UnknownPod(uid.to_owned()))?;
         let dir = self.path(&rel);
         // Files first while the directory is still searchable, directory last (and the reverse on undo).
         let apply_dir = |mode| {
@@ -1393,7 +1262,7 @@ impl SimHost {
     }
 
     /// Stop treating a file as broken and rewrite its true content (removes a directory put in its place).
-    pub fn heal(&self, path: impl AsRef<Path>) -> HostResult<()> {
+    pub fn heal(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = self.file(path);
         let mut st = self.lock();
         st.pinned.remove(&path);
@@ -1412,7 +1281,7 @@ impl SimHost {
     }
 
     /// [`SimHost::heal`] every broken file.
-    pub fn heal_all(&self) -> HostResult<()> {
+    pub fn heal_all(&self) -> Result<()> {
         let pinned: Vec<PathBuf> = std::mem::take(&mut self.lock().pinned)
             .into_iter()
             .collect();
@@ -1424,7 +1293,7 @@ impl SimHost {
 
     /// Rewrite every file from the model (files changed behind the simulator's back are restored, pinned
     /// files excepted).
-    pub fn resync(&self) -> HostResult<()> {
+    pub fn resync(&self) -> Result<()> {
         let mut st = self.lock();
         self.absorb_all(&mut st);
         st.written.clear();
@@ -1498,16 +1367,16 @@ impl SimHost {
         }
     }
 
-    fn container_rel_checked(&self, uid: &str, container: &str) -> HostResult<String> {
+    fn container_rel_checked(&self, uid: &str, container: &str) -> Result<String> {
         let st = self.lock();
         let pod = st
             .pods
             .get(uid)
-            .ok_or_else(|| HostError::UnknownPod(uid.to_owned()))?;
+            .ok_or_else(|| Error::UnknownPod(uid.to_owned()))?;
         pod.containers
             .get(container)
             .cloned()
-            .ok_or_else(|| HostError::UnknownContainer {
+            .ok_or_else(|| Error::UnknownContainer {
                 uid: uid.to_owned(),
                 container: container.to_owned(),
             })
@@ -1544,13 +1413,13 @@ impl SimHost {
     }
 
     /// The nearest ancestor-or-self with the misc controller (where the kernel charges).
-    fn effective(&self, st: &State, rel: &str) -> HostResult<String> {
+    fn effective(&self, st: &State, rel: &str) -> Result<String> {
         let mut cur = rel;
         loop {
             let node = st
                 .nodes
                 .get(cur)
-                .ok_or_else(|| HostError::UnknownCgroup(rel.to_owned()))?;
+                .ok_or_else(|| Error::UnknownCgroup(rel.to_owned()))?;
             if node.misc {
                 return Ok(cur.to_owned());
             }
@@ -1570,15 +1439,15 @@ impl SimHost {
     }
 
     /// `misc_cg_try_charge`: walk up, fail at the first level over its max or the capacity.
-    fn try_charge(&self, st: &mut State, rel: &str, resource: &str, n: u64) -> HostResult<()> {
+    fn try_charge(&self, st: &mut State, rel: &str, resource: &str, n: u64) -> Result<()> {
         let capacity = *st
             .capacity
             .get(resource)
-            .ok_or_else(|| HostError::UnknownResource(resource.to_owned()))?;
+            .ok_or_else(|| Error::UnknownMiscResource(resource.to_owned()))?;
         let at = self.effective(st, rel)?;
         if capacity == 0 {
             // The kernel refuses before walking the cgroups: nothing is counted anywhere.
-            return Err(HostError::Invalid {
+            return Err(Error::Invalid {
                 what: "charge",
                 cgroup: rel.to_owned(),
                 resource: resource.to_owned(),
@@ -1601,7 +1470,7 @@ impl SimHost {
             let limit = res.max.map_or(capacity, |m| m.min(capacity));
             if would_be > limit {
                 self.record_failure(st, level, resource);
-                return Err(HostError::ChargeRefused {
+                return Err(Error::ChargeRefused {
                     cgroup: rel.to_owned(),
                     resource: resource.to_owned(),
                     amount: n,
@@ -1638,12 +1507,12 @@ impl SimHost {
         }
     }
 
-    fn release(&self, st: &mut State, rel: &str, resource: &str, n: u64) -> HostResult<()> {
+    fn release(&self, st: &mut State, rel: &str, resource: &str, n: u64) -> Result<()> {
         let at = self.effective(st, rel)?;
         let key = (rel.to_owned(), resource.to_owned());
         let own = st.charges.get(&key).copied().unwrap_or(0);
         if own < n {
-            return Err(HostError::NotCharged {
+            return Err(Error::NotCharged {
                 cgroup: rel.to_owned(),
                 resource: resource.to_owned(),
                 amount: n,
@@ -1667,7 +1536,7 @@ impl SimHost {
     }
 
     /// Release every charge held in a subtree, then delete its nodes and directory.
-    fn remove_subtree(&self, st: &mut State, rel: &str) -> HostResult<()> {
+    fn remove_subtree(&self, st: &mut State, rel: &str) -> Result<()> {
         let inside: Vec<String> = st
             .nodes
             .keys()
@@ -1815,7 +1684,7 @@ impl SimHost {
     }
 
     /// Write every file whose rendered content changed since the last write (pinned files excepted).
-    fn sync(&self, st: &mut State) -> HostResult<()> {
+    fn sync(&self, st: &mut State) -> Result<()> {
         let rels: Vec<String> = if st.all_dirty {
             st.nodes.keys().cloned().collect()
         } else {
@@ -1855,7 +1724,7 @@ impl SimHost {
         Ok(())
     }
 
-    fn write_atomic(&self, st: &mut State, path: &Path, bytes: &[u8]) -> HostResult<()> {
+    fn write_atomic(&self, st: &mut State, path: &Path, bytes: &[u8]) -> Result<()> {
         let dir = path.parent().unwrap_or(&self.root);
         let name = path
             .file_name()
@@ -1897,7 +1766,7 @@ fn is_within(rel: &str, ancestor: &str) -> bool {
             .is_some_and(|rest| rest.starts_with('/'))
 }
 
-fn write_in_place(path: &Path, bytes: &[u8]) -> HostResult<()> {
+fn write_in_place(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut file = fs::OpenOptions::new()
         .write(true)
         .create(true)

@@ -5,6 +5,7 @@
 pub mod controlplane;
 pub mod dra;
 pub mod e2e;
+pub mod error;
 pub mod fakeapi;
 pub mod fixtures;
 pub mod fuzzing;
@@ -21,3 +22,5 @@ pub mod standalone;
 pub mod structure;
 pub mod teevm;
 pub mod wait;
+
+pub use error::{Error, Result};

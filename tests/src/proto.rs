@@ -18,6 +18,8 @@ use prost_reflect::{
 };
 use serde_json::Value;
 
+use crate::{Error, Result};
+
 /// Where the upstream NRI `api.proto` is kept: the shared reference folder beside the repository.
 pub fn upstream_nri_api_proto() -> PathBuf {
     reference_dir().join("nri/api.proto")
@@ -26,47 +28,6 @@ pub fn upstream_nri_api_proto() -> PathBuf {
 /// The shared reference folder (`../shared/reference` beside the repository).
 pub fn reference_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference")
-}
-
-/// What went wrong compiling a `.proto` file or encoding/decoding a message.
-#[derive(Debug, thiserror::Error)]
-pub enum ProtoError {
-    /// The file could not be read or compiled.
-    #[error("compiling {path}: {message}")]
-    Compile {
-        /// The file.
-        path: PathBuf,
-        /// protox's diagnostic (line and column included).
-        message: String,
-    },
-    /// A message, enum or service the file does not define.
-    #[error("{path} defines no {what} {name}")]
-    Unknown {
-        /// The file.
-        path: PathBuf,
-        /// `message`, `enum`, `enum value` or `service`.
-        what: &'static str,
-        /// The name asked for.
-        name: String,
-    },
-    /// A JSON value that does not fit the message.
-    #[error("encoding {message} from {json}: {error}")]
-    Encode {
-        /// The message type.
-        message: String,
-        /// The JSON given.
-        json: String,
-        /// What does not fit.
-        error: String,
-    },
-    /// Bytes that are not a valid encoding of the message.
-    #[error("decoding {message}: {error}")]
-    Decode {
-        /// The message type.
-        message: String,
-        /// What is wrong.
-        error: String,
-    },
 }
 
 /// What [`Schema::coverage`] found: both empty when every field was set under upstream's number.
@@ -88,13 +49,13 @@ pub struct Schema {
 
 impl Schema {
     /// Compiles the upstream NRI `api.proto` ([`upstream_nri_api_proto`]).
-    pub fn nri() -> Result<Schema, ProtoError> {
+    pub fn nri() -> Result<Schema> {
         Schema::load(&upstream_nri_api_proto())
     }
 
     /// Compiles one self-contained `.proto` file.
-    pub fn load(path: &Path) -> Result<Schema, ProtoError> {
-        let compile = |message: String| ProtoError::Compile {
+    pub fn load(path: &Path) -> Result<Schema> {
+        let compile = |message: String| Error::Compile {
             path: path.to_path_buf(),
             message,
         };
@@ -143,8 +104,8 @@ impl Schema {
         }
     }
 
-    fn unknown(&self, what: &'static str, name: &str) -> ProtoError {
-        ProtoError::Unknown {
+    fn unknown(&self, what: &'static str, name: &str) -> Error {
+        Error::UnknownDefinition {
             path: self.path.clone(),
             what,
             name: name.to_string(),
@@ -152,14 +113,14 @@ impl Schema {
     }
 
     /// The message `name` (within the package: `CreateContainerRequest`, `LinuxResources`).
-    pub fn message(&self, name: &str) -> Result<MessageDescriptor, ProtoError> {
+    pub fn message(&self, name: &str) -> Result<MessageDescriptor> {
         self.pool
             .get_message_by_name(&self.qualified(name))
             .ok_or_else(|| self.unknown("message", name))
     }
 
     /// The number of the value `value` of the enum `name`.
-    pub fn enum_value(&self, name: &str, value: &str) -> Result<i32, ProtoError> {
+    pub fn enum_value(&self, name: &str, value: &str) -> Result<i32> {
         let e = self
             .pool
             .get_enum_by_name(&self.qualified(name))
@@ -171,7 +132,7 @@ impl Schema {
 
     /// The methods of the service `name`, in declaration order: `(method, input, output)`, the message
     /// types named within the package.
-    pub fn methods(&self, name: &str) -> Result<Vec<(String, String, String)>, ProtoError> {
+    pub fn methods(&self, name: &str) -> Result<Vec<(String, String, String)>> {
         let service = self
             .pool
             .get_service_by_name(&self.qualified(name))
@@ -189,11 +150,11 @@ impl Schema {
     }
 
     /// Encodes `json` (the module's JSON form) as the message `message`.
-    pub fn encode(&self, message: &str, json: &Value) -> Result<Vec<u8>, ProtoError> {
+    pub fn encode(&self, message: &str, json: &Value) -> Result<Vec<u8>> {
         let desc = self.message(message)?;
         DynamicMessage::deserialize_with_options(desc, json, &DeserializeOptions::new())
             .map(|m| m.encode_to_vec())
-            .map_err(|e| ProtoError::Encode {
+            .map_err(|e| Error::Encode {
                 message: message.to_string(),
                 json: json.to_string(),
                 error: e.to_string(),
@@ -201,8 +162,8 @@ impl Schema {
     }
 
     /// Decodes `bytes` as the message `message` into the module's JSON form.
-    pub fn decode(&self, message: &str, bytes: &[u8]) -> Result<Value, ProtoError> {
-        let failed = |error: String| ProtoError::Decode {
+    pub fn decode(&self, message: &str, bytes: &[u8]) -> Result<Value> {
+        let failed = |error: String| Error::Decode {
             message: message.to_string(),
             error,
         };
@@ -219,7 +180,7 @@ impl Schema {
     /// How `bytes`, read as the message `message`, fall short of "every field set, none unknown": the
     /// names of upstream's fields left unset and the numbers of fields upstream does not have. A field
     /// under upstream's number with another wire type fails the decoding.
-    pub fn coverage(&self, message: &str, bytes: &[u8]) -> Result<Coverage, ProtoError> {
+    pub fn coverage(&self, message: &str, bytes: &[u8]) -> Result<Coverage> {
         let decoded = self.decode_message(message, bytes)?;
         Ok(Coverage {
             unset: decoded
@@ -233,12 +194,8 @@ impl Schema {
     }
 
     /// Decodes `bytes` as the message `message`, unknown fields kept apart.
-    pub fn decode_message(
-        &self,
-        message: &str,
-        bytes: &[u8],
-    ) -> Result<DynamicMessage, ProtoError> {
-        DynamicMessage::decode(self.message(message)?, bytes).map_err(|e| ProtoError::Decode {
+    pub fn decode_message(&self, message: &str, bytes: &[u8]) -> Result<DynamicMessage> {
+        DynamicMessage::decode(self.message(message)?, bytes).map_err(|e| Error::Decode {
             message: message.to_string(),
             error: e.to_string(),
         })

@@ -19,7 +19,8 @@ use serde_json::{Value, json};
 use teeguard_shared::{TeeCapacity, names};
 
 use crate::controlplane::{ControlPlane, unique_name};
-use crate::e2e::{E2eError, ProcessEnv};
+use crate::e2e::ProcessEnv;
+use crate::error::{self, Error, Result};
 use crate::fixtures::{NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi};
 use crate::patch::MergePatch;
 use crate::standalone::driver::{own_by, strip_server_fields};
@@ -43,32 +44,6 @@ pub fn event_line(e: &Event) -> String {
 
 /// The label that scopes a test's webhook configurations to its namespaces.
 pub const TEST_LABEL: &str = "teeguard-test";
-
-/// Errors of these helpers: what was asked and what the API server said.
-#[derive(Debug, thiserror::Error)]
-#[error("{what}: {reason}")]
-pub struct ClusterError {
-    what: String,
-    reason: String,
-}
-
-/// Result alias of this module.
-pub type Result<T, E = ClusterError> = std::result::Result<T, E>;
-
-fn err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> ClusterError {
-    let what = what.into();
-    move |e| ClusterError {
-        what,
-        reason: e.to_string(),
-    }
-}
-
-fn fail(what: impl Into<String>, reason: impl std::fmt::Display) -> ClusterError {
-    ClusterError {
-        what: what.into(),
-        reason: reason.to_string(),
-    }
-}
 
 /// The CRD of KubeVirt's `VirtualMachineInstance` as far as teeguard needs it: the real group,
 /// version, kind and names, a schema that keeps every field (KubeVirt's own is structural; teeguard
@@ -189,14 +164,14 @@ impl Cluster {
         let wanted: Vec<CustomResourceDefinition> = vec![
             teeguard_shared::TeeCapacity::crd(),
             teeguard_shared::reservation::TeeReservation::crd(),
-            serde_json::from_value(vmi_crd()).map_err(|e| fail("the VMI CRD", e))?,
+            serde_json::from_value(vmi_crd()).map_err(|e| Error::failed("the VMI CRD", e))?,
         ];
         for crd in &wanted {
             let name = crd.metadata.name.clone().unwrap_or_default();
             match crds.create(&PostParams::default(), crd).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 409 => {}
-                Err(e) => return Err(err(format!("create CRD {name}"))(e)),
+                Err(e) => return Err(error::failed(format!("create CRD {name}"))(e)),
             }
         }
         for crd in &wanted {
@@ -231,7 +206,7 @@ impl Cluster {
         check: impl AsyncFnMut() -> Option<T>,
     ) -> Result<T> {
         wait::until(what, timeout, check).await.map_err(|_| {
-            fail(
+            Error::failed(
                 format!("waiting for {what}"),
                 format!("not within {timeout:?}"),
             )
@@ -255,11 +230,11 @@ impl Cluster {
         let ns: Namespace = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": l}
         }))
-        .map_err(|e| fail("namespace", e))?;
+        .map_err(|e| Error::failed("namespace", e))?;
         Api::<Namespace>::all(self.client.clone())
             .create(&PostParams::default(), &ns)
             .await
-            .map_err(err(format!("create namespace {name}")))?;
+            .map_err(error::failed(format!("create namespace {name}")))?;
         let sas: Api<ServiceAccount> = Api::namespaced(self.client.clone(), &name);
         self.wait_for(&format!("the default ServiceAccount of {name}"), || async {
             sas.get("default").await.ok().map(|_| ())
@@ -279,22 +254,24 @@ impl Cluster {
             .unwrap_or_default()
             .to_string();
         let taints = v.pointer("/spec/taints").cloned().unwrap_or(Value::Null);
-        let node: Node = serde_json::from_value(v).map_err(|e| fail("node", e))?;
+        let node: Node = serde_json::from_value(v).map_err(|e| Error::failed("node", e))?;
         let nodes: Api<Node> = Api::all(self.client.clone());
         nodes
             .create(&PostParams::default(), &node)
             .await
-            .map_err(err(format!("create Node {name}")))?;
+            .map_err(error::failed(format!("create Node {name}")))?;
         // The API server's TaintNodesByCondition admission taints every new Node not-ready; the node
         // lifecycle controller, off here, would lift it once the kubelet reports Ready.
         nodes
             .merge_patch(&name, json!({ "spec": { "taints": taints } }))
             .await
-            .map_err(err(format!("lift the not-ready taint of Node {name}")))?;
+            .map_err(error::failed(format!(
+                "lift the not-ready taint of Node {name}"
+            )))?;
         nodes
             .merge_patch_status(&name, json!({ "status": status }))
             .await
-            .map_err(err(format!("set the status of Node {name}")))
+            .map_err(error::failed(format!("set the status of Node {name}")))
     }
 
     /// Store a VMI like `kubectl create` (phase `Scheduling`, no node); returns its UID.
@@ -305,16 +282,16 @@ impl Cluster {
             .scheduling()
             .build();
         strip_server_fields(&mut v);
-        let obj: DynamicObject = serde_json::from_value(v).map_err(|e| fail("VMI", e))?;
+        let obj: DynamicObject = serde_json::from_value(v).map_err(|e| Error::failed("VMI", e))?;
         let created = self
             .vmis(namespace)
             .create(&PostParams::default(), &obj)
             .await
-            .map_err(err(format!("create VMI {namespace}/{name}")))?;
+            .map_err(error::failed(format!("create VMI {namespace}/{name}")))?;
         created
             .metadata
             .uid
-            .ok_or_else(|| fail(format!("VMI {namespace}/{name}"), "stored without a UID"))
+            .ok_or_else(|| Error::failed(format!("VMI {namespace}/{name}"), "stored without a UID"))
     }
 
     /// The VMI API of a namespace.
@@ -357,7 +334,7 @@ impl Cluster {
                 o.insert("emptyDir".into(), json!({}));
             }
         }
-        serde_json::from_value(v).map_err(|e| fail("launcher pod", e))
+        serde_json::from_value(v).map_err(|e| Error::failed("launcher pod", e))
     }
 
     /// Create a VMI and its virt-launcher pod through the API server (both admission webhooks run);
@@ -384,10 +361,12 @@ impl Cluster {
         let api: Api<TeeCapacity> = Api::all(self.client.clone());
         api.create(&PostParams::default(), &obj)
             .await
-            .map_err(err(format!("create TeeCapacity {name}")))?;
+            .map_err(error::failed(format!("create TeeCapacity {name}")))?;
         api.merge_patch_status(&name, json!({ "status": obj.status }))
             .await
-            .map_err(err(format!("set the status of TeeCapacity {name}")))?;
+            .map_err(error::failed(format!(
+                "set the status of TeeCapacity {name}"
+            )))?;
         Ok(())
     }
 
@@ -486,10 +465,10 @@ impl Cluster {
                 };
                 let api: Api<DynamicObject> = Api::all_with(self.client.clone(), &ar);
                 let dynamic: DynamicObject =
-                    serde_json::from_value(obj).map_err(|e| fail(kind, e))?;
+                    serde_json::from_value(obj).map_err(|e| Error::failed(kind, e))?;
                 api.create(&PostParams::default(), &dynamic)
                     .await
-                    .map_err(err(format!("register {kind} {name}")))?;
+                    .map_err(error::failed(format!("register {kind} {name}")))?;
                 names.push(name);
             }
         }
@@ -497,14 +476,14 @@ impl Cluster {
     }
 
     /// A [`ProcessEnv`] whose processes talk to this control plane as its admin.
-    pub fn process_env(&self, config_yaml: &str) -> std::result::Result<ProcessEnv, E2eError> {
+    pub fn process_env(&self, config_yaml: &str) -> Result<ProcessEnv> {
         let source = self.cp.kubeconfig.clone();
         ProcessEnv::new(config_yaml, |path| {
-            std::fs::copy(&source, path).map_err(|e| E2eError::Io {
-                op: "copy the control plane's kubeconfig to",
-                path: path.to_path_buf(),
-                source: e,
-            })?;
+            std::fs::copy(&source, path).map_err(error::io_at(
+                "control plane",
+                "copy the kubeconfig to",
+                path,
+            ))?;
             Ok(())
         })
     }

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::{Error, Result};
+
 /// How long [`eventually`] waits: generous, so that a loaded machine (two cores running several test
 /// binaries at once) is not taken for a bug. A check that holds returns at once anyway.
 pub const PATIENCE: Duration = Duration::from_secs(30);
@@ -43,16 +45,6 @@ impl<T> Outcome for Option<T> {
     }
 }
 
-/// A wait whose deadline passed.
-#[derive(Debug, thiserror::Error)]
-#[error("timed out after {timeout:?} waiting for {what}")]
-pub struct TimedOut {
-    /// What was awaited.
-    pub what: String,
-    /// How long it was awaited.
-    pub timeout: Duration,
-}
-
 /// Poll `check` until it holds and return its value; panic naming `what` after [`PATIENCE`].
 pub async fn eventually<O: Outcome>(what: &str, check: impl AsyncFnMut() -> O) -> O::Value {
     match until(what, PATIENCE, check).await {
@@ -61,13 +53,13 @@ pub async fn eventually<O: Outcome>(what: &str, check: impl AsyncFnMut() -> O) -
     }
 }
 
-/// Poll `check` until it holds and return its value, or [`TimedOut`] once `timeout` has passed (the
+/// Poll `check` until it holds and return its value, or [`Error::Timeout`] once `timeout` has passed (the
 /// check runs at least once, and once more at the deadline).
 pub async fn until<O: Outcome>(
     what: &str,
     timeout: Duration,
     mut check: impl AsyncFnMut() -> O,
-) -> Result<O::Value, TimedOut> {
+) -> Result<O::Value> {
     let deadline = Instant::now() + timeout;
     let mut pause = FIRST_PAUSE;
     loop {
@@ -76,9 +68,10 @@ pub async fn until<O: Outcome>(
         }
         let now = Instant::now();
         if now >= deadline {
-            return Err(TimedOut {
+            return Err(Error::Timeout {
                 what: what.to_string(),
-                timeout,
+                after: timeout,
+                log: None,
             });
         }
         tokio::time::sleep(pause.min(deadline - now)).await;

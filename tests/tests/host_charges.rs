@@ -6,8 +6,9 @@ use std::fs;
 use std::path::Path;
 use std::sync::Arc;
 
+use teeguard_tests::Error;
 use teeguard_tests::host::{
-    CgroupDriver, CgroupVersion, HostError, QosClass, SANDBOX, SEV, SEV_ES, SimHost, TDX,
+    CgroupDriver, CgroupVersion, QosClass, SANDBOX, SEV, SEV_ES, SimHost, TDX,
     docker_container_cgroup, parse_misc,
 };
 
@@ -166,7 +167,7 @@ fn refusal_below_the_root_bumps_events_up_the_chain() {
     host.start_vm(A, "compute", TDX).expect("first fits");
     let err = host.start_vm(A, "compute", TDX).expect_err("limit");
     assert!(
-        matches!(&err, HostError::ChargeRefused { failed_at, .. } if *failed_at == pod),
+        matches!(&err, Error::ChargeRefused { failed_at, .. } if *failed_at == pod),
         "{err}"
     );
     assert_eq!(host.usage(TDX), 1);
@@ -208,7 +209,7 @@ fn a_single_cgroup_over_capacity_is_refused_at_its_own_level() {
     let compute = host.container_cgroup_rel(A, "compute").expect("rel");
     let err = host.start_vm(A, "compute", TDX).expect_err("over capacity");
     assert!(
-        matches!(&err, HostError::ChargeRefused { failed_at, .. } if *failed_at == compute),
+        matches!(&err, Error::ChargeRefused { failed_at, .. } if *failed_at == compute),
         "{err}"
     );
     assert_eq!(host.events(&compute, TDX), 1);
@@ -248,11 +249,11 @@ fn fail_charge_counts_like_the_kernel() {
     assert_eq!(host.usage(SEV_ES), 0);
     assert!(matches!(
         host.fail_charge("", "nope"),
-        Err(HostError::UnknownResource(_))
+        Err(Error::UnknownMiscResource(_))
     ));
     assert!(matches!(
         host.fail_charge("no/such", SEV_ES),
-        Err(HostError::UnknownCgroup(_))
+        Err(Error::UnknownCgroup(_))
     ));
 }
 
@@ -281,24 +282,24 @@ fn stop_without_start_and_unknown_targets_are_errors() {
         .expect("a");
     assert!(matches!(
         host.stop_vm(A, "compute", TDX),
-        Err(HostError::NotCharged { charged: 0, .. })
+        Err(Error::NotCharged { charged: 0, .. })
     ));
     assert!(matches!(
         host.start_vm(B, "compute", TDX),
-        Err(HostError::UnknownPod(_))
+        Err(Error::UnknownPod(_))
     ));
     assert!(matches!(
         host.start_vm(A, "nope", TDX),
-        Err(HostError::UnknownContainer { .. })
+        Err(Error::UnknownContainer { .. })
     ));
     assert!(matches!(
         host.add_pod(A, QosClass::Burstable, &[]),
-        Err(HostError::AlreadyExists(_))
+        Err(Error::AlreadyExists(_))
     ));
-    assert!(matches!(host.remove_pod(B), Err(HostError::UnknownPod(_))));
+    assert!(matches!(host.remove_pod(B), Err(Error::UnknownPod(_))));
     assert!(matches!(
         host.remove_external("nope"),
-        Err(HostError::UnknownCgroup(_))
+        Err(Error::UnknownCgroup(_))
     ));
     host.add_container(A, "hotplug").expect("container");
     host.start_vm(A, "hotplug", TDX)
@@ -322,7 +323,7 @@ fn external_consumers() {
     );
     assert!(matches!(
         host.add_external("vm", TDX, 1),
-        Err(HostError::AlreadyExists(_))
+        Err(Error::AlreadyExists(_))
     ));
     let docker = host
         .add_external(&docker_container_cgroup("abc"), TDX, 1)
@@ -331,7 +332,7 @@ fn external_consumers() {
     assert_eq!(host.usage(TDX), 3);
     // Over capacity: refused, and the cgroup it would have created is gone again.
     let err = host.add_external("big", TDX, 2).expect_err("full");
-    assert!(matches!(err, HostError::ChargeRefused { .. }), "{err}");
+    assert!(matches!(err, Error::ChargeRefused { .. }), "{err}");
     assert!(
         !host
             .root()
@@ -379,7 +380,7 @@ fn capacity_changes_and_resource_removal() {
     assert_eq!(host.usage(SEV), 0);
     assert!(matches!(
         host.start_vm(A, "compute", SEV),
-        Err(HostError::UnknownResource(_))
+        Err(Error::UnknownMiscResource(_))
     ));
 }
 

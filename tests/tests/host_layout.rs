@@ -4,9 +4,10 @@
 use std::fs;
 use std::path::Path;
 
+use teeguard_tests::Error;
 use teeguard_tests::host::{
-    CgroupDriver, CgroupVersion, ContainerRuntime, HostError, KernelFeatures, MiscDelegation,
-    QosClass, SANDBOX, SEV, SEV_ES, SimHost, TDX, container_id,
+    CgroupDriver, CgroupVersion, ContainerRuntime, KernelFeatures, MiscDelegation, QosClass,
+    SANDBOX, SEV, SEV_ES, SimHost, TDX, container_id,
 };
 
 const UID: &str = "8f0c6b1e-4d2a-4e7b-9a55-0c1d2e3f4a5b";
@@ -211,7 +212,7 @@ fn v1_rejects_delegation_settings() {
         .misc_delegation(MiscDelegation::NotBelowKubepods)
         .build()
         .expect_err("v1 has no delegation");
-    assert!(matches!(err, HostError::Unsupported(_)), "{err}");
+    assert!(matches!(err, Error::Unsupported(_)), "{err}");
 }
 
 #[test]
@@ -257,7 +258,7 @@ fn misc_not_delegated_below_kubepods() {
     let err = host
         .set_max(&host.pod_cgroup_rel(UID).expect("rel"), TDX, Some(1))
         .expect_err("not delegated");
-    assert!(matches!(err, HostError::MiscNotEnabled(_)), "{err}");
+    assert!(matches!(err, Error::MiscNotEnabled(_)), "{err}");
     // Removing the pod still releases its key.
     host.remove_pod(UID).expect("remove");
     assert_eq!(read(&host.root().join("misc.current")), "tdx 0\n");
@@ -402,9 +403,9 @@ fn unknown_resources_and_zero_capacity() {
     let err = host
         .add_external("td", TDX, 1)
         .expect_err("no tdx capacity");
-    assert!(matches!(err, HostError::Invalid { .. }), "{err}");
+    assert!(matches!(err, Error::Invalid { .. }), "{err}");
     let err = host
         .add_external("other", "bogus", 1)
         .expect_err("unknown resource");
-    assert!(matches!(err, HostError::UnknownResource(_)), "{err}");
+    assert!(matches!(err, Error::UnknownMiscResource(_)), "{err}");
 }

@@ -6,9 +6,9 @@ use std::fs;
 use std::io::{ErrorKind, Write as _};
 use std::path::Path;
 
+use teeguard_tests::Error;
 use teeguard_tests::host::{
-    CgroupDriver, CgroupVersion, HostError, MiscDelegation, QosClass, SEV, SEV_ES, SimHost, TDX,
-    WriteMode,
+    CgroupDriver, CgroupVersion, MiscDelegation, QosClass, SEV, SEV_ES, SimHost, TDX, WriteMode,
 };
 
 const A: &str = "0a0a0a0a-1111-4222-8333-444455556666";
@@ -142,7 +142,7 @@ fn tdx_0_written_into_a_pod_refuses_its_first_charge() {
     write_max_ok(&host.path(&pod).join("misc.max"), "tdx 0\n");
     let err = host.start_vm(A, "compute", TDX).expect_err("tdx 0");
     assert!(
-        matches!(&err, HostError::ChargeRefused { failed_at, limit: 0, .. } if *failed_at == pod),
+        matches!(&err, Error::ChargeRefused { failed_at, limit: 0, .. } if *failed_at == pod),
         "{err}"
     );
     assert_eq!(host.usage(TDX), 0);
@@ -165,7 +165,7 @@ fn a_limit_written_into_a_container_misc_max_is_honoured_at_the_container() {
         host.start_vm(A, "compute", SEV_ES).expect("first");
         let err = host.start_vm(A, "compute", SEV_ES).expect_err("limited");
         assert!(
-            matches!(&err, HostError::ChargeRefused { failed_at, .. } if *failed_at == compute),
+            matches!(&err, Error::ChargeRefused { failed_at, .. } if *failed_at == compute),
             "{version:?}: {err}"
         );
         assert_eq!(host.events_local(&compute, SEV_ES), 1, "{version:?}");
@@ -384,7 +384,7 @@ fn without_the_misc_controller_there_is_no_misc_max_to_open() {
         assert_eq!(host.pod_max(A, TDX), None, "{delegation:?}");
         assert!(matches!(
             host.set_max(&host.pod_cgroup_rel(A).expect("rel"), TDX, Some(1)),
-            Err(HostError::MiscNotEnabled(_))
+            Err(Error::MiscNotEnabled(_))
         ));
     }
 
@@ -404,7 +404,7 @@ fn without_the_misc_controller_there_is_no_misc_max_to_open() {
         .start_vm(B, "compute", TDX)
         .expect_err("kubepods limit");
     assert!(
-        matches!(&err, HostError::ChargeRefused { failed_at, .. } if failed_at == "kubepods.slice"),
+        matches!(&err, Error::ChargeRefused { failed_at, .. } if failed_at == "kubepods.slice"),
         "{err}"
     );
     assert_eq!(host.events_local("kubepods.slice", TDX), 1);
@@ -457,9 +457,9 @@ fn capacity_zero_is_einval_counted_nowhere_and_a_full_node_counts_in_kubepods_as
             "{ctx}: the key stays"
         );
         let err = host.start_vm(B, "compute", SEV).expect_err("no capacity");
-        assert!(matches!(err, HostError::Invalid { .. }), "{ctx}: {err}");
+        assert!(matches!(err, Error::Invalid { .. }), "{ctx}: {err}");
         let err = host.set_max(&pod_b, SEV, Some(1)).expect_err("no capacity");
-        assert!(matches!(err, HostError::Invalid { .. }), "{ctx}: {err}");
+        assert!(matches!(err, Error::Invalid { .. }), "{ctx}: {err}");
         assert_eq!(
             host.events("kubepods", SEV),
             0,
@@ -480,7 +480,7 @@ fn capacity_zero_is_einval_counted_nowhere_and_a_full_node_counts_in_kubepods_as
             .expect("pod c");
         let err = host.start_vm(C, "compute", SEV).expect_err("full");
         assert!(
-            matches!(&err, HostError::ChargeRefused { failed_at, .. } if failed_at == "kubepods/burstable"),
+            matches!(&err, Error::ChargeRefused { failed_at, .. } if failed_at == "kubepods/burstable"),
             "{ctx}: {err}"
         );
         assert_eq!(

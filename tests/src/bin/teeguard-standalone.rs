@@ -15,9 +15,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use teeguard_tests::standalone::cluster::{PLAIN_NODE, SAMPLE_REVIEW, TEE_NODE};
-use teeguard_tests::standalone::{
-    Standalone, StandaloneError, StandaloneOptions, run_scenario, summary,
-};
+use teeguard_tests::standalone::{Standalone, StandaloneOptions, run_scenario, summary};
+use teeguard_tests::{Error, Result};
 
 /// See the teeguard webhook and agent do their job on one machine, without a cluster.
 #[derive(Debug, Parser)]
@@ -60,16 +59,16 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logs(verbose: bool, log_file: &std::path::Path) -> Result<(), StandaloneError> {
+fn init_logs(verbose: bool, log_file: &std::path::Path) -> Result<()> {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     if verbose {
         let _ = builder.with_writer(std::io::stderr).try_init();
     } else {
-        let file = std::fs::File::create(log_file).map_err(|source| StandaloneError::Io {
-            op: "create",
-            path: log_file.to_path_buf(),
+        let file = std::fs::File::create(log_file).map_err(|source| Error::Io {
+            component: "standalone",
+            what: format!("create {}", log_file.display()),
             source,
         })?;
         let _ = builder
@@ -80,7 +79,7 @@ fn init_logs(verbose: bool, log_file: &std::path::Path) -> Result<(), Standalone
     Ok(())
 }
 
-async fn run(args: Args) -> Result<(), StandaloneError> {
+async fn run(args: Args) -> Result<()> {
     let opts = StandaloneOptions {
         port: args.port,
         tdx_keys: args.keys,
@@ -90,9 +89,12 @@ async fn run(args: Args) -> Result<(), StandaloneError> {
     let log_dir = tempfile::Builder::new()
         .prefix("teeguard-standalone-logs-")
         .tempdir()
-        .map_err(|source| StandaloneError::Io {
-            op: "create a temporary directory in",
-            path: std::env::temp_dir(),
+        .map_err(|source| Error::Io {
+            component: "standalone",
+            what: format!(
+                "create a temporary directory in {}",
+                std::env::temp_dir().display()
+            ),
             source,
         })?;
     let log_file = log_dir.path().join("teeguard.log");

@@ -1,7 +1,5 @@
-//! Errors: [`ApiStatus`] (a `metav1.Status` failure, what the HTTP side answers) and [`FakeApiError`]
-//! (what the programmatic API returns).
-
-use std::time::Duration;
+//! [`ApiStatus`]: a `metav1.Status` failure, what the HTTP side answers (the programmatic API returns
+//! it as [`crate::Error::Refused`]).
 
 use serde_json::{Value, json};
 
@@ -216,52 +214,5 @@ pub(crate) fn qualified(group: &str, resource: &str) -> String {
         resource.to_string()
     } else {
         format!("{resource}.{group}")
-    }
-}
-
-/// Errors of the fake API server's programmatic API.
-#[derive(Debug, thiserror::Error)]
-pub enum FakeApiError {
-    /// The operation failed the way the real API server would fail it.
-    #[error("fake API server refused the operation: {0}")]
-    Api(ApiStatus),
-    /// The resource name is not in the resource table; register it with
-    /// [`FakeApiServer::register_resource`](super::FakeApiServer::register_resource).
-    #[error(
-        "unknown resource {0:?}: use a registered plural such as \"pods\" or \"events.events.k8s.io\", or register it"
-    )]
-    UnknownResource(String),
-    /// The object could not be turned into JSON or lacks `apiVersion`/`kind`.
-    #[error("invalid object: {0}")]
-    InvalidObject(String),
-    /// A `wait_for*` helper ran out of time.
-    #[error("timed out after {0:?} waiting for {1}")]
-    Timeout(Duration, String),
-    /// Binding or serving the TCP listener failed.
-    #[error("serving the fake API server on {addr}: {source}; is the port free?")]
-    Serve {
-        /// The address being bound.
-        addr: String,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// Writing a kubeconfig or building a client from it failed.
-    #[error("kubeconfig for the fake API server: {0}")]
-    Kubeconfig(String),
-}
-
-impl FakeApiError {
-    /// The HTTP code of an [`FakeApiError::Api`] error.
-    pub fn code(&self) -> Option<u16> {
-        match self {
-            Self::Api(s) => Some(s.code),
-            _ => None,
-        }
-    }
-}
-
-impl From<ApiStatus> for FakeApiError {
-    fn from(s: ApiStatus) -> Self {
-        Self::Api(s)
     }
 }

@@ -86,7 +86,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tokio::sync::watch as tokio_watch;
 
-pub use error::{ApiStatus, FakeApiError, StatusCause, StatusDetails, reason_for_code};
+pub use error::{ApiStatus, StatusCause, StatusDetails, reason_for_code};
 pub use faults::{FaultAction, FaultId, FaultRule, FaultTimes, Verb};
 pub use patch::PatchType;
 pub use record::{RecordedRequest, RequestFilter};
@@ -94,6 +94,7 @@ pub use resources::{CreateStatus, ListKind, ResourceDef};
 pub use select::{FieldSelector, LabelSelector};
 pub use serve::ServedFakeApi;
 
+use crate::{Error, Result};
 use faults::FaultPlan;
 use record::RequestLog;
 use select::Selectors;
@@ -214,8 +215,8 @@ impl Default for FakeApiServer {
     }
 }
 
-fn to_value<T: Serialize + ?Sized>(obj: &T) -> Result<Value, FakeApiError> {
-    serde_json::to_value(obj).map_err(|e| FakeApiError::InvalidObject(e.to_string()))
+fn to_value<T: Serialize + ?Sized>(obj: &T) -> Result<Value> {
+    serde_json::to_value(obj).map_err(|e| Error::InvalidObject(e.to_string()))
 }
 
 impl FakeApiServer {
@@ -257,9 +258,9 @@ impl FakeApiServer {
 
     /// [`FakeApiServer::client`] sending `user_agent` (so the request log tells clients apart), for
     /// running many in-process clients without a socket each.
-    pub fn client_as(&self, user_agent: &str) -> Result<kube::Client, FakeApiError> {
+    pub fn client_as(&self, user_agent: &str) -> Result<kube::Client> {
         let value = http::HeaderValue::from_str(user_agent).map_err(|e| {
-            FakeApiError::Kubeconfig(format!(
+            Error::Kubeconfig(format!(
                 "user agent {user_agent:?} is not a header value: {e}"
             ))
         })?;
@@ -274,12 +275,12 @@ impl FakeApiServer {
     }
 
     /// Serves on `127.0.0.1` on an ephemeral port.
-    pub async fn serve(&self) -> Result<ServedFakeApi, FakeApiError> {
+    pub async fn serve(&self) -> Result<ServedFakeApi> {
         self.serve_on(SocketAddr::from(([127, 0, 0, 1], 0))).await
     }
 
     /// Serves on `addr`.
-    pub async fn serve_on(&self, addr: SocketAddr) -> Result<ServedFakeApi, FakeApiError> {
+    pub async fn serve_on(&self, addr: SocketAddr) -> Result<ServedFakeApi> {
         ServedFakeApi::start(self.clone(), addr).await
     }
 
@@ -301,20 +302,16 @@ impl FakeApiServer {
             .collect()
     }
 
-    fn rid(&self, resource: &str) -> Result<usize, FakeApiError> {
+    fn rid(&self, resource: &str) -> Result<usize> {
         self.inner
             .store
             .read()
             .resolve(resource)
-            .ok_or_else(|| FakeApiError::UnknownResource(resource.to_string()))
+            .ok_or_else(|| Error::UnknownResource(resource.to_string()))
     }
 
     /// The resource, namespace and name of `obj`, which `op` needs a `metadata.name` for.
-    fn identity(
-        &self,
-        obj: &Value,
-        op: &str,
-    ) -> Result<(usize, Option<String>, String), FakeApiError> {
+    fn identity(&self, obj: &Value, op: &str) -> Result<(usize, Option<String>, String)> {
         let rid = self.rid_of(obj)?;
         let ns = obj
             .pointer("/metadata/namespace")
@@ -323,16 +320,16 @@ impl FakeApiServer {
         let name = obj
             .pointer("/metadata/name")
             .and_then(Value::as_str)
-            .ok_or_else(|| FakeApiError::InvalidObject(format!("{op} needs metadata.name")))?
+            .ok_or_else(|| Error::InvalidObject(format!("{op} needs metadata.name")))?
             .to_string();
         Ok((rid, ns, name))
     }
 
-    fn rid_of(&self, obj: &Value) -> Result<usize, FakeApiError> {
+    fn rid_of(&self, obj: &Value) -> Result<usize> {
         let av = obj.get("apiVersion").and_then(Value::as_str);
         let kind = obj.get("kind").and_then(Value::as_str);
         let (Some(av), Some(kind)) = (av, kind) else {
-            return Err(FakeApiError::InvalidObject(
+            return Err(Error::InvalidObject(
                 "the object has no apiVersion/kind".into(),
             ));
         };
@@ -340,16 +337,16 @@ impl FakeApiServer {
             .store
             .read()
             .find_kind(av, kind)
-            .ok_or_else(|| FakeApiError::UnknownResource(format!("{av} {kind}")))
+            .ok_or_else(|| Error::UnknownResource(format!("{av} {kind}")))
     }
 
-    fn rid_typed<K: kube::Resource<DynamicType = ()>>(&self) -> Result<usize, FakeApiError> {
+    fn rid_typed<K: kube::Resource<DynamicType = ()>>(&self) -> Result<usize> {
         let (g, v, p) = (K::group(&()), K::version(&()), K::plural(&()));
         self.inner
             .store
             .read()
             .find(&g, &v, &p)
-            .ok_or_else(|| FakeApiError::UnknownResource(format!("{p}.{g}/{v}")))
+            .ok_or_else(|| Error::UnknownResource(format!("{p}.{g}/{v}")))
     }
 
     // ---- programmatic object access ----
@@ -358,7 +355,7 @@ impl FakeApiServer {
     /// with types, `serde_json::Value`). Status, and a non-empty `metadata.uid`, are kept as given (fixtures
     /// carry deterministic UIDs that owner references name); over HTTP the server assigns the UID.
     /// Returns the stored object.
-    pub fn create<T: Serialize + ?Sized>(&self, obj: &T) -> Result<Value, FakeApiError> {
+    pub fn create<T: Serialize + ?Sized>(&self, obj: &T) -> Result<Value> {
         let v = to_value(obj)?;
         let rid = self.rid_of(&v)?;
         Ok(self
@@ -368,17 +365,14 @@ impl FakeApiServer {
     }
 
     /// Creates many objects under one lock (for large fixtures); returns how many were created.
-    pub fn create_many<T: Serialize>(
-        &self,
-        objs: impl IntoIterator<Item = T>,
-    ) -> Result<usize, FakeApiError> {
+    pub fn create_many<T: Serialize>(&self, objs: impl IntoIterator<Item = T>) -> Result<usize> {
         let values = objs
             .into_iter()
             .map(|o| {
                 let v = to_value(&o)?;
                 Ok((self.rid_of(&v)?, v))
             })
-            .collect::<Result<Vec<_>, FakeApiError>>()?;
+            .collect::<Result<Vec<_>>>()?;
         self.inner.store.write(|st| {
             let mut n = 0;
             for (rid, v) in values {
@@ -391,7 +385,7 @@ impl FakeApiServer {
 
     /// Creates the object, or replaces it if it exists (no resourceVersion check; uid and creation time
     /// are kept).
-    pub fn insert<T: Serialize + ?Sized>(&self, obj: &T) -> Result<Value, FakeApiError> {
+    pub fn insert<T: Serialize + ?Sized>(&self, obj: &T) -> Result<Value> {
         let mut v = to_value(obj)?;
         let rid = self.rid_of(&v)?;
         Ok(self.inner.store.write(|st| {
@@ -417,7 +411,7 @@ impl FakeApiServer {
     }
 
     /// Replaces an object (status included); checked against its `metadata.resourceVersion` if set.
-    pub fn update<T: Serialize + ?Sized>(&self, obj: &T) -> Result<Value, FakeApiError> {
+    pub fn update<T: Serialize + ?Sized>(&self, obj: &T) -> Result<Value> {
         let v = to_value(obj)?;
         let (rid, ns, name) = self.identity(&v, "update")?;
         Ok(self.inner.store.write(|st| {
@@ -439,7 +433,7 @@ impl FakeApiServer {
         namespace: Option<&str>,
         name: &str,
         f: impl FnOnce(&mut Value),
-    ) -> Result<Value, FakeApiError> {
+    ) -> Result<Value> {
         let rid = self.rid(resource)?;
         Ok(self.inner.store.write(|st| {
             let reg = st.resources[rid].clone();
@@ -463,10 +457,10 @@ impl FakeApiServer {
         name: &str,
         patch_type: PatchType,
         patch: &Value,
-    ) -> Result<Value, FakeApiError> {
+    ) -> Result<Value> {
         let rid = self.rid(resource)?;
         if patch_type == PatchType::Apply {
-            return Err(FakeApiError::InvalidObject(
+            return Err(Error::InvalidObject(
                 "use FakeApiServer::apply for server-side apply".into(),
             ));
         }
@@ -490,10 +484,10 @@ impl FakeApiServer {
         namespace: Option<&str>,
         name: &str,
         patch: &Value,
-    ) -> Result<Value, FakeApiError> {
+    ) -> Result<Value> {
         let rid = self.rid(resource)?;
         let Some(status) = patch.get("status") else {
-            return Err(FakeApiError::InvalidObject(
+            return Err(Error::InvalidObject(
                 "patch_status takes a whole-object merge patch: {\"status\": {...}}".into(),
             ));
         };
@@ -519,7 +513,7 @@ impl FakeApiServer {
         subresource: Option<&str>,
         manager: &str,
         force: bool,
-    ) -> Result<Value, FakeApiError> {
+    ) -> Result<Value> {
         let v = to_value(obj)?;
         let (rid, ns, name) = self.identity(&v, "apply")?;
         let ns = ns.or_else(|| Some("default".to_string()));
@@ -542,12 +536,7 @@ impl FakeApiServer {
     }
 
     /// Deletes an object. With finalizers it only gets a `deletionTimestamp`. Returns its last state.
-    pub fn delete(
-        &self,
-        resource: &str,
-        namespace: Option<&str>,
-        name: &str,
-    ) -> Result<Value, FakeApiError> {
+    pub fn delete(&self, resource: &str, namespace: Option<&str>, name: &str) -> Result<Value> {
         let rid = self.rid(resource)?;
         let out = self
             .inner
@@ -559,7 +548,7 @@ impl FakeApiServer {
     }
 
     /// Binds a pod to a node like the scheduler (sets `spec.nodeName` and `PodScheduled=True`); 409 if bound.
-    pub fn bind_pod(&self, namespace: &str, name: &str, node: &str) -> Result<Value, FakeApiError> {
+    pub fn bind_pod(&self, namespace: &str, name: &str, node: &str) -> Result<Value> {
         Ok(self
             .inner
             .store
@@ -567,12 +556,7 @@ impl FakeApiServer {
     }
 
     /// Sets a pod's `status.phase` (and `Ready` for `Running`) like a kubelet.
-    pub fn set_pod_phase(
-        &self,
-        namespace: &str,
-        name: &str,
-        phase: &str,
-    ) -> Result<Value, FakeApiError> {
+    pub fn set_pod_phase(&self, namespace: &str, name: &str, phase: &str) -> Result<Value> {
         self.modify("pods", Some(namespace), name, |p| {
             if !p.get("status").is_some_and(Value::is_object) {
                 p["status"] = json!({});
@@ -593,11 +577,7 @@ impl FakeApiServer {
     }
 
     /// One object as a typed resource (`Pod`, `Node`, a `kube::CustomResource`).
-    pub fn get_typed<K>(
-        &self,
-        namespace: Option<&str>,
-        name: &str,
-    ) -> Result<Option<K>, FakeApiError>
+    pub fn get_typed<K>(&self, namespace: Option<&str>, name: &str) -> Result<Option<K>>
     where
         K: kube::Resource<DynamicType = ()> + DeserializeOwned,
     {
@@ -608,7 +588,7 @@ impl FakeApiServer {
             .map(|o| serde_json::from_value(reg.to_view(&o).into_owned()))
             .transpose()
             .map_err(|e| {
-                FakeApiError::InvalidObject(format!(
+                Error::InvalidObject(format!(
                     "stored {} {name} does not deserialise: {e}",
                     reg.def.kind
                 ))
@@ -637,7 +617,7 @@ impl FakeApiServer {
         namespace: Option<&str>,
         label_selector: &str,
         field_selector: &str,
-    ) -> Result<Vec<Value>, FakeApiError> {
+    ) -> Result<Vec<Value>> {
         let rid = self.rid(resource)?;
         let st = self.inner.store.read();
         let reg = st.resources[rid].clone();
@@ -653,7 +633,7 @@ impl FakeApiServer {
     }
 
     /// All objects of a typed resource.
-    pub fn list_typed<K>(&self, namespace: Option<&str>) -> Result<Vec<K>, FakeApiError>
+    pub fn list_typed<K>(&self, namespace: Option<&str>) -> Result<Vec<K>>
     where
         K: kube::Resource<DynamicType = ()> + DeserializeOwned,
     {
@@ -664,7 +644,7 @@ impl FakeApiServer {
             .iter()
             .map(|o| {
                 serde_json::from_value(reg.to_view(o).into_owned()).map_err(|e| {
-                    FakeApiError::InvalidObject(format!(
+                    Error::InvalidObject(format!(
                         "stored {} does not deserialise: {e}",
                         reg.def.kind
                     ))
@@ -698,7 +678,7 @@ impl FakeApiServer {
         timeout: Duration,
         what: &str,
         mut check: impl FnMut(&FakeApiServer) -> Option<T>,
-    ) -> Result<T, FakeApiError> {
+    ) -> Result<T> {
         let mut rx = self.inner.store.rv_tx.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -707,7 +687,11 @@ impl FakeApiServer {
                 return Ok(v);
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(FakeApiError::Timeout(timeout, what.to_string()));
+                return Err(Error::Timeout {
+                    what: what.to_string(),
+                    after: timeout,
+                    log: None,
+                });
             }
             // Re-check after the next write, or after a short while for state outside the store
             // (open watches, request log).
@@ -727,7 +711,7 @@ impl FakeApiServer {
         name: &str,
         timeout: Duration,
         pred: impl Fn(&Value) -> bool,
-    ) -> Result<Value, FakeApiError> {
+    ) -> Result<Value> {
         let what = format!(
             "{resource} {}{name}",
             namespace.map(|n| format!("{n}/")).unwrap_or_default()
@@ -776,7 +760,7 @@ impl FakeApiServer {
         &self,
         filter: &RequestFilter,
         timeout: Duration,
-    ) -> Result<RecordedRequest, FakeApiError> {
+    ) -> Result<RecordedRequest> {
         let mut rx = self.inner.log_tx.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -793,10 +777,11 @@ impl FakeApiServer {
             match tokio::time::timeout_at(deadline, rx.changed()).await {
                 Ok(Ok(())) => {}
                 _ => {
-                    return Err(FakeApiError::Timeout(
-                        timeout,
-                        format!("a request matching {filter:?}"),
-                    ));
+                    return Err(Error::Timeout {
+                        what: format!("a request matching {filter:?}"),
+                        after: timeout,
+                        log: None,
+                    });
                 }
             }
         }

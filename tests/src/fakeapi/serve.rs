@@ -10,7 +10,7 @@ use tokio::net::TcpListener;
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::FakeApiServer;
-use super::error::FakeApiError;
+use crate::{Error, Result};
 
 /// The fake API server listening on `127.0.0.1:<port>`. Stopping it closes the listener and every open
 /// connection (like a crashed API server); restarting listens on the same port again with the same state.
@@ -48,22 +48,17 @@ async fn accept_loop(listener: TcpListener, server: FakeApiServer) {
 }
 
 impl ServedFakeApi {
-    pub(crate) async fn start(
-        server: FakeApiServer,
-        addr: SocketAddr,
-    ) -> Result<Self, FakeApiError> {
+    pub(crate) async fn start(server: FakeApiServer, addr: SocketAddr) -> Result<Self> {
         let listener = TcpListener::bind(addr)
             .await
-            .map_err(|source| FakeApiError::Serve {
+            .map_err(|source| Error::Serve {
                 addr: addr.to_string(),
                 source,
             })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|source| FakeApiError::Serve {
-                addr: addr.to_string(),
-                source,
-            })?;
+        let addr = listener.local_addr().map_err(|source| Error::Serve {
+            addr: addr.to_string(),
+            source,
+        })?;
         let task = tokio::spawn(accept_loop(listener, server.clone()));
         Ok(Self {
             server,
@@ -103,43 +98,37 @@ impl ServedFakeApi {
     }
 
     /// Writes [`ServedFakeApi::kubeconfig_yaml`] to `path` (for `KUBECONFIG` of child processes).
-    pub fn write_kubeconfig(&self, path: &Path) -> Result<(), FakeApiError> {
+    pub fn write_kubeconfig(&self, path: &Path) -> Result<()> {
         std::fs::write(path, self.kubeconfig_yaml())
-            .map_err(|e| FakeApiError::Kubeconfig(format!("writing {}: {e}", path.display())))
+            .map_err(|e| Error::Kubeconfig(format!("writing {}: {e}", path.display())))
     }
 
     /// A kube client built the way a separate process builds it: from the kubeconfig, over TCP.
-    pub async fn client(&self) -> Result<kube::Client, FakeApiError> {
+    pub async fn client(&self) -> Result<kube::Client> {
         self.build_client(None).await
     }
 
     /// Like [`ServedFakeApi::client`], sending `User-Agent: <user_agent>` on every request (through kube's
     /// extra-headers layer), so the request log tells which component made each call.
-    pub async fn client_with_user_agent(
-        &self,
-        user_agent: &str,
-    ) -> Result<kube::Client, FakeApiError> {
+    pub async fn client_with_user_agent(&self, user_agent: &str) -> Result<kube::Client> {
         self.build_client(Some(user_agent)).await
     }
 
-    async fn build_client(&self, user_agent: Option<&str>) -> Result<kube::Client, FakeApiError> {
-        let kc = kube::config::Kubeconfig::from_yaml(&self.kubeconfig_yaml()).map_err(|e| {
-            FakeApiError::Kubeconfig(format!("parsing the generated kubeconfig: {e}"))
-        })?;
+    async fn build_client(&self, user_agent: Option<&str>) -> Result<kube::Client> {
+        let kc = kube::config::Kubeconfig::from_yaml(&self.kubeconfig_yaml())
+            .map_err(|e| Error::Kubeconfig(format!("parsing the generated kubeconfig: {e}")))?;
         let mut config =
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
                 .await
-                .map_err(|e| {
-                    FakeApiError::Kubeconfig(format!("loading the generated kubeconfig: {e}"))
-                })?;
+                .map_err(|e| Error::Kubeconfig(format!("loading the generated kubeconfig: {e}")))?;
         if let Some(ua) = user_agent {
             let value = http::HeaderValue::from_str(ua).map_err(|e| {
-                FakeApiError::Kubeconfig(format!("user agent {ua:?} is not a header value: {e}"))
+                Error::Kubeconfig(format!("user agent {ua:?} is not a header value: {e}"))
             })?;
             config.headers.push((http::header::USER_AGENT, value));
         }
         kube::Client::try_from(config)
-            .map_err(|e| FakeApiError::Kubeconfig(format!("building a client: {e}")))
+            .map_err(|e| Error::Kubeconfig(format!("building a client: {e}")))
     }
 
     /// Stops listening and closes every connection (open watches and in-flight requests included).
@@ -151,7 +140,7 @@ impl ServedFakeApi {
     }
 
     /// Listens again on the same port (after [`ServedFakeApi::stop`]); a no-op while running.
-    pub async fn restart(&mut self) -> Result<(), FakeApiError> {
+    pub async fn restart(&mut self) -> Result<()> {
         if self.task.is_some() {
             return Ok(());
         }
@@ -166,7 +155,7 @@ impl ServedFakeApi {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 }
                 Err(source) => {
-                    return Err(FakeApiError::Serve {
+                    return Err(Error::Serve {
                         addr: self.addr.to_string(),
                         source,
                     });

@@ -41,7 +41,8 @@ use kube::{Api, Client};
 use serde_json::{Value, json};
 use teeguard_certs::{CertificateAuthority, ServingCertRequest};
 
-use crate::controlplane::{self, ControlPlane, ci};
+use crate::controlplane::{self, ControlPlane};
+use crate::error::{self, Component, Error, Result};
 use crate::patch::MergePatch;
 use crate::ports::free_ports;
 use crate::standalone::client::WebhookClient;
@@ -130,65 +131,14 @@ const HOW_TO: &str = "set TEEGUARD_KUBEVIRT to a directory holding virt-controll
     crds.yaml (plain or .xz) of KubeVirt v1.9.0, and versions/v1.7.4/ and versions/v1.8.4/ likewise, e.g. ../shared/kubevirt, and run as root (virt-controller \
     runs in a private mount namespace); scripts/test.sh does this when ../shared/kubevirt exists";
 
-/// Errors of the harness; each names what failed.
-#[derive(Debug, thiserror::Error)]
-pub enum KubeVirtError {
-    /// The kit is missing (the tests skip, unless `CI=true`).
-    #[error("no KubeVirt: {0}; {HOW_TO}")]
-    Missing(String),
-    /// A file or process operation failed.
-    #[error("KubeVirt: cannot {what}: {source}")]
-    Io {
-        /// What was attempted.
-        what: String,
-        /// Why it failed.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A command ran and failed.
-    #[error("KubeVirt: {command} failed ({status}): {output}")]
-    Command {
-        /// The command line.
-        command: String,
-        /// Its exit status.
-        status: String,
-        /// Its output.
-        output: String,
-    },
-    /// The API server refused or failed a request.
-    #[error("KubeVirt: {what}: {reason}")]
-    Api {
-        /// What was asked.
-        what: String,
-        /// What the API server said.
-        reason: String,
-    },
-    /// virt-controller did not come up; its log says why.
-    #[error("KubeVirt: {what}; logs in {}", logs.display())]
-    NotReady {
-        /// What did not happen.
-        what: String,
-        /// The log directory.
-        logs: PathBuf,
-    },
-    /// Certificates could not be made.
-    #[error("KubeVirt certificates: {0}")]
-    Certs(#[from] teeguard_certs::Error),
-}
+/// This harness's component, as its errors name it.
+pub(crate) const KIT: Component = Component {
+    name: "KubeVirt",
+    how_to: HOW_TO,
+};
 
-type Result<T, E = KubeVirtError> = std::result::Result<T, E>;
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> KubeVirtError {
-    let what = what.into();
-    move |source| KubeVirtError::Io { what, source }
-}
-
-fn api(what: impl Into<String>) -> impl FnOnce(kube::Error) -> KubeVirtError {
-    let what = what.into();
-    move |e| KubeVirtError::Api {
-        what,
-        reason: e.to_string(),
-    }
+fn api(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+    error::failed(what)
 }
 
 /// KubeVirt running against the test binary's control plane.
@@ -217,19 +167,15 @@ impl KubeVirt {
     /// `CI=true` and something is missing, or when it does not start.
     pub fn shared() -> Option<&'static KubeVirt> {
         let version = version();
-        if let Err(KubeVirtError::Missing(m)) = prerequisites(version) {
-            if ci() {
-                panic!("{}", KubeVirtError::Missing(m));
-            }
-            eprintln!("skipped: needs KubeVirt ({m}); {HOW_TO}");
-            return None;
+        if let Err(e) = prerequisites(version) {
+            return error::skip(e);
         }
         let cp = ControlPlane::shared()?;
         let got = SHARED.get_or_init(|| {
             // On its own thread: a test's tokio runtime cannot block on another runtime.
             std::thread::spawn(move || Self::start(cp, version))
                 .join()
-                .unwrap_or_else(|_| Err(KubeVirtError::Missing("start-up panicked".into())))
+                .unwrap_or_else(|_| Err(KIT.missing("start-up panicked")))
                 .map_err(|e| e.to_string())
         });
         match got {
@@ -244,12 +190,12 @@ impl KubeVirt {
         let dir = tempfile::Builder::new()
             .prefix("teeguard-kubevirt-")
             .tempdir()
-            .map_err(io("create the state directory"))?
+            .map_err(KIT.io("create the state directory"))?
             .keep();
         for sub in ["log", "etc-upper/virt-controller", "etc-work", "run"] {
-            std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("create {sub}/")))?;
+            std::fs::create_dir_all(dir.join(sub)).map_err(KIT.io(format!("create {sub}/")))?;
         }
-        controlplane::spawn_janitor(&dir).map_err(|e| KubeVirtError::Missing(e.to_string()))?;
+        controlplane::spawn_janitor(&dir).map_err(|e| KIT.missing(e.to_string()))?;
         let kept = format!(
             "KubeVirt: a test failed; virt-controller's log is kept in {}",
             dir.join("log").display()
@@ -263,9 +209,9 @@ impl KubeVirt {
         let etc = dir.join("etc-upper/virt-controller");
         let write = |sub: &str, cert: &str, key: &str| -> Result<()> {
             let d = etc.join(sub);
-            std::fs::create_dir_all(&d).map_err(io(format!("create {}", d.display())))?;
-            std::fs::write(d.join("tls.crt"), cert).map_err(io("write a certificate"))?;
-            std::fs::write(d.join("tls.key"), key).map_err(io("write a key"))
+            std::fs::create_dir_all(&d).map_err(KIT.io(format!("create {}", d.display())))?;
+            std::fs::write(d.join("tls.crt"), cert).map_err(KIT.io("write a certificate"))?;
+            std::fs::write(d.join("tls.key"), key).map_err(KIT.io("write a key"))
         };
         write("certificates", serving.cert_pem(), serving.key_pem())?;
         for (sub, cn) in [
@@ -275,31 +221,26 @@ impl KubeVirt {
             let other = CertificateAuthority::generate(cn, 7)?;
             write(sub, other.cert_pem(), &other.key_pem())?;
         }
-        std::fs::write(dir.join("run/namespace"), NAMESPACE).map_err(io("write run/namespace"))?;
+        std::fs::write(dir.join("run/namespace"), NAMESPACE)
+            .map_err(KIT.io("write run/namespace"))?;
 
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(io("start a tokio runtime"))?;
+            .map_err(KIT.io("start a tokio runtime"))?;
         let cr_file = dir.join("kubevirt-cr.json");
         rt.block_on(async {
-            let client = cp.client().await.map_err(|e| KubeVirtError::Api {
-                what: "connect to the control plane".into(),
-                reason: e.to_string(),
-            })?;
+            let client = cp.client().await?;
             apply_crds(&client, &bin.join("crds.yaml")).await?;
             create_cr(&client, &bin, &cr_file, version).await
         })?;
         let virt_api = virt_api::VirtApi::start(&bin.join("kvtool"), &cr_file, &dir.join("log"))?;
         rt.block_on(async {
-            let client = cp.client().await.map_err(|e| KubeVirtError::Api {
-                what: "connect to the control plane".into(),
-                reason: e.to_string(),
-            })?;
+            let client = cp.client().await?;
             virt_api.register(&client).await
         })?;
 
-        let [port] = free_ports().map_err(io("find a free port"))?;
+        let [port] = free_ports().map_err(KIT.io("find a free port"))?;
         let etc_certs = etc.join("certificates");
         let controller_args: Vec<String> = vec![
             "--kubeconfig".into(),
@@ -338,7 +279,7 @@ impl KubeVirt {
             Path::new("unshare"),
             &args,
         )
-        .map_err(io("start virt-controller (needs bash and unshare)"))?;
+        .map_err(KIT.io("start virt-controller (needs bash and unshare)"))?;
         let kv = KubeVirt {
             version,
             cp,
@@ -358,12 +299,12 @@ impl KubeVirt {
     }
 
     async fn wait_leader(&self, deadline: Instant) -> Result<()> {
-        let client = WebhookClient::from_ca_pem(self.leader, &self.ca_pem).map_err(|e| {
-            KubeVirtError::NotReady {
+        let client =
+            WebhookClient::from_ca_pem(self.leader, &self.ca_pem).map_err(|e| Error::NotReady {
+                component: KIT.name,
                 what: format!("an HTTPS client for virt-controller: {e}"),
                 logs: self.dir.join("log"),
-            }
-        })?;
+            })?;
         loop {
             let last = match client.get("/leader").await {
                 Ok((status, body)) => {
@@ -380,7 +321,8 @@ impl KubeVirt {
             };
             if Instant::now() >= deadline {
                 let log = self.log();
-                return Err(KubeVirtError::NotReady {
+                return Err(Error::NotReady {
+                    component: KIT.name,
                     what: format!(
                         "virt-controller does not lead within {READY_DEADLINE:?} (GET /leader: {last}); \
                          its last log lines:\n{}",
@@ -430,7 +372,8 @@ impl KubeVirt {
         let deadline = Instant::now() + Duration::from_secs(60);
         while !self.log().contains(&line) {
             if Instant::now() >= deadline {
-                return Err(KubeVirtError::NotReady {
+                return Err(Error::NotReady {
+                    component: KIT.name,
                     what: format!("virt-controller did not log {line:?} within 60 s"),
                     logs: self.dir.join("log"),
                 });
@@ -459,14 +402,11 @@ fn kubevirt_api(client: &Client) -> Api<DynamicObject> {
 fn prerequisites(version: Version) -> Result<PathBuf> {
     let top = std::env::var_os(ENV)
         .map(PathBuf::from)
-        .ok_or_else(|| KubeVirtError::Missing(format!("{ENV} is not set")))?;
+        .ok_or_else(|| KIT.missing(format!("{ENV} is not set")))?;
     let source = version.kit(&top);
     for f in FILES {
         if !source.join(f).is_file() && !source.join(format!("{f}.xz")).is_file() {
-            return Err(KubeVirtError::Missing(format!(
-                "{} has neither {f} nor {f}.xz",
-                source.display()
-            )));
+            return Err(KIT.missing(format!("{} has neither {f} nor {f}.xz", source.display())));
         }
     }
     let root = std::fs::read_to_string("/proc/self/status")
@@ -478,10 +418,7 @@ fn prerequisites(version: Version) -> Result<PathBuf> {
         })
         .is_some_and(|uid| uid == "0");
     if !root {
-        return Err(KubeVirtError::Missing(
-            "virt-controller runs as root in a private mount namespace; this test process is not root"
-                .into(),
-        ));
+        return Err(KIT.missing("virt-controller runs as root in a private mount namespace; this test process is not root"));
     }
     Ok(source)
 }
@@ -491,23 +428,23 @@ fn unpack(source: &Path, unpack: &Path) -> Result<PathBuf> {
     if FILES.iter().all(|f| source.join(f).is_file()) {
         return Ok(source.to_path_buf());
     }
-    std::fs::create_dir_all(unpack).map_err(io(format!("create {}", unpack.display())))?;
+    std::fs::create_dir_all(unpack).map_err(KIT.io(format!("create {}", unpack.display())))?;
     for f in FILES {
         let out = unpack.join(f);
         if source.join(f).is_file() {
-            std::fs::copy(source.join(f), &out).map_err(io(format!("copy {f}")))?;
+            std::fs::copy(source.join(f), &out).map_err(KIT.io(format!("copy {f}")))?;
         } else {
             let file =
-                std::fs::File::create(&out).map_err(io(format!("create {}", out.display())))?;
+                std::fs::File::create(&out).map_err(KIT.io(format!("create {}", out.display())))?;
             let status = Command::new("xz")
                 .arg("-dc")
                 .arg(source.join(format!("{f}.xz")))
                 .stdout(file)
                 .stderr(Stdio::inherit())
                 .status()
-                .map_err(io(format!("run xz -dc {f}.xz (Debian xz-utils)")))?;
+                .map_err(KIT.io(format!("run xz -dc {f}.xz (Debian xz-utils)")))?;
             if !status.success() {
-                return Err(KubeVirtError::Command {
+                return Err(Error::Command {
                     command: format!("xz -dc {f}.xz"),
                     status: status.to_string(),
                     output: String::new(),
@@ -517,7 +454,7 @@ fn unpack(source: &Path, unpack: &Path) -> Result<PathBuf> {
         if f != "crds.yaml" {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o755))
-                .map_err(io(format!("chmod {}", out.display())))?;
+                .map_err(KIT.io(format!("chmod {}", out.display())))?;
         }
     }
     Ok(unpack.to_path_buf())
@@ -526,12 +463,12 @@ fn unpack(source: &Path, unpack: &Path) -> Result<PathBuf> {
 /// Apply KubeVirt's CRDs (server-side, taking over fields another test kit set, such as the minimal
 /// VMI CRD of [`crate::realcluster`]) and wait until each is established.
 async fn apply_crds(client: &Client, file: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(file).map_err(io(format!("read {}", file.display())))?;
+    let text = std::fs::read_to_string(file).map_err(KIT.io(format!("read {}", file.display())))?;
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let params = PatchParams::apply("teeguard-tests").force();
     let mut names = Vec::new();
     for doc in serde_yaml::Deserializer::from_str(&text) {
-        let v: Value = serde::Deserialize::deserialize(doc).map_err(|e| KubeVirtError::Api {
+        let v: Value = serde::Deserialize::deserialize(doc).map_err(|e| Error::Failed {
             what: format!("parse {}", file.display()),
             reason: e.to_string(),
         })?;
@@ -563,7 +500,7 @@ async fn apply_crds(client: &Client, file: &Path) -> Result<()> {
                 break;
             }
             if Instant::now() >= deadline {
-                return Err(KubeVirtError::Api {
+                return Err(Error::Failed {
                     what: format!("CRD {name}"),
                     reason: "not established within 60 s".into(),
                 });
@@ -580,7 +517,7 @@ async fn create_cr(client: &Client, bin: &Path, cr_file: &Path, version: Version
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace =
         serde_json::from_value(json!({"metadata": {"name": NAMESPACE}})).map_err(|e| {
-            KubeVirtError::Api {
+            Error::Failed {
                 what: "the kubevirt namespace".into(),
                 reason: e.to_string(),
             }
@@ -593,15 +530,15 @@ async fn create_cr(client: &Client, bin: &Path, cr_file: &Path, version: Version
     let out = Command::new(bin.join("kvtool"))
         .args(["kv-cr", NAMESPACE, FEATURE_GATES])
         .output()
-        .map_err(io("run kvtool kv-cr"))?;
+        .map_err(KIT.io("run kvtool kv-cr"))?;
     if !out.status.success() {
-        return Err(KubeVirtError::Command {
+        return Err(Error::Command {
             command: "kvtool kv-cr".into(),
             status: out.status.to_string(),
             output: String::from_utf8_lossy(&out.stderr).into_owned(),
         });
     }
-    let cr: Value = serde_yaml::from_slice(&out.stdout).map_err(|e| KubeVirtError::Api {
+    let cr: Value = serde_yaml::from_slice(&out.stdout).map_err(|e| Error::Failed {
         what: "parse kvtool kv-cr's output".into(),
         reason: e.to_string(),
     })?;
@@ -631,11 +568,11 @@ async fn create_cr(client: &Client, bin: &Path, cr_file: &Path, version: Version
 /// Write the stored KubeVirt CR to `path` for `kvtool default-vmi`, atomically (the virt-api stand-in
 /// may be reading it).
 fn write_cr(path: &Path, stored: &DynamicObject) -> Result<()> {
-    let text = serde_json::to_string(stored).map_err(|e| KubeVirtError::Api {
+    let text = serde_json::to_string(stored).map_err(|e| Error::Failed {
         what: "serialise the KubeVirt CR".into(),
         reason: e.to_string(),
     })?;
     let tmp = path.with_extension("json.new");
-    std::fs::write(&tmp, text).map_err(io(format!("write {}", tmp.display())))?;
-    std::fs::rename(&tmp, path).map_err(io(format!("rename {}", tmp.display())))
+    std::fs::write(&tmp, text).map_err(KIT.io(format!("write {}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(KIT.io(format!("rename {}", tmp.display())))
 }

@@ -33,8 +33,9 @@ use kube::{Api, Client};
 use serde_json::{Value, json};
 use teeguard_certs::{CertificateAuthority, ServingCertRequest};
 
-use super::{KubeVirtError, Result, io};
+use super::KIT;
 use crate::controlplane::unique_name;
+use crate::{Error, Result};
 
 /// The webhook's path.
 const PATH: &str = "/virtualmachineinstances-mutate";
@@ -80,20 +81,20 @@ impl VirtApi {
             b.with_no_client_auth()
                 .with_single_cert(vec![cert.cert_der()], cert.key_der())
         })
-        .map_err(|e| KubeVirtError::Api {
+        .map_err(|e| Error::Failed {
             what: "the virt-api stand-in's TLS configuration".into(),
             reason: e.to_string(),
         })?;
-        let listener =
-            std::net::TcpListener::bind("127.0.0.1:0").map_err(io("bind the virt-api stand-in"))?;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")
+            .map_err(KIT.io("bind the virt-api stand-in"))?;
         listener
             .set_nonblocking(true)
-            .map_err(io("configure the virt-api stand-in's socket"))?;
+            .map_err(KIT.io("configure the virt-api stand-in's socket"))?;
         let addr = listener
             .local_addr()
-            .map_err(io("read the virt-api stand-in's address"))?;
+            .map_err(KIT.io("read the virt-api stand-in's address"))?;
         let log = std::fs::File::create(log_dir.join("virt-api.log"))
-            .map_err(io("create log/virt-api.log"))?;
+            .map_err(KIT.io("create log/virt-api.log"))?;
         let counts = Arc::new(Counts::default());
         let state = Arc::new(State {
             kvtool: kvtool.to_path_buf(),
@@ -106,7 +107,7 @@ impl VirtApi {
         std::thread::Builder::new()
             .name("virt-api-stand-in".into())
             .spawn(move || serve(listener, acceptor, state))
-            .map_err(io("start the virt-api stand-in's thread"))?;
+            .map_err(KIT.io("start the virt-api stand-in's thread"))?;
         Ok(VirtApi {
             addr,
             ca_bundle: ca.ca_bundle_base64(),
@@ -154,11 +155,10 @@ impl VirtApi {
             plural: "mutatingwebhookconfigurations".into(),
         };
         let configs: Api<DynamicObject> = Api::all_with(client.clone(), &ar);
-        let obj: DynamicObject =
-            serde_json::from_value(config).map_err(|e| KubeVirtError::Api {
-                what: "the virt-api stand-in's configuration".into(),
-                reason: e.to_string(),
-            })?;
+        let obj: DynamicObject = serde_json::from_value(config).map_err(|e| Error::Failed {
+            what: "the virt-api stand-in's configuration".into(),
+            reason: e.to_string(),
+        })?;
         match configs.create(&PostParams::default(), &obj).await {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 409 => {}
@@ -168,7 +168,7 @@ impl VirtApi {
         let ns = unique_name("virt-api-probe");
         let namespaces: Api<Namespace> = Api::all(client.clone());
         let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}}))
-            .map_err(|e| KubeVirtError::Api {
+            .map_err(|e| Error::Failed {
                 what: "a probe namespace".into(),
                 reason: e.to_string(),
             })?;
@@ -182,7 +182,7 @@ impl VirtApi {
             "metadata": {"name": "probe"},
             "spec": {"domain": {"devices": {}, "memory": {"guest": "64Mi"}}}
         }))
-        .map_err(|e| KubeVirtError::Api {
+        .map_err(|e| Error::Failed {
             what: "the probe VMI".into(),
             reason: e.to_string(),
         })?;
@@ -206,7 +206,7 @@ impl VirtApi {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        Err(KubeVirtError::Api {
+        Err(Error::Failed {
             what: "wait for the API server to call the virt-api stand-in".into(),
             reason: last,
         })
@@ -224,7 +224,7 @@ fn vmi_api(client: &Client, ns: &str) -> Api<DynamicObject> {
 }
 
 /// `kvtool default-vmi CR < vmi`: the VMI as virt-api would store it, or the causes it is refused for
-/// ([`KubeVirtError::Command`] with kvtool's exit status 2).
+/// ([`Error::Command`] with kvtool's exit status 2).
 pub fn default_vmi(kvtool: &Path, cr_file: &Path, vmi: &Value) -> Result<Value> {
     let mut child = Command::new(kvtool)
         .arg("default-vmi")
@@ -233,21 +233,21 @@ pub fn default_vmi(kvtool: &Path, cr_file: &Path, vmi: &Value) -> Result<Value> 
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(io("run kvtool default-vmi"))?;
-    let input = serde_json::to_vec(vmi).map_err(|e| KubeVirtError::Api {
+        .map_err(KIT.io("run kvtool default-vmi"))?;
+    let input = serde_json::to_vec(vmi).map_err(|e| Error::Failed {
         what: "serialise a VMI for kvtool".into(),
         reason: e.to_string(),
     })?;
     if let Some(mut stdin) = child.stdin.take() {
         stdin
             .write_all(&input)
-            .map_err(io("write the VMI to kvtool"))?;
+            .map_err(KIT.io("write the VMI to kvtool"))?;
     }
     let out = child
         .wait_with_output()
-        .map_err(io("wait for kvtool default-vmi"))?;
+        .map_err(KIT.io("wait for kvtool default-vmi"))?;
     if !out.status.success() {
-        return Err(KubeVirtError::Command {
+        return Err(Error::Command {
             command: "kvtool default-vmi".into(),
             status: out
                 .status
@@ -256,7 +256,7 @@ pub fn default_vmi(kvtool: &Path, cr_file: &Path, vmi: &Value) -> Result<Value> 
             output: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         });
     }
-    serde_json::from_slice(&out.stdout).map_err(|e| KubeVirtError::Api {
+    serde_json::from_slice(&out.stdout).map_err(|e| Error::Failed {
         what: "parse kvtool default-vmi's output".into(),
         reason: e.to_string(),
     })
@@ -302,7 +302,7 @@ fn answer(state: &State, review: &Value) -> Value {
             state.counts.refused.fetch_add(1, Ordering::Relaxed);
             state.log(&format!("refused {name}: {e}"));
             let code = match &e {
-                KubeVirtError::Command { status, .. } if status == "2" => 422,
+                Error::Command { status, .. } if status == "2" => 422,
                 _ => 500,
             };
             json!({"uid": uid, "allowed": false, "status": {"code": code, "message": e.to_string()}})

@@ -5,8 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use super::{NodeError, RealNode, Result, Runtime, run};
+use super::{KIT, RealNode, Runtime, run};
 use crate::controlplane::ci;
+use crate::{Error, Result};
 
 /// The environment variable naming the directory of the image archives (`scripts/test.sh` sets it).
 pub const IMAGES_ENV: &str = "TEEGUARD_IMAGES";
@@ -32,7 +33,7 @@ impl RealNode {
     /// into its containers-storage).
     pub fn import_image(&self, archive: &Path, image: &str) -> Result<()> {
         if !archive.is_file() {
-            return Err(NodeError::Missing(format!(
+            return Err(KIT.missing(format!(
                 "no image archive {} (scripts/images.sh writes it)",
                 archive.display()
             )));
@@ -90,8 +91,8 @@ impl RealNode {
         if names.lines().any(|l| l.trim() == image) {
             Ok(())
         } else {
-            Err(NodeError::Api {
-                what: format!("import {image}"),
+            Err(Error::Failed {
+                what: format!("real node: import {image}"),
                 reason: format!("containerd has no image of that name; it has: {names}"),
             })
         }

@@ -9,22 +9,20 @@ use kube::api::{DeleteParams, ListParams};
 use kube::{Api, Client};
 use serde_json::json;
 
-use super::{NodeError, READY_DEADLINE, RealNode, Result};
+use super::{KIT, READY_DEADLINE, RealNode};
+use crate::error::{self, Error, Result};
 use crate::patch::MergePatch;
 
 /// The taint the API server gives every new Node (`TaintNodesByCondition`).
 const NOT_READY: &str = "node.kubernetes.io/not-ready";
 
-fn api_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> NodeError {
-    let what = what.into();
-    move |e| NodeError::Api {
-        what,
-        reason: e.to_string(),
-    }
+fn api_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+    error::failed(format!("real node: {}", what.into()))
 }
 
-fn not_ready(node: &RealNode, what: String) -> NodeError {
-    NodeError::NotReady {
+fn not_ready(node: &RealNode, what: String) -> Error {
+    Error::NotReady {
+        component: KIT.name,
         what,
         logs: node.dir.join("log"),
     }

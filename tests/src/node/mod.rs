@@ -38,7 +38,8 @@ pub use images::built_images;
 pub use records::{ContainerKind, Recorded, RecordedUpdate, limits};
 pub use start::CRIO_UNIFIED_HANDLER;
 
-use crate::controlplane::{ControlPlane, ci};
+use crate::controlplane::ControlPlane;
+use crate::error::{self, Component, Error, Result};
 
 /// The environment variable naming the directory with the binaries.
 pub const ENV: &str = "TEEGUARD_NODE_RUNTIME";
@@ -90,55 +91,11 @@ impl Runtime {
     }
 }
 
-/// Errors of the harness; each names what failed.
-#[derive(Debug, thiserror::Error)]
-pub enum NodeError {
-    /// Something the node needs is missing (the tests skip, unless `CI=true`).
-    #[error("no real node: {0}; {HOW_TO}")]
-    Missing(String),
-    /// A file or process operation failed.
-    #[error("real node: cannot {what}: {source}")]
-    Io {
-        /// What was attempted.
-        what: String,
-        /// Why it failed.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A command ran and failed.
-    #[error("real node: {command} failed ({status}): {output}")]
-    Command {
-        /// The command line.
-        command: String,
-        /// Its exit status.
-        status: String,
-        /// Its output.
-        output: String,
-    },
-    /// A component did not come up, or something did not happen in time; the logs say why.
-    #[error("real node: {what}; logs in {}", logs.display())]
-    NotReady {
-        /// What did not happen.
-        what: String,
-        /// The log directory.
-        logs: PathBuf,
-    },
-    /// The API server refused or failed a request about the node.
-    #[error("real node: {what}: {reason}")]
-    Api {
-        /// What was asked.
-        what: String,
-        /// What the API server said.
-        reason: String,
-    },
-}
-
-type Result<T, E = NodeError> = std::result::Result<T, E>;
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NodeError {
-    let what = what.into();
-    move |source| NodeError::Io { what, source }
-}
+/// This harness's component, as its errors name it.
+pub(crate) const KIT: Component = Component {
+    name: "real node",
+    how_to: HOW_TO,
+};
 
 /// A running node: the runtime and the kubelet, joined to the control plane as Node [`RealNode::name`].
 #[derive(Debug)]
@@ -186,19 +143,15 @@ impl RealNode {
             .get(n)
             .unwrap_or_else(|| panic!("a test binary runs at most {MAX_NODES} nodes per runtime"));
         // Checked first: a machine without the node's binaries need not start a control plane.
-        if let Err(NodeError::Missing(m)) = start::prerequisites(runtime) {
-            if ci() {
-                panic!("{}", NodeError::Missing(m));
-            }
-            eprintln!("skipped: needs a real node ({m}); {HOW_TO}");
-            return None;
+        if let Err(e) = start::prerequisites(runtime) {
+            return error::skip(e);
         }
         let cp = ControlPlane::shared()?;
         let got = cell.get_or_init(|| {
             // On its own thread: a test's tokio runtime cannot block on another runtime.
             std::thread::spawn(move || start::start(runtime, n, cp))
                 .join()
-                .unwrap_or_else(|_| Err(NodeError::Missing("the node's start-up panicked".into())))
+                .unwrap_or_else(|_| Err(KIT.missing("the node's start-up panicked")))
                 .map_err(|e| e.to_string())
         });
         match got {
@@ -334,7 +287,7 @@ impl RealNode {
     /// meanwhile. [`RealNode::create_held`] says when one waits.
     pub fn hold_create(&self, marker: &str) -> Result<()> {
         let _ = std::fs::remove_file(self.dir.join("hold-create.waiting"));
-        std::fs::write(self.dir.join("hold-create"), marker).map_err(io("write hold-create"))
+        std::fs::write(self.dir.join("hold-create"), marker).map_err(KIT.io("write hold-create"))
     }
 
     /// Whether a `runc create` waits because of [`RealNode::hold_create`].
@@ -394,10 +347,7 @@ impl RealNode {
             start::start_kubelet(self)?;
             start::wait_kubelet(self).await?;
         }
-        let client = self.cp.client().await.map_err(|e| NodeError::Api {
-            what: "connect to the control plane".into(),
-            reason: e.to_string(),
-        })?;
+        let client = self.cp.client().await?;
         kube_node::wait_registered(self, &client).await?;
         kube_node::delete_pods(self, &client).await
     }
@@ -432,9 +382,9 @@ impl NodeTurn {
 
 /// Run `cmd`; its standard output, or an error with its output.
 fn run(mut cmd: Command, what: &str) -> Result<String> {
-    let out = cmd.output().map_err(io(format!("run {what}")))?;
+    let out = cmd.output().map_err(KIT.io(format!("run {what}")))?;
     if !out.status.success() {
-        return Err(NodeError::Command {
+        return Err(Error::Command {
             command: what.to_string(),
             status: out.status.to_string(),
             output: format!(

@@ -11,9 +11,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{
-    BUSYBOX, ENV, NRI_REQUEST_TIMEOUT, NodeError, PAUSE, READY_DEADLINE, RealNode, Result, Runtime,
-    io, kube_node, run, teardown,
+    BUSYBOX, ENV, KIT, NRI_REQUEST_TIMEOUT, PAUSE, READY_DEADLINE, RealNode, Result, Runtime,
+    kube_node, run, teardown,
 };
+use crate::Error;
 use crate::controlplane::ControlPlane;
 use crate::ports::free_ports;
 
@@ -30,12 +31,9 @@ const APPLETS: [&str; 6] = ["sh", "sleep", "cat", "echo", "ls", "true"];
 pub(super) fn prerequisites(runtime: Runtime) -> Result<PathBuf> {
     let source = std::env::var_os(ENV)
         .map(PathBuf::from)
-        .ok_or_else(|| NodeError::Missing(format!("{ENV} is not set")))?;
+        .ok_or_else(|| KIT.missing(format!("{ENV} is not set")))?;
     if !source.is_dir() {
-        return Err(NodeError::Missing(format!(
-            "{ENV}={} is not a directory",
-            source.display()
-        )));
+        return Err(KIT.missing(format!("{ENV}={} is not a directory", source.display())));
     }
     let uid = std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -45,25 +43,19 @@ pub(super) fn prerequisites(runtime: Runtime) -> Result<PathBuf> {
                 .and_then(|l| l.split_whitespace().next().map(str::to_string))
         });
     if uid.as_deref() != Some("0") {
-        return Err(NodeError::Missing(
-            "the node runs as root (cgroups, mounts, the kubelet); this test process is not".into(),
+        return Err(KIT.missing(
+            "the node runs as root (cgroups, mounts, the kubelet); this test process is not",
         ));
     }
     for b in runtime.binaries().iter().chain(&COMMON) {
         let plain = source.join(b);
         if !plain.is_file() && !source.join(format!("{b}.xz")).is_file() {
-            return Err(NodeError::Missing(format!(
-                "{} has neither {b} nor {b}.xz",
-                source.display()
-            )));
+            return Err(KIT.missing(format!("{} has neither {b} nor {b}.xz", source.display())));
         }
     }
     for h in HELPERS {
         if !source.join(h).is_file() {
-            return Err(NodeError::Missing(format!(
-                "{} has no {h}",
-                source.display()
-            )));
+            return Err(KIT.missing(format!("{} has no {h}", source.display())));
         }
     }
     let mut needs = vec![
@@ -86,10 +78,7 @@ pub(super) fn prerequisites(runtime: Runtime) -> Result<PathBuf> {
         )
         .collect();
     if !missing.is_empty() {
-        return Err(NodeError::Missing(format!(
-            "missing {}",
-            missing.join(", ")
-        )));
+        return Err(KIT.missing(format!("missing {}", missing.join(", "))));
     }
     Ok(source)
 }
@@ -106,15 +95,15 @@ pub(super) fn start(runtime: Runtime, n: usize, cp: &'static ControlPlane) -> Re
     let dir = tempfile::Builder::new()
         .prefix(&format!("teeguard-node-{}-", runtime.name()))
         .tempdir()
-        .map_err(io("create the state directory"))?
+        .map_err(KIT.io("create the state directory"))?
         .keep();
     for sub in ["log", "record", "images", "cni", "pids", "kubelet"] {
-        std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("create {sub}/")))?;
+        std::fs::create_dir_all(dir.join(sub)).map_err(KIT.io(format!("create {sub}/")))?;
     }
     let bin = binaries(&source, runtime, &dir.join("bin"))?;
     let network = Network::of(runtime, n);
     teardown::install(&dir, &bin, runtime, &name, &network.bridge)?;
-    let [kubelet_port, kubelet_healthz] = free_ports().map_err(io("find free ports"))?;
+    let [kubelet_port, kubelet_healthz] = free_ports().map_err(KIT.io("find free ports"))?;
     let node = RealNode {
         runtime,
         name,
@@ -135,7 +124,7 @@ pub(super) fn start(runtime: Runtime, n: usize, cp: &'static ControlPlane) -> Re
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(io("start a tokio runtime"))?;
+        .map_err(KIT.io("start a tokio runtime"))?;
     start_runtime(&node)?;
     rt.block_on(wait_runtime(&node))?;
     if runtime == Runtime::Containerd {
@@ -147,10 +136,7 @@ pub(super) fn start(runtime: Runtime, n: usize, cp: &'static ControlPlane) -> Re
     start_kubelet(&node)?;
     rt.block_on(async {
         wait_kubelet(&node).await?;
-        let client = node.cp.client().await.map_err(|e| NodeError::Api {
-            what: "connect to the control plane".into(),
-            reason: e.to_string(),
-        })?;
+        let client = node.cp.client().await?;
         kube_node::wait_registered(&node, &client).await
     })?;
     Ok(RealNode {
@@ -165,14 +151,14 @@ fn binaries(source: &Path, runtime: Runtime, unpack: &Path) -> Result<PathBuf> {
     if all.iter().all(|b| source.join(b).is_file()) {
         return Ok(source.to_path_buf());
     }
-    std::fs::create_dir_all(unpack).map_err(io(format!("create {}", unpack.display())))?;
+    std::fs::create_dir_all(unpack).map_err(KIT.io(format!("create {}", unpack.display())))?;
     for b in all {
         let out = unpack.join(b);
         if source.join(b).is_file() {
-            std::fs::copy(source.join(b), &out).map_err(io(format!("copy {b}")))?;
+            std::fs::copy(source.join(b), &out).map_err(KIT.io(format!("copy {b}")))?;
         } else {
             let file =
-                std::fs::File::create(&out).map_err(io(format!("create {}", out.display())))?;
+                std::fs::File::create(&out).map_err(KIT.io(format!("create {}", out.display())))?;
             let mut cmd = Command::new("xz");
             cmd.arg("-dc")
                 .arg(source.join(format!("{b}.xz")))
@@ -182,7 +168,7 @@ fn binaries(source: &Path, runtime: Runtime, unpack: &Path) -> Result<PathBuf> {
         chmod_x(&out)?;
     }
     for h in HELPERS {
-        std::fs::copy(source.join(h), unpack.join(h)).map_err(io(format!("copy {h}")))?;
+        std::fs::copy(source.join(h), unpack.join(h)).map_err(KIT.io(format!("copy {h}")))?;
         chmod_x(&unpack.join(h))?;
     }
     Ok(unpack.to_path_buf())
@@ -191,7 +177,7 @@ fn binaries(source: &Path, runtime: Runtime, unpack: &Path) -> Result<PathBuf> {
 fn chmod_x(p: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
-        .map_err(io(format!("chmod {}", p.display())))
+        .map_err(KIT.io(format!("chmod {}", p.display())))
 }
 
 /// `name` on `PATH`.
@@ -203,7 +189,7 @@ pub(super) fn which(name: &str) -> Option<PathBuf> {
 }
 
 fn write(path: &Path, body: &str) -> Result<()> {
-    std::fs::write(path, body).map_err(io(format!("write {}", path.display())))
+    std::fs::write(path, body).map_err(KIT.io(format!("write {}", path.display())))
 }
 
 /// `<state>/runc`: runc through `runc-record` (configs saved to `record/`, `unified` dropped); an
@@ -212,7 +198,7 @@ fn write(path: &Path, body: &str) -> Result<()> {
 /// `create` whose `config.json` contains the file's text waits (it touches `hold-create.waiting`
 /// first): [`RealNode::hold_create`].
 fn write_runc_wrapper(node: &RealNode) -> Result<()> {
-    let runc = which("runc").ok_or_else(|| NodeError::Missing("runc".into()))?;
+    let runc = which("runc").ok_or_else(|| KIT.missing("runc"))?;
     let wrapper = node.dir.join("runc");
     let script = r#"#!/bin/sh
 export RUNC_RECORD_DIR=@RECORD@ RUNC_REAL=@RUNC@
@@ -254,17 +240,17 @@ exit "$rc"
 /// Two one-layer OCI archives: the static pause, and busybox with a few applets.
 fn build_images(node: &RealNode) -> Result<()> {
     let images = node.dir.join("images");
-    let busybox = which("busybox").ok_or_else(|| NodeError::Missing("busybox".into()))?;
+    let busybox = which("busybox").ok_or_else(|| KIT.missing("busybox"))?;
     let rootfs = images.join("busybox");
-    std::fs::create_dir_all(rootfs.join("bin")).map_err(io("create the busybox rootfs"))?;
-    std::fs::copy(&busybox, rootfs.join("bin/busybox")).map_err(io("copy busybox"))?;
+    std::fs::create_dir_all(rootfs.join("bin")).map_err(KIT.io("create the busybox rootfs"))?;
+    std::fs::copy(&busybox, rootfs.join("bin/busybox")).map_err(KIT.io("copy busybox"))?;
     for applet in APPLETS {
         std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet))
-            .map_err(io(format!("link {applet}")))?;
+            .map_err(KIT.io(format!("link {applet}")))?;
     }
     let pause = images.join("pause");
-    std::fs::create_dir_all(&pause).map_err(io("create the pause rootfs"))?;
-    std::fs::copy(node.bin.join("pause"), pause.join("pause")).map_err(io("copy pause"))?;
+    std::fs::create_dir_all(&pause).map_err(KIT.io("create the pause rootfs"))?;
+    std::fs::copy(node.bin.join("pause"), pause.join("pause")).map_err(KIT.io("copy pause"))?;
     for (tar, image, root, entry) in [
         ("pause.tar", PAUSE, &pause, vec!["/pause"]),
         ("busybox.tar", BUSYBOX, &rootfs, vec!["/bin/sleep", "3600"]),
@@ -399,7 +385,7 @@ state = "{state}"
                 &node.dir.join("policy.json"),
                 r#"{"default":[{"type":"insecureAcceptAnything"}]}"#,
             )?;
-            let conmon = which("conmon").ok_or_else(|| NodeError::Missing("conmon".into()))?;
+            let conmon = which("conmon").ok_or_else(|| KIT.missing("conmon"))?;
             let handler = |name: &str, allowed: &str| {
                 format!(
                     "[crio.runtime.runtimes.{name}]\nruntime_path = \"{runc}\"\nruntime_root = \"{root}\"\n\
@@ -476,15 +462,15 @@ fn spawn(node: &RealNode, component: &'static str, mut cmd: Command) -> Result<(
         .create(true)
         .append(true)
         .open(&log_path)
-        .map_err(io(format!("open {}", log_path.display())))?;
-    let err = log.try_clone().map_err(io("clone a log handle"))?;
+        .map_err(KIT.io(format!("open {}", log_path.display())))?;
+    let err = log.try_clone().map_err(KIT.io("clone a log handle"))?;
     let path = std::env::var("PATH").unwrap_or_default();
     cmd.env("PATH", format!("{}:{path}", node.bin.display()))
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(err))
         .process_group(0);
-    let child = cmd.spawn().map_err(io(format!("start {component}")))?;
+    let child = cmd.spawn().map_err(KIT.io(format!("start {component}")))?;
     write(
         &node.dir.join("pids").join(component),
         &child.id().to_string(),
@@ -526,7 +512,8 @@ pub(super) async fn wait_runtime(node: &RealNode) -> Result<Instant> {
             }
         }
         if !node.running(node.runtime.name()) || Instant::now() >= deadline {
-            return Err(NodeError::NotReady {
+            return Err(Error::NotReady {
+                component: KIT.name,
                 what: format!(
                     "{} is not serving CRI and NRI ({}); {last}",
                     node.runtime.name(),
@@ -548,7 +535,7 @@ pub(super) async fn wait_runtime(node: &RealNode) -> Result<Instant> {
 fn write_kubelet_config(node: &RealNode, port: u16) -> Result<()> {
     let kd = node.dir.join("kubelet");
     for sub in ["root", "certs", "manifests", "pod-logs"] {
-        std::fs::create_dir_all(kd.join(sub)).map_err(io(format!("create kubelet/{sub}")))?;
+        std::fs::create_dir_all(kd.join(sub)).map_err(KIT.io(format!("create kubelet/{sub}")))?;
     }
     write(
         &kd.join("config.yaml"),
@@ -613,7 +600,8 @@ pub(super) async fn wait_kubelet(node: &RealNode) -> Result<()> {
             return Ok(());
         }
         if !node.running("kubelet") || Instant::now() >= deadline {
-            return Err(NodeError::NotReady {
+            return Err(Error::NotReady {
+                component: KIT.name,
                 what: format!("the kubelet's /healthz is not ok ({got:?})"),
                 logs: node.dir.join("log"),
             });
@@ -628,16 +616,16 @@ fn make_cgroup_root(name: &str) -> Result<()> {
     let top = Path::new("/sys/fs/cgroup");
     if top.join("cgroup.controllers").is_file() {
         let dir = top.join(name);
-        std::fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
+        std::fs::create_dir_all(&dir).map_err(KIT.io(format!("create {}", dir.display())))?;
         let enabled = std::fs::read_to_string(top.join("cgroup.subtree_control"))
-            .map_err(io("read /sys/fs/cgroup/cgroup.subtree_control"))?;
+            .map_err(KIT.io("read /sys/fs/cgroup/cgroup.subtree_control"))?;
         let want: Vec<String> = enabled
             .split_whitespace()
             .map(|c| format!("+{c}"))
             .collect();
         return write(&dir.join("cgroup.subtree_control"), &want.join(" "));
     }
-    let hierarchies = std::fs::read_dir(top).map_err(io("list /sys/fs/cgroup"))?;
+    let hierarchies = std::fs::read_dir(top).map_err(KIT.io("list /sys/fs/cgroup"))?;
     for h in hierarchies.flatten() {
         let path = h.path();
         let is_v1 = h.file_type().is_ok_and(|t| t.is_dir())
@@ -647,7 +635,7 @@ fn make_cgroup_root(name: &str) -> Result<()> {
             continue;
         }
         let dir = path.join(name);
-        std::fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
+        std::fs::create_dir_all(&dir).map_err(KIT.io(format!("create {}", dir.display())))?;
         for f in ["cpuset.cpus", "cpuset.mems"] {
             if let Ok(v) = std::fs::read_to_string(path.join(f)) {
                 write(&dir.join(f), v.trim())?;

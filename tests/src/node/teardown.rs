@@ -6,7 +6,7 @@ use std::os::unix::process::CommandExt as _;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use super::{Result, Runtime, io, run};
+use super::{KIT, Result, Runtime, run};
 
 /// The tunables a kubelet sets when it starts (`/proc/sys` paths).
 const SYSCTLS: [&str; 6] = [
@@ -129,7 +129,7 @@ pub(super) fn install(
         .replace("@BRIDGE@", bridge)
         .replace("@ID@", &id);
     let write = |name: &str, body: &str| {
-        std::fs::write(dir.join(name), body).map_err(io(format!("write {name}")))
+        std::fs::write(dir.join(name), body).map_err(KIT.io(format!("write {name}")))
     };
     write("teardown.sh", &script)?;
     write(
@@ -147,7 +147,7 @@ pub(super) fn install(
         .stderr(Stdio::null())
         .process_group(0)
         .spawn()
-        .map_err(io("start the node's janitor (needs bash)"))?;
+        .map_err(KIT.io("start the node's janitor (needs bash)"))?;
     write("pids/janitor", &janitor.id().to_string())?;
     let kept = format!(
         "real node: a test failed; the node's logs are kept in {0}/log, the recorded OCI configs in {0}/record",
@@ -159,8 +159,8 @@ pub(super) fn install(
 
 /// Save the machine's kernel tunables before a kubelet changes them (see [`SYSCTL_SCRIPT`]).
 pub(super) fn save_sysctls(dir: &Path) -> Result<()> {
-    let janitor =
-        std::fs::read_to_string(dir.join("pids/janitor")).map_err(io("read the janitor's pid"))?;
+    let janitor = std::fs::read_to_string(dir.join("pids/janitor"))
+        .map_err(KIT.io("read the janitor's pid"))?;
     let mut cmd = Command::new("bash");
     cmd.arg(dir.join("sysctls.sh"))
         .arg("save")

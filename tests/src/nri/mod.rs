@@ -16,4 +16,4 @@ pub mod ttrpc;
 #[cfg(test)]
 mod runtime_tests;
 
-pub use runtime::{NriError, NriRuntime, Registration, event_bit, misc_max};
+pub use runtime::{NriRuntime, Registration, event_bit, misc_max};

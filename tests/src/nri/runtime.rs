@@ -11,7 +11,7 @@
 //! did not subscribe to `CREATE_CONTAINER`), [`NriRuntime::start_container`] (the post-start event) and
 //! [`NriRuntime::call`]; the plugin's `UpdateContainers` calls are recorded and answered with success
 //! ([`NriRuntime::wait_updates`]). A call not answered within the
-//! request timeout fails with [`NriError::Timeout`] and, as containerd does, closes the plugin;
+//! request timeout fails with [`Error::RequestTimeout`] and, as containerd does, closes the plugin;
 //! [`NriRuntime::create_container_as_runtime`] gives what the container then gets (no adjustment).
 //!
 //! Messages are JSON in the form of [`crate::proto`], encoded with the upstream `api.proto`.
@@ -27,8 +27,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::runtime_conn::{PluginConn, accept_loop};
-use super::ttrpc::MESSAGE_LENGTH_MAX;
-use crate::proto::{ProtoError, Schema};
+use crate::error::{self, Error, Result};
+use crate::proto::Schema;
 
 /// `ConfigureRequest.runtime_name`.
 pub const RUNTIME_NAME: &str = "teeguard-test-runtime";
@@ -40,70 +40,6 @@ pub const NRI_VERSION: &str = "v0.10.0";
 pub const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the plugin has to answer each call.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// What failed talking to the plugin.
-#[derive(Debug, thiserror::Error)]
-pub enum NriError {
-    /// A socket operation failed.
-    #[error("{what} {path}: {source}")]
-    Io {
-        /// The operation.
-        what: &'static str,
-        /// The socket path.
-        path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// Loading the API definition, or encoding/decoding a message, failed.
-    #[error(transparent)]
-    Proto(#[from] ProtoError),
-    /// No plugin completed registration in time.
-    #[error("timed out waiting for the plugin to register on {socket}")]
-    RegisterTimeout {
-        /// The runtime's socket.
-        socket: PathBuf,
-    },
-    /// A call needs a registered plugin and there is none.
-    #[error("no NRI plugin is registered on {socket}")]
-    NotRegistered {
-        /// The runtime's socket.
-        socket: PathBuf,
-    },
-    /// The plugin answered with a failed ttrpc status.
-    #[error("plugin answered {method} with ttrpc status {code}: {message}")]
-    Status {
-        /// The method called.
-        method: String,
-        /// gRPC code.
-        code: i32,
-        /// Status message.
-        message: String,
-    },
-    /// The plugin did not answer within the request timeout (the runtime then closed it).
-    #[error(
-        "plugin did not answer {method} within the {timeout:?} request timeout; the runtime closed its connection"
-    )]
-    Timeout {
-        /// The method called.
-        method: String,
-        /// The request timeout.
-        timeout: Duration,
-    },
-    /// The plugin connection closed before the answer came.
-    #[error("the plugin connection closed before the plugin answered {method}")]
-    Disconnected {
-        /// The method called.
-        method: String,
-    },
-    /// A request larger than ttrpc allows.
-    #[error("{method} request of {len} bytes exceeds ttrpc's {MESSAGE_LENGTH_MAX}-byte limit")]
-    TooLarge {
-        /// The method.
-        method: String,
-        /// Encoded size.
-        len: usize,
-    },
-}
 
 /// A plugin that completed register, configure and synchronize.
 #[derive(Clone, Debug, PartialEq)]
@@ -197,7 +133,7 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl NriRuntime {
     /// Parses the upstream `api.proto`, binds `socket` (removing a stale file, creating its directory)
     /// and accepts plugin connections in the background, on the current tokio runtime.
-    pub async fn start(socket: impl Into<PathBuf>) -> Result<NriRuntime, NriError> {
+    pub async fn start(socket: impl Into<PathBuf>) -> Result<NriRuntime> {
         let schema = Schema::nri()?;
         let value = |name: &str| schema.enum_value("Event", name);
         let (create_event, post_start_event, last) = (
@@ -266,7 +202,7 @@ impl NriRuntime {
 
     /// Waits until a plugin has registered (register, configure, synchronize) since the last start or
     /// restart, and is still connected.
-    pub async fn wait_registered(&self, timeout: Duration) -> Result<Registration, NriError> {
+    pub async fn wait_registered(&self, timeout: Duration) -> Result<Registration> {
         self.wait_registered_count(1, timeout).await
     }
 
@@ -275,7 +211,7 @@ impl NriRuntime {
         &self,
         count: u64,
         timeout: Duration,
-    ) -> Result<Registration, NriError> {
+    ) -> Result<Registration> {
         let mut rx = self.inner.registered.subscribe();
         let waited = tokio::time::timeout(
             timeout,
@@ -286,7 +222,7 @@ impl NriRuntime {
             Ok(Ok(reg)) => reg.clone(),
             _ => None,
         };
-        found.ok_or_else(|| NriError::RegisterTimeout {
+        found.ok_or_else(|| Error::RegisterTimeout {
             socket: self.inner.socket.clone(),
         })
     }
@@ -294,7 +230,7 @@ impl NriRuntime {
     /// Relays `CreateContainer` for `pod` (`PodSandbox` JSON) and `container` (`Container` JSON) and
     /// returns the plugin's `CreateContainerResponse` (JSON); `{}` without calling when the plugin did
     /// not subscribe to `CREATE_CONTAINER`.
-    pub async fn create_container(&self, pod: Value, container: Value) -> Result<Value, NriError> {
+    pub async fn create_container(&self, pod: Value, container: Value) -> Result<Value> {
         let (conn, reg) = self.inner.current()?;
         if !reg.subscribes(self.inner.create_event) {
             tracing::debug!(
@@ -320,16 +256,12 @@ impl NriRuntime {
     /// adjustment) when no plugin is registered, or when the plugin did not answer within the request
     /// timeout: the runtime then closes it, and creates later containers without it until it registers
     /// again. Other errors are returned as they are.
-    pub async fn create_container_as_runtime(
-        &self,
-        pod: Value,
-        container: Value,
-    ) -> Result<Value, NriError> {
+    pub async fn create_container_as_runtime(&self, pod: Value, container: Value) -> Result<Value> {
         match self.create_container(pod, container).await {
             Err(
-                NriError::NotRegistered { .. }
-                | NriError::Timeout { .. }
-                | NriError::Disconnected { .. },
+                Error::NotRegistered { .. }
+                | Error::RequestTimeout { .. }
+                | Error::Disconnected { .. },
             ) => Ok(json!({})),
             other => other,
         }
@@ -339,7 +271,7 @@ impl NriRuntime {
     /// post-start event, sent the way NRI's adaptation sends it to a plugin (`StateChange` with
     /// `POST_START_CONTAINER`), only when the plugin subscribed to it. `false`: not subscribed, nothing
     /// sent.
-    pub async fn start_container(&self, pod: Value, container: Value) -> Result<bool, NriError> {
+    pub async fn start_container(&self, pod: Value, container: Value) -> Result<bool> {
         let (conn, reg) = self.inner.current()?;
         if !reg.subscribes(self.inner.post_start_event) {
             return Ok(false);
@@ -371,7 +303,7 @@ impl NriRuntime {
         request_message: &str,
         response_message: &str,
         body: Value,
-    ) -> Result<Value, NriError> {
+    ) -> Result<Value> {
         let (conn, _) = self.inner.current()?;
         self.inner
             .request(&conn, method, request_message, response_message, &body)
@@ -380,7 +312,7 @@ impl NriRuntime {
 
     /// Simulates a runtime restart: closes the plugin connection and the listener, removes the socket,
     /// waits 100 ms, listens again. The registration is reset; the count goes on.
-    pub async fn restart(&self) -> Result<(), NriError> {
+    pub async fn restart(&self) -> Result<()> {
         tracing::info!(socket = %self.inner.socket.display(), "fake NRI runtime restarting");
         self.inner.teardown();
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -401,11 +333,8 @@ impl Drop for NriRuntime {
 }
 
 impl Inner {
-    fn listen(self: &Arc<Self>) -> Result<(), NriError> {
-        let io = |what| {
-            let path = self.socket.clone();
-            move |source| NriError::Io { what, path, source }
-        };
+    fn listen(self: &Arc<Self>) -> Result<()> {
+        let io = |what| error::io_at("NRI runtime", what, &self.socket);
         if let Some(dir) = self.socket.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io("creating the directory of"))?;
         }
@@ -440,12 +369,12 @@ impl Inner {
     }
 
     /// The connected, registered plugin.
-    fn current(&self) -> Result<(Arc<PluginConn>, Registration), NriError> {
+    fn current(&self) -> Result<(Arc<PluginConn>, Registration)> {
         let st = lock(&self.state);
         st.plugin
             .as_ref()
             .and_then(|p| Some((p.clone(), lock(&p.registration).clone()?)))
-            .ok_or_else(|| NriError::NotRegistered {
+            .ok_or_else(|| Error::NotRegistered {
                 socket: self.socket.clone(),
             })
     }
@@ -474,12 +403,12 @@ impl Inner {
         request_message: &str,
         response_message: &str,
         body: &Value,
-    ) -> Result<Value, NriError> {
+    ) -> Result<Value> {
         let payload = self.schema.encode(request_message, body)?;
         match conn.call(method, payload, REQUEST_TIMEOUT).await {
             Ok(bytes) => Ok(self.schema.decode(response_message, &bytes)?),
             Err(e) => {
-                if matches!(e, NriError::Timeout { .. }) {
+                if matches!(e, Error::RequestTimeout { .. }) {
                     self.disconnect(conn, &e.to_string());
                 }
                 Err(e)

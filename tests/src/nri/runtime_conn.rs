@@ -13,15 +13,17 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 
+use crate::{Error, Result};
+
 use super::runtime::{
-    Inner, NRI_VERSION, NriError, REGISTRATION_TIMEOUT, REQUEST_TIMEOUT, RUNTIME_NAME,
-    RUNTIME_VERSION, Registration, lock,
+    Inner, NRI_VERSION, REGISTRATION_TIMEOUT, REQUEST_TIMEOUT, RUNTIME_NAME, RUNTIME_VERSION,
+    Registration, lock,
 };
 use super::ttrpc::{
     CODE_INVALID_ARGUMENT, CODE_UNIMPLEMENTED, CODE_UNKNOWN, Demux, MESSAGE_LENGTH_MAX,
     MESSAGE_TYPE_REQUEST, MESSAGE_TYPE_RESPONSE, Message, PLUGIN_SERVICE, PLUGIN_SERVICE_CONN,
-    RUNTIME_SERVICE, RUNTIME_SERVICE_CONN, Request, Response, WireError, encode_frames,
-    encode_message, read_frame,
+    RUNTIME_SERVICE, RUNTIME_SERVICE_CONN, Request, Response, encode_frames, encode_message,
+    read_frame,
 };
 
 /// What the writer task is asked to do.
@@ -85,7 +87,7 @@ impl Inner {
         conn: &PluginConn,
         msg: &Message,
         reg_tx: &mut Option<oneshot::Sender<Result<Value, String>>>,
-    ) -> Result<(), WireError> {
+    ) -> Result<()> {
         let req = Request::decode(&msg.payload)?;
         let answer = |rsp: Response| {
             conn.send(
@@ -170,7 +172,7 @@ impl PluginConn {
         method: &str,
         payload: Vec<u8>,
         timeout: Duration,
-    ) -> Result<Vec<u8>, NriError> {
+    ) -> Result<Vec<u8>> {
         let request = Request {
             service: PLUGIN_SERVICE.to_string(),
             method: method.to_string(),
@@ -180,7 +182,7 @@ impl PluginConn {
         }
         .encode();
         if request.len() > MESSAGE_LENGTH_MAX {
-            return Err(NriError::TooLarge {
+            return Err(Error::TooLarge {
                 method: method.to_string(),
                 len: request.len(),
             });
@@ -189,7 +191,7 @@ impl PluginConn {
         let (tx, rx) = oneshot::channel();
         lock(&self.pending).insert(stream_id, tx);
         let message = encode_message(stream_id, MESSAGE_TYPE_REQUEST, &request);
-        let disconnected = || NriError::Disconnected {
+        let disconnected = || Error::Disconnected {
             method: method.to_string(),
         };
         if !self.send(PLUGIN_SERVICE_CONN, message) {
@@ -202,7 +204,7 @@ impl PluginConn {
             Ok(Err(_)) => return Err(disconnected()),
             Err(_) => {
                 lock(&self.pending).remove(&stream_id);
-                return Err(NriError::Timeout {
+                return Err(Error::RequestTimeout {
                     method: method.to_string(),
                     timeout,
                 });
@@ -210,7 +212,7 @@ impl PluginConn {
         };
         let status = response.status();
         if status.code != 0 {
-            return Err(NriError::Status {
+            return Err(Error::Status {
                 method: method.to_string(),
                 code: status.code,
                 message: status.message,
@@ -380,7 +382,7 @@ async fn register(
         "request_timeout": REQUEST_TIMEOUT.as_millis() as i64,
         "NRI_version": NRI_VERSION,
     });
-    let step = |what: &str, e: NriError| format!("{what} failed: {e}");
+    let step = |what: &str, e: Error| format!("{what} failed: {e}");
     let configured = inner
         .request(
             conn,

@@ -9,12 +9,13 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use super::runtime::{NRI_VERSION, NriError, NriRuntime, RUNTIME_NAME, event_bit, misc_max};
+use super::runtime::{NRI_VERSION, NriRuntime, RUNTIME_NAME, event_bit, misc_max};
 use super::ttrpc::{
     CODE_UNIMPLEMENTED, Demux, MESSAGE_TYPE_REQUEST, MESSAGE_TYPE_RESPONSE, PLUGIN_SERVICE_CONN,
     RUNTIME_SERVICE, RUNTIME_SERVICE_CONN, Request, Response, Status, encode_frames,
     encode_message, read_frame,
 };
+use crate::Error;
 use crate::proto::Schema;
 
 const CREATE_CONTAINER: i32 = 4;
@@ -275,7 +276,7 @@ async fn registers_configures_synchronizes_and_relays_create_container() {
     assert!(
         matches!(
             err,
-            NriError::Status {
+            Error::Status {
                 code: CODE_UNIMPLEMENTED,
                 ..
             }
@@ -332,7 +333,7 @@ async fn restart_makes_the_plugin_register_again() {
     assert_eq!(rt.registration(), None);
     assert!(matches!(
         rt.create_container(pod("p"), container("c")).await,
-        Err(NriError::NotRegistered { .. })
+        Err(Error::NotRegistered { .. })
     ));
     tokio::time::timeout(WAIT, first)
         .await
@@ -428,7 +429,7 @@ async fn a_plugin_that_never_answers_times_out_after_the_request_timeout() {
         .await
         .expect_err("no answer");
     let took = started.elapsed();
-    assert!(matches!(err, NriError::Timeout { .. }), "{err}");
+    assert!(matches!(err, Error::RequestTimeout { .. }), "{err}");
     assert!(err.to_string().contains("CreateContainer"), "{err}");
     assert!(
         took >= Duration::from_millis(1900) && took < Duration::from_secs(3),

@@ -15,6 +15,8 @@ use std::collections::HashMap;
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 
+use crate::error::{self, Error, Result};
+
 /// The logical connection on which the plugin serves the `Plugin` service.
 pub const PLUGIN_SERVICE_CONN: u32 = 1;
 /// The logical connection on which the runtime serves the `Runtime` service.
@@ -44,45 +46,6 @@ pub const CODE_INVALID_ARGUMENT: i32 = 3;
 /// gRPC status code: UNIMPLEMENTED (unknown service or method).
 pub const CODE_UNIMPLEMENTED: i32 = 12;
 
-/// Malformed data on the NRI socket.
-#[derive(Debug, thiserror::Error)]
-pub enum WireError {
-    /// A frame announcing more than [`FRAME_PAYLOAD_MAX`] bytes.
-    #[error(
-        "frame on connection {conn} announces {len} bytes, more than the {FRAME_PAYLOAD_MAX} allowed"
-    )]
-    FrameTooLarge {
-        /// Connection id of the frame.
-        conn: u32,
-        /// Announced payload length.
-        len: u32,
-    },
-    /// A ttrpc message announcing more than [`MESSAGE_LENGTH_MAX`] bytes.
-    #[error(
-        "ttrpc message on connection {conn} announces {len} bytes, more than the {MESSAGE_LENGTH_MAX} allowed"
-    )]
-    MessageTooLarge {
-        /// Connection id.
-        conn: u32,
-        /// Announced length.
-        len: u32,
-    },
-    /// A ttrpc request or response that is not valid protobuf.
-    #[error("malformed ttrpc {what}: {message}")]
-    Envelope {
-        /// `request` or `response`.
-        what: &'static str,
-        /// What is wrong.
-        message: String,
-    },
-    /// The stream ended inside a frame.
-    #[error("the stream ended inside a frame")]
-    Truncated,
-    /// Reading the socket failed.
-    #[error("reading the NRI socket: {0}")]
-    Io(#[from] std::io::Error),
-}
-
 /// Splits `data` into multiplexer frames for connection `conn`.
 pub fn encode_frames(conn: u32, data: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(data.len() + FRAME_HEADER_LEN);
@@ -105,30 +68,29 @@ pub fn encode_message(stream_id: u32, kind: u8, payload: &[u8]) -> Vec<u8> {
 }
 
 /// Reads one multiplexer frame: `Ok(None)` on a clean end of stream between frames.
-pub async fn read_frame<R: AsyncRead + Unpin>(
-    reader: &mut R,
-) -> Result<Option<(u32, Vec<u8>)>, WireError> {
+pub async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Option<(u32, Vec<u8>)>> {
     let mut header = [0u8; FRAME_HEADER_LEN];
     let mut filled = 0;
     while filled < FRAME_HEADER_LEN {
-        match reader.read(&mut header[filled..]).await? {
+        let read = reader.read(&mut header[filled..]).await;
+        match read.map_err(error::io("NRI socket", "read a frame header"))? {
             0 if filled == 0 => return Ok(None),
-            0 => return Err(WireError::Truncated),
+            0 => return Err(Error::Truncated),
             n => filled += n,
         }
     }
     let conn = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
     let len = u32::from_be_bytes([header[4], header[5], header[6], header[7]]);
     if len as usize > FRAME_PAYLOAD_MAX {
-        return Err(WireError::FrameTooLarge { conn, len });
+        return Err(Error::FrameTooLarge { conn, len });
     }
     let mut payload = vec![0u8; len as usize];
     reader
         .read_exact(&mut payload)
         .await
         .map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => WireError::Truncated,
-            _ => WireError::Io(e),
+            std::io::ErrorKind::UnexpectedEof => Error::Truncated,
+            _ => error::io("NRI socket", "read a frame")(e),
         })?;
     Ok(Some((conn, payload)))
 }
@@ -162,7 +124,7 @@ impl Demux {
     }
 
     /// The next complete ttrpc message of connection `conn`, if one has arrived.
-    pub fn next_message(&mut self, conn: u32) -> Result<Option<Message>, WireError> {
+    pub fn next_message(&mut self, conn: u32) -> Result<Option<Message>> {
         let Some(buf) = self.streams.get_mut(&conn) else {
             return Ok(None);
         };
@@ -171,7 +133,7 @@ impl Demux {
         }
         let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]);
         if len as usize > MESSAGE_LENGTH_MAX {
-            return Err(WireError::MessageTooLarge { conn, len });
+            return Err(Error::MessageTooLarge { conn, len });
         }
         let total = MESSAGE_HEADER_LEN + len as usize;
         if buf.len() < total {
@@ -248,8 +210,8 @@ impl Request {
     }
 
     /// Decodes an envelope; unknown fields are skipped.
-    pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
-        <Self as prost::Message>::decode(bytes).map_err(|e| WireError::Envelope {
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        <Self as prost::Message>::decode(bytes).map_err(|e| Error::Envelope {
             what: "request",
             message: e.to_string(),
         })
@@ -287,8 +249,8 @@ impl Response {
     }
 
     /// Decodes an envelope.
-    pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
-        <Self as prost::Message>::decode(bytes).map_err(|e| WireError::Envelope {
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        <Self as prost::Message>::decode(bytes).map_err(|e| Error::Envelope {
             what: "response",
             message: e.to_string(),
         })
@@ -329,7 +291,7 @@ mod tests {
         demux.push(1, &[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 1, 1, 0]);
         assert!(matches!(
             demux.next_message(1),
-            Err(WireError::MessageTooLarge { .. })
+            Err(Error::MessageTooLarge { .. })
         ));
     }
 
@@ -353,12 +315,12 @@ mod tests {
         let mut huge: &[u8] = &[0, 0, 0, 1, 0x7f, 0, 0, 0];
         assert!(matches!(
             read_frame(&mut huge).await,
-            Err(WireError::FrameTooLarge { .. })
+            Err(Error::FrameTooLarge { .. })
         ));
         let mut short: &[u8] = &[0, 0, 0, 1, 0, 0, 0, 9, 1];
         assert!(matches!(
             read_frame(&mut short).await,
-            Err(WireError::Truncated)
+            Err(Error::Truncated)
         ));
     }
 

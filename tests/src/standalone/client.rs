@@ -19,7 +19,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::Value;
 use tokio::sync::Mutex;
 
-use super::error::{Result, StandaloneError};
+use crate::{Error, Result};
 
 /// Time limit of one review round trip (the API server's default webhook timeout).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -53,7 +53,7 @@ fn method_name(method: &http::Method) -> &'static str {
 
 /// A rustls client configuration trusting only `ca` (ring provider, HTTP/1.1 ALPN).
 pub fn client_config(ca: CertificateDer<'static>) -> Result<Arc<rustls::ClientConfig>> {
-    let tls_err = |reason: String| StandaloneError::Startup {
+    let tls_err = |reason: String| Error::Startup {
         what: "webhook client TLS configuration",
         reason,
     };
@@ -77,11 +77,9 @@ impl WebhookClient {
     pub fn new(addr: SocketAddr, ca: CertificateDer<'static>) -> Result<Self> {
         Ok(WebhookClient {
             addr,
-            server_name: ServerName::try_from("localhost").map_err(|e| {
-                StandaloneError::Startup {
-                    what: "webhook client",
-                    reason: e.to_string(),
-                }
+            server_name: ServerName::try_from("localhost").map_err(|e| Error::Startup {
+                what: "webhook client",
+                reason: e.to_string(),
             })?,
             tls: tokio_rustls::TlsConnector::from(client_config(ca)?),
             conn: Mutex::new(None),
@@ -92,11 +90,9 @@ impl WebhookClient {
     /// A client trusting the PEM CA certificate `ca_pem`.
     pub fn from_ca_pem(addr: SocketAddr, ca_pem: &str) -> Result<Self> {
         use rustls::pki_types::pem::PemObject as _;
-        let ca = CertificateDer::from_pem_slice(ca_pem.as_bytes()).map_err(|e| {
-            StandaloneError::Startup {
-                what: "webhook client",
-                reason: format!("the CA certificate is not PEM: {e}"),
-            }
+        let ca = CertificateDer::from_pem_slice(ca_pem.as_bytes()).map_err(|e| Error::Startup {
+            what: "webhook client",
+            reason: format!("the CA certificate is not PEM: {e}"),
         })?;
         Self::new(addr, ca)
     }
@@ -115,7 +111,7 @@ impl WebhookClient {
     async fn connect(&self) -> Result<SendRequest<Full<Bytes>>> {
         let tcp = tokio::net::TcpStream::connect(self.addr)
             .await
-            .map_err(|source| StandaloneError::Connect {
+            .map_err(|source| Error::Connect {
                 addr: self.addr,
                 source,
             })?;
@@ -124,13 +120,13 @@ impl WebhookClient {
             .tls
             .connect(self.server_name.clone(), tcp)
             .await
-            .map_err(|source| StandaloneError::Tls {
+            .map_err(|source| Error::Tls {
                 addr: self.addr,
                 source,
             })?;
         let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
             .await
-            .map_err(|e| StandaloneError::Http {
+            .map_err(|e| Error::Http {
                 method: "POST",
                 url: format!("https://{}", self.addr),
                 reason: format!("HTTP/1.1 handshake: {e}"),
@@ -160,7 +156,7 @@ impl WebhookClient {
             .header(header::CONTENT_TYPE, "application/json")
             .header(header::ACCEPT, "application/json, */*")
             .body(Full::new(Bytes::copy_from_slice(body)))
-            .map_err(|e| StandaloneError::Http {
+            .map_err(|e| Error::Http {
                 method: name,
                 url: self.url(path),
                 reason: e.to_string(),
@@ -198,7 +194,7 @@ impl WebhookClient {
                     }
                     Err(e) => {
                         *slot = None;
-                        return Err(StandaloneError::Http {
+                        return Err(Error::Http {
                             method: "POST",
                             url: self.url(path),
                             reason: e.to_string(),
@@ -212,7 +208,8 @@ impl WebhookClient {
             Err(_) => {
                 // A connection in an unknown state is not reused.
                 *self.conn.lock().await = None;
-                Err(StandaloneError::Timeout {
+                Err(Error::Timeout {
+                    log: None,
                     what: format!("the webhook to answer POST {path}"),
                     after: self.timeout,
                 })
@@ -229,7 +226,7 @@ impl WebhookClient {
     ) -> Result<(StatusCode, Bytes)> {
         let status = resp.status();
         let body = resp.into_body().collect().await;
-        let bytes = body.map_err(|e| StandaloneError::Http {
+        let bytes = body.map_err(|e| Error::Http {
             method,
             url: self.url(path),
             reason: format!("reading the response body: {e}"),
@@ -260,7 +257,7 @@ impl WebhookClient {
             let resp = sender
                 .send_request(self.request_with(method.clone(), path, body)?)
                 .await
-                .map_err(|e| StandaloneError::Http {
+                .map_err(|e| Error::Http {
                     method: name,
                     url: self.url(path),
                     reason: e.to_string(),
@@ -269,7 +266,8 @@ impl WebhookClient {
         };
         match tokio::time::timeout(self.timeout, work).await {
             Ok(r) => r,
-            Err(_) => Err(StandaloneError::Timeout {
+            Err(_) => Err(Error::Timeout {
+                log: None,
                 what: format!("an answer to {name} {path} on a new connection"),
                 after: self.timeout,
             }),
@@ -279,7 +277,7 @@ impl WebhookClient {
     /// Send an AdmissionReview to `path` (`/mutate`, `/validate`) and parse the answer, checking that it
     /// echoes the request's UID.
     pub async fn review(&self, path: &str, review: &Value) -> Result<ReviewReply> {
-        let body = serde_json::to_vec(review).map_err(|e| StandaloneError::Object {
+        let body = serde_json::to_vec(review).map_err(|e| Error::Failed {
             what: "AdmissionReview".into(),
             reason: e.to_string(),
         })?;
@@ -347,13 +345,13 @@ impl ReviewReply {
     pub fn from_http(path: &str, status: StatusCode, body: &[u8], review: &Value) -> Result<Self> {
         if !status.is_success() {
             let text = String::from_utf8_lossy(body);
-            return Err(StandaloneError::HttpStatus {
+            return Err(Error::HttpStatus {
                 path: path.to_string(),
                 status: status.as_u16(),
                 body: text.trim().chars().take(500).collect(),
             });
         }
-        let bad = |reason: String| StandaloneError::BadReply {
+        let bad = |reason: String| Error::BadReply {
             path: path.to_string(),
             reason,
         };
@@ -524,7 +522,7 @@ mod tests {
             json!({"apiVersion": "admission.k8s.io/v1"}),
         ] {
             let err = reply("/mutate", &body).expect_err("invalid reply");
-            assert!(matches!(err, StandaloneError::BadReply { .. }), "{err}");
+            assert!(matches!(err, Error::BadReply { .. }), "{err}");
         }
         let err = ReviewReply::from_http("/validate", StatusCode::NOT_FOUND, b"{}", &review())
             .expect_err("404");

@@ -27,10 +27,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::client::WebhookClient;
 use super::driver::{ApiServerDriver, own_by};
-use super::error::{Result, StandaloneError};
 use crate::fakeapi::{FakeApiServer, ServedFakeApi};
 use crate::fixtures::{self, NodeBuilder, Tee, Vmi};
 use crate::host::{SimHost, TDX};
+use crate::{Error, Result};
 
 /// The TDX node the agent runs on.
 pub const TEE_NODE: &str = "node-a";
@@ -118,9 +118,8 @@ impl std::fmt::Debug for Standalone {
     }
 }
 
-fn io_err(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> StandaloneError {
-    let path = path.to_path_buf();
-    move |source| StandaloneError::Io { op, path, source }
+fn io_err(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    crate::error::io_at("standalone", op, path)
 }
 
 /// The configuration file of the standalone: a fast agent so reports follow each step quickly.
@@ -154,7 +153,7 @@ impl Standalone {
         let config_text = config_yaml(opts.poll_interval);
         let config_path = root.join("config.yaml");
         std::fs::write(&config_path, &config_text).map_err(io_err("write", &config_path))?;
-        let config = Config::from_yaml(&config_text).map_err(|e| StandaloneError::Startup {
+        let config = Config::from_yaml(&config_text).map_err(|e| Error::Startup {
             what: "configuration",
             reason: e.to_string(),
         })?;
@@ -167,7 +166,7 @@ impl Standalone {
         api.create(&serde_json::from_value::<Namespace>(json!({
             "apiVersion": "v1", "kind": "Namespace",
             "metadata": {"name": fixtures::DEFAULT_NAMESPACE, "labels": {"kubernetes.io/metadata.name": fixtures::DEFAULT_NAMESPACE}}
-        })).map_err(|e| StandaloneError::Startup { what: "namespace", reason: e.to_string() })?)?;
+        })).map_err(|e| Error::Startup { what: "namespace", reason: e.to_string() })?)?;
         let node_a = NodeBuilder::new(TEE_NODE)
             .tdx(opts.tdx_keys)
             .label(KATA_NODE_LABEL, "true")
@@ -241,13 +240,13 @@ impl Standalone {
                 ..
             }) => a,
             Ok(_) => {
-                return Err(StandaloneError::Startup {
+                return Err(Error::Startup {
                     what: "webhook flags",
                     reason: "`serve` was not parsed as the serve command".into(),
                 });
             }
             Err(e) => {
-                return Err(StandaloneError::Startup {
+                return Err(Error::Startup {
                     what: "webhook flags",
                     reason: e.to_string(),
                 });
@@ -262,7 +261,7 @@ impl Standalone {
                     if source.kind() == std::io::ErrorKind::AddrInUse =>
                 {
                     shutdown.cancel();
-                    return Err(StandaloneError::PortInUse { addr });
+                    return Err(Error::PortInUse { addr });
                 }
                 Err(e) => {
                     shutdown.cancel();
@@ -275,7 +274,7 @@ impl Standalone {
         let ca: CertificateDer<'static> = rustls::pki_types::pem::PemObject::from_pem_slice(
             bundle.ca_pem.as_bytes(),
         )
-        .map_err(|e| StandaloneError::Startup {
+        .map_err(|e| Error::Startup {
             what: "webhook CA",
             reason: e.to_string(),
         })?;
@@ -333,11 +332,11 @@ impl Standalone {
                 self.agent = None;
                 return Err(match ended {
                     Ok(Err(e)) => e.into(),
-                    Ok(Ok(())) => StandaloneError::Startup {
+                    Ok(Ok(())) => Error::Startup {
                         what: "agent",
                         reason: "stopped before publishing a report".into(),
                     },
-                    Err(e) => StandaloneError::Startup {
+                    Err(e) => Error::Startup {
                         what: "agent",
                         reason: e.to_string(),
                     },
@@ -350,7 +349,8 @@ impl Standalone {
             match http_get(self.admin_addr, "/readyz").await {
                 Ok((200, _)) => return Ok(()),
                 Ok((_, body)) if tokio::time::Instant::now() >= deadline => {
-                    return Err(StandaloneError::Timeout {
+                    return Err(Error::Timeout {
+                        log: None,
                         what: format!(
                             "the webhook's /readyz on {} ({})",
                             self.admin_addr,
@@ -360,7 +360,8 @@ impl Standalone {
                     });
                 }
                 Err(e) if tokio::time::Instant::now() >= deadline => {
-                    return Err(StandaloneError::Timeout {
+                    return Err(Error::Timeout {
+                        log: None,
                         what: format!("the webhook's /readyz on {} ({e})", self.admin_addr),
                         after: STARTUP_DEADLINE,
                     });

@@ -24,10 +24,10 @@ use teeguard_shared::crd::{KindStatus, TeeCapacityStatus};
 use teeguard_shared::pod::{key_requests, parse_whole_quantity};
 
 use super::client::{ReviewReply, WebhookClient};
-use super::error::{Result, StandaloneError};
 use crate::fakeapi::FakeApiServer;
 use crate::fixtures::{self, AdmissionReviewBuilder, Tee, VirtLauncherPod, Vmi};
 use crate::host::{QosClass, SimHost};
+use crate::{Error, Result};
 
 /// `POST` path of the mutating webhook.
 pub const MUTATE: &str = "/mutate";
@@ -228,7 +228,7 @@ impl ApiServerDriver {
         let uid = stored
             .pointer("/metadata/uid")
             .and_then(Value::as_str)
-            .ok_or_else(|| StandaloneError::Object {
+            .ok_or_else(|| Error::Failed {
                 what: format!("VMI {}/{}", spec.namespace, spec.name),
                 reason: "stored without a UID".into(),
             })?
@@ -266,7 +266,7 @@ impl ApiServerDriver {
     /// pod persisted (name and UID assigned), `/validate` on the persisted pod, and the pod deleted
     /// again when `/validate` refuses it. See the module documentation for the order.
     pub async fn create_pod(&self, pod: &Pod) -> Result<PodAdmission> {
-        let mut value = serde_json::to_value(pod).map_err(|e| StandaloneError::Object {
+        let mut value = serde_json::to_value(pod).map_err(|e| Error::Failed {
             what: "pod".into(),
             reason: e.to_string(),
         })?;
@@ -282,7 +282,7 @@ impl ApiServerDriver {
             });
         }
         if let Some(patch) = &mutate.patch {
-            json_patch::patch(&mut value, patch).map_err(|e| StandaloneError::Patch {
+            json_patch::patch(&mut value, patch).map_err(|e| Error::Patch {
                 pod: display.clone(),
                 reason: e.to_string(),
             })?;
@@ -323,7 +323,7 @@ impl ApiServerDriver {
         let pod = self
             .api
             .get_typed::<Pod>(Some(namespace), name)?
-            .ok_or_else(|| StandaloneError::Object {
+            .ok_or_else(|| Error::Failed {
                 what: format!("pod {namespace}/{name}"),
                 reason: "not found; create it first".into(),
             })?;
@@ -396,7 +396,8 @@ impl ApiServerDriver {
                 return Ok(());
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(StandaloneError::Timeout {
+                return Err(Error::Timeout {
+                    log: None,
                     what: format!(
                         "node {node}'s report to catch up with {} admitted pod(s) ({})",
                         left.len(),
@@ -606,7 +607,8 @@ impl ApiServerDriver {
                 return Ok(s.clone());
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(StandaloneError::Timeout {
+                return Err(Error::Timeout {
+                    log: None,
                     what: format!(
                         "node {node}'s TeeCapacity to show {kind} kernelUsed={kernel} podsUsed={pods} \
                          pending={pending} (last: {got:?})"
@@ -664,14 +666,13 @@ impl ApiServerDriver {
         timeout: Duration,
     ) -> Result<Value> {
         let what = format!("a {reason} event on {kind} {namespace}/{name}");
-        Ok(self
-            .api
+        self.api
             .wait_for(timeout, &what, |_| {
                 self.events_for(namespace, kind, name)
                     .into_iter()
                     .find(|e| e.get("reason").and_then(Value::as_str) == Some(reason))
             })
-            .await?)
+            .await
     }
 }
 
@@ -719,7 +720,7 @@ impl SimKubelet<'_> {
         {
             self.api.set_pod_phase(&ns, &name, "Failed")?;
             self.host.remove_pod(&uid)?;
-            return Err(e.into());
+            return Err(e);
         }
         self.api.set_pod_phase(&ns, &name, "Running")?;
         Ok(())
@@ -740,7 +741,7 @@ impl SimKubelet<'_> {
 fn pod_key(pod: &Pod) -> Result<(String, String)> {
     match (&pod.metadata.namespace, &pod.metadata.name) {
         (Some(ns), Some(n)) => Ok((ns.clone(), n.clone())),
-        _ => Err(StandaloneError::Object {
+        _ => Err(Error::Failed {
             what: teeguard_shared::pod::pod_display_name(pod),
             reason: "pod has no name or namespace yet (store it first)".into(),
         }),
@@ -751,7 +752,7 @@ fn name_of(v: &Value) -> Result<(String, String)> {
     let get = |p: &str| v.pointer(p).and_then(Value::as_str).map(str::to_string);
     match (get("/metadata/namespace"), get("/metadata/name")) {
         (Some(ns), Some(n)) => Ok((ns, n)),
-        _ => Err(StandaloneError::Object {
+        _ => Err(Error::Failed {
             what: "stored object".into(),
             reason: "no namespace/name".into(),
         }),
@@ -759,7 +760,7 @@ fn name_of(v: &Value) -> Result<(String, String)> {
 }
 
 fn typed_pod(v: Value) -> Result<Pod> {
-    serde_json::from_value(v).map_err(|e| StandaloneError::Object {
+    serde_json::from_value(v).map_err(|e| Error::Failed {
         what: "stored pod".into(),
         reason: e.to_string(),
     })

@@ -19,12 +19,10 @@
 pub mod client;
 pub mod cluster;
 pub mod driver;
-pub mod error;
 pub mod scenario;
 pub mod table;
 
 pub use client::{Decision, ReviewReply, WebhookClient};
 pub use cluster::{Standalone, StandaloneOptions};
 pub use driver::{ApiServerDriver, BindOutcome, CreatedVmi, PodAdmission, SimKubelet, VmiSpec};
-pub use error::{Result, StandaloneError};
 pub use scenario::{ScenarioReport, run_scenario, summary};

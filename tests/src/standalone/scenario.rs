@@ -15,10 +15,10 @@ use teeguard_shared::crd::KindStatus;
 use super::client::{Decision, ReviewReply};
 use super::cluster::{Standalone, TEE_NODE};
 use super::driver::{CreatedVmi, PodAdmission, SimKubelet, VmiSpec};
-use super::error::{Result, StandaloneError};
 use super::table::{Row, StepTable};
 use crate::fixtures::{KataTee, Tee, kata_pod};
 use crate::host::{SANDBOX, TDX};
+use crate::{Error, Result};
 
 /// How long a step waits for the agent's report to catch up with the host.
 pub const REPORT_DEADLINE: Duration = Duration::from_secs(15);
@@ -75,9 +75,9 @@ impl<'a, W: Write> Runner<'a, W> {
         self.out
             .write_all(text.as_bytes())
             .and_then(|()| self.out.flush())
-            .map_err(|source| StandaloneError::Io {
-                op: "write the table to",
-                path: "stdout".into(),
+            .map_err(|source| Error::Io {
+                component: "standalone",
+                what: "write the table to stdout".into(),
                 source,
             })?;
         self.report.rows.push(row);
@@ -317,7 +317,7 @@ impl<'a, W: Write> Runner<'a, W> {
             .sa
             .api
             .get_typed::<Pod>(Some(&ns), &name)?
-            .ok_or_else(|| StandaloneError::Object {
+            .ok_or_else(|| Error::Failed {
                 what: format!("pod {ns}/{name}"),
                 reason: "vanished after binding".into(),
             })?;
@@ -449,7 +449,7 @@ impl<'a, W: Write> Runner<'a, W> {
     async fn stop_vm(&mut self, name: &str) -> Result<()> {
         let step = self.next_step();
         let Some((vmi, Some(pod))) = self.vms.remove(name) else {
-            return Err(StandaloneError::Object {
+            return Err(Error::Failed {
                 what: format!("VM {name}"),
                 reason: "not running".into(),
             });
@@ -609,16 +609,16 @@ fn scalar(v: &Value) -> String {
 pub async fn run_scenario<W: Write>(sa: &Standalone, out: &mut W) -> Result<ScenarioReport> {
     let capacity = sa.host.capacity(TDX);
     if capacity < 4 {
-        return Err(StandaloneError::Startup {
+        return Err(Error::Startup {
             what: "scenario",
             reason: format!("needs at least 4 TDX keys, the host has {capacity}"),
         });
     }
     let table = StepTable::default();
     out.write_all(table.header().as_bytes())
-        .map_err(|source| StandaloneError::Io {
-            op: "write the table to",
-            path: "stdout".into(),
+        .map_err(|source| Error::Io {
+            component: "standalone",
+            what: "write the table to stdout".into(),
             source,
         })?;
     let mut r = Runner {

@@ -13,7 +13,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::{API_ADDRESS, Kernel, Kit, Result, TeeVmError, image_root, io};
+use super::{API_ADDRESS, KIT, Kernel, Kit, image_root};
+use crate::{Error, Result};
 
 /// Longest a guest may take to boot and run the session script (TCG on a busy 2-core machine).
 pub const BOOT_DEADLINE: Duration = Duration::from_secs(180);
@@ -144,20 +145,21 @@ impl Guest {
         let dir = tempfile::Builder::new()
             .prefix(&format!("teeguard-teevm-{}-", kit.kernel.dir_name()))
             .tempdir()
-            .map_err(io("create the guest's directory"))?
+            .map_err(KIT.io("create the guest's directory"))?
             .keep();
         let share = dir.join("share");
         for d in [share.join("q"), share.join("p")] {
-            std::fs::create_dir_all(&d).map_err(io(format!("create {}", d.display())))?;
+            std::fs::create_dir_all(&d).map_err(KIT.io(format!("create {}", d.display())))?;
         }
-        std::fs::write(share.join("cmd.sh"), SESSION).map_err(io("write the session script"))?;
+        std::fs::write(share.join("cmd.sh"), SESSION)
+            .map_err(KIT.io("write the session script"))?;
         if options.forward_to.is_some() {
-            std::fs::write(share.join("net"), "").map_err(io("write the network marker"))?;
+            std::fs::write(share.join("net"), "").map_err(KIT.io("write the network marker"))?;
         }
         let root = share.join("root");
         if options.agent {
             let bins =
-                crate::e2e::guest_binaries().map_err(|e| TeeVmError::Agent(e.to_string()))?;
+                crate::e2e::guest_binaries().map_err(|e| Error::AgentBinary(e.to_string()))?;
             image_root(&bins.agent, &root)?;
         }
         if options.runc {
@@ -229,8 +231,8 @@ impl Guest {
     }
 
     /// An error about this guest, naming its console log.
-    pub fn error(&self, what: impl Into<String>) -> TeeVmError {
-        TeeVmError::Guest {
+    pub fn error(&self, what: impl Into<String>) -> Error {
+        Error::Guest {
             kernel: self.kit.kernel,
             what: what.into(),
             console: self.console.clone(),
@@ -291,7 +293,7 @@ impl Guest {
             }
         }
         std::fs::write(self.dir.join("qemu.args"), args.join("\n"))
-            .map_err(io("write qemu.args"))?;
+            .map_err(KIT.io("write qemu.args"))?;
         let child = Command::new("bash")
             .arg("-c")
             .arg(WATCHDOG)
@@ -302,7 +304,7 @@ impl Guest {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(io("start qemu-system-x86_64 (needs bash)"))?;
+            .map_err(KIT.io("start qemu-system-x86_64 (needs bash)"))?;
         *self.qemu.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
         Ok(())
     }
@@ -353,8 +355,8 @@ impl Guest {
             let n = *next;
             let q = self.share.join("q");
             let tmp = q.join(format!(".{n}.sh"));
-            std::fs::write(&tmp, script).map_err(io(format!("write {}", tmp.display())))?;
-            std::fs::rename(&tmp, q.join(format!("{n}.sh"))).map_err(io("queue a request"))?;
+            std::fs::write(&tmp, script).map_err(KIT.io(format!("write {}", tmp.display())))?;
+            std::fs::rename(&tmp, q.join(format!("{n}.sh"))).map_err(KIT.io("queue a request"))?;
             *next += 1;
             n
         };
@@ -397,7 +399,7 @@ impl Guest {
     /// the program it runs) with its output in `p/<name>.log`.
     pub async fn spawn(&self, name: &str, script: &str) -> Result<Spawned> {
         let file = self.share.join("p").join(format!("{name}.sh"));
-        std::fs::write(&file, script).map_err(io(format!("write {}", file.display())))?;
+        std::fs::write(&file, script).map_err(KIT.io(format!("write {}", file.display())))?;
         let out = self
             .sh(&format!(
                 "sh /host/p/{name}.sh >/host/p/{name}.log 2>&1 </dev/null &\necho $!"
@@ -416,7 +418,7 @@ impl Guest {
 
     /// End the session: the guest powers off; QEMU is killed if it has not exited within 30 s.
     pub async fn stop(self) -> Result<()> {
-        std::fs::write(self.share.join("q/stop"), "").map_err(io("write the stop marker"))?;
+        std::fs::write(self.share.join("q/stop"), "").map_err(KIT.io("write the stop marker"))?;
         let deadline = Instant::now() + Duration::from_secs(30);
         while self.running() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -466,18 +468,21 @@ fn kvm_usable() -> bool {
 
 /// `cp -a src/. dest/`.
 fn copy_tree(src: &Path, dest: &Path) -> Result<()> {
-    std::fs::create_dir_all(dest).map_err(io(format!("create {}", dest.display())))?;
+    std::fs::create_dir_all(dest).map_err(KIT.io(format!("create {}", dest.display())))?;
     let status = Command::new("cp")
         .arg("-a")
         .arg(format!("{}/.", src.display()))
         .arg(dest)
         .status()
-        .map_err(io("run cp"))?;
+        .map_err(KIT.io("run cp"))?;
     if !status.success() {
-        return Err(TeeVmError::Io {
-            what: format!("copy {} to {}", src.display(), dest.display()),
-            source: std::io::Error::other(format!("cp exited with {status}")),
-        });
+        return Err(KIT.io(format!(
+            "copy {} to {}",
+            src.display(),
+            dest.display()
+        ))(std::io::Error::other(format!(
+            "cp exited with {status}"
+        ))));
     }
     Ok(())
 }

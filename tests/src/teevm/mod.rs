@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 pub use guest::{Guest, GuestOptions, Output, Spawned};
 pub use runc::Container;
 
-use crate::controlplane::ci;
+use crate::error::{self, Component, Error, Result};
 
 /// The environment variable naming the prepared kit (`scripts/tee-vm.sh` sets it).
 pub const ENV: &str = "TEEGUARD_TEE_VM";
@@ -41,6 +41,12 @@ pub const API_ADDRESS: &str = "10.0.2.100:6443";
 /// What to do when the kit is missing.
 const HOW_TO: &str = "run `source scripts/tee-vm.sh` as root (it prepares ../shared/tee-vm for Linux \
     6.1 and 6.12 under .tools/tee-vm and sets TEEGUARD_TEE_VM); scripts/test.sh does this";
+
+/// This harness's component, as its errors name it.
+pub(crate) const KIT: Component = Component {
+    name: "tee-vm kit",
+    how_to: HOW_TO,
+};
 
 /// The two kernels the tests run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -81,43 +87,6 @@ impl std::fmt::Display for Kernel {
     }
 }
 
-/// Errors of the harness; each names what failed.
-#[derive(Debug, thiserror::Error)]
-pub enum TeeVmError {
-    /// The kit or qemu is missing (the tests skip, unless `CI=true`).
-    #[error("no tee-vm kit: {0}; {HOW_TO}")]
-    Missing(String),
-    /// A file or process operation failed.
-    #[error("tee-vm: cannot {what}: {source}")]
-    Io {
-        /// What was attempted.
-        what: String,
-        /// Why it failed.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The guest did not come up, did not answer or failed a request; the console log says more.
-    #[error("tee-vm guest ({kernel}): {what}; console log: {}", console.display())]
-    Guest {
-        /// The kernel.
-        kernel: Kernel,
-        /// What went wrong.
-        what: String,
-        /// The guest's console log.
-        console: PathBuf,
-    },
-    /// The agent binary could not be had.
-    #[error("tee-vm: the release teeguard-agent: {0}")]
-    Agent(String),
-}
-
-type Result<T, E = TeeVmError> = std::result::Result<T, E>;
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TeeVmError {
-    let what = what.into();
-    move |source| TeeVmError::Io { what, source }
-}
-
 /// One kernel's prepared kit: its kernel, initramfs (with `fake_tee.ko`, `holdkeys`, `cgwrite`) and
 /// runc tree.
 #[derive(Clone, Debug)]
@@ -134,21 +103,14 @@ impl Kit {
     /// The kit for `kernel`, or `None` after printing one line when it is missing and `CI` is not
     /// `true`; panics when `CI=true` and it is missing.
     pub fn get(kernel: Kernel) -> Option<Kit> {
-        match Kit::find(kernel) {
-            Ok(kit) => Some(kit),
-            Err(TeeVmError::Missing(m)) if !ci() => {
-                eprintln!("skipped: needs the tee-vm kit ({m}); {HOW_TO}");
-                None
-            }
-            Err(e) => panic!("{e}"),
-        }
+        Kit::find(kernel).map_or_else(error::skip, Some)
     }
 
     /// The kit for `kernel` under `TEEGUARD_TEE_VM`, checked: its files exist and qemu is installed.
     pub fn find(kernel: Kernel) -> Result<Kit> {
         let root = std::env::var_os(ENV)
             .map(PathBuf::from)
-            .ok_or_else(|| TeeVmError::Missing(format!("{ENV} is not set")))?;
+            .ok_or_else(|| KIT.missing(format!("{ENV} is not set")))?;
         let home = root.join(kernel.dir_name());
         let build = home.join("build");
         for file in [
@@ -159,19 +121,16 @@ impl Kit {
             "bb/bin/busybox",
         ] {
             if !build.join(file).exists() {
-                return Err(TeeVmError::Missing(format!(
-                    "{} does not exist",
-                    build.join(file).display()
-                )));
+                return Err(KIT.missing(format!("{} does not exist", build.join(file).display())));
             }
         }
         if !on_path("qemu-system-x86_64") {
-            return Err(TeeVmError::Missing(
-                "qemu-system-x86_64 is not installed (Debian: qemu-system-x86)".into(),
-            ));
+            return Err(
+                KIT.missing("qemu-system-x86_64 is not installed (Debian: qemu-system-x86)")
+            );
         }
         let kver = std::fs::read_to_string(build.join("KVER"))
-            .map_err(io(format!("read {}", build.join("KVER").display())))?
+            .map_err(KIT.io(format!("read {}", build.join("KVER").display())))?
             .trim()
             .to_string();
         Ok(Kit { kernel, home, kver })
@@ -197,9 +156,9 @@ fn image_root(bin: &Path, root: &Path) -> Result<()> {
         .arg(bin)
         .arg(root)
         .output()
-        .map_err(io(format!("run {}", script.display())))?;
+        .map_err(KIT.io(format!("run {}", script.display())))?;
     if !out.status.success() {
-        return Err(TeeVmError::Agent(format!(
+        return Err(Error::AgentBinary(format!(
             "{} {} failed: {}{}",
             script.display(),
             bin.display(),

@@ -36,11 +36,11 @@ impl Guest {
 
     async fn bundle(&self, id: &str, config: &Value) -> Result<String> {
         let dir = self.share().join("bundles");
-        std::fs::create_dir_all(&dir).map_err(super::io("create bundles/"))?;
+        std::fs::create_dir_all(&dir).map_err(super::KIT.io("create bundles/"))?;
         let mut config = config.clone();
         config["root"]["path"] = Value::String(ROOTFS.into());
         std::fs::write(dir.join(format!("{id}.json")), config.to_string())
-            .map_err(super::io("write a bundle's config"))?;
+            .map_err(super::KIT.io("write a bundle's config"))?;
         let bundle = format!("/tmp/bundles/{id}");
         self.sh(&format!(
             "[ -d {ROOTFS} ] || {{ mkdir -p {ROOTFS}/bin {ROOTFS}/proc {ROOTFS}/dev {ROOTFS}/sys {ROOTFS}/tmp && \

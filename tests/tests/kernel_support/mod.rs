@@ -9,9 +9,10 @@ pub mod agent;
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use teeguard_tests::Result;
 use teeguard_tests::host::{CgroupDriver, ContainerRuntime, KubeletNames, QosClass, container_id};
 use teeguard_tests::teevm::shell::{misc_lines, misc_value};
-use teeguard_tests::teevm::{AGENT, Guest, GuestOptions, Kernel, Kit, TeeVmError};
+use teeguard_tests::teevm::{AGENT, Guest, GuestOptions, Kernel, Kit};
 
 /// The Node name the guest's agent reports for.
 pub const NODE: &str = "tee-vm";
@@ -49,7 +50,7 @@ pub async fn boot(kernel: Kernel, options: GuestOptions) -> Option<Guest> {
 }
 
 /// Unwrap a guest operation, with the guest's console tail on failure.
-pub fn ok<T>(guest: &Guest, r: Result<T, TeeVmError>) -> T {
+pub fn ok<T>(guest: &Guest, r: Result<T>) -> T {
     r.unwrap_or_else(|e| {
         panic!(
             "{e}\n----- console (last lines) -----\n{}",
