@@ -615,6 +615,69 @@ async fn nri_strict_mode_lifts_at_synchronize_a_zero_given_before_its_namespace_
     .await;
 }
 
+// A container whose pod the agent's watch has not delivered yet: strict mode looks the pod up before
+// it answers instead of letting the container start without its zero, and follows that zero as it
+// follows the cached pods'. Here the pod is bound to no node, so the agent's watch never delivers it
+// and only the lookup can find it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_strict_mode_zeroes_a_keyless_container_whose_pod_the_agent_has_not_cached_yet() {
+    bounded(async {
+        let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
+        let (w, _reg) =
+            nri_world_with(host, "  strict: true\n", |_| (Vec::new(), Vec::new())).await;
+        let namespace = |labels: Value| {
+            json!({"apiVersion": "v1", "kind": "Namespace",
+                   "metadata": {"name": "late", "labels": labels}})
+        };
+        w.env.api.create(&namespace(json!({}))).expect("namespace");
+        // A cached pod zeroed first: the agent has listed the namespaces.
+        let cached = VirtLauncherPod::for_tee("cached", Tee::None)
+            .running_on(NODE)
+            .build();
+        let (sandbox, compute) = nri_request(&store_pod(&w.env, &cached), "compute");
+        eventually("the cached pod's tdx 0", async || {
+            let resp = w
+                .runtime
+                .create_container(sandbox.clone(), compute.clone())
+                .await
+                .ok()?;
+            (misc_max(&resp) == Some("tdx 0")).then_some(())
+        })
+        .await;
+
+        let uncached = VirtLauncherPod::for_tee("uncached", Tee::None)
+            .namespace("late")
+            .build();
+        let (sandbox, compute) = nri_request(&store_pod(&w.env, &uncached), "compute");
+        let resp = w
+            .runtime
+            .create_container(sandbox, compute.clone())
+            .await
+            .expect("CreateContainer answered");
+        assert_eq!(misc_max(&resp), Some("tdx 0"), "{resp:?}");
+
+        w.env
+            .api
+            .insert(&namespace(
+                json!({teeguard_shared::names::EXEMPT_LABEL: "true"}),
+            ))
+            .expect("namespace labelled exempt");
+        let updates = w
+            .runtime
+            .wait_updates(1, Duration::from_secs(10))
+            .await
+            .expect("an UpdateContainers call once the namespace is exempt");
+        let update = &updates[0]["update"][0];
+        assert_eq!(update["container_id"], compute["id"], "{updates:?}");
+        assert_eq!(
+            update.pointer("/linux/resources/unified/misc.max"),
+            Some(&json!("tdx max")),
+            "{updates:?}"
+        );
+    })
+    .await;
+}
+
 const CGROUP_CONFIG: &str =
     "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nenforcement:\n  mode: cgroup\n";
 

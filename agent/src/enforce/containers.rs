@@ -1,7 +1,7 @@
-//! The NRI plugin's decisions: the container's limit from the agent's pod cache (or one GET for an
-//! annotated pod, or one holding a prepared claim, that the cache does not know yet) and the claims
-//! the DRA driver prepared, the host facts the poll loop keeps current, metrics,
-//! logs and Events.
+//! The NRI plugin's decisions: the container's limit from the agent's pod cache (or one GET for a pod
+//! the cache does not know yet whose limit needs it: annotated, holding a prepared claim, or any pod in
+//! strict mode) and the claims the DRA driver prepared, the host facts the poll loop keeps current,
+//! metrics, logs and Events.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,7 +22,7 @@ use crate::decide::claimed::ClaimedKeys;
 use crate::decide::enforcing::{HostFacts, unavailable_note};
 use crate::decide::limits::{self, ContainerLimit, PodFacts, Policy};
 use crate::metrics::Metrics;
-use crate::runtime::plugin::{Answer, Containers};
+use crate::runtime::plugin::{Answer, Containers, Decision};
 use crate::runtime::wire::CreateContainer;
 
 const MECHANISM: &str = "nri";
@@ -106,6 +106,14 @@ impl NriContainers {
         })
         .flatten()
         .map(|limit| limit.to_string())
+    }
+
+    /// The answer for a container of `pod` (`None`: unknown, its annotation is all there is).
+    fn decision(&self, req: &CreateContainer, pod: Option<&Pod>) -> Decision {
+        Decision {
+            value: self.answer(req, pod),
+            zero: pod.and_then(|pod| self.namespace_zero(req, pod)),
+        }
     }
 
     /// The value to answer, with metrics, logs and Events.
@@ -194,28 +202,21 @@ impl Containers for NriContainers {
 
     fn decide(&self, req: &CreateContainer) -> Answer {
         if !self.host.borrow().limits_possible() {
-            return Answer::Now {
-                value: None,
-                zero: None,
-            };
+            return Answer::Now(Decision::default());
         }
         match self.cached(req) {
-            Some(pod) => Answer::Now {
-                value: self.answer(req, Some(&pod)),
-                zero: self.namespace_zero(req, &pod),
-            },
-            // Worth one GET: a pod admitted with teeguard's annotation, or one holding a claim
-            // the driver prepared.
+            Some(pod) => Answer::Now(self.decision(req, Some(&pod))),
+            // Worth one GET: a pod admitted with teeguard's annotation, one holding a claim the
+            // driver prepared, or any pod in strict mode (whether it gets the zero depends on its
+            // requests and labels, which only the pod has).
             None if self.client.is_some()
-                && (limits::has_limit_annotation(&req.annotations)
+                && (self.strict
+                    || limits::has_limit_annotation(&req.annotations)
                     || self.claims.borrow().holds_for(&req.pod_uid)) =>
             {
                 Answer::Lookup
             }
-            None => Answer::Now {
-                value: self.answer(req, None),
-                zero: None,
-            },
+            None => Answer::Now(self.decision(req, None)),
         }
     }
 
@@ -229,7 +230,7 @@ impl Containers for NriContainers {
             .flatten()
     }
 
-    fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>> {
+    fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Decision> {
         let this = self.clone();
         async move {
             let pod = match &this.client {
@@ -246,7 +247,7 @@ impl Containers for NriContainers {
                 }
                 None => None,
             };
-            this.answer(&req, pod.as_ref())
+            this.decision(&req, pod.as_ref())
         }
         .boxed()
     }

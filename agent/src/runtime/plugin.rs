@@ -59,17 +59,23 @@ pub const RECONNECT_INITIAL: Duration = Duration::from_millis(100);
 /// Longest reconnect delay (a restarted runtime is found again within about a second).
 pub const RECONNECT_MAX: Duration = Duration::from_secs(1);
 
+/// What the plugin answers for one container.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Decision {
+    /// `misc.max` to set, or none.
+    pub value: Option<String>,
+    /// Strict mode's zero for the container unless its namespace is labelled exempt (e.g. `tdx 0`;
+    /// `None`: its limit does not depend on the label).
+    pub zero: Option<String>,
+}
+
 /// The answer for one container.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Answer {
-    /// Answer now: `misc.max` to set, or none (`value`); and strict mode's zero for the container
-    /// unless its namespace is labelled exempt (`zero`, e.g. `tdx 0`; `None`: its limit does not
-    /// depend on the label).
-    Now {
-        value: Option<String>,
-        zero: Option<String>,
-    },
-    /// The pod is unknown and carries teeguard's annotation: look it up first.
+    /// Answer now.
+    Now(Decision),
+    /// The pod is unknown and its limit needs it (teeguard's annotation, a prepared claim, strict
+    /// mode's zero): look it up first.
     Lookup,
 }
 
@@ -82,7 +88,7 @@ pub trait Containers: Send + Sync + 'static {
     /// Decide from memory (no I/O).
     fn decide(&self, req: &CreateContainer) -> Answer;
     /// Decide after looking the pod up (called only after [`Answer::Lookup`]).
-    fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Option<String>>;
+    fn decide_after_lookup(&self, req: CreateContainer) -> BoxFuture<'static, Decision>;
     /// Whether `namespace` is labelled exempt, as a watch that has listed them says (strict mode's
     /// zeros there are lifted).
     fn exempt(&self, namespace: &str) -> bool;
@@ -251,10 +257,7 @@ async fn changed(rx: &mut Option<watch::Receiver<u64>>) {
 struct Existing {
     id: String,
     namespace: String,
-    /// `misc.max` to set, or none.
-    value: Option<String>,
-    /// Strict mode's zero unless its namespace is exempt ([`Answer::Now`]).
-    zero: Option<String>,
+    decision: Decision,
 }
 
 /// The decisions for the containers that already run; an unknown annotated pod is looked up as at
@@ -268,22 +271,19 @@ async fn existing_limits(
         let containers = containers.clone();
         async move {
             let (id, namespace) = (c.container_id.clone(), c.pod_namespace.clone());
-            let (value, zero) = match containers.decide(&c) {
-                Answer::Now { value, zero } => (value, zero),
+            let decision = match containers.decide(&c) {
+                Answer::Now(decision) => decision,
                 Answer::Lookup => {
                     let looked_up = containers.decide_after_lookup(c);
-                    let value = tokio::time::timeout(timeout, looked_up)
+                    tokio::time::timeout(timeout, looked_up)
                         .await
-                        .ok()
-                        .flatten();
-                    (value, None)
+                        .unwrap_or_default()
                 }
             };
             Existing {
                 id,
                 namespace,
-                value,
-                zero,
+                decision,
             }
         }
     });
@@ -467,17 +467,17 @@ impl Session {
                     // resources show it: a zero given before this connection), then given or lifted
                     // at once when its namespace's label changed meanwhile.
                     for c in &decided {
-                        let now = c.value.as_ref().or_else(|| current.get(&c.id));
+                        let now = c.decision.value.as_ref().or_else(|| current.get(&c.id));
                         zeroed.note(
                             &c.id,
                             &c.namespace,
-                            c.zero.as_deref(),
+                            c.decision.zero.as_deref(),
                             now.map(String::as_str),
                         );
                     }
                     let mut updates: Vec<(String, String)> = decided
                         .into_iter()
-                        .filter_map(|c| Some((c.id, c.value?)))
+                        .filter_map(|c| Some((c.id, c.decision.value?)))
                         .collect();
                     for (id, value) in zeroed.follow(|ns| containers.exempt(ns)) {
                         tracing::info!(container = %id, misc_max = %value, "its namespace's exempt label changed while the plugin was away: strict mode's zero given or lifted");
@@ -521,8 +521,9 @@ impl Session {
                     }
                 };
                 match self.containers.decide(&req) {
-                    Answer::Now { value, zero } => {
+                    Answer::Now(decision) => {
                         let (id, namespace) = (&req.container_id, &req.pod_namespace);
+                        let Decision { value, zero } = decision;
                         self.zeroed
                             .note(id, namespace, zero.as_deref(), value.as_deref());
                         ok(wire::create_container_response(value.as_deref()))
@@ -530,16 +531,19 @@ impl Session {
                     Answer::Lookup => {
                         let containers = self.containers.clone();
                         let writer = self.writer.clone();
+                        let zeroed = self.zeroed.clone();
                         let timeout = self.lookup_timeout;
-                        // A pod the agent does not have yet: no strict zero to follow (it needs
-                        // the pod), as at `Synchronize`.
                         tokio::spawn(async move {
-                            let value = tokio::time::timeout(timeout, containers.decide_after_lookup(req))
+                            let (id, namespace) =
+                                (req.container_id.clone(), req.pod_namespace.clone());
+                            let decision = tokio::time::timeout(timeout, containers.decide_after_lookup(req))
                                 .await
                                 .unwrap_or_else(|_| {
                                     tracing::warn!("looking up a pod took longer than {timeout:?}; no limit applied");
-                                    None
+                                    Decision::default()
                                 });
+                            let Decision { value, zero } = decision;
+                            zeroed.note(&id, &namespace, zero.as_deref(), value.as_deref());
                             let body = wire::create_container_response(value.as_deref());
                             let resp = t::encode_response(0, "", &body);
                             let frame =
