@@ -1,6 +1,7 @@
 //! teeguard test kit: an in-process, stateful Kubernetes API server ([`fakeapi`]), a simulated host
 //! cgroup tree ([`host`]) and builders for realistic objects ([`fixtures`]). Every crate's tests use it so
-//! that kube clients, watches, patches and file reads run through the real protocol.
+//! that kube clients, watches, patches and file reads run through the real protocol. Every harness
+//! fails with the one [`Error`].
 
 pub mod controlplane;
 pub mod dra;
