@@ -213,6 +213,28 @@ impl ApiServerDriver {
         self.webhook.review(path, review).await
     }
 
+    /// The reviews kube-apiserver sends for a CREATE of `pod`, without storing it: `/mutate` (which
+    /// must patch it), then `/validate` of the patched pod under `name` and `uid`; the validating answer.
+    pub async fn review_create(&self, pod: &Pod, name: &str, uid: &str) -> Result<ReviewReply> {
+        let mut created = fixtures::to_value(pod);
+        let review = AdmissionReviewBuilder::create(created.clone()).build();
+        let m = self.review("/mutate", &review).await?;
+        let patch = m.patch.as_ref().ok_or_else(|| {
+            Error::failed(
+                format!("/mutate of {name}"),
+                format!("not patched: {:?}", m.raw),
+            )
+        })?;
+        json_patch::patch(&mut created, patch).map_err(|e| Error::Patch {
+            pod: name.to_string(),
+            reason: e.to_string(),
+        })?;
+        created["metadata"]["name"] = json!(name);
+        created["metadata"]["uid"] = json!(uid);
+        let review = AdmissionReviewBuilder::create(created).build();
+        self.review("/validate", &review).await
+    }
+
     /// Store a VMI like `kubectl create` would (phase `Scheduling`, no node yet).
     pub fn create_vmi(&self, spec: &VmiSpec) -> Result<CreatedVmi> {
         let mut b = Vmi::new(&spec.name)
