@@ -38,10 +38,7 @@ fn key(p: &Pod) -> (String, String) {
 
 fn allocatable(w: &World) -> Option<String> {
     let n: Node = w.env.api.get_typed(None, NODE).ok()??;
-    n.status?
-        .allocatable?
-        .get("tdx.intel.com/keys")
-        .map(|q| q.0.clone())
+    teeguard_tests::fixtures::node_resource(&n, teeguard_tests::fixtures::TDX_KEYS).1
 }
 
 async fn run(poll: Duration, events: usize) -> Stats {

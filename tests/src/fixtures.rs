@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::node::v1::RuntimeClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::{Map, Value, json};
 
 /// Label that exempts a namespace, VMI or pod from teeguard (mirrors `teeguard_shared::names::EXEMPT_LABEL`).
@@ -2421,4 +2422,15 @@ impl ReportBuilder {
     pub fn to_value(&self) -> Value {
         serde_json::to_value(self.build()).expect("a TeeCapacity serialises")
     }
+}
+
+/// A Node's `resource` in `status.capacity` and in `status.allocatable`, as written (`None` where
+/// absent).
+pub fn node_resource(node: &Node, resource: &str) -> (Option<String>, Option<String>) {
+    let status = node.status.as_ref();
+    let get = |list: Option<&BTreeMap<String, Quantity>>| list?.get(resource).map(|q| q.0.clone());
+    (
+        get(status.and_then(|s| s.capacity.as_ref())),
+        get(status.and_then(|s| s.allocatable.as_ref())),
+    )
 }

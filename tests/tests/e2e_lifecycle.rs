@@ -547,16 +547,6 @@ fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     Scrape::parse(text).get(name, labels)
 }
 
-fn node_resource(n: &Node, field: &str) -> Option<String> {
-    let st = n.status.as_ref()?;
-    let map = if field == "capacity" {
-        st.capacity.as_ref()
-    } else {
-        st.allocatable.as_ref()
-    }?;
-    map.get(TDX_KEYS).map(|q| q.0.clone())
-}
-
 /// The API server is unreachable for 60 s. Throughout, both processes keep running and the webhook
 /// stays ready, answering from its caches: the decider admits launcher pod CREATEs and bindings while
 /// its Lease holds (its renew deadline after its last renewal), holding their keys in memory; after
@@ -761,8 +751,8 @@ async fn api_outage_of_a_minute_decided_while_the_lease_holds_then_recovery() {
             .get_typed::<Node>(None, NODE)
             .expect("typed")
             .expect("node");
-        assert_eq!(node_resource(&n, "capacity").as_deref(), Some("4"));
-        assert_eq!(node_resource(&n, "allocatable").as_deref(), Some("4"));
+        let four = Some("4".to_string());
+        assert_eq!(fixtures::node_resource(&n, TDX_KEYS), (four.clone(), four));
 
         // The webhook decides from fresh reports again: a CREATE fits the last free key.
         w.webhook

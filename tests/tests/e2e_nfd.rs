@@ -19,7 +19,7 @@ use teeguard_shared::names::{
 };
 use teeguard_tests::e2e::{E2eEnv, NODE, World};
 use teeguard_tests::fakeapi::PatchType;
-use teeguard_tests::fixtures::{KataTee, NodeBuilder, TDX_KEYS, Tee, kata_pod};
+use teeguard_tests::fixtures::{self, KataTee, NodeBuilder, TDX_KEYS, Tee, kata_pod};
 use teeguard_tests::host::{MiscDelegation, SANDBOX, SimHost, TDX};
 use teeguard_tests::standalone::{Decision, VmiSpec};
 
@@ -53,7 +53,7 @@ async fn world() -> World {
     let s = w.settle().await.expect("settled");
     assert_eq!(s.external, EXTERNAL, "{s:?}");
     wait_node(&w, "the agent advertises 13", |n| {
-        value(n, "capacity") == Some(13) && value(n, "allocatable") == Some(13)
+        values(n) == (Some(13), Some(13))
     })
     .await;
     w
@@ -75,15 +75,11 @@ fn rv(n: &Node) -> u64 {
         .expect("resourceVersion")
 }
 
-/// The key resource's value in `status.<field>`: `None` when absent (or not a whole number).
-fn value(n: &Node, field: &str) -> Option<u64> {
-    let s = n.status.as_ref()?;
-    let map = if field == "capacity" {
-        s.capacity.as_ref()
-    } else {
-        s.allocatable.as_ref()
-    }?;
-    map.get(TDX_KEYS).and_then(|q| q.0.parse().ok())
+/// The key resource's capacity and allocatable: `None` where absent (or not a whole number).
+fn values(n: &Node) -> (Option<u64>, Option<u64>) {
+    let (c, a) = fixtures::node_resource(n, TDX_KEYS);
+    let whole = |v: Option<String>| v?.parse().ok();
+    (whole(c), whole(a))
 }
 
 fn listed(n: &Node, annotation: &str) -> BTreeSet<String> {
@@ -406,13 +402,13 @@ async fn nfd_arriving_after_teeguard_keeps_its_value_and_the_agent_steps_back_wi
         tokio::time::sleep(POLL * 3).await;
 
         let end = node(&w);
-        assert_eq!((value(&end, "capacity"), value(&end, "allocatable")), (Some(16), Some(16)));
+        assert_eq!(values(&end), (Some(16), Some(16)));
         assert!(listed(&end, NFD_EXTENDED_RESOURCES_ANNOTATION).contains(TDX_KEYS));
         assert!(!listed(&end, AGENT_EXTENDED_RESOURCES_ANNOTATION).contains(TDX_KEYS));
         let versions = node_versions_since(&w, from).await;
         assert!(versions.len() >= 3, "NFD's two writes and the agent's release: {}", versions.len());
         for n in &versions {
-            let (c, a) = (value(n, "capacity"), value(n, "allocatable"));
+            let (c, a) = values(n);
             assert!(
                 c.is_some_and(|v| v > 0) && a.is_some_and(|v| v > 0),
                 "rv {}: capacity {c:?} allocatable {a:?}",
@@ -476,7 +472,7 @@ async fn handing_the_keys_to_teeguard_by_editing_the_rule_keeps_running_pods_and
         let started = Instant::now();
         let nfd = nfd_master_pass(&w, &[], Duration::ZERO).await;
         let restored = wait_node(&w, "the agent advertises its value again", |n| {
-            value(n, "capacity") == Some(13) && value(n, "allocatable") == Some(13)
+            values(n) == (Some(13), Some(13))
         })
         .await;
         let gap = started.elapsed();
@@ -493,7 +489,7 @@ async fn handing_the_keys_to_teeguard_by_editing_the_rule_keeps_running_pods_and
         let versions = node_versions_since(&w, h.from).await;
         let mut missing = Vec::new();
         for n in &versions {
-            let (r, c, a) = (rv(n), value(n, "capacity"), value(n, "allocatable"));
+            let (r, (c, a)) = (rv(n), values(n));
             if r == nfd_removal || r == nfd_annotation {
                 continue;
             }
@@ -559,8 +555,7 @@ async fn handing_the_keys_to_teeguard_annotation_first_never_leaves_the_node_wit
             .expect("annotation removed");
         let taken = wait_node(&w, "the agent took the name back", |n| {
             listed(n, AGENT_EXTENDED_RESOURCES_ANNOTATION).contains(TDX_KEYS)
-                && value(n, "capacity") == Some(13)
-                && value(n, "allocatable") == Some(13)
+                && values(n) == (Some(13), Some(13))
         })
         .await;
         // Then the rule is edited: nfd-master has nothing left to do on this node.
@@ -572,7 +567,7 @@ async fn handing_the_keys_to_teeguard_annotation_first_never_leaves_the_node_wit
         let versions = node_versions_since(&w, h.from).await;
         assert!(versions.len() >= 3, "{}", versions.len());
         for n in &versions {
-            let (c, a) = (value(n, "capacity"), value(n, "allocatable"));
+            let (c, a) = values(n);
             assert!(
                 c.is_some_and(|v| v >= IN_USE) && a.is_some_and(|v| v >= IN_USE),
                 "rv {}: capacity {c:?} allocatable {a:?}",

@@ -112,16 +112,6 @@ fn node(w: &World) -> Node {
         .expect("node")
 }
 
-fn node_resource(n: &Node, field: &str, resource: &str) -> Option<String> {
-    let st = n.status.as_ref()?;
-    let map = if field == "capacity" {
-        st.capacity.as_ref()
-    } else {
-        st.allocatable.as_ref()
-    }?;
-    map.get(resource).map(|q| q.0.clone())
-}
-
 async fn wait_vmi_event(w: &World, vmi: &CreatedVmi) -> Value {
     w.driver
         .wait_event(
@@ -141,14 +131,10 @@ async fn vmi_to_running_vm_updates_the_report() {
     bounded(async {
         let w = world(4, CONFIG).await;
         // The agent advertises the key pool on the Node (nothing did before it started).
-        let n = node(&w);
+        let four = Some("4".to_string());
         assert_eq!(
-            node_resource(&n, "capacity", TDX_KEYS).as_deref(),
-            Some("4")
-        );
-        assert_eq!(
-            node_resource(&n, "allocatable", TDX_KEYS).as_deref(),
-            Some("4")
+            fixtures::node_resource(&node(&w), TDX_KEYS),
+            (four.clone(), four)
         );
 
         let (_, adm) = vm_pod(&w, VmiSpec::new("vm-1", Tee::Tdx)).await;
@@ -498,8 +484,9 @@ async fn agent_restart_with_a_running_vm_keeps_the_nodes_key_resource() {
         let mut w = world(4, CONFIG).await;
         run_vm(&w, "vm-1").await;
         let before = w.settle().await.expect("settled");
-        let advertised = node_resource(&node(&w), "allocatable", TDX_KEYS);
-        assert_eq!(advertised.as_deref(), Some("4"));
+        let advertised = fixtures::node_resource(&node(&w), TDX_KEYS);
+        let four = Some("4".to_string());
+        assert_eq!(advertised, (four.clone(), four));
         let from = w.env.api.requests().last().map_or(0, |r| r.seq);
 
         w.restart_agent().await.expect("agent restarts");
@@ -515,11 +502,7 @@ async fn agent_restart_with_a_running_vm_keeps_the_nodes_key_resource() {
             )
         };
         assert_eq!(figures(&after), figures(&before));
-        assert_eq!(
-            node_resource(&node(&w), "allocatable", TDX_KEYS),
-            advertised
-        );
-        assert_eq!(node_resource(&node(&w), "capacity", TDX_KEYS), advertised);
+        assert_eq!(fixtures::node_resource(&node(&w), TDX_KEYS), advertised);
         // No write in between removed the resource or set it to anything else.
         let escaped = TDX_KEYS.replace('/', "~1");
         for r in w

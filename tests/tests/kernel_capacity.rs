@@ -37,7 +37,7 @@ const CONFIG: &str = "enforcement:\n  mode: cgroup\n";
 async fn allocatable(w: &AgentWorld) -> Option<String> {
     let nodes: Api<Node> = Api::all(w.cluster.client.clone());
     let n = nodes.get(&w.node).await.ok()?;
-    n.status?.allocatable?.get(ASIDS).map(|q| q.0.clone())
+    teeguard_tests::fixtures::node_resource(&n, ASIDS).1
 }
 
 async fn wait_allocatable(w: &AgentWorld, want: Option<&str>) {

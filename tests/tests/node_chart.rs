@@ -16,7 +16,6 @@
 mod chart_support;
 mod node_support;
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,7 +30,7 @@ use kube::{Api, ResourceExt};
 use teeguard_certs::{CertificateAuthority, ServingCertRequest};
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::controlplane::{ControlPlane, unique_name};
-use teeguard_tests::fixtures::{TDX_KEYS, Tee};
+use teeguard_tests::fixtures::{self, TDX_KEYS, Tee};
 use teeguard_tests::host::{SimHost, TDX};
 use teeguard_tests::node::{ContainerKind, NodeTurn, RealNode, Runtime, built_images, pods};
 use teeguard_tests::ports::free_ports;
@@ -51,13 +50,10 @@ fn set(pairs: &[(&str, String)]) -> Vec<String> {
 
 /// The Node's key resource (capacity, allocatable) and teeguard's annotation, to compare before/after.
 fn teeguard_marks(n: &Node) -> (Option<String>, Option<String>, Option<String>) {
-    let status = n.status.as_ref();
-    let q = |m: Option<
-        &BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>,
-    >| { m.and_then(|m| m.get(TDX_KEYS)).map(|q| q.0.clone()) };
+    let (capacity, allocatable) = fixtures::node_resource(n, TDX_KEYS);
     (
-        q(status.and_then(|s| s.capacity.as_ref())),
-        q(status.and_then(|s| s.allocatable.as_ref())),
+        capacity,
+        allocatable,
         n.annotations()
             .get(teeguard_shared::names::AGENT_EXTENDED_RESOURCES_ANNOTATION)
             .cloned(),

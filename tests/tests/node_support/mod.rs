@@ -349,7 +349,7 @@ impl NodeWorld {
     pub async fn allocatable(&self, resource: &str) -> Option<String> {
         let nodes: Api<Node> = Api::all(self.cluster.client.clone());
         let n = nodes.get(&self.turn.name).await.ok()?;
-        n.status?.allocatable?.get(resource).map(|q| q.0.clone())
+        teeguard_tests::fixtures::node_resource(&n, resource).1
     }
 
     /// Wait until the Node's allocatable `resource` is `value`.
