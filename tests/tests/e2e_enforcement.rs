@@ -139,6 +139,47 @@ async fn nri_world_with(
     (w, reg)
 }
 
+/// Namespace `late` with `labels`.
+fn late_namespace(labels: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "late", "labels": labels}})
+}
+
+/// Create `container` until the plugin answers strict mode's `tdx 0` (once the agent has the pod
+/// and has listed the exempt namespaces).
+async fn zeroed_eventually(runtime: &NriRuntime, sandbox: &Value, container: &Value) {
+    eventually("tdx 0 for a keyless container", async || {
+        let resp = runtime
+            .create_container(sandbox.clone(), container.clone())
+            .await
+            .ok()?;
+        (misc_max(&resp) == Some("tdx 0")).then_some(())
+    })
+    .await;
+}
+
+/// Label namespace `late` exempt: the plugin's first `UpdateContainers` lifts the zero of `container`
+/// (`tdx max`), the only zeroed container of that namespace.
+async fn lifted_when_exempt(w: &NriWorld, container: &Value) {
+    w.env
+        .api
+        .insert(&late_namespace(
+            json!({teeguard_shared::names::EXEMPT_LABEL: "true"}),
+        ))
+        .expect("namespace labelled exempt");
+    let updates = w
+        .runtime
+        .wait_updates(1, Duration::from_secs(10))
+        .await
+        .expect("an UpdateContainers call once the namespace is exempt");
+    let update = &updates[0]["update"][0];
+    assert_eq!(update["container_id"], container["id"], "{updates:?}");
+    assert_eq!(
+        update.pointer("/linux/resources/unified/misc.max"),
+        Some(&json!("tdx max")),
+        "{updates:?}"
+    );
+}
+
 // Fast layer of the real-node launchers test (node_containerd, node_crio; docs/records/real-node.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nri_plugin_registers_and_sets_misc_max_for_tee_compute_containers_only() {
@@ -449,11 +490,10 @@ async fn nri_strict_mode_lifts_a_zero_when_the_namespace_is_labelled_exempt_and_
             "strict mode follows REMOVE_CONTAINER: events {:#b}",
             reg.events
         );
-        let namespace = |labels: Value| {
-            json!({"apiVersion": "v1", "kind": "Namespace",
-                   "metadata": {"name": "late", "labels": labels}})
-        };
-        w.env.api.create(&namespace(json!({}))).expect("namespace");
+        w.env
+            .api
+            .create(&late_namespace(json!({})))
+            .expect("namespace");
         // A pod whose container is created while the namespace is exempt (below), stored first: the
         // agent has it once it has the pods stored after it (its watch delivers in order).
         let pod = VirtLauncherPod::for_tee("born-exempt", Tee::None)
@@ -473,15 +513,7 @@ async fn nri_strict_mode_lifts_a_zero_when_the_namespace_is_labelled_exempt_and_
                 .build();
             let (sandbox, compute) = nri_request(&store_pod(&w.env, &pod), "compute");
             // Zeroed once the agent has the pod and has listed the exempt namespaces.
-            eventually(&format!("{name}: tdx 0"), async || {
-                let resp = w
-                    .runtime
-                    .create_container(sandbox.clone(), compute.clone())
-                    .await
-                    .ok()?;
-                (misc_max(&resp) == Some("tdx 0")).then_some(())
-            })
-            .await;
+            zeroed_eventually(&w.runtime, &sandbox, &compute).await;
             containers.push((sandbox, compute));
         }
         let (sandbox, removed) = &containers[1];
@@ -495,24 +527,7 @@ async fn nri_strict_mode_lifts_a_zero_when_the_namespace_is_labelled_exempt_and_
             .await
             .expect("RemoveContainer answered");
         assert!(w.runtime.container_updates().is_empty());
-        w.env
-            .api
-            .insert(&namespace(
-                json!({teeguard_shared::names::EXEMPT_LABEL: "true"}),
-            ))
-            .expect("namespace labelled exempt");
-        let updates = w
-            .runtime
-            .wait_updates(1, Duration::from_secs(10))
-            .await
-            .expect("an UpdateContainers call once the namespace is exempt");
-        let update = &updates[0]["update"][0];
-        assert_eq!(update["container_id"], containers[0].1["id"], "{updates:?}");
-        assert_eq!(
-            update.pointer("/linux/resources/unified/misc.max"),
-            Some(&json!("tdx max")),
-            "{updates:?}"
-        );
+        lifted_when_exempt(&w, &containers[0].1).await;
         // A container created while the namespace is exempt gets no limit.
         let resp = w
             .runtime
@@ -523,7 +538,7 @@ async fn nri_strict_mode_lifts_a_zero_when_the_namespace_is_labelled_exempt_and_
         // The label removed: both get the zero (again).
         w.env
             .api
-            .insert(&namespace(json!({})))
+            .insert(&late_namespace(json!({})))
             .expect("namespace label removed");
         let updates = w
             .runtime
@@ -625,25 +640,16 @@ async fn nri_strict_mode_zeroes_a_keyless_container_whose_pod_the_agent_has_not_
         let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
         let (w, _reg) =
             nri_world_with(host, "  strict: true\n", |_| (Vec::new(), Vec::new())).await;
-        let namespace = |labels: Value| {
-            json!({"apiVersion": "v1", "kind": "Namespace",
-                   "metadata": {"name": "late", "labels": labels}})
-        };
-        w.env.api.create(&namespace(json!({}))).expect("namespace");
+        w.env
+            .api
+            .create(&late_namespace(json!({})))
+            .expect("namespace");
         // A cached pod zeroed first: the agent has listed the namespaces.
         let cached = VirtLauncherPod::for_tee("cached", Tee::None)
             .running_on(NODE)
             .build();
         let (sandbox, compute) = nri_request(&store_pod(&w.env, &cached), "compute");
-        eventually("the cached pod's tdx 0", async || {
-            let resp = w
-                .runtime
-                .create_container(sandbox.clone(), compute.clone())
-                .await
-                .ok()?;
-            (misc_max(&resp) == Some("tdx 0")).then_some(())
-        })
-        .await;
+        zeroed_eventually(&w.runtime, &sandbox, &compute).await;
 
         let uncached = VirtLauncherPod::for_tee("uncached", Tee::None)
             .namespace("late")
@@ -656,24 +662,7 @@ async fn nri_strict_mode_zeroes_a_keyless_container_whose_pod_the_agent_has_not_
             .expect("CreateContainer answered");
         assert_eq!(misc_max(&resp), Some("tdx 0"), "{resp:?}");
 
-        w.env
-            .api
-            .insert(&namespace(
-                json!({teeguard_shared::names::EXEMPT_LABEL: "true"}),
-            ))
-            .expect("namespace labelled exempt");
-        let updates = w
-            .runtime
-            .wait_updates(1, Duration::from_secs(10))
-            .await
-            .expect("an UpdateContainers call once the namespace is exempt");
-        let update = &updates[0]["update"][0];
-        assert_eq!(update["container_id"], compute["id"], "{updates:?}");
-        assert_eq!(
-            update.pointer("/linux/resources/unified/misc.max"),
-            Some(&json!("tdx max")),
-            "{updates:?}"
-        );
+        lifted_when_exempt(&w, &compute).await;
     })
     .await;
 }
@@ -884,11 +873,10 @@ async fn strict_mode_lifts_the_zero_of_a_pod_whose_namespace_is_labelled_exempt_
     bounded(async {
         let config = format!("{CGROUP_CONFIG}  strict: true\n");
         let w = World::start(4, &config).await.expect("world starts");
-        let namespace = |labels: Value| {
-            json!({"apiVersion": "v1", "kind": "Namespace",
-                   "metadata": {"name": "late", "labels": labels}})
-        };
-        w.env.api.create(&namespace(json!({}))).expect("namespace");
+        w.env
+            .api
+            .create(&late_namespace(json!({})))
+            .expect("namespace");
         let pod = VirtLauncherPod::for_tee("in-late", Tee::None)
             .namespace("late")
             .running_on(NODE)
@@ -904,7 +892,7 @@ async fn strict_mode_lifts_the_zero_of_a_pod_whose_namespace_is_labelled_exempt_
         .await;
         w.env
             .api
-            .insert(&namespace(
+            .insert(&late_namespace(
                 json!({teeguard_shared::names::EXEMPT_LABEL: "true"}),
             ))
             .expect("namespace labelled exempt");
