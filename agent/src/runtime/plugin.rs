@@ -260,8 +260,8 @@ struct Existing {
     decision: Decision,
 }
 
-/// The decisions for the containers that already run; an unknown annotated pod is looked up as at
-/// `CreateContainer`, within `timeout`.
+/// The decisions for the containers that already run; an unknown pod whose limit needs it is looked
+/// up as at `CreateContainer`, within `timeout`.
 async fn existing_limits(
     containers: Arc<dyn Containers>,
     existing: Vec<CreateContainer>,
