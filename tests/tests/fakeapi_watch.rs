@@ -546,3 +546,34 @@ async fn patch_events_reach_watchers_once() {
         "no extra event"
     );
 }
+
+// A watch request in flight when the test drops the watches (here held by a delay) ends as soon as it
+// starts, as an API server restart ends it; before, one that started after the drop stayed open, so
+// a test that refused and dropped watches could keep a client watching.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_in_flight_when_the_watches_are_dropped_ends_as_it_starts() {
+    let server = FakeApiServer::new();
+    let api: Api<Node> = Api::all(server.client());
+    let rv = server.resource_version().to_string();
+    server.add_fault(
+        FaultRule::delay(Duration::from_millis(300))
+            .verb(Verb::Watch)
+            .times(1),
+    );
+    let watch = tokio::spawn(async move {
+        api.watch(&WatchParams::default(), &rv)
+            .await
+            .map(|s| s.boxed())
+    });
+    eventually("the watch request held by the delay", async || {
+        !server.requests_where(|r| r.verb == Verb::Watch).is_empty()
+    })
+    .await;
+    server.drop_watches();
+    let mut stream = watch.await.expect("join").expect("watch starts");
+    let end = tokio::time::timeout(T, stream.try_next())
+        .await
+        .expect("the watch ends instead of staying open")
+        .expect("no transport error");
+    assert!(end.is_none(), "{end:?}");
+}

@@ -344,6 +344,9 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
         None
     };
     let ctx = Ctx {
+        // Taken as the request arrives: a watch request in flight when the test drops the watches
+        // is dropped too once it starts, as an API server restart ends it.
+        drops: inner.drops.subscribe(),
         inner: inner.clone(),
         method: parts.method.clone(),
         query,
@@ -361,6 +364,8 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
 
 struct Ctx {
     inner: Arc<Inner>,
+    /// The watch drops since this request arrived.
+    drops: tokio::sync::watch::Receiver<(u64, watch::DropMode)>,
     method: Method,
     query: Vec<(String, String)>,
     content_type: Option<String>,
@@ -636,7 +641,7 @@ fn resource(
                 timeout,
                 metadata_only: ctx.metadata_only(),
             };
-            watch::start(inner.clone(), req)
+            watch::start(inner.clone(), req, ctx.drops.clone())
         }
         (Verb::Create, None) => {
             check_body_type(ctx.content_type.as_deref())?;

@@ -171,9 +171,13 @@ impl Drop for OpenWatch {
     }
 }
 
-/// Starts a watch; errors before the stream starts are plain HTTP errors.
-pub(crate) fn start(inner: Arc<Inner>, req: WatchRequest) -> Result<Response, ApiStatus> {
-    let mut drop_rx = inner.drops.subscribe();
+/// Starts a watch that ends at the first drop `drop_rx` has not seen (taken when the request
+/// arrived); errors before the stream starts are plain HTTP errors.
+pub(crate) fn start(
+    inner: Arc<Inner>,
+    req: WatchRequest,
+    mut drop_rx: tokio::sync::watch::Receiver<(u64, DropMode)>,
+) -> Result<Response, ApiStatus> {
     let mut store_rv = inner.store.rv_tx.subscribe();
     let (reg, initial, gone, mut rx, start_rv) = {
         let st = inner.store.read();
