@@ -811,7 +811,8 @@ impl FakeApiServer {
         self.inner.lock_faults().len()
     }
 
-    /// Ends every open watch stream now (clients see the stream end and re-watch).
+    /// Ends every open watch stream now, and every watch request already received as soon as its
+    /// stream starts (clients see the stream end and re-watch).
     pub fn drop_watches(&self) {
         self.inner.drop_watches(DropMode::Close);
     }
