@@ -182,7 +182,8 @@ pub struct AdmissionConfig {
     pub stale_on_pod_create: StalePolicy,
     /// Policy for unknown reports on the scheduler's `pods/binding`.
     pub stale_on_binding: StalePolicy,
-    /// How long an admitted-but-not-yet-reported key stays in the webhook's ledger at most.
+    /// The longest a key stays held for a pod the node's report does not count yet (the holds' end
+    /// rule's backstop; `ledgerTtl` is the name of the days of the per-replica ledger).
     pub ledger_ttl: Duration,
     /// The decider Lease's duration: one replica, elected through it, decides the admissions that
     /// take a key in memory and writes its holds behind; the others forward it those reviews.

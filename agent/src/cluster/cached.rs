@@ -16,7 +16,27 @@ use teeguard_shared::names::{
     NFD_EXTENDED_RESOURCES_ANNOTATION,
 };
 
-/// A pod bound to the node, as the agent caches it: only what attribution and the limits read.
+/// The annotation of a mirror pod naming its static pod's configuration hash, which the kubelet runs
+/// the static pod under as its UID.
+pub const MIRROR_POD_ANNOTATION: &str = "kubernetes.io/config.mirror";
+
+/// The UID the node runs `pod` under: a mirror pod's static pod's ([`MIRROR_POD_ANNOTATION`]), or
+/// the pod's own.
+pub fn runtime_uid(pod: &Pod) -> Option<&str> {
+    static_pod_uid(pod.metadata.annotations.as_ref())
+        .or(pod.metadata.uid.as_ref())
+        .map(String::as_str)
+}
+
+/// The UID of a mirror pod's static pod, from the mirror's `annotations`.
+fn static_pod_uid(annotations: Option<&BTreeMap<String, String>>) -> Option<&String> {
+    annotations?
+        .get(MIRROR_POD_ANNOTATION)
+        .filter(|hash| !hash.is_empty())
+}
+
+/// A pod bound to the node, as the agent caches it: only what attribution and the limits read. Its
+/// `metadata.uid` is the UID the node runs it under (a mirror pod's: its static pod's).
 ///
 /// It is decoded straight from the API server's JSON into these few fields (labels, annotations,
 /// managed fields, volumes, env, probes... are skipped by the decoder, never allocated), and the
@@ -116,11 +136,14 @@ fn keep_only(
 
 fn slim_meta<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
     let m = Option::<SlimMeta>::deserialize(d)?.unwrap_or_default();
+    // A static pod (a manifest of the kubelet's) runs under the UID its mirror pod's annotation
+    // names, not the mirror's own: the UID of its cgroup and of the runtime's NRI requests.
+    let uid = static_pod_uid(m.annotations.as_ref()).cloned().or(m.uid);
     Ok(ObjectMeta {
         name: m.name,
         namespace: m.namespace,
         generate_name: m.generate_name,
-        uid: m.uid,
+        uid,
         resource_version: m.resource_version,
         // Strict mode leaves exempt pods alone; a virt-launcher's `compute` holds a key its
         // RuntimeClass put in the overhead; the limits check teeguard's own annotation.
@@ -443,6 +466,23 @@ mod tests {
         );
         assert_eq!(CachedPod::api_version(&()), Pod::api_version(&()));
         assert_eq!(CachedPod::kind(&()), Pod::kind(&()));
+    }
+
+    #[test]
+    fn a_mirror_pod_is_cached_under_the_uid_its_static_pod_runs_with() {
+        let mirror = json!({
+            "metadata": {"name": "proxy-n1", "namespace": "kube-system", "uid": "api-uid",
+                         "annotations": {MIRROR_POD_ANNOTATION: "0f3c5e7a", "kubernetes.io/config.source": "file"}},
+            "spec": {"containers": [{"name": "proxy"}]}
+        });
+        let full: Pod = serde_json::from_value(mirror.clone()).expect("a pod");
+        assert_eq!(runtime_uid(&full), Some("0f3c5e7a"), "a lookup's pod");
+        let cached: CachedPod = serde_json::from_value(mirror).expect("decodes");
+        assert_eq!(cached.to_pod().metadata.uid.as_deref(), Some("0f3c5e7a"));
+        let plain = json!({"metadata": {"name": "p", "namespace": "ns", "uid": "api-uid",
+                                        "annotations": {MIRROR_POD_ANNOTATION: ""}}});
+        let cached: CachedPod = serde_json::from_value(plain).expect("decodes");
+        assert_eq!(cached.to_pod().metadata.uid.as_deref(), Some("api-uid"));
     }
 
     #[test]

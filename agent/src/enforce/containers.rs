@@ -15,7 +15,7 @@ use kube::{Api, Client};
 use teeguard_shared::config::ResourcesConfig;
 use tokio::sync::watch;
 
-use crate::cluster::cached::CachedPod;
+use crate::cluster::cached::{CachedPod, runtime_uid};
 use crate::cluster::events::{EventSink, PodRef, REASON_KIND_UNAVAILABLE, REASON_MISMATCH};
 use crate::cluster::watch::ExemptNamespaces;
 use crate::decide::claimed::ClaimedKeys;
@@ -237,7 +237,7 @@ impl Containers for NriContainers {
                 Some(client) => {
                     let api: Api<Pod> = Api::namespaced(client.clone(), &req.pod_namespace);
                     match api.get_opt(&req.pod_name).await {
-                        Ok(pod) => pod.filter(|p| p.metadata.uid.as_deref() == Some(req.pod_uid.as_str())),
+                        Ok(pod) => pod.filter(|p| runtime_uid(p) == Some(req.pod_uid.as_str())),
                         Err(e) => {
                             this.metrics.api_error("get pod for its key limit");
                             tracing::warn!(pod = %format!("{}/{}", req.pod_namespace, req.pod_name), error = %e, "cannot look the pod up; applying its annotation as admitted");
