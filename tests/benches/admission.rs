@@ -1,6 +1,6 @@
 //! Cost of one admission review in the handler, without HTTP or TLS: `review_mutation` (parse the
 //! AdmissionReview, decode the pod (slim), look up namespace and VMI, decide, build the patch) and
-//! `review_validation` (the same parse, the cgroup-limit check, the node reports and the ledger), plus
+//! `review_validation` (the same parse, the cgroup-limit check, the node reports and the holds), plus
 //! `ReviewResponse::to_json` (what the server sends), for a realistic virt-launcher pod (~6 KB
 //! review) and a large one (~20 KB), per TEE kind. Lookups go through the webhook's real `Caches`
 //! (kube reflector stores), warmed from the in-process fake API server with 2 000 VMIs and 20 TEE
@@ -256,15 +256,14 @@ fn main() {
 
     // The validating review of the same pods as the API server sends them: mutated (key request and
     // annotation) and named; once without a node (some matching node must have keys) and once as the
-    // scheduler's binding to a node (check and reserve in the ledger). The pods exist in the API
+    // scheduler's binding to a node (check, and hold the key). The pods exist in the API
     // server, so bindings find them in the webhook's pod cache.
     let mut validations = Vec::new();
     for (large, size) in [(false, "default"), (true, "large")] {
         for (tee, uid) in kinds.iter().zip(&uids) {
             let (resource, misc) = key_of(*tee);
             let mut pod = VirtLauncherPod::for_tee(&format!("{}-vm", tee.slug()), *tee)
-                .request(resource, "1")
-                .annotation("misc-max.teeguard.dev/compute", misc)
+                .patched(resource, misc)
                 .name(&format!("virt-launcher-{}-vm-{size}", tee.slug()));
             if large {
                 pod = pod.large();

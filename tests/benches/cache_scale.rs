@@ -283,8 +283,7 @@ fn main() {
         );
         let validate_pod = owned_by(
             &VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx)
-                .request("tdx.intel.com/keys", "1")
-                .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+                .patched("tdx.intel.com/keys", "tdx 1")
                 .generated_name()
                 .to_value(),
             &uid,

@@ -51,7 +51,7 @@ use teeguard_tests::host::{SimHost, TDX};
 use teeguard_tests::node::{Runtime, pods};
 use teeguard_tests::patch::MergePatch;
 use teeguard_tests::prom::{Scrape, delta_by, mean_delta};
-use teeguard_tests::realcluster::Cluster;
+use teeguard_tests::realcluster::{Cluster, advertise};
 
 /// The scheduler's client limits measured: its defaults, then ten and a hundred times more.
 const CLIENT_LIMITS: [(u32, u32); 3] = [(50, 100), (500, 1000), (5000, 5000)];
@@ -267,10 +267,7 @@ impl BenchNode {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         // Room for every pod (a kubelet's default is 110).
-        let room =
-            json!({"status": {"capacity": {"pods": "1000"}, "allocatable": {"pods": "1000"}}});
-        Api::<Node>::all(cluster.client.clone())
-            .merge_patch_status(&name, room)
+        advertise(&cluster.client, &name, &[("pods", json!("1000"))])
             .await
             .expect("the Node's pod capacity");
         let host = SimHost::builder()

@@ -224,8 +224,7 @@ fn main() {
         );
         // What the API server sends /validate for the same pod: mutated and named.
         let mutated = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx)
-            .request("tdx.intel.com/keys", "1")
-            .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+            .patched("tdx.intel.com/keys", "tdx 1")
             .generated_name();
         let (_, validate) = launcher_review(&mutated, &uid, "bench-validate");
         let targets = vec![

@@ -35,8 +35,7 @@ fn seed(env: &E2eEnv) {
 
 fn tee_pod(env: &E2eEnv, i: usize) -> Value {
     let pod = VirtLauncherPod::for_tee(&format!("vm-{i}"), Tee::Tdx)
-        .request(TDX_KEYS, "1")
-        .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+        .patched(TDX_KEYS, "tdx 1")
         .running_on(NODE)
         .build();
     let mut v = serde_json::to_value(&pod).expect("json");

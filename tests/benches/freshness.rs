@@ -14,20 +14,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use support::{Stats, fmt_dur, section};
 use teeguard_tests::e2e::{NODE, World};
-use teeguard_tests::fixtures::{AdmissionReviewBuilder, Tee};
 use teeguard_tests::host::TDX;
-use teeguard_tests::standalone::VmiSpec;
-
-async fn admitted_pod(w: &World, name: &str) -> Pod {
-    let vmi = w
-        .driver
-        .create_vmi(&VmiSpec::new(name, Tee::Tdx))
-        .expect("vmi");
-    let pod = w.driver.launcher_pod(&vmi).expect("pod");
-    let adm = w.driver.create_pod(&pod).await.expect("reviewed");
-    adm.pod
-        .unwrap_or_else(|| panic!("{name} admitted at CREATE: {:?}", adm.validate))
-}
 
 fn key(p: &Pod) -> (String, String) {
     (
@@ -49,46 +36,29 @@ async fn run(poll: Duration, events: usize) -> Stats {
     // node); they wait unbound, as pods the scheduler keeps retrying do.
     let mut queue = Vec::with_capacity(events);
     for i in 1..=events {
-        queue.push(admitted_pod(&w, &format!("vm-{i:03}")).await);
+        queue.push(w.admitted_tdx_vm(&format!("vm-{i:03}")).await);
     }
-    let first = admitted_pod(&w, "vm-000").await;
-    let (mut ns, mut name) = key(&first);
+    let mut running = w.admitted_tdx_vm("vm-000").await;
+    let (ns, name) = key(&running);
     assert!(w.driver.bind(&ns, &name, NODE).await.expect("bind").bound);
-    let stored: Pod = w
-        .env
-        .api
-        .get_typed(Some(&ns), &name)
-        .expect("get")
-        .expect("pod");
-    w.kubelet()
-        .start(&stored, &["compute"], "compute", Some(TDX))
-        .expect("VM starts");
+    w.start_tdx_vm(&running).expect("VM starts");
     w.settle().await.expect("settled");
 
     let mut freed = Vec::with_capacity(events);
     for next in queue {
-        let review = AdmissionReviewBuilder::binding(&next, NODE).build();
         let before = w
             .driver
-            .review("/validate", &review)
+            .review_binding(&next, NODE)
             .await
             .expect("answered");
         assert!(!before.allowed, "the node is full before the VM stops");
         // The VM stops (its pod ends with it).
         let stopped = Instant::now();
-        w.kubelet()
-            .stop(
-                &w.env
-                    .api
-                    .get_typed::<Pod>(Some(&ns), &name)
-                    .expect("get")
-                    .expect("pod"),
-            )
-            .expect("stop");
+        w.kubelet().stop(&w.stored(&running)).expect("stop");
         loop {
             let r = w
                 .driver
-                .review("/validate", &review)
+                .review_binding(&next, NODE)
                 .await
                 .expect("answered");
             if r.allowed {
@@ -103,16 +73,8 @@ async fn run(poll: Duration, events: usize) -> Stats {
         freed.push(stopped.elapsed());
         let (nns, nname) = key(&next);
         w.env.api.bind_pod(&nns, &nname, NODE).expect("bound");
-        let stored: Pod = w
-            .env
-            .api
-            .get_typed(Some(&nns), &nname)
-            .expect("get")
-            .expect("pod");
-        w.kubelet()
-            .start(&stored, &["compute"], "compute", Some(TDX))
-            .expect("VM starts");
-        (ns, name) = (nns, nname);
+        w.start_tdx_vm(&next).expect("VM starts");
+        running = next;
         w.settle().await.expect("settled");
     }
     Stats::from_samples(&mut freed)

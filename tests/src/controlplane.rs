@@ -108,7 +108,7 @@ pub struct SecondApiServer {
     args: Vec<String>,
 }
 
-static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+static SHARED: OnceLock<Result<ControlPlane>> = OnceLock::new();
 static TWO_API_SERVERS: AtomicBool = AtomicBool::new(false);
 
 /// Ask for a second kube-apiserver on the same etcd in this test binary's control plane (before its
@@ -123,44 +123,15 @@ impl ControlPlane {
     /// when no binaries are configured and `CI` is not `true`; panics when `CI=true` and there are
     /// none, or when the control plane does not start.
     pub fn shared() -> Option<&'static ControlPlane> {
-        let got = SHARED.get_or_init(|| {
-            // Started on its own thread: a test's tokio runtime cannot block on another runtime.
-            std::thread::spawn(Self::start)
-                .join()
-                .unwrap_or_else(|_| Err(Error::failed(KIT.name, "start-up panicked")))
-                .map_err(|e| match e {
-                    Error::Missing { reason, .. } => format!("missing: {reason}"),
-                    other => other.to_string(),
-                })
-        });
-        match got {
-            Ok(cp) => Some(cp),
-            Err(e) if e.starts_with("missing: ") && !ci() => {
-                eprintln!(
-                    "skipped: needs a real control plane ({}); {HOW_TO}",
-                    &e["missing: ".len()..]
-                );
-                None
-            }
-            Err(e) => panic!("{e}"),
-        }
+        KIT.start_once(&SHARED, Self::start)
     }
 
     /// Start one: find or unpack the binaries, write certificates and tokens, start the four
     /// components and wait until `/readyz` answers `ok`.
     pub fn start() -> Result<ControlPlane> {
         let started = Instant::now();
-        let source = std::env::var_os(ENV)
-            .map(PathBuf::from)
-            .ok_or_else(|| KIT.missing(format!("{ENV} is not set")))?;
-        let dir = tempfile::Builder::new()
-            .prefix("teeguard-control-plane-")
-            .tempdir()
-            .map_err(KIT.io("create the state directory"))?
-            .keep();
-        for sub in ["log", "etcd", "pki"] {
-            std::fs::create_dir_all(dir.join(sub)).map_err(KIT.io(format!("create {sub}/")))?;
-        }
+        let source = KIT.dir_from(ENV)?;
+        let dir = KIT.state_dir("teeguard-control-plane-", &["log", "etcd", "pki"])?;
         let bin = binaries(&source, &dir.join("bin"), chosen_version().as_deref())?;
         if let Some(want) = chosen_version() {
             let out = Command::new(bin.join("kube-apiserver"))
@@ -545,20 +516,8 @@ fn binaries(top: &Path, unpack: &Path, version: Option<&str>) -> Result<PathBuf>
         if !xz.is_file() {
             return Err(KIT.missing(format!("{} has neither {b} nor {b}.xz", source.display())));
         }
-        let out = std::fs::File::create(unpack.join(b))
-            .map_err(KIT.io(format!("create {}", unpack.join(b).display())))?;
-        let status = Command::new("xz")
-            .arg("-dc")
-            .arg(&xz)
-            .stdout(out)
-            .status()
-            .map_err(KIT.io("run xz (Debian package xz-utils) to unpack the binaries"))?;
-        if !status.success() {
-            return Err(KIT.io(format!("unpack {}", xz.display()))(
-                std::io::Error::other(format!("xz exited with {status}")),
-            ));
-        }
-        make_executable(&unpack.join(b))?;
+        KIT.unxz(&xz, &unpack.join(b))?;
+        KIT.make_executable(&unpack.join(b))?;
     }
     Ok(unpack.to_path_buf())
 }
@@ -567,12 +526,6 @@ fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     p.metadata()
         .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-}
-
-fn make_executable(p: &Path) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
-        .map_err(KIT.io(format!("chmod {}", p.display())))
 }
 
 /// Runs a component until the test process (`$1`) exits or the component dies, then stops it (TERM,

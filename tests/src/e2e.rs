@@ -668,13 +668,7 @@ impl ProcessEnv {
         write_kubeconfig: impl FnOnce(&Path) -> Result<()>,
     ) -> Result<ProcessEnv> {
         let config = Config::from_yaml(config_yaml).map_err(|e| Error::Config(e.to_string()))?;
-        let dir = tempfile::Builder::new()
-            .prefix("teeguard-e2e-")
-            .tempdir()
-            .map_err(io_err(
-                "create a temporary directory in",
-                &std::env::temp_dir(),
-            ))?;
+        let dir = error::temp_dir(COMPONENT, "teeguard-e2e-")?;
         let kubeconfig = dir.path().join("kubeconfig");
         write_kubeconfig(&kubeconfig)?;
         let config_path = dir.path().join("config.yaml");
@@ -1100,6 +1094,51 @@ impl World {
         }
     }
 
+    /// A TDX VM `name` created as a user and virt-controller create it, its launcher pod patched and
+    /// admitted at CREATE (not bound yet); panics otherwise.
+    pub async fn admitted_tdx_vm(&self, name: &str) -> k8s_openapi::api::core::v1::Pod {
+        let (_, adm) = self
+            .driver
+            .create_vm(&crate::standalone::VmiSpec::new(
+                name,
+                crate::fixtures::Tee::Tdx,
+            ))
+            .await
+            .expect("VMI stored, its pod reviewed");
+        adm.expect_patched_pod(name)
+    }
+
+    /// `pod` as stored now (bound, with its UID); panics when it is gone.
+    pub fn stored(&self, pod: &k8s_openapi::api::core::v1::Pod) -> k8s_openapi::api::core::v1::Pod {
+        let ns = pod.metadata.namespace.as_deref();
+        let name = pod.metadata.name.as_deref().expect("a named pod");
+        self.env
+            .api
+            .get_typed(ns, name)
+            .expect("a pod decodes")
+            .unwrap_or_else(|| panic!("pod {name} is stored"))
+    }
+
+    /// The kubelet starts `pod`'s TDX VM: its `compute` container, where QEMU takes one key (`pod` as
+    /// stored now, [`World::stored`]).
+    pub fn start_tdx_vm(&self, pod: &k8s_openapi::api::core::v1::Pod) -> Result<()> {
+        self.kubelet().start(
+            &self.stored(pod),
+            &["compute"],
+            "compute",
+            Some(crate::host::TDX),
+        )
+    }
+
+    /// The Node [`NODE`] as stored now (panics when it is not: every world has it).
+    pub fn node(&self) -> k8s_openapi::api::core::v1::Node {
+        self.env
+            .api
+            .get_typed(None, NODE)
+            .expect("a Node decodes")
+            .expect("the world's Node exists")
+    }
+
     /// Wait until the next review sees the current state (see [`ApiServerDriver::settle`]).
     pub async fn settle(&self) -> Result<teeguard_shared::crd::KindStatus> {
         self.driver
@@ -1110,6 +1149,14 @@ impl World {
                 SETTLE_DEADLINE,
             )
             .await
+    }
+
+    /// [`World::settle`], then half a second more for the webhook's other watches (the VMIs, the pods)
+    /// to deliver: before an API server outage, when a GET on a cache miss would fail.
+    pub async fn settle_before_outage(&self) -> Result<teeguard_shared::crd::KindStatus> {
+        let s = self.settle().await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(s)
     }
 
     /// Kill the agent (SIGKILL).

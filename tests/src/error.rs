@@ -487,11 +487,117 @@ impl Component {
     pub fn io(self, what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
         io(self.name, what)
     }
+
+    /// The harness a test binary shares, in `cell`: started by `start` on first use, on a thread of its
+    /// own (a test's tokio runtime cannot block on another runtime). Later calls get the same result:
+    /// the harness, or (as [`skip`]) `None` when its kit is missing, or a panic when it did not start.
+    pub fn start_once<T: Send + Sync>(
+        self,
+        cell: &'static std::sync::OnceLock<Result<T>>,
+        start: impl FnOnce() -> Result<T> + Send,
+    ) -> Option<&'static T> {
+        let got = cell.get_or_init(|| {
+            std::thread::scope(|s| {
+                s.spawn(start)
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::failed(self.name, "its start-up panicked")))
+            })
+        });
+        match got {
+            Ok(harness) => Some(harness),
+            Err(e) => skip_for(e),
+        }
+    }
+
+    /// A new state directory `<temp>/<prefix>XXXX` with the subdirectories `subdirs`, kept after the
+    /// test process ends (its logs are read after a failure).
+    pub fn state_dir(self, prefix: &str, subdirs: &[&str]) -> Result<std::path::PathBuf> {
+        let dir = temp_dir(self.name, prefix)?.keep();
+        for sub in subdirs {
+            std::fs::create_dir_all(dir.join(sub)).map_err(self.io(format!("create {sub}/")))?;
+        }
+        Ok(dir)
+    }
+
+    /// The directory the environment variable `env` names (where the kit was built or unpacked).
+    pub fn dir_from(self, env: &str) -> Result<std::path::PathBuf> {
+        std::env::var_os(env)
+            .map(std::path::PathBuf::from)
+            .ok_or_else(|| self.missing(format!("{env} is not set")))
+    }
+
+    /// [`Error::Missing`] unless this test process runs as root (`why`: what needs it).
+    pub fn needs_root(self, why: &str) -> Result<()> {
+        if running_as_root() {
+            Ok(())
+        } else {
+            Err(self.missing(format!("{why}; this test process is not root")))
+        }
+    }
+
+    /// The kit's `files`: in `source` when all are there as they are; otherwise all of them copied or
+    /// (`<file>.xz`) unpacked into `unpack`, those `executable` names made executable.
+    pub fn files(
+        self,
+        source: &std::path::Path,
+        unpack: &std::path::Path,
+        files: &[&str],
+        executable: impl Fn(&str) -> bool,
+    ) -> Result<std::path::PathBuf> {
+        if files.iter().all(|f| source.join(f).is_file()) {
+            return Ok(source.to_path_buf());
+        }
+        std::fs::create_dir_all(unpack).map_err(self.io(format!("create {}", unpack.display())))?;
+        for f in files {
+            let out = unpack.join(f);
+            if source.join(f).is_file() {
+                std::fs::copy(source.join(f), &out).map_err(self.io(format!("copy {f}")))?;
+            } else {
+                self.unxz(&source.join(format!("{f}.xz")), &out)?;
+            }
+            if executable(f) {
+                self.make_executable(&out)?;
+            }
+        }
+        Ok(unpack.to_path_buf())
+    }
+
+    /// Unpack the kit's compressed file `xz` into `out` (`xz -dc`, Debian package xz-utils).
+    pub fn unxz(self, xz: &std::path::Path, out: &std::path::Path) -> Result<()> {
+        let file =
+            std::fs::File::create(out).map_err(self.io(format!("create {}", out.display())))?;
+        let command = format!("xz -dc {}", xz.display());
+        let status = std::process::Command::new("xz")
+            .arg("-dc")
+            .arg(xz)
+            .stdout(file)
+            .status()
+            .map_err(self.io(format!("run {command} (Debian package xz-utils)")))?;
+        if !status.success() {
+            return Err(Error::Command {
+                command,
+                status: status.to_string(),
+                output: String::new(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Make the kit's file `p` executable (mode 755).
+    pub fn make_executable(self, p: &std::path::Path) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
+            .map_err(self.io(format!("chmod {}", p.display())))
+    }
 }
 
 /// For a harness a test could not have: `None`, after one line saying what is missing, when a kit is
 /// missing and `CI` is not `true` (the test skips); panics otherwise.
 pub(crate) fn skip<T>(e: Error) -> Option<T> {
+    skip_for(&e)
+}
+
+fn skip_for<T>(e: &Error) -> Option<T> {
     match e {
         Error::Missing {
             kit,
@@ -525,6 +631,27 @@ pub(crate) fn io_at(
     path: &std::path::Path,
 ) -> impl FnOnce(std::io::Error) -> Error {
     io(component, format!("{op} {}", path.display()))
+}
+
+/// Whether this test process runs as root (its real UID, from `/proc/self/status`).
+pub fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .map(|l| l.split_whitespace().next() == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// A new temporary directory `<temp>/<prefix>XXXX` of `component`, removed when dropped.
+pub(crate) fn temp_dir(component: &'static str, prefix: &str) -> Result<tempfile::TempDir> {
+    let temp = std::env::temp_dir();
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(&temp)
+        .map_err(io_at(component, "create a temporary directory in", &temp))
 }
 
 /// Maps an error (a kube client's, a parser's) to [`Error::Failed`], saying what was asked.

@@ -305,8 +305,7 @@ pub fn seed_vmi(api: &crate::fakeapi::FakeApiServer, vmi: &Vmi) -> String {
 pub fn seed_admitted_tdx_vm(api: &crate::fakeapi::FakeApiServer, vmi: &str) -> Pod {
     let uid = seed_vmi(api, &Vmi::new(vmi).tee(Tee::Tdx));
     let pod = VirtLauncherPod::for_tee(vmi, Tee::Tdx)
-        .request(TDX_KEYS, "1")
-        .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+        .patched(TDX_KEYS, "tdx 1")
         .generated_name();
     from_value(
         api.create(&owned_by(&pod, &uid)).expect("create pod"),
@@ -765,6 +764,15 @@ impl VirtLauncherPod {
         self
     }
 
+    /// As teeguard's `/mutate` leaves it: one key of `resource` requested by `compute` and the
+    /// `misc.max` annotation `line` for it (`tdx 1`; another line forges the limit).
+    pub fn patched(self, resource: &str, line: &str) -> Self {
+        self.request(resource, "1").annotation(
+            &teeguard_shared::names::misc_max_annotation("compute"),
+            line,
+        )
+    }
+
     /// An extended resource already requested by `compute` (requests and limits), e.g.
     /// `request(TDX_KEYS, "1")` for a pod someone already patched.
     pub fn request(mut self, resource: &str, quantity: &str) -> Self {
@@ -1174,20 +1182,9 @@ fn containers_names(spec: &Value) -> Vec<(String, String)> {
     spec.get("containers")
         .and_then(Value::as_array)
         .map(|cs| {
+            let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
             cs.iter()
-                .map(|c| {
-                    let name = c
-                        .get("name")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned();
-                    let image = c
-                        .get("image")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned();
-                    (name, image)
-                })
+                .map(|c| (text(&c["name"]), text(&c["image"])))
                 .collect()
         })
         .unwrap_or_default()

@@ -668,6 +668,14 @@ impl SimHost {
         SimHostBuilder::default()
     }
 
+    /// A host of `keys` TDX keys (the builder's defaults otherwise) with one Burstable pod `uid`
+    /// whose one container is `compute`: where most tests of one pod's charges start.
+    pub fn with_tdx_pod(keys: u64, uid: &str) -> Result<SimHost> {
+        let host = Self::builder().capacity(TDX, keys).build()?;
+        host.add_pod(uid, QosClass::Burstable, &["compute"])?;
+        Ok(host)
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic in another test thread while holding the lock leaves the model intact (every mutation
         // completes before files are written), so a poisoned lock is still usable.

@@ -15,6 +15,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{DynamicObject, ListParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client, CustomResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use teeguard_shared::{TeeCapacity, names};
 
@@ -25,6 +27,52 @@ use crate::fixtures::{NodeBuilder, ReportBuilder, Tee, VirtLauncherPod, Vmi};
 use crate::patch::MergePatch;
 use crate::standalone::driver::{own_by, strip_server_fields};
 use crate::wait;
+
+/// Create `obj`, or keep the one already there (`409 AlreadyExists`): for cluster-wide objects that
+/// tests sharing one control plane create alike (CRDs, RuntimeClasses, DeviceClasses).
+pub async fn create_or_keep<K>(api: &Api<K>, obj: &K) -> std::result::Result<(), kube::Error>
+where
+    K: Clone + DeserializeOwned + Serialize + std::fmt::Debug,
+{
+    match api.create(&PostParams::default(), obj).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Set Node `node`'s capacity and allocatable as virt-handler's device plugins make the kubelet
+/// advertise them: `devices.kubevirt.io/kvm`, `tun` and `vhost-net` (1k each), and `more` (a `null`
+/// value removes a device).
+pub async fn advertise_kubevirt_devices(client: &Client, node: &str, more: &[(&str, Value)]) {
+    let mut devices: Vec<(String, Value)> = ["kvm", "tun", "vhost-net"]
+        .iter()
+        .map(|d| (format!("devices.kubevirt.io/{d}"), json!("1k")))
+        .collect();
+    devices.extend(more.iter().map(|(d, v)| ((*d).to_string(), v.clone())));
+    advertise(client, node, &devices)
+        .await
+        .unwrap_or_else(|e| panic!("advertise KubeVirt's devices on {node}: {e}"));
+}
+
+/// Set `resources` (a `null` value removes one) in Node `node`'s capacity and allocatable, as a
+/// device plugin, or NFD, has the kubelet advertise them.
+pub async fn advertise(
+    client: &Client,
+    node: &str,
+    resources: &[(impl AsRef<str>, Value)],
+) -> kube::Result<Node> {
+    let resources: serde_json::Map<String, Value> = resources
+        .iter()
+        .map(|(r, v)| (r.as_ref().to_string(), v.clone()))
+        .collect();
+    Api::<Node>::all(client.clone())
+        .merge_patch_status(
+            node,
+            json!({"status": {"capacity": resources, "allocatable": resources}}),
+        )
+        .await
+}
 
 /// Run a test body, failing the test when it takes longer than `deadline`.
 pub async fn within(deadline: Duration, body: impl std::future::Future<Output = ()>) {
@@ -157,6 +205,38 @@ impl Cluster {
             .collect()
     }
 
+    /// The first Event about object `ns/name` with reason `reason`, waited for ([`Cluster::wait_for`]).
+    pub async fn wait_event(&self, ns: &str, name: &str, reason: &str) -> Result<Event> {
+        self.wait_for(&format!("a {reason} Event about {ns}/{name}"), || async {
+            self.events_about(ns, name)
+                .await
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some(reason))
+        })
+        .await
+    }
+
+    /// Wait, at most `timeout`, until `api` lists nothing with `params` (`what` is gone).
+    pub async fn wait_none_listed<K>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        api: &Api<K>,
+        params: &ListParams,
+    ) -> Result<()>
+    where
+        K: Clone + DeserializeOwned + std::fmt::Debug,
+    {
+        self.wait_for_within(what, timeout, || async {
+            api.list(params)
+                .await
+                .ok()
+                .filter(|l| l.items.is_empty())
+                .map(|_| ())
+        })
+        .await
+    }
+
     /// Install the `TeeCapacity`, `TeeReservation` and `VirtualMachineInstance` CRDs (once;
     /// idempotent) and wait until they are established.
     pub async fn install_crds(&self) -> Result<()> {
@@ -168,11 +248,9 @@ impl Cluster {
         ];
         for crd in &wanted {
             let name = crd.metadata.name.clone().unwrap_or_default();
-            match crds.create(&PostParams::default(), crd).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 409 => {}
-                Err(e) => return Err(error::failed(format!("create CRD {name}"))(e)),
-            }
+            create_or_keep(&crds, crd)
+                .await
+                .map_err(error::failed(format!("create CRD {name}")))?;
         }
         for crd in &wanted {
             let name = crd.metadata.name.clone().unwrap_or_default();
@@ -398,6 +476,21 @@ impl Cluster {
             },
         )
         .await
+    }
+
+    /// [`Cluster::register_webhooks`] for `test`, then [`Cluster::wait_webhooks_called`] in its
+    /// `namespace`: from then on the API server calls `webhook` for the test's namespaces.
+    pub async fn serve_webhooks(
+        &self,
+        test: &str,
+        namespace: &str,
+        rendered: &[Value],
+        webhook: SocketAddr,
+        ca_bundle_b64: &str,
+    ) -> Result<()> {
+        self.register_webhooks(test, rendered, webhook, ca_bundle_b64)
+            .await?;
+        self.wait_webhooks_called(namespace).await
     }
 
     /// Register teeguard's webhook configurations, taken from the rendered chart (`rendered`: every

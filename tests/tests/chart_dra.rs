@@ -62,14 +62,6 @@ fn volume_names(workload: &Value) -> Vec<String> {
 /// Every (verb, group, resource) a rendered role grants (`resource#name` for a rule with
 /// `resourceNames`).
 fn grants(role: &Value) -> BTreeSet<(String, String, String)> {
-    let strings = |rule: &Value, field: &str| -> Vec<String> {
-        rule[field]
-            .as_array()
-            .unwrap_or_else(|| panic!("rule without {field}: {rule}"))
-            .iter()
-            .map(|s| s.as_str().expect("string").to_string())
-            .collect()
-    };
     let mut set = BTreeSet::new();
     for rule in role["rules"].as_array().expect("rules") {
         let names = match rule.get("resourceNames") {
@@ -152,25 +144,7 @@ fn the_default_mode_renders_nothing_of_dra() {
 
 #[test]
 fn dra_mode_lints_and_validates_against_the_kubernetes_1_36_schemas() {
-    let out = run(
-        &helm(),
-        &[
-            "lint".into(),
-            "--strict".into(),
-            chart_dir().display().to_string(),
-            "--namespace".into(),
-            NAMESPACE.into(),
-            "--kube-version".into(),
-            DRA_KUBE_VERSION.into(),
-            "--values".into(),
-            values_file(DRA).display().to_string(),
-        ],
-    );
-    assert!(
-        out.success,
-        "helm lint --strict with tests/chart/dra.yaml failed:\n{}{}",
-        out.stdout, out.stderr
-    );
+    assert_lints(DRA_KUBE_VERSION, DRA);
     let docs = render_dra(&["--include-crds"]);
     assert!(docs.iter().all(|d| !is_cert_manager(d)));
     validate_for(DRA_KUBE_VERSION, "tests/chart/dra.yaml", &docs);
@@ -264,16 +238,12 @@ fn overridden_resource_names_flow_into_the_device_classes() {
     assert_eq!(served("sev"), "sev.amd.com/asids");
     let cfg = config_of(&docs);
     assert_eq!(
-        cfg.resources.resource_name(TeeKind::Tdx),
-        "example.com/tdx-hkids"
-    );
-    assert_eq!(
-        cfg.resources.resource_name(TeeKind::Sev),
-        "sev.amd.com/asids"
-    );
-    assert_eq!(
-        cfg.resources.resource_name(TeeKind::SevEs),
-        "example.com/snp-asids"
+        [TeeKind::Tdx, TeeKind::Sev, TeeKind::SevEs].map(|k| cfg.resources.resource_name(k)),
+        [
+            "example.com/tdx-hkids",
+            "sev.amd.com/asids",
+            "example.com/snp-asids"
+        ]
     );
 
     // Managed elsewhere: none created, everything else stays.
@@ -492,12 +462,7 @@ fn the_own_node_policy_holds_the_agent_to_its_nodes_slices() {
         policy["spec"]["matchConditions"][0]["expression"],
         format!("request.userInfo.username == 'system:serviceaccount:{NAMESPACE}:teeguard-agent'")
     );
-    let validations: Vec<&str> = policy["spec"]["validations"]
-        .as_array()
-        .expect("validations")
-        .iter()
-        .map(|v| str_at(v, "/expression"))
-        .collect();
+    let validations = validation_expressions(policy);
     assert!(
         validations.iter().any(|v| v.contains(&format!(
             "variables.after.spec.driver == '{DRA_DRIVER}' && variables.before.spec.driver == '{DRA_DRIVER}'"

@@ -320,15 +320,6 @@ fn recorded() -> &'static Recorded {
     })
 }
 
-fn strings(v: &Value, field: &str) -> Vec<String> {
-    v[field]
-        .as_array()
-        .unwrap_or_else(|| panic!("rule without {field}: {v}"))
-        .iter()
-        .map(|s| s.as_str().expect("string").to_string())
-        .collect()
-}
-
 /// Every (verb, group, resource, subresource) a rendered ClusterRole grants; a rule with
 /// `resourceNames` grants `resource#name` for each name.
 fn granted(role: &Value) -> BTreeSet<Access> {

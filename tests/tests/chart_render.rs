@@ -17,23 +17,7 @@ use teeguard_shared::{Config, TeeKind};
 #[test]
 fn helm_lint_passes_for_every_values_file() {
     for stem in VALUES_FILES {
-        let args: Vec<String> = vec![
-            "lint".into(),
-            "--strict".into(),
-            chart_dir().display().to_string(),
-            "--namespace".into(),
-            NAMESPACE.into(),
-            "--kube-version".into(),
-            KUBE_VERSION.into(),
-            "--values".into(),
-            values_file(stem).display().to_string(),
-        ];
-        let out = run(&helm(), &args);
-        assert!(
-            out.success,
-            "helm lint --strict with tests/chart/{stem}.yaml failed:\n{}{}",
-            out.stdout, out.stderr
-        );
+        assert_lints(KUBE_VERSION, stem);
     }
 }
 
@@ -72,15 +56,7 @@ fn kubernetes_validate_rejects_an_invalid_manifest() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("bad.yaml");
     std::fs::write(&path, serde_yaml::to_string(&bad).expect("yaml")).expect("write");
-    let out = run(
-        &kubernetes_validate(),
-        &[
-            "--strict".into(),
-            "--kubernetes-version".into(),
-            KUBE_VERSION.into(),
-            path.display().to_string(),
-        ],
-    );
+    let out = kubernetes_validate_file(KUBE_VERSION, &path);
     assert!(!out.success, "accepted an invalid Service: {}", out.stdout);
     assert!(out.stdout.contains("selectr"), "{}", out.stdout);
 }
@@ -153,12 +129,8 @@ fn config_values_reach_the_config_file() {
     assert_eq!(cfg.enforcement.crio_annotation, CrioAnnotation::Current);
     assert!(cfg.enforcement.misc_max_annotation);
     assert_eq!(
-        cfg.resources.resource_name(TeeKind::Sev),
-        "example.com/sev-asids"
-    );
-    assert_eq!(
-        cfg.resources.resource_name(TeeKind::Tdx),
-        "tdx.intel.com/keys"
+        [TeeKind::Sev, TeeKind::Tdx].map(|k| cfg.resources.resource_name(k)),
+        ["example.com/sev-asids", "tdx.intel.com/keys"]
     );
 
     let (_, cfg) = rendered_config("custom", &[]);
@@ -256,12 +228,7 @@ fn excluded_namespaces(w: &Value) -> Vec<String> {
         .find(|e| e["key"] == "kubernetes.io/metadata.name")
         .expect("a kubernetes.io/metadata.name expression");
     assert_eq!(by_name["operator"], "NotIn");
-    by_name["values"]
-        .as_array()
-        .expect("values")
-        .iter()
-        .map(|v| v.as_str().expect("string").to_string())
-        .collect()
+    chart_support::strings(by_name, "values")
 }
 
 #[test]
@@ -477,12 +444,7 @@ fn webhook_policies_and_scope_follow_the_values() {
 }
 
 fn args(workload: &Value) -> Vec<String> {
-    container(workload)["args"]
-        .as_array()
-        .expect("args")
-        .iter()
-        .map(|a| a.as_str().expect("string arg").to_string())
-        .collect()
+    chart_support::strings(container(workload), "args")
 }
 
 #[test]
@@ -686,12 +648,7 @@ fn own_node_policy_restricts_the_agent_to_its_node() {
             .contains("request.userInfo.extra[?'authentication.kubernetes.io/node-name']"),
         "{token_node}"
     );
-    let validations: Vec<&str> = policy["spec"]["validations"]
-        .as_array()
-        .expect("validations")
-        .iter()
-        .map(|v| str_at(v, "/expression"))
-        .collect();
+    let validations = validation_expressions(policy);
     assert!(
         validations.contains(&"variables.objectName == variables.tokenNode"),
         "{validations:?}"

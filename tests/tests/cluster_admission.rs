@@ -33,20 +33,11 @@ struct World {
 async fn world(test: &str, labels: &[(&str, &str)]) -> Option<World> {
     let cluster = Cluster::connect().await?;
     let env = cluster.process_env("").expect("process env");
-    let webhook = env.start_webhook(&[]).await.expect("webhook starts");
-    let rendered = chart_support::render("default", &[]);
-    cluster
-        .register_webhooks(test, &rendered, webhook.https, &env.ca.ca_bundle_base64())
-        .await
-        .expect("webhook configurations registered");
     let ns = cluster
         .namespace(test, test, labels)
         .await
         .expect("namespace");
-    cluster
-        .wait_webhooks_called(&ns)
-        .await
-        .expect("the API server calls the webhooks");
+    let webhook = chart_support::serve_default_webhooks(&cluster, &env, test, &ns).await;
     Some(World {
         cluster,
         ns,
@@ -70,6 +61,34 @@ async fn tdx_node(w: &World) {
 
 fn annotations(p: &Pod) -> std::collections::BTreeMap<String, String> {
     p.metadata.annotations.clone().unwrap_or_default()
+}
+
+/// The API server refused `got` with 403 Forbidden: a webhook's denial.
+fn assert_forbidden<T: std::fmt::Debug>(got: kube::Result<T>, what: &str) {
+    let refused = got.expect_err(what);
+    assert!(
+        matches!(&refused, kube::Error::Api(s) if s.code == 403),
+        "{what}: {refused}"
+    );
+}
+
+/// A TDX VM of the test (its VMI, and its launcher pod admitted with teeguard's limit); the pod's name.
+async fn tdx_vm_pod(w: &World) -> String {
+    let (_, created) = w
+        .cluster
+        .create_vm(&w.ns, "vm-tdx", Tee::Tdx, &[])
+        .await
+        .expect("VMI");
+    let stored = created.expect("TDX pod admitted");
+    stored.metadata.name.expect("name")
+}
+
+/// Pod `name`'s `compute` limit annotation, as stored now.
+async fn compute_limit(pods: &Api<Pod>, name: &str) -> Option<String> {
+    let now = pods.get(name).await.expect("pod");
+    annotations(&now)
+        .get(&names::misc_max_annotation("compute"))
+        .cloned()
 }
 
 fn requests_of(p: &Pod, container: &str) -> std::collections::BTreeMap<String, String> {
@@ -252,37 +271,20 @@ async fn forged_or_changed_limit_annotations_are_denied_by_the_api_server() {
             .annotations
             .get_or_insert_with(Default::default)
             .insert(names::misc_max_annotation("compute"), "tdx 5".into());
-        let refused = pods
-            .create(&PostParams::default(), &forged)
-            .await
-            .expect_err("a forged limit annotation is refused");
-        assert!(
-            matches!(&refused, kube::Error::Api(s) if s.code == 403),
-            "{refused}"
+        assert_forbidden(
+            pods.create(&PostParams::default(), &forged).await,
+            "a forged limit annotation is refused",
         );
 
         // A TDX VM's pod, stored with teeguard's limit; changing the limit afterwards is refused.
-        let (_, created) = c
-            .create_vm(&w.ns, "vm-tdx", Tee::Tdx, &[])
-            .await
-            .expect("VMI");
-        let stored = created.expect("TDX pod admitted");
-        let name = stored.metadata.name.clone().expect("name");
+        let name = tdx_vm_pod(&w).await;
         let key = names::misc_max_annotation("compute");
-        let patch = json!({"metadata": {"annotations": {key.clone(): "tdx 9"}}});
-        let refused = pods
-            .merge_patch(&name, &patch)
-            .await
-            .expect_err("a changed limit annotation is refused");
-        assert!(
-            matches!(&refused, kube::Error::Api(s) if s.code == 403),
-            "{refused}"
+        let patch = json!({"metadata": {"annotations": {key: "tdx 9"}}});
+        assert_forbidden(
+            pods.merge_patch(&name, &patch).await,
+            "a changed limit annotation is refused",
         );
-        let now = pods.get(&name).await.expect("pod");
-        assert_eq!(
-            annotations(&now).get(&key).map(String::as_str),
-            Some("tdx 1")
-        );
+        assert_eq!(compute_limit(&pods, &name).await.as_deref(), Some("tdx 1"));
     })
     .await;
 }
@@ -300,24 +302,12 @@ async fn a_launcher_update_leaving_its_limits_alone_needs_no_webhook_and_a_remov
         let c = &w.cluster;
         tdx_node(&w).await;
         let pods = Api::<Pod>::namespaced(c.client.clone(), &w.ns);
-        let (_, created) = c
-            .create_vm(&w.ns, "vm-tdx", Tee::Tdx, &[])
-            .await
-            .expect("VMI");
-        let name = created
-            .expect("TDX pod admitted")
-            .metadata
-            .name
-            .expect("name");
+        let name = tdx_vm_pod(&w).await;
         let key = names::misc_max_annotation("compute");
         let remove = json!({"metadata": {"annotations": {key.clone(): null}}});
-        let refused = pods
-            .merge_patch(&name, &remove)
-            .await
-            .expect_err("a removed limit annotation is refused");
-        assert!(
-            matches!(&refused, kube::Error::Api(s) if s.code == 403),
-            "{refused}"
+        assert_forbidden(
+            pods.merge_patch(&name, &remove).await,
+            "a removed limit annotation is refused",
         );
 
         w.webhook.proc.kill();
@@ -326,15 +316,11 @@ async fn a_launcher_update_leaving_its_limits_alone_needs_no_webhook_and_a_remov
         pods.merge_patch(&name, &relabel)
             .await
             .expect("a label patch needs no webhook");
-        let change = json!({"metadata": {"annotations": {key.clone(): "tdx 9"}}});
+        let change = json!({"metadata": {"annotations": {key: "tdx 9"}}});
         pods.merge_patch(&name, &change)
             .await
             .expect_err("with the webhook down, a changed limit is still refused");
-        let now = pods.get(&name).await.expect("pod");
-        assert_eq!(
-            annotations(&now).get(&key).map(String::as_str),
-            Some("tdx 1")
-        );
+        assert_eq!(compute_limit(&pods, &name).await.as_deref(), Some("tdx 1"));
     })
     .await;
 }

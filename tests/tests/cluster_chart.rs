@@ -50,23 +50,27 @@ fn kubectl(cp: &ControlPlane, args: &[&str], extra_env: &[(&str, &str)]) -> char
     }
 }
 
+/// `helm install` of the chart as `release` into namespace `ns` (created), with `extra` arguments.
+fn helm_install(cp: &ControlPlane, release: &str, ns: &str, extra: &[&str]) -> chart_support::Run {
+    let chart = chart_support::chart_dir().display().to_string();
+    let mut args = vec![
+        "install",
+        release,
+        &chart,
+        "--namespace",
+        ns,
+        "--create-namespace",
+    ];
+    args.extend(extra);
+    helm_on(cp, &args)
+}
+
 /// `helm install` of the chart with its defaults, once per control plane (the CRD comes from the
 /// chart: nothing else installs it in this test binary).
 fn installed(cp: &'static ControlPlane) -> &'static Installed {
     static ONCE: OnceLock<Installed> = OnceLock::new();
     ONCE.get_or_init(|| {
-        let chart = chart_support::chart_dir().display().to_string();
-        let out = helm_on(
-            cp,
-            &[
-                "install",
-                RELEASE,
-                &chart,
-                "--namespace",
-                NAMESPACE,
-                "--create-namespace",
-            ],
-        );
+        let out = helm_install(cp, RELEASE, NAMESPACE, &[]);
         assert!(out.success, "helm install failed:\n{}", out.stderr);
         Installed {
             stdout: out.stdout,
@@ -397,18 +401,7 @@ async fn helm_uninstall_removes_everything_but_the_crd() {
         let Some(c) = connect().await else { return };
         installed(c.cp); // the CRD, from the first release
         let (release, ns) = ("tg-uninstall", "tg-uninstall");
-        let chart = chart_support::chart_dir().display().to_string();
-        let out = helm_on(
-            c.cp,
-            &[
-                "install",
-                release,
-                &chart,
-                "--namespace",
-                ns,
-                "--create-namespace",
-            ],
-        );
+        let out = helm_install(c.cp, release, ns, &[]);
         assert!(out.success, "{}", out.stderr);
         let manifest = helm_on(c.cp, &["get", "manifest", release, "--namespace", ns]);
         assert!(manifest.success, "{}", manifest.stderr);
@@ -562,12 +555,8 @@ async fn dra_mode_installs_and_holds_the_agent_to_its_own_nodes_slices() {
         let minor: u32 = server.minor.trim_end_matches('+').parse().unwrap_or(0);
         if minor < 34 {
             // An older cluster (TEEGUARD_KUBE_VERSION): DRA mode is refused with what it needs.
-            let chart = chart_support::chart_dir().display().to_string();
             let values = chart_support::values_file("dra").display().to_string();
-            let out = helm_on(
-                c.cp,
-                &["install", release, &chart, "--namespace", ns, "--create-namespace", "--values", &values],
-            );
+            let out = helm_install(c.cp, release, ns, &["--values", &values]);
             assert!(!out.success, "helm installed DRA mode on {}", server.git_version);
             assert!(
                 out.stderr.contains(&format!(
@@ -580,17 +569,12 @@ async fn dra_mode_installs_and_holds_the_agent_to_its_own_nodes_slices() {
             );
             return;
         }
-        let chart = chart_support::chart_dir().display().to_string();
         let values = chart_support::values_file("dra").display().to_string();
-        let out = helm_on(
+        let out = helm_install(
             c.cp,
+            release,
+            ns,
             &[
-                "install",
-                release,
-                &chart,
-                "--namespace",
-                ns,
-                "--create-namespace",
                 "--values",
                 &values,
                 "--set",

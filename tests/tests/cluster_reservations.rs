@@ -10,11 +10,12 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
-use serde_json::{Value, json};
+use serde_json::json;
 use teeguard_shared::TeeKind;
 use teeguard_shared::reservation::TeeReservation;
 use teeguard_tests::fixtures::{self, NodeBuilder, ReportBuilder, TDX_KEYS, Tee};
 use teeguard_tests::realcluster::{Cluster, TEST_LABEL, within};
+use teeguard_tests::standalone::client::{admitted, refusals, review_together};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -81,35 +82,15 @@ async fn two_replicas_take_a_last_key_once_and_the_reservation_goes_with_its_nod
             .iter()
             .map(|w| Arc::new(w.client().expect("client")))
             .collect();
-        let barrier = Arc::new(tokio::sync::Barrier::new(pods.len()));
-        let mut tasks = Vec::new();
-        for (i, pod) in pods.iter().enumerate() {
-            let body = serde_json::to_vec(&fixtures::binding_create(pod, &node)).expect("json");
-            let client = clients[i % 2].clone();
-            let barrier = barrier.clone();
-            tasks.push(tokio::spawn(async move {
-                barrier.wait().await;
-                client.post_fresh("/validate", &body).await
-            }));
-        }
-        let mut admitted = 0;
-        let mut refused = Vec::new();
-        for t in tasks {
-            let (status, body) = t.await.expect("task").expect("answered");
-            assert_eq!(status, 200);
-            let v: Value = serde_json::from_slice(&body).expect("json");
-            if v["response"]["allowed"] == true {
-                assert!(v["response"].get("warnings").is_none(), "{v}");
-                admitted += 1;
-            } else {
-                refused.push(
-                    v["response"]["status"]["message"]
-                        .as_str()
-                        .unwrap_or("")
-                        .to_string(),
-                );
-            }
-        }
+        let bindings = pods
+            .iter()
+            .map(|pod| fixtures::binding_create(pod, &node))
+            .collect();
+        let replies = review_together(&clients, "/validate", bindings)
+            .await
+            .expect("answered");
+        let (admitted, refused) = (admitted(&replies), refusals(&replies));
+        assert!(replies.iter().all(|r| r.warnings.is_empty()), "{replies:?}");
         assert_eq!(
             admitted, 1,
             "exactly one of 20 bindings over two replicas: {refused:?}"

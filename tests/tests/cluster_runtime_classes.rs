@@ -21,7 +21,7 @@ use teeguard_shared::TeeKind;
 use teeguard_tests::e2e::{ProcessEnv, WebhookProcess};
 use teeguard_tests::fixtures::{NodeBuilder, ReportBuilder, TDX_KEYS};
 use teeguard_tests::prom::Scrape;
-use teeguard_tests::realcluster::{Cluster, Created, TEST_LABEL, within};
+use teeguard_tests::realcluster::{Cluster, Created, TEST_LABEL, create_or_keep, within};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -48,14 +48,9 @@ async fn runtime_class(c: &Cluster, name: &str, overhead: Option<Value>) {
         v["overhead"] = json!({ "podFixed": o });
     }
     let rc: RuntimeClass = serde_json::from_value(v).expect("RuntimeClass");
-    match Api::<RuntimeClass>::all(c.client.clone())
-        .create(&PostParams::default(), &rc)
+    create_or_keep(&Api::all(c.client.clone()), &rc)
         .await
-    {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(e) => panic!("create RuntimeClass {name}: {e}"),
-    }
+        .unwrap_or_else(|e| panic!("create RuntimeClass {name}: {e}"));
 }
 
 /// A pod of `class` as a user writes it: two containers, no key anywhere, its nodes chosen by `spec`.

@@ -17,7 +17,7 @@ use teeguard_tests::e2e::{AgentProcess, ProcessEnv, WebhookProcess};
 use teeguard_tests::fixtures::{NodeBuilder, TDX_KEYS, Tee};
 use teeguard_tests::host::{SimHost, TDX};
 use teeguard_tests::patch::MergePatch;
-use teeguard_tests::realcluster::{Cluster, TEST_LABEL, event_line, within};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL, advertise, event_line, within};
 
 const DEADLINE: Duration = Duration::from_secs(150);
 
@@ -54,16 +54,7 @@ impl World {
             agents.push(env.start_agent(&name, &host).await.expect("agent starts"));
             hosts.push((name, host));
         }
-        let webhook = env.start_webhook(&[]).await.expect("webhook starts");
-        let rendered = chart_support::render("default", &[]);
-        cluster
-            .register_webhooks(test, &rendered, webhook.https, &env.ca.ca_bundle_base64())
-            .await
-            .expect("webhooks registered");
-        cluster
-            .wait_webhooks_called(&ns)
-            .await
-            .expect("the API server calls the webhooks");
+        let webhook = chart_support::serve_default_webhooks(&cluster, &env, test, &ns).await;
         Some(World {
             cluster,
             test: test.to_string(),
@@ -77,6 +68,15 @@ impl World {
 
     fn host(&self, node: &str) -> &SimHost {
         &self.hosts.iter().find(|(n, _)| n == node).expect("host").1
+    }
+
+    /// A world of one Node of `keys` free keys (default configuration), once its first report is
+    /// in; with the Node's name.
+    async fn one_node(test: &str, keys: u64) -> Option<(World, String)> {
+        let w = World::start(test, &[("a", keys)], "").await?;
+        let node = w.node(0);
+        w.wait_report(&node, 0, keys).await;
+        Some((w, node))
     }
 
     fn node(&self, i: usize) -> String {
@@ -149,7 +149,7 @@ fn tdx_allocatable(n: &Node) -> Option<String> {
         .map(|q| q.0.clone())
 }
 
-// The ledger bug as seen on a real cluster: VM 1 and VM 2 created back to back onto a node with 2
+// The bug of the days of the per-replica ledger, as seen on a real cluster: VM 1 and VM 2 created back to back onto a node with 2
 // free keys are both bound within 2 s; VM 3 is refused with the report's own figures.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn back_to_back_vms_are_both_bound_and_a_third_is_refused_with_the_reports_figures() {
@@ -221,12 +221,7 @@ async fn a_full_node_refuses_the_binding_until_a_key_is_freed() {
         let (full, cordoned) = (w.node(0), w.node(1));
         let nodes: Api<Node> = Api::all(w.cluster.client.clone());
         for n in [&full, &cordoned] {
-            nodes
-                .merge_patch_status(
-                    n,
-                    json!({"status": {
-                        "capacity": {TDX_KEYS: "2"}, "allocatable": {TDX_KEYS: "2"}}}),
-                )
+            advertise(&w.cluster.client, n, &[(TDX_KEYS, json!("2"))])
                 .await
                 .expect("advertise the total, as NFD does");
         }
@@ -300,11 +295,9 @@ async fn delete_now(w: &World, pod: &Pod) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_vms_reservation_does_not_come_back_and_the_next_two_vms_fit() {
     within(DEADLINE, async {
-        let Some(w) = World::start("deleted", &[("a", 2)], "").await else {
+        let Some((w, node)) = World::one_node("deleted", 2).await else {
             return;
         };
-        let node = w.node(0);
-        w.wait_report(&node, 0, 2).await;
         let vm1 = w.create_vm("vm-1").await.expect("vm-1 admitted");
         assert_eq!(w.wait_bound(&vm1, Duration::from_secs(20)).await, node);
         // The report counts vm-1; no check on the node runs while it is the cached one.
@@ -331,11 +324,9 @@ async fn a_deleted_vms_reservation_does_not_come_back_and_the_next_two_vms_fit()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vm_deleted_and_recreated_at_once_on_a_full_node_is_admitted_when_the_key_is_free() {
     within(DEADLINE, async {
-        let Some(w) = World::start("recreate", &[("a", 1)], "").await else {
+        let Some((w, node)) = World::one_node("recreate", 1).await else {
             return;
         };
-        let node = w.node(0);
-        w.wait_report(&node, 0, 1).await;
         let vm1 = w.create_vm("vm-1").await.expect("vm-1 admitted");
         assert_eq!(w.wait_bound(&vm1, Duration::from_secs(20)).await, node);
         w.wait_report(&node, 1, 0).await;
@@ -429,11 +420,9 @@ async fn the_schedulers_own_metrics_count_a_pod_it_bound() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launcher_pod_deleted_before_its_binding_leaves_its_key_to_the_next_vm_at_once() {
     within(DEADLINE, async {
-        let Some(w) = World::start("unbound", &[("a", 1)], "").await else {
+        let Some((w, _)) = World::one_node("unbound", 1).await else {
             return;
         };
-        let node = w.node(0);
-        w.wait_report(&node, 0, 1).await;
         let selector = [(TEST_LABEL, w.test.as_str())];
         // Pods no scheduler binds: they stay between their CREATE and a binding.
         let unbound = |vmi: &str, uid: &str| {

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use teeguard_tests::e2e::{AgentProcess, E2eEnv, NODE, World, json_log_line};
+use teeguard_tests::fakeapi::Verb;
 use teeguard_tests::fixtures::{self, TDX_KEYS, Tee, VirtLauncherPod};
 use teeguard_tests::host::{MiscDelegation, QosClass, SEV, SEV_ES, SimHost, TDX};
 use teeguard_tests::nri::{NriRuntime, Registration, misc_max};
@@ -483,8 +484,7 @@ async fn nri_plugin_updates_a_tee_container_created_before_it_registered_once_it
 async fn nri_strict_mode_lifts_a_zero_when_the_namespace_is_labelled_exempt_and_gives_it_again_when_the_label_goes()
  {
     bounded(async {
-        let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
-        let (w, reg) = nri_world_with(host, "  strict: true\n", |_| (Vec::new(), Vec::new())).await;
+        let (w, reg) = strict_nri_world().await;
         assert!(
             reg.subscribes(11),
             "strict mode follows REMOVE_CONTAINER: events {:#b}",
@@ -637,9 +637,7 @@ async fn nri_strict_mode_lifts_at_synchronize_a_zero_given_before_its_namespace_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nri_strict_mode_zeroes_a_keyless_container_whose_pod_the_agent_has_not_cached_yet() {
     bounded(async {
-        let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
-        let (w, _reg) =
-            nri_world_with(host, "  strict: true\n", |_| (Vec::new(), Vec::new())).await;
+        let (w, _reg) = strict_nri_world().await;
         w.env
             .api
             .create(&late_namespace(json!({})))
@@ -667,17 +665,100 @@ async fn nri_strict_mode_zeroes_a_keyless_container_whose_pod_the_agent_has_not_
     .await;
 }
 
+/// NRI in strict mode on a host of 8 TDX keys, no container running yet.
+async fn strict_nri_world() -> (NriWorld, Registration) {
+    let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
+    nri_world_with(host, "  strict: true\n", |_| (Vec::new(), Vec::new())).await
+}
+
+/// A static pod's hash: the kubelet runs a manifest of its own under it as the pod's UID (its cgroup,
+/// the runtime's requests), and its API object, the mirror pod, names it in
+/// `kubernetes.io/config.mirror` under a UID of its own.
+const STATIC_POD_UID: &str = "6d1b9e0c2f4a8b3e5c7d9f1a2b4c6e8f";
+
+/// The mirror pod of a keyless static pod `name` on [`NODE`], stored.
+fn store_mirror_pod(env: &E2eEnv, name: &str) -> Value {
+    let mut mirror = VirtLauncherPod::for_tee(name, Tee::None)
+        .running_on(NODE)
+        .build();
+    mirror.metadata.annotations.get_or_insert_default().extend([
+        ("kubernetes.io/config.mirror".into(), STATIC_POD_UID.into()),
+        ("kubernetes.io/config.source".into(), "file".into()),
+    ]);
+    store_pod(env, &mirror)
+}
+
+// Strict mode holds static pods too: the agent knows a mirror pod by the UID its static pod runs
+// under, so the runtime's requests for its containers find it cached (no lookup: before, every one was
+// a GET that found a pod of another UID, and the container started without its zero).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_strict_mode_zeroes_a_static_pods_keyless_container_from_its_cached_mirror_pod() {
+    bounded(async {
+        let (w, _reg) = strict_nri_world().await;
+        let mirror = store_mirror_pod(&w.env, "static-proxy");
+        let (mut sandbox, compute) = nri_request(&mirror, "compute");
+        sandbox["uid"] = json!(STATIC_POD_UID);
+        let name = mirror["metadata"]["name"].as_str();
+        let lookups = || {
+            w.env
+                .api
+                .requests()
+                .iter()
+                .filter(|r| r.verb == Verb::Get && r.name.as_deref() == name)
+                .count()
+        };
+        // Once the agent's watch has delivered the mirror pod, the zero comes from the cache.
+        eventually(
+            "tdx 0 for the static pod's container, without a GET",
+            async || {
+                let before = lookups();
+                let resp = w
+                    .runtime
+                    .create_container(sandbox.clone(), compute.clone())
+                    .await
+                    .ok()?;
+                (misc_max(&resp) == Some("tdx 0") && lookups() == before).then_some(())
+            },
+        )
+        .await;
+    })
+    .await;
+}
+
+// The cgroup writer finds a static pod's cgroup (named by its hash, not by the mirror pod's UID) and
+// zeroes it in strict mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_mode_zeroes_the_cgroup_of_a_static_pod() {
+    bounded(async {
+        let w = strict_cgroup_world().await;
+        store_mirror_pod(&w.env, "static-proxy");
+        w.host
+            .add_pod(STATIC_POD_UID, QosClass::Burstable, &["compute"])
+            .expect("the static pod's cgroup");
+        eventually("misc.max tdx 0 for the static pod", async || {
+            w.host.pod_max(STATIC_POD_UID, TDX) == Some(Some(0))
+        })
+        .await;
+    })
+    .await;
+}
+
+/// A world of 4 TDX keys whose agent writes pod cgroups' limits in strict mode.
+async fn strict_cgroup_world() -> World {
+    let config = format!("{CGROUP_CONFIG}  strict: true\n");
+    World::start(4, &config).await.expect("world starts")
+}
+
 const CGROUP_CONFIG: &str =
     "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\nenforcement:\n  mode: cgroup\n";
 
 /// Admit and bind a VM through the webhook; returns the stored pod's UID.
 async fn admit_and_bind(w: &World, name: &str, tee: Tee) -> String {
-    let vmi = w
+    let (_, adm) = w
         .driver
-        .create_vmi(&VmiSpec::new(name, tee))
-        .expect("VMI stored");
-    let pod = w.driver.launcher_pod(&vmi).expect("launcher pod");
-    let adm = w.driver.create_pod(&pod).await.expect("reviewed");
+        .create_vm(&VmiSpec::new(name, tee))
+        .await
+        .expect("VMI stored, its pod reviewed");
     let pod = adm
         .pod
         .unwrap_or_else(|| panic!("{name} admitted: {:?}", adm.validate));
@@ -743,8 +824,7 @@ async fn cgroup_writer_limits_a_tdx_vm_so_the_kernel_refuses_its_second_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_mode_makes_a_charge_by_a_pod_that_requested_no_key_fail() {
     bounded(async {
-        let config = format!("{CGROUP_CONFIG}  strict: true\n");
-        let w = World::start(4, &config).await.expect("world starts");
+        let w = strict_cgroup_world().await;
         // An ordinary VM (no launchSecurity) requests no key: strict mode gives its pod tdx 0.
         let uid = admit_and_bind(&w, "plain", Tee::None).await;
         w.host
@@ -824,8 +904,7 @@ async fn a_host_without_misc_delegation_reports_enforcing_false_and_writes_nothi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
     bounded(async {
-        let config = format!("{CGROUP_CONFIG}  strict: true\n");
-        let w = World::start(4, &config).await.expect("world starts");
+        let w = strict_cgroup_world().await;
         w.env
             .api
             .create(&json!({
@@ -871,8 +950,7 @@ async fn strict_mode_leaves_the_pods_of_an_exempt_namespace_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_mode_lifts_the_zero_of_a_pod_whose_namespace_is_labelled_exempt_later() {
     bounded(async {
-        let config = format!("{CGROUP_CONFIG}  strict: true\n");
-        let w = World::start(4, &config).await.expect("world starts");
+        let w = strict_cgroup_world().await;
         w.env
             .api
             .create(&late_namespace(json!({})))

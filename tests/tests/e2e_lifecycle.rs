@@ -15,7 +15,7 @@ use http::{Request, header};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
 use teeguard_shared::TeeKind;
@@ -562,16 +562,11 @@ async fn api_outage_of_a_minute_decided_while_the_lease_holds_then_recovery() {
         // CREATE probe).
         let mut admitted = Vec::new();
         for name in ["vm-1", "vm-2", "vm-3"] {
-            let vmi = w
+            let (_, adm) = w
                 .driver
-                .create_vmi(&VmiSpec::new(name, Tee::Tdx))
-                .expect("VMI");
-            let pod = w.driver.launcher_pod(&vmi).expect("pod");
-            let adm = w
-                .driver
-                .create_pod(&pod)
+                .create_vm(&VmiSpec::new(name, Tee::Tdx))
                 .await
-                .expect("pod CREATE reviewed");
+                .expect("VMI stored, its pod reviewed");
             let refusal = adm.refusal();
             admitted.push(
                 adm.pod
@@ -580,16 +575,12 @@ async fn api_outage_of_a_minute_decided_while_the_lease_holds_then_recovery() {
         }
         let (ns1, name1) = key(&admitted[0]);
         assert!(w.driver.bind(&ns1, &name1, NODE).await.expect("bind").bound);
-        w.kubelet()
-            .start(&admitted[0], &["compute"], "compute", Some(TDX))
-            .expect("vm-1 starts");
+        w.start_tdx_vm(&admitted[0]).expect("vm-1 starts");
         let vmi4 = w
             .driver
             .create_vmi(&VmiSpec::new("vm-4", Tee::Tdx))
             .expect("VMI");
-        w.settle().await.expect("settled");
-        // Everything the outage needs is in the webhook's caches by now.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        w.settle_before_outage().await.expect("settled");
 
         let scans_before = metric(
             &w.agent.as_ref().expect("agent").metrics().await,
@@ -647,14 +638,7 @@ async fn api_outage_of_a_minute_decided_while_the_lease_holds_then_recovery() {
                         .expect("binding answered");
                     assert!(b.bound && b.reply.allowed, "{:?}", b.reply.raw);
                 }
-                let vm2 = w
-                    .env
-                    .api
-                    .get_typed::<Pod>(Some(&ns2), &name2)
-                    .expect("typed")
-                    .expect("vm-2");
-                w.kubelet()
-                    .start(&vm2, &["compute"], "compute", Some(TDX))
+                w.start_tdx_vm(&admitted[1])
                     .expect("vm-2 starts during the outage");
                 bound = true;
             } else if sent > RENEW_DEADLINE {
@@ -745,12 +729,7 @@ async fn api_outage_of_a_minute_decided_while_the_lease_holds_then_recovery() {
             took <= Duration::from_secs(8),
             "the report followed the outage's changes only {took:?} after the API server returned"
         );
-        let n = w
-            .env
-            .api
-            .get_typed::<Node>(None, NODE)
-            .expect("typed")
-            .expect("node");
+        let n = w.node();
         let four = Some("4".to_string());
         assert_eq!(fixtures::node_resource(&n, TDX_KEYS), (four.clone(), four));
 

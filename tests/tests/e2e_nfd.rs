@@ -19,9 +19,8 @@ use teeguard_shared::names::{
 };
 use teeguard_tests::e2e::{E2eEnv, NODE, World};
 use teeguard_tests::fakeapi::PatchType;
-use teeguard_tests::fixtures::{self, KataTee, NodeBuilder, TDX_KEYS, Tee, kata_pod};
+use teeguard_tests::fixtures::{self, KataTee, NodeBuilder, TDX_KEYS, kata_pod};
 use teeguard_tests::host::{MiscDelegation, SANDBOX, SimHost, TDX};
-use teeguard_tests::standalone::{Decision, VmiSpec};
 
 /// The agent's poll interval in these tests: the bound on how long the key resource may be missing
 /// from the Node when NFD removes its value on leaving.
@@ -59,14 +58,6 @@ async fn world() -> World {
     w
 }
 
-fn node(w: &World) -> Node {
-    w.env
-        .api
-        .get_typed::<Node>(None, NODE)
-        .expect("typed")
-        .expect("node")
-}
-
 fn rv(n: &Node) -> u64 {
     n.metadata
         .resource_version
@@ -98,7 +89,7 @@ async fn wait_node(w: &World, what: &str, pred: impl Fn(&Node) -> bool) -> Node 
             serde_json::from_value::<Node>(v.clone()).is_ok_and(|n| pred(&n))
         })
         .await
-        .unwrap_or_else(|e| panic!("{what}: {e}; node now: {:?}", node(w).status));
+        .unwrap_or_else(|e| panic!("{what}: {e}; node now: {:?}", w.node().status));
     serde_json::from_value(v).expect("node")
 }
 
@@ -126,7 +117,7 @@ async fn wait_advertising(w: &World, what: &str, pred: impl Fn(&str, &str) -> bo
 /// Every version of the Node the API server stored after resourceVersion `after`, oldest first, up
 /// to the current one (a watch from `after` replays them from the server's history).
 async fn node_versions_since(w: &World, after: u64) -> Vec<Node> {
-    let last = rv(&node(w));
+    let last = rv(&w.node());
     if last <= after {
         return Vec::new();
     }
@@ -172,7 +163,7 @@ struct NfdWrites {
 /// names, sorted; removed when none is left). `between` pauses between the two (back to back in
 /// nfd-master).
 async fn nfd_master_pass(w: &World, wanted: &[(&str, u64)], between: Duration) -> NfdWrites {
-    let n = node(w);
+    let n = w.node();
     let ptr = |field: &str, name: &str| format!("/status/{field}/{}", name.replace('/', "~1"));
     let mut status_ops = Vec::new();
     for old in listed(&n, NFD_EXTENDED_RESOURCES_ANNOTATION) {
@@ -227,7 +218,8 @@ async fn nfd_master_pass(w: &World, wanted: &[(&str, u64)], between: Duration) -
     let mut names: Vec<&str> = wanted.iter().map(|(name, _)| *name).collect();
     names.sort_unstable();
     let new = names.join(",");
-    let old = node(w)
+    let old = w
+        .node()
         .annotations()
         .get(NFD_EXTENDED_RESOURCES_ANNOTATION)
         .map(String::as_str)
@@ -270,25 +262,7 @@ async fn nfd_takes_over(w: &World, between: Duration) -> NfdWrites {
 
 /// Start a TDX VM through the webhook, the scheduler and the kubelet; returns its pod.
 async fn run_vm(w: &World, name: &str) -> Pod {
-    let vmi = w
-        .driver
-        .create_vmi(&VmiSpec::new(name, Tee::Tdx))
-        .expect("VMI stored");
-    let pod = w.driver.launcher_pod(&vmi).expect("launcher pod");
-    let adm = w
-        .driver
-        .create_pod(&pod)
-        .await
-        .expect("pod CREATE reviewed");
-    assert_eq!(
-        adm.mutate.decision(),
-        Decision::Patched,
-        "{:?}",
-        adm.mutate.raw
-    );
-    let pod = adm
-        .pod
-        .unwrap_or_else(|| panic!("{name}: {:?}", adm.validate));
+    let pod = w.admitted_tdx_vm(name).await;
     start(w, &pod, "compute").await
 }
 
@@ -313,7 +287,7 @@ async fn start(w: &World, pod: &Pod, charge_in: &str) -> Pod {
     let name = pod.metadata.name.clone().expect("name");
     let bound = w.driver.bind(&ns, &name, NODE).await.expect("binding");
     assert!(bound.bound, "{name}: {:?}", bound.reply.raw);
-    let stored = stored(w, &ns, &name);
+    let stored = w.stored(pod);
     let containers: &[&str] = if charge_in == SANDBOX {
         &["app"]
     } else {
@@ -324,14 +298,6 @@ async fn start(w: &World, pod: &Pod, charge_in: &str) -> Pod {
         .expect("the kernel gives it its key");
     w.settle().await.expect("settled");
     stored
-}
-
-fn stored(w: &World, ns: &str, name: &str) -> Pod {
-    w.env
-        .api
-        .get_typed::<Pod>(Some(ns), name)
-        .expect("typed pod")
-        .expect("pod exists")
 }
 
 /// Keys the VM and the Kata pod of the hand-over scenarios hold.
@@ -357,7 +323,7 @@ async fn hand_over_start(w: &World) -> HandOver {
         vm,
         kata,
         usage,
-        from: rv(&node(w)),
+        from: rv(&w.node()),
     }
 }
 
@@ -372,11 +338,7 @@ async fn hand_over_end(w: &World, h: &HandOver) {
 }
 
 fn running(w: &World, pod: &Pod) -> bool {
-    let p = stored(
-        w,
-        pod.metadata.namespace.as_deref().expect("ns"),
-        pod.metadata.name.as_deref().expect("name"),
-    );
+    let p = w.stored(pod);
     p.status.and_then(|s| s.phase).as_deref() == Some("Running")
 }
 
@@ -389,7 +351,7 @@ fn running(w: &World, pod: &Pod) -> bool {
 async fn nfd_arriving_after_teeguard_keeps_its_value_and_the_agent_steps_back_without_a_gap() {
     bounded(async {
         let w = world().await;
-        let from = rv(&node(&w));
+        let from = rv(&w.node());
         let from_seq = w.env.api.requests().last().map_or(0, |r| r.seq);
 
         let nfd = nfd_takes_over(&w, Duration::from_millis(300)).await;
@@ -401,7 +363,7 @@ async fn nfd_arriving_after_teeguard_keeps_its_value_and_the_agent_steps_back_wi
         // Several polls later, still nothing written over NFD's value.
         tokio::time::sleep(POLL * 3).await;
 
-        let end = node(&w);
+        let end = w.node();
         assert_eq!(values(&end), (Some(16), Some(16)));
         assert!(listed(&end, NFD_EXTENDED_RESOURCES_ANNOTATION).contains(TDX_KEYS));
         assert!(!listed(&end, AGENT_EXTENDED_RESOURCES_ANNOTATION).contains(TDX_KEYS));
@@ -562,7 +524,7 @@ async fn handing_the_keys_to_teeguard_annotation_first_never_leaves_the_node_wit
         let nfd = nfd_master_pass(&w, &[], Duration::ZERO).await;
         assert_eq!((nfd.status, nfd.annotation), (None, None), "{nfd:?}");
         tokio::time::sleep(POLL * 2).await;
-        assert_eq!(rv(&node(&w)), rv(&taken), "nothing wrote the Node since");
+        assert_eq!(rv(&w.node()), rv(&taken), "nothing wrote the Node since");
 
         let versions = node_versions_since(&w, h.from).await;
         assert!(versions.len() >= 3, "{}", versions.len());

@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use serde_json::Value;
 use teeguard_shared::reservation::TeeReservation;
 use teeguard_tests::e2e::{E2eEnv, WebhookProcess};
 use teeguard_tests::fakeapi::Verb;
 use teeguard_tests::fixtures;
 use teeguard_tests::standalone::WebhookClient;
+use teeguard_tests::standalone::client::{admitted, refusals, review_together};
 
 const TEST_DEADLINE: Duration = Duration::from_secs(240);
 
@@ -48,6 +48,38 @@ async fn start(env: &E2eEnv, n: usize) -> Vec<WebhookProcess> {
         out.push(env.start_webhook(&[]).await.expect("webhook starts"));
     }
     out
+}
+
+/// Two replicas over the TDX node `node-a` (8 keys, `free` free) and the admitted pods of VMs `vm-1`
+/// and `vm-2`, once both replicas have the node's report; a client of each replica.
+struct TwoReplicas {
+    env: E2eEnv,
+    _webhooks: Vec<WebhookProcess>,
+    vm1: Pod,
+    vm2: Pod,
+    a: WebhookClient,
+    b: WebhookClient,
+}
+
+impl TwoReplicas {
+    async fn start(free: u64) -> TwoReplicas {
+        let env = E2eEnv::new("").await.expect("env");
+        let webhooks = start(&env, 2).await;
+        fixtures::seed_tdx_node(&env.api, "node-a", 8, free);
+        let vm1 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-1");
+        let vm2 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-2");
+        wait_reports(&webhooks, 1).await;
+        let a = webhooks[0].client().expect("client");
+        let b = webhooks[1].client().expect("client");
+        TwoReplicas {
+            env,
+            _webhooks: webhooks,
+            vm1,
+            vm2,
+            a,
+            b,
+        }
+    }
 }
 
 /// Node `node`'s `TeeReservation` once the decider has written it behind.
@@ -96,29 +128,24 @@ fn uid(pod: &Pod) -> &str {
 async fn the_hold_is_written_behind_owned_by_its_node_and_a_dry_run_or_a_retried_binding_adds_none()
 {
     bounded(async {
-        let env = E2eEnv::new("").await.expect("env");
-        let webhooks = start(&env, 2).await;
-        fixtures::seed_tdx_node(&env.api, "node-a", 8, 2);
-        let vm1 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-1");
-        let vm2 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-2");
-        wait_reports(&webhooks, 1).await;
-        let a = webhooks[0].client().expect("client");
-        let b = webhooks[1].client().expect("client");
+        let replicas = TwoReplicas::start(2).await;
+        let (env, vm1, vm2) = (&replicas.env, &replicas.vm1, &replicas.vm2);
+        let (a, b) = (&replicas.a, &replicas.b);
 
         // A dry run of vm-2's binding decides but holds nothing; vm-1's binding holds its key.
-        let dry = fixtures::AdmissionReviewBuilder::binding(&vm2, "node-a")
+        let dry = fixtures::AdmissionReviewBuilder::binding(vm2, "node-a")
             .dry_run(true)
             .build();
         assert!(a.review("/validate", &dry).await.expect("answered").allowed);
-        let bind1 = fixtures::binding_create(&vm1, "node-a");
+        let bind1 = fixtures::binding_create(vm1, "node-a");
         assert!(
             a.review("/validate", &bind1)
                 .await
                 .expect("answered")
                 .allowed
         );
-        entries(&env, "node-a", &[uid(&vm1)]).await;
-        let res = written(&env, "node-a").await;
+        entries(env, "node-a", &[uid(vm1)]).await;
+        let res = written(env, "node-a").await;
         let owner = &res.metadata.owner_references.as_ref().expect("owner")[0];
         assert_eq!(
             (owner.kind.as_str(), owner.name.as_str()),
@@ -137,7 +164,7 @@ async fn the_hold_is_written_behind_owned_by_its_node_and_a_dry_run_or_a_retried
                 .allowed
         );
         assert!(
-            b.review("/validate", &fixtures::binding_create(&vm2, "node-a"))
+            b.review("/validate", &fixtures::binding_create(vm2, "node-a"))
                 .await
                 .expect("answered")
                 .allowed
@@ -148,7 +175,7 @@ async fn the_hold_is_written_behind_owned_by_its_node_and_a_dry_run_or_a_retried
             .await
             .expect("answered");
         assert!(!r.allowed, "{:?}", r.raw);
-        entries(&env, "node-a", &[uid(&vm1), uid(&vm2)]).await;
+        entries(env, "node-a", &[uid(vm1), uid(vm2)]).await;
         let writes = env
             .api
             .requests()
@@ -166,22 +193,17 @@ async fn the_hold_is_written_behind_owned_by_its_node_and_a_dry_run_or_a_retried
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_pods_hold_is_released() {
     bounded(async {
-        let env = E2eEnv::new("").await.expect("env");
-        let webhooks = start(&env, 2).await;
-        fixtures::seed_tdx_node(&env.api, "node-a", 8, 1);
-        let vm1 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-1");
-        let vm2 = fixtures::seed_admitted_tdx_vm(&env.api, "vm-2");
-        wait_reports(&webhooks, 1).await;
-        let a = webhooks[0].client().expect("client");
-        let b = webhooks[1].client().expect("client");
+        let replicas = TwoReplicas::start(1).await;
+        let (env, vm1, vm2) = (&replicas.env, &replicas.vm1, &replicas.vm2);
+        let (a, b) = (&replicas.a, &replicas.b);
         assert!(
-            a.review("/validate", &fixtures::binding_create(&vm1, "node-a"))
+            a.review("/validate", &fixtures::binding_create(vm1, "node-a"))
                 .await
                 .expect("answered")
                 .allowed
         );
         let refused = b
-            .review("/validate", &fixtures::binding_create(&vm2, "node-a"))
+            .review("/validate", &fixtures::binding_create(vm2, "node-a"))
             .await
             .expect("answered");
         assert!(!refused.allowed, "vm-1 holds the key: {:?}", refused.raw);
@@ -198,7 +220,7 @@ async fn a_deleted_pods_hold_is_released() {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
         loop {
             let r = b
-                .review("/validate", &fixtures::binding_create(&vm2, "node-a"))
+                .review("/validate", &fixtures::binding_create(vm2, "node-a"))
                 .await
                 .expect("answered");
             if r.allowed {
@@ -212,7 +234,7 @@ async fn a_deleted_pods_hold_is_released() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         // vm-1's entry trimmed.
-        entries(&env, "node-a", &[uid(&vm2)]).await;
+        entries(env, "node-a", &[uid(vm2)]).await;
     })
     .await;
 }
@@ -270,36 +292,17 @@ async fn race_for_the_last_key(
     let pods: Vec<Pod> = (0..BINDINGS)
         .map(|i| fixtures::seed_admitted_tdx_vm(&env.api, &format!("{tag}-vm{i:02}")))
         .collect();
-    let barrier = Arc::new(tokio::sync::Barrier::new(BINDINGS));
-    let mut tasks = Vec::new();
-    for (i, pod) in pods.iter().enumerate() {
-        let body = serde_json::to_vec(&fixtures::binding_create(pod, node)).expect("json");
-        let client = clients[i % clients.len()].clone();
-        let barrier = barrier.clone();
-        tasks.push(tokio::spawn(async move {
-            barrier.wait().await;
-            client.post_fresh("/validate", &body).await
-        }));
+    let bindings = pods
+        .iter()
+        .map(|pod| fixtures::binding_create(pod, node))
+        .collect();
+    let replies = review_together(clients, "/validate", bindings)
+        .await
+        .expect("answered");
+    for r in replies.iter().filter(|r| r.allowed) {
+        eprintln!("{tag}: admitted: {}", r.raw["response"]);
     }
-    let mut admitted = 0;
-    let mut messages = Vec::new();
-    for t in tasks {
-        let (status, body) = t.await.expect("task").expect("answered");
-        assert_eq!(status, 200);
-        let v: Value = serde_json::from_slice(&body).expect("json");
-        if v["response"]["allowed"] == true {
-            eprintln!("{tag}: admitted: {}", v["response"]);
-            admitted += 1;
-        } else {
-            messages.push(
-                v["response"]["status"]["message"]
-                    .as_str()
-                    .unwrap_or("")
-                    .to_string(),
-            );
-        }
-    }
-    (admitted, messages)
+    (admitted(&replies), refusals(&replies))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

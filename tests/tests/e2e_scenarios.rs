@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 use teeguard_tests::e2e::{NODE, World, json_log_line, peer_certificate};
 use teeguard_tests::fixtures::{self, AdmissionReviewBuilder, KataTee, TDX_KEYS, Tee, kata_pod};
@@ -16,7 +16,7 @@ use teeguard_tests::host::{SANDBOX, TDX};
 use teeguard_tests::standalone::{CreatedVmi, Decision, PodAdmission, VmiSpec};
 
 /// Fast agent (reports follow the host within ~100 ms; heartbeats every second end the webhook's
-/// ledger reservations quickly); default admission policy.
+/// holds quickly); default admission policy.
 const CONFIG: &str = "agent:\n  pollInterval: 100ms\n  heartbeatInterval: 1s\n";
 
 /// Every test body is bounded by this.
@@ -34,16 +34,16 @@ async fn world(keys: u64, config: &str) -> World {
 
 /// Create a TDX VMI and send its virt-launcher pod's CREATE through both webhooks.
 async fn vm_pod(w: &World, spec: VmiSpec) -> (CreatedVmi, PodAdmission) {
-    let vmi = w.driver.create_vmi(&spec).expect("VMI stored");
-    let adm = pod_create(w, &vmi).await;
-    (vmi, adm)
+    w.driver
+        .create_vm(&spec)
+        .await
+        .expect("VMI stored, its pod reviewed")
 }
 
 /// (Re)send a VMI's virt-launcher pod CREATE, as virt-controller does after a refusal.
 async fn pod_create(w: &World, vmi: &CreatedVmi) -> PodAdmission {
-    let pod = w.driver.launcher_pod(vmi).expect("launcher pod");
     w.driver
-        .create_pod(&pod)
+        .create_launcher_pod(vmi)
         .await
         .expect("pod CREATE reviewed")
 }
@@ -53,16 +53,6 @@ fn key(pod: &Pod) -> (String, String) {
         pod.metadata.namespace.clone().expect("namespace"),
         pod.metadata.name.clone().expect("name"),
     )
-}
-
-/// The stored pod (after binding).
-fn stored(w: &World, pod: &Pod) -> Pod {
-    let (ns, name) = key(pod);
-    w.env
-        .api
-        .get_typed::<Pod>(Some(&ns), &name)
-        .expect("typed pod")
-        .expect("pod exists")
 }
 
 /// Bind to NODE through `/validate`; when bound, start the VM (`compute`) or Kata sandbox.
@@ -82,34 +72,17 @@ async fn bind_and_start(w: &World, pod: &Pod, charge_in: &str) -> bool {
         &["compute"]
     };
     w.kubelet()
-        .start(&stored(w, pod), containers, charge_in, Some(TDX))
+        .start(&w.stored(pod), containers, charge_in, Some(TDX))
         .expect("the kernel gives the admitted VM its key");
     true
 }
 
 /// A TDX VM from VMI to running QEMU, asserting every step is admitted.
 async fn run_vm(w: &World, name: &str) -> Pod {
-    let (_, adm) = vm_pod(w, VmiSpec::new(name, Tee::Tdx)).await;
-    assert_eq!(
-        adm.mutate.decision(),
-        Decision::Patched,
-        "{name}: {:?}",
-        adm.mutate.raw
-    );
-    let pod = adm
-        .pod
-        .unwrap_or_else(|| panic!("{name} admitted at CREATE: {:?}", adm.validate));
+    let pod = w.admitted_tdx_vm(name).await;
     assert!(bind_and_start(w, &pod, "compute").await, "{name} bound");
     w.settle().await.expect("settled");
     pod
-}
-
-fn node(w: &World) -> Node {
-    w.env
-        .api
-        .get_typed::<Node>(None, NODE)
-        .expect("typed")
-        .expect("node")
 }
 
 async fn wait_vmi_event(w: &World, vmi: &CreatedVmi) -> Value {
@@ -133,7 +106,7 @@ async fn vmi_to_running_vm_updates_the_report() {
         // The agent advertises the key pool on the Node (nothing did before it started).
         let four = Some("4".to_string());
         assert_eq!(
-            fixtures::node_resource(&node(&w), TDX_KEYS),
+            fixtures::node_resource(&w.node(), TDX_KEYS),
             (four.clone(), four)
         );
 
@@ -171,9 +144,7 @@ async fn vmi_to_running_vm_updates_the_report() {
         );
 
         // The VM starts: the kernel charges its key in the pod's cgroup, the report follows.
-        w.kubelet()
-            .start(&stored(&w, &pod), &["compute"], "compute", Some(TDX))
-            .expect("VM starts");
+        w.start_tdx_vm(&pod).expect("VM starts");
         let s = w.settle().await.expect("settled");
         assert_eq!(
             (
@@ -192,7 +163,7 @@ async fn vmi_to_running_vm_updates_the_report() {
     .await;
 }
 
-// 1b. The ledger must not count an admitted key twice: with the agent at its real cadence (poll 1 s,
+// 1b. The holds must not count an admitted key twice: with the agent at its real cadence (poll 1 s,
 //     heartbeat 30 s, immediate publish on change), VM 2 created right after VM 1's report counts VM 1
 //     is admitted at once, and VM 3, refused on a full node, gets a message whose figures are the
 //     report's. (Before reservations ended on a report listing the pod, VM 2 was refused for ~30 s:
@@ -434,8 +405,7 @@ async fn dead_agent_goes_stale_and_a_restart_does_not_double_count() {
         assert_eq!(b.reply.decision(), Decision::Warned);
         assert!(b.reply.warnings.iter().any(|m| m.contains("stale")), "{:?}", b.reply.warnings);
         // The VM starts while nobody reports.
-        w.kubelet()
-            .start(&stored(&w, &pod2), &["compute"], "compute", Some(TDX))
+        w.start_tdx_vm(&pod2)
             .expect("VM starts");
 
         w.restart_agent().await.expect("agent restarts");
@@ -484,7 +454,7 @@ async fn agent_restart_with_a_running_vm_keeps_the_nodes_key_resource() {
         let mut w = world(4, CONFIG).await;
         run_vm(&w, "vm-1").await;
         let before = w.settle().await.expect("settled");
-        let advertised = fixtures::node_resource(&node(&w), TDX_KEYS);
+        let advertised = fixtures::node_resource(&w.node(), TDX_KEYS);
         let four = Some("4".to_string());
         assert_eq!(advertised, (four.clone(), four));
         let from = w.env.api.requests().last().map_or(0, |r| r.seq);
@@ -502,7 +472,7 @@ async fn agent_restart_with_a_running_vm_keeps_the_nodes_key_resource() {
             )
         };
         assert_eq!(figures(&after), figures(&before));
-        assert_eq!(fixtures::node_resource(&node(&w), TDX_KEYS), advertised);
+        assert_eq!(fixtures::node_resource(&w.node(), TDX_KEYS), advertised);
         // No write in between removed the resource or set it to anything else.
         let escaped = TDX_KEYS.replace('/', "~1");
         for r in w
@@ -544,16 +514,12 @@ async fn api_outage_webhook_answers_from_caches_agent_publishes_after() {
             .driver
             .create_vmi(&VmiSpec::new("vm-4", Tee::Tdx))
             .expect("VMI");
-        w.settle().await.expect("settled");
-        // The webhook has everything cached (a GET would fail during the outage).
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        w.settle_before_outage().await.expect("settled");
 
         w.env.served.stop().await;
         let outage_start = std::time::Instant::now();
         // The VM of the bound pod starts while the API server is down.
-        w.kubelet()
-            .start(&stored(&w, &pod2), &["compute"], "compute", Some(TDX))
-            .expect("VM starts");
+        w.start_tdx_vm(&pod2).expect("VM starts");
         // The webhook still answers every kind of review from its caches.
         let launcher = w.driver.launcher_pod(&vmi4).expect("pod");
         let v = w
@@ -569,10 +535,9 @@ async fn api_outage_webhook_answers_from_caches_agent_publishes_after() {
         // (10 s) after its last renewal, seconds before: its hold is kept in memory and written
         // behind once the API server answers.
         assert!(v.allowed, "pod CREATE from cached reports: {:?}", v.raw);
-        let binding = AdmissionReviewBuilder::binding(&pod3, NODE).build();
         let b = w
             .driver
-            .review("/validate", &binding)
+            .review_binding(&pod3, NODE)
             .await
             .expect("binding answered");
         // Decided from the cached pod and report; its key has been held since its CREATE: nothing to

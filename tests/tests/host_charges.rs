@@ -126,9 +126,7 @@ fn hierarchical_sums_hold_at_every_level_in_all_layouts() {
 
 #[test]
 fn capacity_cannot_be_exceeded_and_a_refusal_at_the_root_leaves_no_trace() {
-    let host = SimHost::builder().capacity(TDX, 2).build().expect("host");
-    host.add_pod(A, QosClass::Burstable, &["compute"])
-        .expect("a");
+    let host = SimHost::with_tdx_pod(2, A).expect("host with pod A");
     host.add_pod(B, QosClass::Burstable, &["compute"])
         .expect("b");
     host.start_vm(A, "compute", TDX).expect("first");
@@ -155,9 +153,7 @@ fn capacity_cannot_be_exceeded_and_a_refusal_at_the_root_leaves_no_trace() {
 
 #[test]
 fn refusal_below_the_root_bumps_events_up_the_chain() {
-    let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
-    host.add_pod(A, QosClass::Burstable, &["compute"])
-        .expect("a");
+    let host = SimHost::with_tdx_pod(8, A).expect("host with pod A");
     let pod = host.pod_cgroup_rel(A).expect("pod rel");
     let compute = host
         .container_cgroup_rel(A, "compute")
@@ -202,9 +198,7 @@ fn refusal_below_the_root_bumps_events_up_the_chain() {
 fn a_single_cgroup_over_capacity_is_refused_at_its_own_level() {
     // Like misc_cg_try_charge: the walk starts at the charged cgroup, whose new usage already exceeds
     // the capacity, so that cgroup records the failure.
-    let host = SimHost::builder().capacity(TDX, 1).build().expect("host");
-    host.add_pod(A, QosClass::Burstable, &["compute"])
-        .expect("a");
+    let host = SimHost::with_tdx_pod(1, A).expect("host with pod A");
     host.start_vm(A, "compute", TDX).expect("first");
     let compute = host.container_cgroup_rel(A, "compute").expect("rel");
     let err = host.start_vm(A, "compute", TDX).expect_err("over capacity");
@@ -259,9 +253,7 @@ fn fail_charge_counts_like_the_kernel() {
 
 #[test]
 fn peak_keeps_the_high_watermark() {
-    let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
-    host.add_pod(A, QosClass::Burstable, &["compute"])
-        .expect("a");
+    let host = SimHost::with_tdx_pod(8, A).expect("host with pod A");
     for _ in 0..3 {
         host.start_vm(A, "compute", TDX).expect("start");
     }
@@ -277,9 +269,7 @@ fn peak_keeps_the_high_watermark() {
 
 #[test]
 fn stop_without_start_and_unknown_targets_are_errors() {
-    let host = SimHost::builder().capacity(TDX, 8).build().expect("host");
-    host.add_pod(A, QosClass::Burstable, &["compute"])
-        .expect("a");
+    let host = SimHost::with_tdx_pod(8, A).expect("host with pod A");
     assert!(matches!(
         host.stop_vm(A, "compute", TDX),
         Err(Error::NotCharged { charged: 0, .. })

@@ -5,6 +5,7 @@ use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use teeguard_tests::error::running_as_root;
 
 use teeguard_tests::host::{QosClass, SEV, SimHost, TDX, WriteMode, parse_misc};
 
@@ -12,17 +13,6 @@ const A: &str = "0a0a0a0a-1111-4222-8333-444455556666";
 
 fn read(path: &Path) -> String {
     fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
-}
-
-fn running_as_root() -> bool {
-    fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
 }
 
 #[test]
@@ -107,9 +97,7 @@ fn atomic_writes_replace_the_inode_and_in_place_writes_keep_it() {
 
 #[test]
 fn unchanged_files_are_not_rewritten() {
-    let host = SimHost::builder().capacity(TDX, 4).build().expect("host");
-    host.add_pod(A, QosClass::Burstable, &["compute"])
-        .expect("pod");
+    let host = SimHost::with_tdx_pod(4, A).expect("host with pod A");
     let events = host.pod_cgroup_path(A).expect("pod").join("misc.events");
     let before = fs::metadata(&events).expect("meta").ino();
     host.start_vm(A, "compute", TDX).expect("start");
@@ -123,9 +111,7 @@ fn unchanged_files_are_not_rewritten() {
 
 #[test]
 fn garbage_truncation_and_half_writes_stay_until_healed() {
-    let host = SimHost::builder().capacity(TDX, 4).build().expect("host");
-    host.add_pod(A, QosClass::Burstable, &["compute"])
-        .expect("pod");
+    let host = SimHost::with_tdx_pod(4, A).expect("host with pod A");
     host.start_vm(A, "compute", TDX).expect("start");
     let current = host.root().join("misc.current");
 
@@ -176,9 +162,7 @@ fn garbage_truncation_and_half_writes_stay_until_healed() {
 
 #[test]
 fn io_errors_even_as_root() {
-    let host = SimHost::builder().capacity(TDX, 4).build().expect("host");
-    host.add_pod(A, QosClass::Burstable, &["compute"])
-        .expect("pod");
+    let host = SimHost::with_tdx_pod(4, A).expect("host with pod A");
     let file = host.break_pod_misc_current(A).expect("break");
     let err = fs::read_to_string(&file).expect_err("a directory cannot be read as a file");
     assert!(err.raw_os_error().is_some(), "{err}");
@@ -195,9 +179,7 @@ fn io_errors_even_as_root() {
 
 #[test]
 fn unreadable_pod_cgroup() {
-    let host = SimHost::builder().capacity(TDX, 4).build().expect("host");
-    host.add_pod(A, QosClass::Burstable, &["compute"])
-        .expect("pod");
+    let host = SimHost::with_tdx_pod(4, A).expect("host with pod A");
     let dir = host.make_pod_unreadable(A).expect("chmod");
     assert_eq!(
         fs::metadata(&dir).expect("meta").permissions().mode() & 0o777,

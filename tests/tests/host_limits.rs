@@ -42,12 +42,22 @@ fn host(version: CgroupVersion, driver: CgroupDriver, mode: WriteMode) -> SimHos
         .expect("host")
 }
 
-fn layouts() -> Vec<(CgroupVersion, CgroupDriver, WriteMode)> {
+/// A host of every layout (cgroup version, driver, write mode) with the Burstable pod `A` (container
+/// `compute`), with the layout's version, driver and name (for assertion messages).
+fn hosts_with_pod_a() -> Vec<(CgroupVersion, CgroupDriver, String, SimHost)> {
     let mut out = Vec::new();
     for version in [CgroupVersion::V2, CgroupVersion::V1] {
         for driver in [CgroupDriver::Systemd, CgroupDriver::Cgroupfs] {
             for mode in [WriteMode::Atomic, WriteMode::InPlace] {
-                out.push((version, driver, mode));
+                let host = host(version, driver, mode);
+                host.add_pod(A, QosClass::Burstable, &["compute"])
+                    .expect("pod");
+                out.push((
+                    version,
+                    driver,
+                    format!("{version:?}/{driver:?}/{mode:?}"),
+                    host,
+                ));
             }
         }
     }
@@ -56,11 +66,7 @@ fn layouts() -> Vec<(CgroupVersion, CgroupDriver, WriteMode)> {
 
 #[test]
 fn a_limit_written_into_a_pod_misc_max_refuses_its_second_charge_with_the_kernels_events() {
-    for (version, driver, mode) in layouts() {
-        let ctx = format!("{version:?}/{driver:?}/{mode:?}");
-        let host = host(version, driver, mode);
-        host.add_pod(A, QosClass::Burstable, &["compute"])
-            .expect("pod");
+    for (version, driver, ctx, host) in hosts_with_pod_a() {
         let pod = host.pod_cgroup_rel(A).expect("pod rel");
         let compute = host.container_cgroup_rel(A, "compute").expect("compute");
         let file = host.path(&pod).join("misc.max");
@@ -332,11 +338,7 @@ fn the_simulators_own_changes_keep_limits_written_by_others() {
 /// enforcement bench's cgroup writer lost 1 pod in 3 runs so).
 #[test]
 fn a_reader_between_a_writers_truncate_and_its_write_loses_no_limit() {
-    for (version, driver, mode) in layouts() {
-        let ctx = format!("{version:?}/{driver:?}/{mode:?}");
-        let host = host(version, driver, mode);
-        host.add_pod(A, QosClass::Burstable, &["compute"])
-            .expect("pod");
+    for (_, _, ctx, host) in hosts_with_pod_a() {
         let file = host.pod_cgroup_path(A).expect("pod").join("misc.max");
         let mut writer = fs::OpenOptions::new()
             .write(true)

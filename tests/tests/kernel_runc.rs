@@ -31,7 +31,7 @@ use teeguard_tests::fixtures::{TDX_KEYS, Tee};
 use teeguard_tests::host::SEV_ES;
 use teeguard_tests::node::{ContainerKind, Recorded, Runtime, pods};
 use teeguard_tests::patch::MergePatch;
-use teeguard_tests::realcluster::within;
+use teeguard_tests::realcluster::{advertise, within};
 use teeguard_tests::teevm::oci::runnable_in_guest;
 use teeguard_tests::teevm::shell::misc_lines;
 use teeguard_tests::teevm::{Guest, GuestOptions, Kernel};
@@ -129,11 +129,7 @@ async fn record(runtime: Runtime) -> Option<Configs> {
         )
         .await
         .expect("NFD's annotation");
-    nodes
-        .merge_patch_status(
-            &w.turn.name,
-            json!({"status": {"capacity": {ESIDS: "4"}, "allocatable": {ESIDS: "4"}}}),
-        )
+    advertise(&w.cluster.client, &w.turn.name, &[(ESIDS, json!("4"))])
         .await
         .expect("NFD's value");
     w.wait_allocatable(ESIDS, "4", Duration::from_secs(20))
@@ -146,8 +142,7 @@ async fn record(runtime: Runtime) -> Option<Configs> {
         &[("compute", &[(ESIDS, "1")])],
         &w.selector(),
     );
-    let pod = w.create(&pod).await.expect("created");
-    let pod = w.wait_running(&pod).await;
+    let pod = w.run(&pod).await;
     let disabled = compute(&w.records(&pod).await).clone();
     assert_eq!(
         disabled.misc_max(),
@@ -155,22 +150,13 @@ async fn record(runtime: Runtime) -> Option<Configs> {
         "no misc.max line for sev_es on a host without sev_es capacity: {:?}",
         disabled.unified
     );
-    let event = w
-        .cluster
-        .wait_for("the TEEKeyKindUnavailable Event", || async {
-            w.cluster
-                .events_about(&ns, "snp-nfd")
-                .await
-                .into_iter()
-                .find(|e| e.reason.as_deref() == Some("TEEKeyKindUnavailable"))
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
-    let message = event.message.unwrap_or_default();
-    assert!(
-        message.contains("container compute") && message.contains("asks for sev_es keys"),
-        "{message}"
-    );
+    w.event_message(
+        &ns,
+        "snp-nfd",
+        "TEEKeyKindUnavailable",
+        &["container compute", "asks for sev_es keys"],
+    )
+    .await;
     let enforcing = w.condition("Enforcing").await;
     assert!(
         enforcing

@@ -48,8 +48,11 @@ fn set(pairs: &[(&str, String)]) -> Vec<String> {
         .collect()
 }
 
-/// The Node's key resource (capacity, allocatable) and teeguard's annotation, to compare before/after.
-fn teeguard_marks(n: &Node) -> (Option<String>, Option<String>, Option<String>) {
+/// The Node's key resource (capacity, allocatable) and teeguard's annotation.
+type Marks = (Option<String>, Option<String>, Option<String>);
+
+/// [`Marks`] of Node `n`, to compare before/after.
+fn teeguard_marks(n: &Node) -> Marks {
     let (capacity, allocatable) = fixtures::node_resource(n, TDX_KEYS);
     (
         capacity,
@@ -147,21 +150,33 @@ fn assert_no_refused_api_calls(node: &RealNode, pod: &Pod, what: &str) {
     }
 }
 
+/// The chart images and the containerd node, or `None` (the test skips) without them.
+fn images_and_node() -> Option<(PathBuf, &'static RealNode)> {
+    let images = built_images()?;
+    Some((images, RealNode::shared(Runtime::Containerd)?))
+}
+
+/// Where both chart tests start: the node acquired and prepared for the test, the control plane, the
+/// Nodes, and teeguard's marks on the Node before the chart is installed.
+async fn start(node: &'static RealNode, test: &str) -> (NodeTurn, Cluster, Api<Node>, Marks) {
+    let turn = node.acquire().await;
+    let cluster = Cluster::connect().await.expect("control plane");
+    node_support::prepare_node(&cluster, &turn, test).await;
+    let nodes: Api<Node> = Api::all(cluster.client.clone());
+    let before = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
+    (turn, cluster, nodes, before)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap_and_uninstall_cleanly()
  {
-    let Some(images) = built_images() else { return };
-    let Some(node) = RealNode::shared(Runtime::Containerd) else {
+    let Some((images, node)) = images_and_node() else {
         return;
     };
     within(DEADLINE, async move {
-        let turn = node.acquire().await;
-        let cluster = Cluster::connect().await.expect("control plane");
-        let cp = cluster.cp;
         let test = "chart";
-        node_support::prepare_node(&cluster, &turn, test).await;
-        let nodes: Api<Node> = Api::all(cluster.client.clone());
-        let before = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
+        let (turn, cluster, nodes, before) = start(node, test).await;
+        let cp = cluster.cp;
 
         let host = SharedHost::new(4);
         let release = install(
@@ -334,18 +349,13 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_allocated_prepared_and_limited_and_ends_after_switching_back()
  {
-    let Some(images) = built_images() else { return };
-    let Some(node) = RealNode::shared(Runtime::Containerd) else {
+    let Some((images, node)) = images_and_node() else {
         return;
     };
     within(DEADLINE, async move {
-        let turn = node.acquire().await;
-        let cluster = Cluster::connect().await.expect("control plane");
-        let cp = cluster.cp;
         let test = "chart-dra";
-        node_support::prepare_node(&cluster, &turn, test).await;
-        let nodes: Api<Node> = Api::all(cluster.client.clone());
-        let before = teeguard_marks(&nodes.get(&turn.name).await.expect("node"));
+        let (turn, cluster, nodes, before) = start(node, test).await;
+        let cp = cluster.cp;
         // The chart creates the DeviceClasses: drop copies other tests made by hand (not the chart's).
         let classes: Api<DeviceClass> = Api::all(cluster.client.clone());
         for kind in ["tdx", "sev", "sev-es"] {

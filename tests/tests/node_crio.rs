@@ -11,13 +11,12 @@ use std::time::Duration;
 
 use k8s_openapi::api::node::v1::RuntimeClass;
 use kube::Api;
-use kube::api::PostParams;
 use node_support::scenarios::{self, DEADLINE};
 use node_support::{NodeWorld, Options, dra};
 use serde_json::json;
 use teeguard_tests::fixtures::{TDX_KEYS, Tee};
 use teeguard_tests::node::{CRIO_UNIFIED_HANDLER, Runtime};
-use teeguard_tests::realcluster::within;
+use teeguard_tests::realcluster::{create_or_keep, within};
 
 const RUNTIME: Runtime = Runtime::Crio;
 
@@ -71,11 +70,9 @@ async fn crio_annotation(setting: &'static str, key: &str, allowed: &str) {
         "metadata": {"name": UNIFIED_CLASS}, "handler": CRIO_UNIFIED_HANDLER
     }))
     .expect("RuntimeClass");
-    match classes.create(&PostParams::default(), &class).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(e) => panic!("create RuntimeClass {UNIFIED_CLASS}: {e}"),
-    }
+    create_or_keep(&classes, &class)
+        .await
+        .unwrap_or_else(|e| panic!("create RuntimeClass {UNIFIED_CLASS}: {e}"));
     w.wait_allocatable(TDX_KEYS, "4", Duration::from_secs(20))
         .await;
     for (vm, class, want) in [

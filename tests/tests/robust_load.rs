@@ -185,8 +185,7 @@ fn scenario(api: &FakeApiServer) -> Vec<Case> {
         .and_then(|o| o["metadata"]["uid"].as_str().map(str::to_string))
         .expect("sev-vm uid");
     let mutated_tdx = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx)
-        .request("tdx.intel.com/keys", "1")
-        .annotation("misc-max.teeguard.dev/compute", "tdx 1")
+        .patched("tdx.intel.com/keys", "tdx 1")
         .generated_name();
     // A TDX pod: some TDX node has free keys.
     cases.push(case(
@@ -197,8 +196,7 @@ fn scenario(api: &FakeApiServer) -> Vec<Case> {
     ));
     // A SEV pod: no node offers SEV.
     let mutated_sev = VirtLauncherPod::for_tee("sev-vm", Tee::Sev)
-        .request("sev.amd.com/asids", "1")
-        .annotation("misc-max.teeguard.dev/compute", "sev 1")
+        .patched("sev.amd.com/asids", "sev 1")
         .generated_name();
     cases.push(case(
         "validate sev pod (no SEV node)",
@@ -208,8 +206,7 @@ fn scenario(api: &FakeApiServer) -> Vec<Case> {
     ));
     // A forged cgroup limit: teeguard writes "tdx 1", nothing else is accepted.
     let forged = VirtLauncherPod::for_tee("tdx-vm", Tee::Tdx)
-        .request("tdx.intel.com/keys", "1")
-        .annotation("misc-max.teeguard.dev/compute", "tdx 64")
+        .patched("tdx.intel.com/keys", "tdx 64")
         .generated_name();
     cases.push(case(
         "validate forged annotation",

@@ -1,4 +1,4 @@
-//! `/validate` (`review_validation`, with a ledger) on arbitrary bytes. Seeds: `tests/fixtures/admission/*.json`.
+//! `/validate` (`review_validation`, with its index of holds) on arbitrary bytes. Seeds: `tests/fixtures/admission/*.json`.
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

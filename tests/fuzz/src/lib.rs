@@ -6,7 +6,7 @@
 //! - [`mutate`]: `review_mutation` (the `/mutate` handler body) answers either an AdmissionReview
 //!   response echoing the request uid, whose patch (if any) is base64 JSON Patch that applies cleanly
 //!   to the request's object and leaves a valid Pod, or a client (4xx) error.
-//! - [`validate`]: `review_validation` (the `/validate` handler body, with a ledger) answers either an
+//! - [`validate`]: `review_validation` (the `/validate` handler body, with its index of holds) answers either an
 //!   AdmissionReview response echoing the uid, never carrying a patch, or a client (4xx) error.
 //! - [`misc`]: the misc cgroup file parsers return a value or a typed `MiscParse` error, and what
 //!   they accept re-parses identically when rendered back.
@@ -312,72 +312,73 @@ pub fn misc(data: &[u8]) -> Seen {
     let Ok(text) = std::str::from_utf8(data) else {
         return Seen::Rejected;
     };
+    let values = round_trips("parse_values", parse_values, text, |values| {
+        values
+            .entries()
+            .map(|(n, v)| format!("{n} {v}\n"))
+            .collect()
+    });
+    let limits = round_trips("parse_max", parse_max, text, |limits| {
+        limits
+            .iter()
+            .map(|(n, l)| match l {
+                MiscLimit::Max => format!("{n} max\n"),
+                MiscLimit::Value(v) => format!("{n} {v}\n"),
+            })
+            .collect()
+    });
+    let events = round_trips("parse_events", parse_events, text, |events| {
+        events
+            .iter()
+            .map(|(n, c)| format!("{n}.max {c}\n"))
+            .collect()
+    });
+    if let Some(events) = &events {
+        assert!(
+            events.keys().all(|k| !k.is_empty()),
+            "empty resource name accepted"
+        );
+    }
+    if values.is_some() || limits.is_some() || events.is_some() {
+        Seen::Parsed
+    } else {
+        Seen::Rejected
+    }
+}
+
+/// One misc-file parser (`what`) on `text`: an error must be typed and name the file, briefly; a value
+/// must come back the same from its own rendering. The value, when `text` parsed.
+fn round_trips<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    parse: fn(&Path, &str) -> teeguard_shared::Result<T>,
+    text: &str,
+    render: impl Fn(&T) -> String,
+) -> Option<T> {
     let path = Path::new("/sys/fs/cgroup/fuzz/misc.file");
-    let typed = |e: &teeguard_shared::Error| {
-        assert!(
-            matches!(e, teeguard_shared::Error::MiscParse { .. }),
-            "misc parser returned an untyped error: {e}"
-        );
-        let msg = e.to_string();
-        assert!(
-            msg.starts_with("/sys/fs/cgroup/fuzz/misc.file:"),
-            "error does not name the file: {msg}"
-        );
-        assert!(
-            msg.len() < 1024,
-            "error message is unbounded ({} bytes)",
-            msg.len()
-        );
-    };
-    let mut parsed = false;
-    match parse_values(path, text) {
-        Ok(values) => {
-            parsed = true;
-            let rendered: String = values
-                .entries()
-                .map(|(n, v)| format!("{n} {v}\n"))
-                .collect();
-            match parse_values(path, &rendered) {
-                Ok(again) => assert_eq!(again, values, "parse_values does not round-trip"),
-                Err(e) => panic!("parse_values rejects its own rendering: {e}"),
+    match parse(path, text) {
+        Ok(value) => {
+            match parse(path, &render(&value)) {
+                Ok(again) => assert_eq!(again, value, "{what} does not round-trip"),
+                Err(e) => panic!("{what} rejects its own rendering: {e}"),
             }
+            Some(value)
         }
-        Err(e) => typed(&e),
-    }
-    match parse_max(path, text) {
-        Ok(limits) => {
-            parsed = true;
-            let rendered: String = limits
-                .iter()
-                .map(|(n, l)| match l {
-                    MiscLimit::Max => format!("{n} max\n"),
-                    MiscLimit::Value(v) => format!("{n} {v}\n"),
-                })
-                .collect();
-            match parse_max(path, &rendered) {
-                Ok(again) => assert_eq!(again, limits, "parse_max does not round-trip"),
-                Err(e) => panic!("parse_max rejects its own rendering: {e}"),
-            }
-        }
-        Err(e) => typed(&e),
-    }
-    match parse_events(path, text) {
-        Ok(events) => {
-            parsed = true;
+        Err(e) => {
             assert!(
-                events.keys().all(|k| !k.is_empty()),
-                "empty resource name accepted"
+                matches!(e, teeguard_shared::Error::MiscParse { .. }),
+                "{what} returned an untyped error: {e}"
             );
-            let rendered: String = events
-                .iter()
-                .map(|(n, c)| format!("{n}.max {c}\n"))
-                .collect();
-            match parse_events(path, &rendered) {
-                Ok(again) => assert_eq!(again, events, "parse_events does not round-trip"),
-                Err(e) => panic!("parse_events rejects its own rendering: {e}"),
-            }
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with("/sys/fs/cgroup/fuzz/misc.file:"),
+                "error does not name the file: {msg}"
+            );
+            assert!(
+                msg.len() < 1024,
+                "error message is unbounded ({} bytes)",
+                msg.len()
+            );
+            None
         }
-        Err(e) => typed(&e),
     }
-    if parsed { Seen::Parsed } else { Seen::Rejected }
 }

@@ -425,27 +425,18 @@ mod tests {
     #[test]
     fn list_kinds() {
         let pods = ResourceDef::new("", "v1", "pods", "Pod", true);
-        assert_eq!(
-            pods.list_kind(&["spec".into(), "containers".into()]),
-            ListKind::Map(vec!["name".into()])
-        );
-        assert_eq!(
-            pods.list_kind(&["spec".into(), "tolerations".into()]),
-            ListKind::Atomic
-        );
-        assert_eq!(
-            pods.list_kind(&["metadata".into(), "finalizers".into()]),
-            ListKind::Set
-        );
         let cr = ResourceDef::custom("g", "v1", "xs", "X", false, true)
             .with_list_map("status.conditions", &["type"]);
-        assert_eq!(
-            cr.list_kind(&["status".into(), "conditions".into()]),
-            ListKind::Map(vec!["type".into()])
-        );
-        assert_eq!(
-            cr.list_kind(&["spec".into(), "conditions".into()]),
-            ListKind::Atomic
-        );
+        let map = |key: &str| ListKind::Map(vec![key.into()]);
+        for (def, path, want) in [
+            (&pods, ["spec", "containers"], map("name")),
+            (&pods, ["spec", "tolerations"], ListKind::Atomic),
+            (&pods, ["metadata", "finalizers"], ListKind::Set),
+            (&cr, ["status", "conditions"], map("type")),
+            (&cr, ["spec", "conditions"], ListKind::Atomic),
+        ] {
+            let path: Vec<String> = path.iter().map(|s| s.to_string()).collect();
+            assert_eq!(def.list_kind(&path), want, "{path:?}");
+        }
     }
 }

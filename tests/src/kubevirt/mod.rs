@@ -29,13 +29,13 @@ pub mod vmis;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client};
 use serde_json::{Value, json};
@@ -45,6 +45,7 @@ use crate::controlplane::{self, ControlPlane};
 use crate::error::{self, Component, Error, Result};
 use crate::patch::MergePatch;
 use crate::ports::free_ports;
+use crate::realcluster::create_or_keep;
 use crate::standalone::client::WebhookClient;
 
 /// The environment variable naming the kit's directory.
@@ -159,7 +160,7 @@ pub struct KubeVirt {
     virt_api: virt_api::VirtApi,
 }
 
-static SHARED: OnceLock<Result<KubeVirt, String>> = OnceLock::new();
+static SHARED: OnceLock<Result<KubeVirt>> = OnceLock::new();
 
 impl KubeVirt {
     /// KubeVirt of this test binary, started on first use (with the control plane). `None` (after
@@ -171,30 +172,16 @@ impl KubeVirt {
             return error::skip(e);
         }
         let cp = ControlPlane::shared()?;
-        let got = SHARED.get_or_init(|| {
-            // On its own thread: a test's tokio runtime cannot block on another runtime.
-            std::thread::spawn(move || Self::start(cp, version))
-                .join()
-                .unwrap_or_else(|_| Err(KIT.missing("start-up panicked")))
-                .map_err(|e| e.to_string())
-        });
-        match got {
-            Ok(kv) => Some(kv),
-            Err(e) => panic!("{e}"),
-        }
+        KIT.start_once(&SHARED, move || Self::start(cp, version))
     }
 
     fn start(cp: &'static ControlPlane, version: Version) -> Result<KubeVirt> {
         let started = Instant::now();
         let source = prerequisites(version)?;
-        let dir = tempfile::Builder::new()
-            .prefix("teeguard-kubevirt-")
-            .tempdir()
-            .map_err(KIT.io("create the state directory"))?
-            .keep();
-        for sub in ["log", "etc-upper/virt-controller", "etc-work", "run"] {
-            std::fs::create_dir_all(dir.join(sub)).map_err(KIT.io(format!("create {sub}/")))?;
-        }
+        let dir = KIT.state_dir(
+            "teeguard-kubevirt-",
+            &["log", "etc-upper/virt-controller", "etc-work", "run"],
+        )?;
         controlplane::spawn_janitor(&dir).map_err(|e| KIT.missing(e.to_string()))?;
         let kept = format!(
             "KubeVirt: a test failed; virt-controller's log is kept in {}",
@@ -400,64 +387,20 @@ fn kubevirt_api(client: &Client) -> Api<DynamicObject> {
 
 /// The kit's directory for `version`, root, and `unshare`, without starting anything.
 fn prerequisites(version: Version) -> Result<PathBuf> {
-    let top = std::env::var_os(ENV)
-        .map(PathBuf::from)
-        .ok_or_else(|| KIT.missing(format!("{ENV} is not set")))?;
+    let top = KIT.dir_from(ENV)?;
     let source = version.kit(&top);
     for f in FILES {
         if !source.join(f).is_file() && !source.join(format!("{f}.xz")).is_file() {
             return Err(KIT.missing(format!("{} has neither {f} nor {f}.xz", source.display())));
         }
     }
-    let root = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|l| l.split_whitespace().next().map(str::to_string))
-        })
-        .is_some_and(|uid| uid == "0");
-    if !root {
-        return Err(KIT.missing("virt-controller runs as root in a private mount namespace; this test process is not root"));
-    }
+    KIT.needs_root("virt-controller runs as root in a private mount namespace")?;
     Ok(source)
 }
 
 /// The kit's files in `source` (plain, or `.xz` unpacked into `unpack`).
 fn unpack(source: &Path, unpack: &Path) -> Result<PathBuf> {
-    if FILES.iter().all(|f| source.join(f).is_file()) {
-        return Ok(source.to_path_buf());
-    }
-    std::fs::create_dir_all(unpack).map_err(KIT.io(format!("create {}", unpack.display())))?;
-    for f in FILES {
-        let out = unpack.join(f);
-        if source.join(f).is_file() {
-            std::fs::copy(source.join(f), &out).map_err(KIT.io(format!("copy {f}")))?;
-        } else {
-            let file =
-                std::fs::File::create(&out).map_err(KIT.io(format!("create {}", out.display())))?;
-            let status = Command::new("xz")
-                .arg("-dc")
-                .arg(source.join(format!("{f}.xz")))
-                .stdout(file)
-                .stderr(Stdio::inherit())
-                .status()
-                .map_err(KIT.io(format!("run xz -dc {f}.xz (Debian xz-utils)")))?;
-            if !status.success() {
-                return Err(Error::Command {
-                    command: format!("xz -dc {f}.xz"),
-                    status: status.to_string(),
-                    output: String::new(),
-                });
-            }
-        }
-        if f != "crds.yaml" {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o755))
-                .map_err(KIT.io(format!("chmod {}", out.display())))?;
-        }
-    }
-    Ok(unpack.to_path_buf())
+    KIT.files(source, unpack, &FILES, |f| f != "crds.yaml")
 }
 
 /// Apply KubeVirt's CRDs (server-side, taking over fields another test kit set, such as the minimal
@@ -522,11 +465,9 @@ async fn create_cr(client: &Client, bin: &Path, cr_file: &Path, version: Version
                 reason: e.to_string(),
             }
         })?;
-    match namespaces.create(&PostParams::default(), &ns).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(e) => return Err(api("create namespace kubevirt")(e)),
-    }
+    create_or_keep(&namespaces, &ns)
+        .await
+        .map_err(api("create namespace kubevirt"))?;
     let out = Command::new(bin.join("kvtool"))
         .args(["kv-cr", NAMESPACE, FEATURE_GATES])
         .output()

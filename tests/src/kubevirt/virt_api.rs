@@ -35,6 +35,7 @@ use teeguard_certs::{CertificateAuthority, ServingCertRequest};
 
 use super::KIT;
 use crate::controlplane::unique_name;
+use crate::realcluster::create_or_keep;
 use crate::{Error, Result};
 
 /// The webhook's path.
@@ -159,11 +160,9 @@ impl VirtApi {
             what: "the virt-api stand-in's configuration".into(),
             reason: e.to_string(),
         })?;
-        match configs.create(&PostParams::default(), &obj).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 409 => {}
-            Err(e) => return Err(super::api("register the virt-api stand-in")(e)),
-        }
+        create_or_keep(&configs, &obj)
+            .await
+            .map_err(super::api("register the virt-api stand-in"))?;
 
         let ns = unique_name("virt-api-probe");
         let namespaces: Api<Namespace> = Api::all(client.clone());

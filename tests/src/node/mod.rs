@@ -118,7 +118,7 @@ pub struct RealNode {
 /// How many nodes of one runtime a test binary may run (`RealNode::shared_nth`).
 pub const MAX_NODES: usize = 2;
 
-type Slot = OnceLock<Result<RealNode, String>>;
+type Slot = OnceLock<Result<RealNode>>;
 static CONTAINERD: [Slot; MAX_NODES] = [const { OnceLock::new() }; MAX_NODES];
 static CRIO: [Slot; MAX_NODES] = [const { OnceLock::new() }; MAX_NODES];
 
@@ -147,17 +147,7 @@ impl RealNode {
             return error::skip(e);
         }
         let cp = ControlPlane::shared()?;
-        let got = cell.get_or_init(|| {
-            // On its own thread: a test's tokio runtime cannot block on another runtime.
-            std::thread::spawn(move || start::start(runtime, n, cp))
-                .join()
-                .unwrap_or_else(|_| Err(KIT.missing("the node's start-up panicked")))
-                .map_err(|e| e.to_string())
-        });
-        match got {
-            Ok(node) => Some(node),
-            Err(e) => panic!("{e}"),
-        }
+        KIT.start_once(cell, move || start::start(runtime, n, cp))
     }
 
     /// Take the node for one test: waits for the previous test to finish, starts the runtime or the
@@ -175,6 +165,12 @@ impl RealNode {
     /// The state directory (`log/`, `record/`, sockets, `teardown.sh`).
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The kubelet's `staticPodPath`: a pod manifest written there runs as a static pod (removed when
+    /// the node is next acquired).
+    pub fn static_pod_path(&self) -> PathBuf {
+        self.dir.join("kubelet").join("manifests")
     }
 
     /// The kubelet's root directory (`--root-dir`: `plugins_registry/`, `plugins/`, `pods/`).
@@ -218,7 +214,7 @@ impl RealNode {
         pod: &k8s_openapi::api::core::v1::Pod,
         timeout: Duration,
     ) -> Vec<Recorded> {
-        let uid = pod.metadata.uid.clone().expect("uid");
+        let uid = pods::runtime_uid(pod).expect("uid").to_owned();
         let spec = pod.spec.as_ref().expect("spec");
         let want: Vec<&str> = spec
             .containers
@@ -346,6 +342,16 @@ impl RealNode {
         if !self.running("kubelet") {
             start::start_kubelet(self)?;
             start::wait_kubelet(self).await?;
+        }
+        // A static pod a test left would keep running whatever happens to its mirror pod.
+        for manifest in std::fs::read_dir(self.static_pod_path())
+            .into_iter()
+            .flatten()
+        {
+            let path = manifest
+                .map_err(KIT.io("list the static pod manifests"))?
+                .path();
+            std::fs::remove_file(&path).map_err(KIT.io(format!("remove {}", path.display())))?;
         }
         let client = self.cp.client().await?;
         kube_node::wait_registered(self, &client).await?;

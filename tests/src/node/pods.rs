@@ -90,6 +90,17 @@ pub fn plain(
     serde_json::from_value(v).unwrap_or_default()
 }
 
+/// The UID the kubelet runs `pod` under: a mirror pod's static pod's (`kubernetes.io/config.mirror`,
+/// its configuration hash), or the pod's own.
+pub fn runtime_uid(pod: &Pod) -> Option<&str> {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get("kubernetes.io/config.mirror"))
+        .or(pod.metadata.uid.as_ref())
+        .map(String::as_str)
+}
+
 /// Whether the pod runs with every container started.
 pub fn running(p: &Pod) -> bool {
     let Some(status) = &p.status else {

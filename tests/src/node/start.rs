@@ -29,24 +29,11 @@ const APPLETS: [&str; 6] = ["sh", "sleep", "cat", "echo", "ls", "true"];
 
 /// What the node needs, without starting anything: root, the binaries, the Debian packages.
 pub(super) fn prerequisites(runtime: Runtime) -> Result<PathBuf> {
-    let source = std::env::var_os(ENV)
-        .map(PathBuf::from)
-        .ok_or_else(|| KIT.missing(format!("{ENV} is not set")))?;
+    let source = KIT.dir_from(ENV)?;
     if !source.is_dir() {
         return Err(KIT.missing(format!("{ENV}={} is not a directory", source.display())));
     }
-    let uid = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|l| l.split_whitespace().next().map(str::to_string))
-        });
-    if uid.as_deref() != Some("0") {
-        return Err(KIT.missing(
-            "the node runs as root (cgroups, mounts, the kubelet); this test process is not",
-        ));
-    }
+    KIT.needs_root("the node runs as root (cgroups, mounts, the kubelet)")?;
     for b in runtime.binaries().iter().chain(&COMMON) {
         let plain = source.join(b);
         if !plain.is_file() && !source.join(format!("{b}.xz")).is_file() {
@@ -92,14 +79,10 @@ pub(super) fn start(runtime: Runtime, n: usize, cp: &'static ControlPlane) -> Re
         0 => format!("teeguard-{}-{}", runtime.name(), std::process::id()),
         n => format!("teeguard-{}-{}-{n}", runtime.name(), std::process::id()),
     };
-    let dir = tempfile::Builder::new()
-        .prefix(&format!("teeguard-node-{}-", runtime.name()))
-        .tempdir()
-        .map_err(KIT.io("create the state directory"))?
-        .keep();
-    for sub in ["log", "record", "images", "cni", "pids", "kubelet"] {
-        std::fs::create_dir_all(dir.join(sub)).map_err(KIT.io(format!("create {sub}/")))?;
-    }
+    let dir = KIT.state_dir(
+        &format!("teeguard-node-{}-", runtime.name()),
+        &["log", "record", "images", "cni", "pids", "kubelet"],
+    )?;
     let bin = binaries(&source, runtime, &dir.join("bin"))?;
     let network = Network::of(runtime, n);
     teardown::install(&dir, &bin, runtime, &name, &network.bridge)?;
@@ -147,37 +130,14 @@ pub(super) fn start(runtime: Runtime, n: usize, cp: &'static ControlPlane) -> Re
 
 /// The binaries in `source` (plain, or `.xz` unpacked into `unpack`).
 fn binaries(source: &Path, runtime: Runtime, unpack: &Path) -> Result<PathBuf> {
-    let all: Vec<&str> = runtime.binaries().iter().chain(&COMMON).copied().collect();
-    if all.iter().all(|b| source.join(b).is_file()) {
-        return Ok(source.to_path_buf());
-    }
-    std::fs::create_dir_all(unpack).map_err(KIT.io(format!("create {}", unpack.display())))?;
-    for b in all {
-        let out = unpack.join(b);
-        if source.join(b).is_file() {
-            std::fs::copy(source.join(b), &out).map_err(KIT.io(format!("copy {b}")))?;
-        } else {
-            let file =
-                std::fs::File::create(&out).map_err(KIT.io(format!("create {}", out.display())))?;
-            let mut cmd = Command::new("xz");
-            cmd.arg("-dc")
-                .arg(source.join(format!("{b}.xz")))
-                .stdout(file);
-            run(cmd, &format!("xz -dc {b}.xz (Debian xz-utils)"))?;
-        }
-        chmod_x(&out)?;
-    }
-    for h in HELPERS {
-        std::fs::copy(source.join(h), unpack.join(h)).map_err(KIT.io(format!("copy {h}")))?;
-        chmod_x(&unpack.join(h))?;
-    }
-    Ok(unpack.to_path_buf())
-}
-
-fn chmod_x(p: &Path) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
-        .map_err(KIT.io(format!("chmod {}", p.display())))
+    let all: Vec<&str> = runtime
+        .binaries()
+        .iter()
+        .chain(&COMMON)
+        .chain(&HELPERS)
+        .copied()
+        .collect();
+    KIT.files(source, unpack, &all, |_| true)
 }
 
 /// `name` on `PATH`.
@@ -234,7 +194,7 @@ exit "$rc"
                 &node.bin.join("runc-record").display().to_string(),
             ),
     )?;
-    chmod_x(&wrapper)
+    KIT.make_executable(&wrapper)
 }
 
 /// Two one-layer OCI archives: the static pause, and busybox with a few applets.

@@ -240,15 +240,7 @@ impl NriRuntime {
             return Ok(json!({}));
         }
         let body = json!({"pod": pod, "container": container});
-        self.inner
-            .request(
-                &conn,
-                "CreateContainer",
-                "CreateContainerRequest",
-                "CreateContainerResponse",
-                &body,
-            )
-            .await
+        self.inner.call(&conn, "CreateContainer", &body).await
     }
 
     /// What the container's creation gets, as containerd 2.4 and CRI-O 1.37 decide it (seen on the real
@@ -394,6 +386,17 @@ impl Inner {
             "fake NRI runtime closing the plugin connection"
         );
         conn.close();
+    }
+
+    /// Call the plugin's `method` with `body`, a `<method>Request`; its `<method>Response`.
+    pub(super) async fn call(
+        &self,
+        conn: &PluginConn,
+        method: &str,
+        body: &Value,
+    ) -> Result<Value> {
+        let (request, response) = (format!("{method}Request"), format!("{method}Response"));
+        self.request(conn, method, &request, &response, body).await
     }
 
     pub(super) async fn request(

@@ -384,13 +384,7 @@ async fn register(
     });
     let step = |what: &str, e: Error| format!("{what} failed: {e}");
     let configured = inner
-        .request(
-            conn,
-            "Configure",
-            "ConfigureRequest",
-            "ConfigureResponse",
-            &configure,
-        )
+        .call(conn, "Configure", &configure)
         .await
         .map_err(|e| step("Configure", e))?;
     let events = configured["events"].as_i64().unwrap_or(0) as i32;
@@ -407,13 +401,7 @@ async fn register(
     };
     let sync = json!({"pods": pods, "containers": containers, "more": false});
     let synchronize = inner
-        .request(
-            conn,
-            "Synchronize",
-            "SynchronizeRequest",
-            "SynchronizeResponse",
-            &sync,
-        )
+        .call(conn, "Synchronize", &sync)
         .await
         .map_err(|e| step("Synchronize", e))?;
     Ok(Registration {

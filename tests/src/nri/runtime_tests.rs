@@ -195,6 +195,15 @@ fn spawn_plugin(socket: &Path, b: Behaviour) -> (tokio::task::JoinHandle<()>, Ar
     (task, seen)
 }
 
+/// A plugin that subscribes to `CreateContainer` and never answers it, once registered with `rt`.
+async fn hung_plugin(rt: &NriRuntime, socket: &Path) -> tokio::task::JoinHandle<()> {
+    let mut b = Behaviour::new(event_bit(CREATE_CONTAINER));
+    b.hang_on_create = true;
+    let (task, _) = spawn_plugin(socket, b);
+    rt.wait_registered(WAIT).await.expect("registers");
+    task
+}
+
 fn pod(name: &str) -> Value {
     json!({
         "id": format!("sandbox-{name}"), "name": name, "uid": format!("uid-{name}"), "namespace": "default",
@@ -419,10 +428,7 @@ async fn garbage_from_a_plugin_closes_its_connection_only() {
 #[tokio::test]
 async fn a_plugin_that_never_answers_times_out_after_the_request_timeout() {
     let (_dir, socket, rt) = runtime().await;
-    let mut b = Behaviour::new(event_bit(CREATE_CONTAINER));
-    b.hang_on_create = true;
-    let (task, _) = spawn_plugin(&socket, b);
-    rt.wait_registered(WAIT).await.expect("registers");
+    let task = hung_plugin(&rt, &socket).await;
     let started = Instant::now();
     let err = rt
         .create_container(pod("p"), container("c"))
@@ -449,10 +455,7 @@ async fn a_plugin_that_never_answers_times_out_after_the_request_timeout() {
 #[tokio::test]
 async fn as_the_runtime_a_hung_or_missing_plugin_leaves_containers_unadjusted() {
     let (_dir, socket, rt) = runtime().await;
-    let mut b = Behaviour::new(event_bit(CREATE_CONTAINER));
-    b.hang_on_create = true;
-    let (_task, _) = spawn_plugin(&socket, b);
-    rt.wait_registered(WAIT).await.expect("registers");
+    let _task = hung_plugin(&rt, &socket).await;
     let started = Instant::now();
     let first = rt
         .create_container_as_runtime(pod("p"), container("c"))

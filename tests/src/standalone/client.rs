@@ -286,6 +286,47 @@ impl WebhookClient {
     }
 }
 
+/// Send `reviews` to `path` all at once (released together by one barrier), each on a new connection,
+/// spread over `clients` in turn: the replies, in order, as racing API servers would get them.
+pub async fn review_together(
+    clients: &[Arc<WebhookClient>],
+    path: &str,
+    reviews: Vec<Value>,
+) -> Result<Vec<ReviewReply>> {
+    let barrier = Arc::new(tokio::sync::Barrier::new(reviews.len()));
+    let mut tasks = Vec::new();
+    for (i, review) in reviews.into_iter().enumerate() {
+        let client = clients[i % clients.len()].clone();
+        let (barrier, path) = (barrier.clone(), path.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let body =
+                serde_json::to_vec(&review).map_err(|e| Error::failed("AdmissionReview", e))?;
+            barrier.wait().await;
+            let (status, bytes) = client.post_fresh(&path, &body).await?;
+            ReviewReply::from_http(&path, status, &bytes, &review)
+        }));
+    }
+    let mut replies = Vec::new();
+    for t in tasks {
+        replies.push(t.await.map_err(|e| Error::failed("a racing review", e))??);
+    }
+    Ok(replies)
+}
+
+/// How many of `replies` allowed.
+pub fn admitted(replies: &[ReviewReply]) -> usize {
+    replies.iter().filter(|r| r.allowed).count()
+}
+
+/// The messages of the refusals among `replies`.
+pub fn refusals(replies: &[ReviewReply]) -> Vec<String> {
+    replies
+        .iter()
+        .filter(|r| !r.allowed)
+        .map(|r| r.message.clone().unwrap_or_default())
+        .collect()
+}
+
 /// How a review ended, as a person reads it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Decision {
@@ -360,15 +401,8 @@ impl ReviewReply {
         let response = raw
             .get("response")
             .ok_or_else(|| bad("no `response`".into()))?;
-        let uid = response
-            .get("uid")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        let sent_uid = review
-            .pointer("/request/uid")
-            .and_then(Value::as_str)
-            .unwrap_or_default();
+        let uid = response["uid"].as_str().unwrap_or_default().to_string();
+        let sent_uid = review["request"]["uid"].as_str().unwrap_or_default();
         if uid != sent_uid {
             return Err(bad(format!(
                 "response.uid {uid:?} does not echo request.uid {sent_uid:?}"
@@ -378,19 +412,10 @@ impl ReviewReply {
             .get("allowed")
             .and_then(Value::as_bool)
             .ok_or_else(|| bad("`response.allowed` is missing".into()))?;
-        let status = response.get("status");
-        let code = status
-            .and_then(|s| s.get("code"))
-            .and_then(Value::as_u64)
-            .and_then(|c| u16::try_from(c).ok());
-        let message = status
-            .and_then(|s| s.get("message"))
-            .and_then(Value::as_str)
-            .map(str::to_string);
-        let reason = status
-            .and_then(|s| s.get("reason"))
-            .and_then(Value::as_str)
-            .map(str::to_string);
+        let status = &response["status"];
+        let code = status["code"].as_u64().and_then(|c| u16::try_from(c).ok());
+        let message = status["message"].as_str().map(str::to_string);
+        let reason = status["reason"].as_str().map(str::to_string);
         let patch = match (response.get("patchType"), response.get("patch")) {
             (None, None) => None,
             (Some(t), Some(p)) if t == "JSONPatch" => Some(decode_patch(p).map_err(bad)?),

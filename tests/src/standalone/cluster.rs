@@ -136,13 +136,7 @@ impl Standalone {
     /// Start everything and wait until the agent has published its first report and the webhook
     /// answers `/readyz`.
     pub async fn start(opts: &StandaloneOptions) -> Result<Standalone> {
-        let dir = tempfile::Builder::new()
-            .prefix("teeguard-standalone-")
-            .tempdir()
-            .map_err(io_err(
-                "create a temporary directory in",
-                &std::env::temp_dir(),
-            ))?;
+        let dir = crate::error::temp_dir("standalone", "teeguard-standalone-")?;
         let root = dir.path().to_path_buf();
 
         // Certificates: a fresh CA and a serving certificate for localhost / 127.0.0.1.

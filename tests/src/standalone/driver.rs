@@ -117,6 +117,19 @@ impl PodAdmission {
         self.pod.is_some()
     }
 
+    /// The persisted pod of a VM `/mutate` patched (its key request) and both webhooks admitted;
+    /// panics, naming `vm` and quoting the answers, otherwise (for tests).
+    pub fn expect_patched_pod(self, vm: &str) -> Pod {
+        assert_eq!(
+            self.mutate.decision(),
+            crate::standalone::Decision::Patched,
+            "{vm}: {:?}",
+            self.mutate.raw
+        );
+        self.pod
+            .unwrap_or_else(|| panic!("{vm} admitted at CREATE: {:?}", self.validate))
+    }
+
     /// The refusal message, if refused.
     pub fn refusal(&self) -> Option<String> {
         if !self.mutate.allowed {
@@ -140,7 +153,7 @@ pub struct BindOutcome {
     pub bound: bool,
 }
 
-/// A binding `/validate` admitted: the webhook holds its keys in its ledger until the node's report
+/// A binding `/validate` admitted: the webhook holds its keys (a hold) until the node's report
 /// counts the pod (lists its UID in `countedPods`), or until `admission.ledgerTtl`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Admission {
@@ -213,6 +226,12 @@ impl ApiServerDriver {
         self.webhook.review(path, review).await
     }
 
+    /// The `/validate` review of the scheduler's binding of `pod` to `node`, without binding it.
+    pub async fn review_binding(&self, pod: &Pod, node: &str) -> Result<ReviewReply> {
+        let review = AdmissionReviewBuilder::binding(pod, node).build();
+        self.review("/validate", &review).await
+    }
+
     /// The reviews kube-apiserver sends for a CREATE of `pod`, without storing it: `/mutate` (which
     /// must patch it), then `/validate` of the patched pod under `name` and `uid`; the validating answer.
     pub async fn review_create(&self, pod: &Pod, name: &str, uid: &str) -> Result<ReviewReply> {
@@ -282,6 +301,20 @@ impl ApiServerDriver {
         let mut value = b.to_value();
         own_by(&mut value, &vmi.uid);
         typed_pod(value)
+    }
+
+    /// virt-controller's CREATE of `vmi`'s virt-launcher pod ([`Driver::launcher_pod`], then
+    /// [`Driver::create_pod`]); again after a refusal, as virt-controller retries.
+    pub async fn create_launcher_pod(&self, vmi: &CreatedVmi) -> Result<PodAdmission> {
+        self.create_pod(&self.launcher_pod(vmi)?).await
+    }
+
+    /// A VM as `kubectl create` and virt-controller make it: the VMI stored, then its launcher pod's
+    /// CREATE reviewed ([`Driver::create_launcher_pod`]).
+    pub async fn create_vm(&self, spec: &VmiSpec) -> Result<(CreatedVmi, PodAdmission)> {
+        let vmi = self.create_vmi(spec)?;
+        let adm = self.create_launcher_pod(&vmi).await?;
+        Ok((vmi, adm))
     }
 
     /// A pod CREATE as kube-apiserver runs it: `/mutate` on the pod as sent, the patch applied, the
@@ -392,7 +425,7 @@ impl ApiServerDriver {
         });
     }
 
-    /// Admissions onto `node` the webhook may still hold in its ledger: the node's report does not
+    /// Admissions onto `node` the webhook may still hold keys for: the node's report does not
     /// list the pod in `countedPods` yet, and `ledgerTtl` has not passed.
     pub fn outstanding_admissions(&self, node: &str) -> Vec<Admission> {
         let counted = self
@@ -407,7 +440,7 @@ impl ApiServerDriver {
         all.iter().filter(|a| a.node == node).cloned().collect()
     }
 
-    /// Wait until the webhook's ledger holds nothing for `node` (see
+    /// Wait until the webhook holds nothing for `node` (see
     /// [`ApiServerDriver::outstanding_admissions`]); the agent's first report after it sees the binding
     /// ends the reservation, so this takes about one agent poll after the last admission.
     pub async fn wait_admissions_settled(&self, node: &str, timeout: Duration) -> Result<()> {
@@ -644,7 +677,7 @@ impl ApiServerDriver {
 
     /// Wait until the next review sees the current state: `node`'s report shows what the host and the
     /// bound pods imply ([`ApiServerDriver::wait_report_settled`]); when pods admitted recently could
-    /// still be held in the webhook's ledger and that could decide the next review (a key is free, but
+    /// still be held by the webhook and that could decide the next review (a key is free, but
     /// no more than are held), until the reports count those pods; then the
     /// watch grace. Returns the report's figures.
     pub async fn settle(

@@ -161,9 +161,8 @@ impl<'a, W: Write> Runner<'a, W> {
                 vmi
             }
         };
-        let pod = self.sa.driver.launcher_pod(&vmi)?;
         let step = self.next_step();
-        let adm = self.sa.driver.create_pod(&pod).await?;
+        let adm = self.sa.driver.create_launcher_pod(&vmi).await?;
         self.pod_rows(step, &format!("{name} pod"), &adm)?;
         match adm.pod {
             Some(p) => {

@@ -108,9 +108,7 @@ impl Kit {
 
     /// The kit for `kernel` under `TEEGUARD_TEE_VM`, checked: its files exist and qemu is installed.
     pub fn find(kernel: Kernel) -> Result<Kit> {
-        let root = std::env::var_os(ENV)
-            .map(PathBuf::from)
-            .ok_or_else(|| KIT.missing(format!("{ENV} is not set")))?;
+        let root = KIT.dir_from(ENV)?;
         let home = root.join(kernel.dir_name());
         let build = home.join("build");
         for file in [

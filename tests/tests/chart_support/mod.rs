@@ -10,6 +10,8 @@ use std::process::Command;
 use serde::Deserialize;
 use serde_json::Value;
 use teeguard_tests::controlplane::ControlPlane;
+use teeguard_tests::e2e::{ProcessEnv, WebhookProcess};
+use teeguard_tests::realcluster::Cluster;
 
 /// Release name every test renders with.
 pub const RELEASE: &str = "teeguard";
@@ -30,6 +32,89 @@ pub const VALUES_FILES: [&str; 6] = [
     "advertising-disabled",
     "custom",
 ];
+
+/// Start a webhook process of `env`, register the default chart's webhook configurations for `test`
+/// pointing at it, and wait until the API server calls it in the test's namespace `ns`.
+pub async fn serve_default_webhooks(
+    cluster: &Cluster,
+    env: &ProcessEnv,
+    test: &str,
+    ns: &str,
+) -> WebhookProcess {
+    let webhook = env.start_webhook(&[]).await.expect("webhook starts");
+    let rendered = render("default", &[]);
+    cluster
+        .serve_webhooks(
+            test,
+            ns,
+            &rendered,
+            webhook.https,
+            &env.ca.ca_bundle_base64(),
+        )
+        .await
+        .expect("the API server calls the webhooks");
+    webhook
+}
+
+/// `kubernetes-validate --strict` of the manifests in `path` against Kubernetes `kube_version`'s
+/// schemas.
+pub fn kubernetes_validate_file(kube_version: &str, path: &Path) -> Run {
+    run(
+        &kubernetes_validate(),
+        &[
+            "--strict".into(),
+            "--kubernetes-version".into(),
+            kube_version.into(),
+            path.display().to_string(),
+        ],
+    )
+}
+
+/// `helm lint --strict` of the chart for Kubernetes `kube_version` with `tests/chart/<stem>.yaml`;
+/// panics with helm's output when it fails.
+pub fn assert_lints(kube_version: &str, stem: &str) {
+    let args: Vec<String> = vec![
+        "lint".into(),
+        "--strict".into(),
+        chart_dir().display().to_string(),
+        "--namespace".into(),
+        NAMESPACE.into(),
+        "--kube-version".into(),
+        kube_version.into(),
+        "--values".into(),
+        values_file(stem).display().to_string(),
+    ];
+    let out = run(&helm(), &args);
+    assert!(
+        out.success,
+        "helm lint --strict with tests/chart/{stem}.yaml failed:\n{}{}",
+        out.stdout, out.stderr
+    );
+}
+
+/// The CEL expressions of a ValidatingAdmissionPolicy's `validations`, in order.
+pub fn validation_expressions(policy: &Value) -> Vec<&str> {
+    policy["spec"]["validations"]
+        .as_array()
+        .expect("validations")
+        .iter()
+        .map(|v| str_at(v, "/expression"))
+        .collect()
+}
+
+/// `v[field]`, an array of strings (panics, naming `v`, when it is not).
+pub fn strings(v: &Value, field: &str) -> Vec<String> {
+    v[field]
+        .as_array()
+        .unwrap_or_else(|| panic!("no array {field} in {v}"))
+        .iter()
+        .map(|s| {
+            s.as_str()
+                .unwrap_or_else(|| panic!("{field}: {s} is not a string"))
+                .to_string()
+        })
+        .collect()
+}
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -252,15 +337,7 @@ pub fn validate_for(kube_version: &str, what: &str, docs: &[Value]) {
         .map(|d| serde_yaml::to_string(d).expect("serialise a manifest"))
         .collect();
     std::fs::write(&path, text.join("---\n")).expect("write manifests");
-    let out = run(
-        &kubernetes_validate(),
-        &[
-            "--strict".into(),
-            "--kubernetes-version".into(),
-            kube_version.into(),
-            path.display().to_string(),
-        ],
-    );
+    let out = kubernetes_validate_file(kube_version, &path);
     let log = format!("{}{}", out.stdout, out.stderr);
     assert!(
         out.success,

@@ -180,15 +180,11 @@ pub async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart(
     let pods: Api<Pod> = Api::namespaced(w.cluster.client.clone(), &w.ns);
     let gone = w
         .cluster
-        .wait_for_within(
+        .wait_none_listed(
             "every launcher pod gone",
             Duration::from_secs(120),
-            || async {
-                pods.list(&ListParams::default().labels("kubevirt.io=virt-launcher"))
-                    .await
-                    .ok()
-                    .filter(|l| l.items.is_empty())
-            },
+            &pods,
+            &ListParams::default().labels("kubevirt.io=virt-launcher"),
         )
         .await;
     assert!(gone.is_ok(), "{gone:?}\n{}", w.diagnostics());

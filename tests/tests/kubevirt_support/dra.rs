@@ -3,7 +3,8 @@
 
 use k8s_openapi::api::resource::v1::DeviceClass;
 use kube::Api;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::DeleteParams;
+use teeguard_tests::realcluster::create_or_keep;
 
 use super::{KubeVirtWorld, remove_vmis};
 use crate::chart_support;
@@ -18,11 +19,9 @@ impl KubeVirtWorld {
             let class: DeviceClass =
                 serde_json::from_value(doc.clone()).expect("the chart's DeviceClass");
             let name = class.metadata.name.clone().unwrap_or_default();
-            match classes.create(&PostParams::default(), &class).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 409 => {}
-                Err(e) => panic!("create DeviceClass {name}: {e}"),
-            }
+            create_or_keep(&classes, &class)
+                .await
+                .unwrap_or_else(|e| panic!("create DeviceClass {name}: {e}"));
             names.push(name);
         }
         assert!(

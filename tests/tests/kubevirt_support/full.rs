@@ -3,6 +3,7 @@
 //! freed it (an outside VM stopping, a VMI deleted, a Kata pod ending) and however long it waited.
 
 use std::time::{Duration, Instant};
+use teeguard_tests::realcluster::create_or_keep;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::node::v1::RuntimeClass;
@@ -73,6 +74,21 @@ impl KubeVirtWorld {
         Some((s("status"), s("reason"), s("message")))
     }
 
+    /// The message of VMI `name`'s `Synchronized` condition, which must say its launcher pod's CREATE
+    /// failed (`False`, reason `FailedCreate`: a webhook refused it, or could not be called).
+    pub async fn failed_create(&self, name: &str) -> String {
+        let (status, reason, message) = self
+            .vmi_condition(name, "Synchronized")
+            .await
+            .unwrap_or_else(|| panic!("{name}: no Synchronized condition"));
+        assert_eq!(
+            (status.as_str(), reason.as_str()),
+            ("False", "FailedCreate"),
+            "{name}: {message}"
+        );
+        message
+    }
+
     /// Delete VMI `name` (its pod goes with it).
     pub async fn delete_vmi(&self, name: &str) {
         vmis::api(&self.cluster.client, &self.ns, "VirtualMachineInstance")
@@ -103,11 +119,9 @@ impl KubeVirtWorld {
             "overhead": {"podFixed": {"tdx.intel.com/keys": "1"}}
         }))
         .expect("RuntimeClass");
-        match rcs.create(&PostParams::default(), &rc).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 409 => {}
-            Err(e) => panic!("create RuntimeClass {KATA_TDX}: {e}"),
-        }
+        create_or_keep(&rcs, &rc)
+            .await
+            .unwrap_or_else(|e| panic!("create RuntimeClass {KATA_TDX}: {e}"));
     }
 
     /// A Kata TDX pod (its key in the overhead) on the TDX node; runs.
@@ -186,16 +200,8 @@ pub async fn full_node_vmi_waits_and_starts_when_a_key_frees() {
         "no node can host this TDX VM: {node} 0/1 free (1 held outside Kubernetes); free a key or add \
          capacity; `kubectl get teecapacities` shows free keys per node; {WILL_START}"
     );
-    let (status, reason, message) = w
-        .vmi_condition("vm-a", "Synchronized")
-        .await
-        .expect("Synchronized condition");
     assert_eq!(
-        (status.as_str(), reason.as_str()),
-        ("False", "FailedCreate")
-    );
-    assert_eq!(
-        message,
+        w.failed_create("vm-a").await,
         format!(
             "failed to create virtual machine pod: admission webhook \"kv-full.validate.pods.teeguard.dev\" \
              denied the request: {refusal}"

@@ -9,7 +9,6 @@
 #![allow(dead_code)]
 
 use kube::ResourceExt;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,7 +28,7 @@ use teeguard_tests::kubevirt::{self, KubeVirt, vmis};
 use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime};
 use teeguard_tests::patch::MergePatch;
 use teeguard_tests::prom::Scrape;
-use teeguard_tests::realcluster::Cluster;
+use teeguard_tests::realcluster::{Cluster, advertise_kubevirt_devices};
 
 use crate::chart_support;
 
@@ -38,13 +37,6 @@ use crate::chart_support;
 pub const RUN_DEADLINE: Duration = Duration::from_secs(120);
 /// The agents' poll interval.
 pub const POLL: Duration = Duration::from_millis(250);
-
-/// The device-plugin resources virt-handler advertises on every KubeVirt node.
-const KUBEVIRT_DEVICES: [&str; 3] = [
-    "devices.kubevirt.io/kvm",
-    "devices.kubevirt.io/tun",
-    "devices.kubevirt.io/vhost-net",
-];
 
 /// Every TEE label virt-handler may put on a node (removed first: the node may have been the other kind
 /// in an earlier test of the binary).
@@ -609,31 +601,13 @@ async fn label_node(cluster: &Cluster, turn: &NodeTurn, tee: Tee, keys: u64) {
         .merge_patch(&turn.name, json!({"metadata": {"labels": labels}}))
         .await
         .expect("label the Node");
-    let mut devices: BTreeMap<String, Value> = KUBEVIRT_DEVICES
-        .iter()
-        .map(|d| ((*d).to_string(), json!("1k")))
-        .collect();
-    let (own, other) = if tee == Tee::Tdx {
-        ("devices.kubevirt.io/tdx", "devices.kubevirt.io/sev")
+    let (tdx, sev) = ("devices.kubevirt.io/tdx", "devices.kubevirt.io/sev");
+    let devices = if tee == Tee::Tdx {
+        [(tdx, json!(keys.to_string())), (sev, Value::Null)]
     } else {
-        ("devices.kubevirt.io/sev", "devices.kubevirt.io/tdx")
+        [(sev, json!("1k")), (tdx, Value::Null)]
     };
-    devices.insert(
-        own.into(),
-        json!(if tee == Tee::Tdx {
-            keys.to_string()
-        } else {
-            "1k".into()
-        }),
-    );
-    devices.insert(other.into(), Value::Null);
-    nodes
-        .merge_patch_status(
-            &turn.name,
-            json!({"status": {"capacity": devices, "allocatable": devices}}),
-        )
-        .await
-        .expect("advertise KubeVirt's devices");
+    advertise_kubevirt_devices(&cluster.client, &turn.name, &devices).await;
 }
 
 /// Import the stand-in KubeVirt images into the node's runtime, once per node.
@@ -669,20 +643,15 @@ async fn remove_kubevirt_objects(cluster: &Cluster) {
                 .delete(&name, &DeleteParams::default())
                 .await;
         }
-        let gone = cluster
-            .wait_for_within(
+        cluster
+            .wait_none_listed(
                 &format!("every {kind} of earlier tests gone"),
                 Duration::from_secs(120),
-                || async {
-                    all.list(&ListParams::default())
-                        .await
-                        .ok()
-                        .filter(|l| l.items.is_empty())
-                        .map(|_| ())
-                },
+                &all,
+                &ListParams::default(),
             )
-            .await;
-        gone.unwrap_or_else(|e| panic!("{e}"));
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 }
 
@@ -771,16 +740,11 @@ pub(crate) async fn remove_vmis(cluster: &Cluster, ns: &str) {
         .delete_collection(&DeleteParams::default(), &ListParams::default())
         .await;
     let gone = cluster
-        .wait_for_within(
+        .wait_none_listed(
             &format!("the VMIs of {ns} gone"),
             Duration::from_secs(180),
-            || async {
-                api.list(&ListParams::default())
-                    .await
-                    .ok()
-                    .filter(|l| l.items.is_empty())
-                    .map(|_| ())
-            },
+            &api,
+            &ListParams::default(),
         )
         .await;
     if let Err(e) = gone {

@@ -40,6 +40,64 @@ pub fn compute_request(pod: &Pod, resource: &str) -> Option<String> {
         .map(|q| q.0.clone())
 }
 
+/// `got` (each container's `misc.max` as handed to runc, `-` for none) has `line` on `compute` and
+/// nothing on any other container.
+pub fn assert_only_compute_limited(got: &BTreeMap<String, String>, line: &str, what: &str) {
+    let want: BTreeMap<String, String> = got
+        .keys()
+        .map(|c| {
+            let l = if c == "compute" { line } else { "-" };
+            (c.clone(), l.to_string())
+        })
+        .collect();
+    assert!(got.contains_key("compute"), "{what}: {got:?}");
+    assert_eq!(got, &want, "{what}: misc.max per container handed to runc");
+}
+
+/// A VMI of each kind (`vmi-<kind>`, of `size`), created together; each launcher pod, once running,
+/// with its VMI's name, kind and node, after checking that it runs on the node of its kind with one
+/// key requested on `compute` (teeguard's patch).
+pub async fn one_of_each_kind_running(
+    w: &KubeVirtWorld,
+    size: Size,
+) -> Vec<(String, Tee, &TeeNode, Pod)> {
+    let kinds = [Tee::Tdx, Tee::Snp, Tee::SevEs, Tee::Sev];
+    for tee in kinds {
+        w.create_vmi(&format!("vmi-{}", tee.slug()), tee, size)
+            .await;
+    }
+    let mut running = Vec::new();
+    for tee in kinds {
+        let name = format!("vmi-{}", tee.slug());
+        let pod = w.wait_running(&name).await;
+        let node = w.node_for(tee);
+        assert_eq!(
+            pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+            Some(node.name()),
+            "{name} ran on the node of its kind"
+        );
+        assert_eq!(
+            compute_request(&pod, key_of(tee).0).as_deref(),
+            Some("1"),
+            "{name}: teeguard added one key to compute"
+        );
+        running.push((name, tee, node, pod));
+    }
+    running
+}
+
+/// Wait until `node`'s report counts the pod of VMI `name`.
+pub async fn wait_counted(w: &KubeVirtWorld, node: &TeeNode, name: &str, pod: &Pod) {
+    let uid = pod.metadata.uid.clone().expect("uid");
+    w.wait_report(
+        node,
+        &format!("counts {name}'s pod"),
+        Duration::from_secs(30),
+        |r| r.counted_pods.contains(&uid),
+    )
+    .await;
+}
+
 /// Scenario 1 (extended resources): a TDX, an SNP, an SEV-ES and a plain SEV VMI each become
 /// virt-controller's launcher pod, get their key request from teeguard, are placed on the node of their
 /// kind and started there with `misc.max` of one key on `compute` only; each node's report counts its
@@ -48,30 +106,10 @@ pub async fn each_kind_runs_limited_on_its_node() {
     let Some(w) = KubeVirtWorld::start("kv-each-kind", Options::keys(2, 2)).await else {
         return;
     };
-    let kinds = [Tee::Tdx, Tee::Snp, Tee::SevEs, Tee::Sev];
-    for tee in kinds {
-        w.create_vmi(&format!("vmi-{}", tee.slug()), tee, Size::SAMPLE)
-            .await;
-    }
-    for tee in kinds {
-        let name = format!("vmi-{}", tee.slug());
-        let pod = w.wait_running(&name).await;
-        let node: &TeeNode = w.node_for(tee);
-        let spec = pod.spec.as_ref().expect("spec");
-        assert_eq!(
-            spec.node_name.as_deref(),
-            Some(node.name()),
-            "{name} ran on the node of its kind"
-        );
-        let (resource, line) = key_of(tee);
-        assert_eq!(
-            compute_request(&pod, resource).as_deref(),
-            Some("1"),
-            "{name}: teeguard added one key to compute"
-        );
+    for (name, tee, node, pod) in one_of_each_kind_running(&w, Size::SAMPLE).await {
         let got = limits(&w.records(node, &pod).await);
         let want: BTreeMap<String, String> = [
-            ("compute", line),
+            ("compute", key_of(tee).1),
             ("guest-console-log", "-"),
             ("volumecontainerdisk", "-"),
         ]
@@ -82,14 +120,7 @@ pub async fn each_kind_runs_limited_on_its_node() {
             got, want,
             "{name}: misc.max per container as containerd handed it to runc"
         );
-        let uid = pod.metadata.uid.clone().expect("uid");
-        w.wait_report(
-            node,
-            &format!("counts {name}'s pod"),
-            Duration::from_secs(30),
-            |r| r.counted_pods.contains(&uid),
-        )
-        .await;
+        wait_counted(&w, node, &name, &pod).await;
     }
 }
 
@@ -263,17 +294,7 @@ pub async fn runs_with_the_overhead_key_only(w: &KubeVirtWorld, name: &str) {
         Some("tdx 1")
     );
     let got = limits(&w.records(&w.tdx, &pod).await);
-    assert_eq!(
-        got.get("compute").map(String::as_str),
-        Some("tdx 1"),
-        "{got:?}"
-    );
-    assert!(
-        got.iter()
-            .filter(|(c, _)| *c != "compute")
-            .all(|(_, l)| l == "-"),
-        "{got:?}"
-    );
+    assert_only_compute_limited(&got, "tdx 1", "the VM");
     let uid = pod.metadata.uid.clone().expect("uid");
     let report = w
         .wait_report(&w.tdx, "counts the pod", Duration::from_secs(30), |r| {
@@ -326,17 +347,7 @@ pub async fn each_kind_runs_with_a_dra_allocated_key() {
         );
         let (_, line) = key_of(tee);
         let got = limits(&w.records(node, &pod).await);
-        assert_eq!(
-            got.get("compute").map(String::as_str),
-            Some(line),
-            "{name}: {got:?}"
-        );
-        assert!(
-            got.iter()
-                .filter(|(c, _)| *c != "compute")
-                .all(|(_, l)| l == "-"),
-            "{got:?}"
-        );
+        assert_only_compute_limited(&got, line, &name);
     }
     w.end_dra(&classes).await;
 }

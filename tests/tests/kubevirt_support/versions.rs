@@ -4,16 +4,16 @@
 //! QGS annotation, only the `kubevirt.io/tdx` node selector; `volumecontainerdisk` is a second container
 //! beside `compute`, with two init containers more).
 
-use std::collections::BTreeMap;
-use std::time::Duration;
-
 use teeguard_tests::fixtures::{DEFAULT_NAMESPACE, Tee};
 use teeguard_tests::kubevirt::vmis::Size;
 use teeguard_tests::kubevirt::{self, KubeVirt, Version, rendered};
 use teeguard_tests::realcluster::Cluster;
 
 use super::full::{KATA_TDX, WILL_START};
-use super::scenarios::{compute_request, key_of, limits};
+use super::scenarios::{
+    assert_only_compute_limited, compute_request, key_of, limits, one_of_each_kind_running,
+    wait_counted,
+};
 use super::{KubeVirtWorld, Options};
 
 /// Step 1 of [`older_release_renders_runs_limited_refuses_and_starts`] alone: `version`'s own code
@@ -56,23 +56,9 @@ pub async fn older_release_renders_runs_limited_refuses_and_starts(version: Vers
     };
 
     // 2. Each kind, limited on compute only.
-    let kinds = [Tee::Tdx, Tee::Snp, Tee::SevEs, Tee::Sev];
-    for tee in kinds {
-        w.create_vmi(&format!("vmi-{}", tee.slug()), tee, Size::SMALL)
-            .await;
-    }
-    for tee in kinds {
-        let name = format!("vmi-{}", tee.slug());
-        let pod = w.wait_running(&name).await;
-        let node = w.node_for(tee);
+    for (name, tee, node, pod) in one_of_each_kind_running(&w, Size::SMALL).await {
         let spec = pod.spec.as_ref().expect("spec");
-        assert_eq!(spec.node_name.as_deref(), Some(node.name()), "{name}");
-        let (resource, line) = key_of(tee);
-        assert_eq!(
-            compute_request(&pod, resource).as_deref(),
-            Some("1"),
-            "{name}: teeguard added one key to compute"
-        );
+        let line = key_of(tee).1;
         assert_eq!(
             compute_request(&pod, "devices.kubevirt.io/tdx"),
             None,
@@ -85,36 +71,15 @@ pub async fn older_release_renders_runs_limited_refuses_and_starts(version: Vers
             "{name}: KubeVirt {version}'s containers"
         );
         let got = limits(&w.records(node, &pod).await);
-        let want: BTreeMap<String, String> = got
-            .keys()
-            .map(|c| {
-                let l = if c == "compute" { line } else { "-" };
-                (c.clone(), l.to_string())
-            })
-            .collect();
-        assert!(
-            got.contains_key("compute") && got.contains_key("volumecontainerdisk"),
-            "{name}: {got:?}"
-        );
-        assert_eq!(got, want, "{name}: misc.max per container handed to runc");
-        let uid = pod.metadata.uid.clone().expect("uid");
-        w.wait_report(
-            node,
-            &format!("counts {name}'s pod"),
-            Duration::from_secs(30),
-            |r| r.counted_pods.contains(&uid),
-        )
-        .await;
+        assert!(got.contains_key("volumecontainerdisk"), "{name}: {got:?}");
+        assert_only_compute_limited(&got, line, &name);
+        wait_counted(&w, node, &name, &pod).await;
     }
 
     // 3. The TDX node is full: refused with the message, started by itself once a key frees.
     w.create_vmi("vmi-tdx-next", Tee::Tdx, Size::SMALL).await;
     w.wait_refused("vmi-tdx-next", 1).await;
-    let (_, reason, message) = w
-        .vmi_condition("vmi-tdx-next", "Synchronized")
-        .await
-        .expect("Synchronized condition");
-    assert_eq!(reason, "FailedCreate");
+    let message = w.failed_create("vmi-tdx-next").await;
     assert!(
         message.contains(&format!("{} 0/1 free", w.tdx.name())) && message.ends_with(WILL_START),
         "teeguard's refusal: {message}"

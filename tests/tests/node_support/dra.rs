@@ -5,22 +5,21 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
-use serde_json::json;
+use kube::api::{ListParams, PostParams};
+use serde_json::{Value, json};
 use teeguard_shared::TeeCapacity;
 use teeguard_tests::fixtures::Tee;
 use teeguard_tests::node::pods;
-use teeguard_tests::patch::MergePatch;
 use teeguard_tests::prom::Scrape;
 
 use super::scenarios::DEADLINE;
 use super::scenarios::limits;
 use super::{NodeWorld, Options, unguarded_namespace};
 use teeguard_tests::node::Runtime;
-use teeguard_tests::realcluster::{Cluster, within};
+use teeguard_tests::realcluster::{Cluster, advertise, create_or_keep, within};
 
 /// The TDX key resource.
 pub const TDX_KEYS: &str = "tdx.intel.com/keys";
@@ -75,13 +74,12 @@ pub async fn end(w: &NodeWorld) {
     }
     let gone = w
         .cluster
-        .wait_for_within("the node's pods gone", Duration::from_secs(120), || async {
-            pods.list(&on_node)
-                .await
-                .ok()
-                .filter(|l| l.items.is_empty())
-                .map(|_| ())
-        })
+        .wait_none_listed(
+            "the node's pods gone",
+            Duration::from_secs(120),
+            &pods,
+            &on_node,
+        )
         .await;
     if let Err(e) = gone {
         panic!("{e}\n{}", w.diagnostics());
@@ -98,11 +96,9 @@ pub async fn ensure_device_class(cluster: &Cluster) {
     .expect("the chart's DeviceClass");
     let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> =
         Api::all(cluster.client.clone());
-    match classes.create(&PostParams::default(), &class).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(e) => panic!("create DeviceClass: {e}"),
-    }
+    create_or_keep(&classes, &class)
+        .await
+        .unwrap_or_else(|e| panic!("create DeviceClass: {e}"));
 }
 
 /// The devices of teeguard's slices for this node, sorted.
@@ -379,11 +375,7 @@ pub async fn own_claim_limited_by_its_allocation(w: &mut NodeWorld) {
             name: "tee".into(),
             request: None,
         }]);
-    let pod = w
-        .create(&pod)
-        .await
-        .unwrap_or_else(|e| panic!("pod refused: {e}\n{}", w.diagnostics()));
-    let pod = w.wait_running(&pod).await;
+    let pod = w.run(&pod).await;
     let claim_name = pod
         .status
         .as_ref()
@@ -487,11 +479,7 @@ pub async fn outside_key_withheld(w: &mut NodeWorld) {
     wait_published(w, 1, Duration::from_secs(10)).await;
     wait_tdx_devices(w, (1, 0, 1)).await;
     let ns = unguarded_namespace(&w.cluster, "dra-outside").await;
-    let first = w
-        .create(&key_pod(w, &ns, "first", "1"))
-        .await
-        .expect("first");
-    w.wait_running(&first).await;
+    w.run(&key_pod(w, &ns, "first", "1")).await;
     let second = w
         .create(&key_pod(w, &ns, "second", "1"))
         .await
@@ -515,11 +503,9 @@ pub async fn kata_and_launcher_share_the_pool(w: &mut NodeWorld) {
         "metadata": {"name": "kata-qemu-tdx"}, "handler": "runc"
     }))
     .expect("RuntimeClass");
-    match rcs.create(&PostParams::default(), &rc).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(e) => panic!("create RuntimeClass: {e}"),
-    }
+    create_or_keep(&rcs, &rc)
+        .await
+        .unwrap_or_else(|e| panic!("create RuntimeClass: {e}"));
     let mut kata = pods::plain(&w.ns, "kata", &[("app", &[])], &w.selector());
     kata.spec.as_mut().expect("spec").runtime_class_name = Some("kata-qemu-tdx".into());
     let kata = w
@@ -558,11 +544,7 @@ pub async fn restarts(w: &mut NodeWorld) {
     wait_published(w, 2, Duration::from_secs(20)).await;
     wait_driver_ready(w).await;
     let ns = unguarded_namespace(&w.cluster, "dra-restarts").await;
-    let first = w
-        .create(&key_pod(w, &ns, "first", "1"))
-        .await
-        .expect("first");
-    let first = w.wait_running(&first).await;
+    let first = w.run(&key_pod(w, &ns, "first", "1")).await;
     let first_device = claim_devices(&claim_of(w, &first).await);
     wait_tdx_devices(w, (2, 1, 0)).await;
 
@@ -601,11 +583,7 @@ pub async fn restarts(w: &mut NodeWorld) {
 
     w.restart_agent().await;
     wait_tdx_devices(w, (2, 1, 0)).await;
-    let second = w
-        .create(&key_pod(w, &ns, "second", "1"))
-        .await
-        .expect("second");
-    let second = w.wait_running(&second).await;
+    let second = w.run(&key_pod(w, &ns, "second", "1")).await;
     let second_device = claim_devices(&claim_of(w, &second).await);
     assert_ne!(first_device, second_device, "no double allocation");
     wait_tdx_devices(w, (2, 2, 0)).await;
@@ -615,12 +593,7 @@ pub async fn restarts(w: &mut NodeWorld) {
 /// condition says DRA is bypassed on this node, and the metric too.
 pub async fn bypassed(w: &mut NodeWorld) {
     wait_published(w, 2, Duration::from_secs(20)).await;
-    let nodes: Api<Node> = Api::all(w.cluster.client.clone());
-    nodes
-        .merge_patch_status(
-            &w.turn.name,
-            json!({"status": {"capacity": {TDX_KEYS: "2"}, "allocatable": {TDX_KEYS: "2"}}}),
-        )
+    advertise(&w.cluster.client, &w.turn.name, &[(TDX_KEYS, json!("2"))])
         .await
         .expect("another writer advertises the key");
     let got = wait_condition_true(w, "DraBypassed", Duration::from_secs(15)).await;
@@ -631,18 +604,7 @@ pub async fn bypassed(w: &mut NodeWorld) {
         metrics.contains("teeguard_agent_dra_bypassed{kind=\"tdx\"} 1"),
         "{metrics}"
     );
-    nodes
-        .patch_status(
-            &w.turn.name,
-            &PatchParams::default(),
-            &Patch::Json::<()>(
-                serde_json::from_value(json!([
-                    {"op": "remove", "path": "/status/capacity/tdx.intel.com~1keys"},
-                    {"op": "remove", "path": "/status/allocatable/tdx.intel.com~1keys"}
-                ]))
-                .expect("patch"),
-            ),
-        )
+    advertise(&w.cluster.client, &w.turn.name, &[(TDX_KEYS, Value::Null)])
         .await
         .expect("the writer stops");
 
@@ -684,11 +646,7 @@ pub async fn switch_and_back(w: &mut NodeWorld) {
     w.wait_allocatable(TDX_KEYS, "2", Duration::from_secs(20))
         .await;
     let ns = unguarded_namespace(&w.cluster, "dra-switch").await;
-    let before = w
-        .create(&key_pod(w, &ns, "before", "1"))
-        .await
-        .expect("before");
-    let before = w.wait_running(&before).await;
+    let before = w.run(&key_pod(w, &ns, "before", "1")).await;
     assert!(
         before
             .status
@@ -715,11 +673,7 @@ pub async fn switch_and_back(w: &mut NodeWorld) {
     w.turn.restart_kubelet().await.expect("kubelet restarted");
     wait_driver_ready(w).await;
     wait_published(w, 1, Duration::from_secs(30)).await;
-    let after = w
-        .create(&key_pod(w, &ns, "after", "1"))
-        .await
-        .expect("after");
-    let after = w.wait_running(&after).await;
+    let after = w.run(&key_pod(w, &ns, "after", "1")).await;
     assert_eq!(claim_devices(&claim_of(w, &after).await).len(), 1);
     let now = w.pods_in(&ns).get("before").await.expect("before");
     still_running(&now).unwrap_or_else(|e| {

@@ -228,6 +228,26 @@ async fn assert_no_harm(w: &NodeWorld, fault: &str, calm: Duration, streamed: &[
 
 /// A TDX VM that ran before the plugin came back ends up with `tdx 1` on its running `compute`
 /// container: in the OCI config at creation, or asked of runc through `Synchronize`.
+/// After a `fault` the runtime must not have waited for the plugin in (it was gone, or the runtime
+/// itself was): no pod harmed ([`assert_no_harm`] with `calm`), no plugin timeout in the runtime's log
+/// since `since`, and the VM started before still limited to its key.
+async fn assert_unharmed_without_a_wait(
+    w: &NodeWorld,
+    fault: &str,
+    calm: Duration,
+    streamed: &[Streamed],
+    since: usize,
+    vm: &Pod,
+) {
+    assert_no_harm(w, fault, calm, streamed).await;
+    assert_eq!(
+        timeouts(&runtime_log_since(w, since)),
+        0,
+        "{fault}: the runtime never waits for the plugin"
+    );
+    assert_vm_limited(w, fault, vm).await;
+}
+
 async fn assert_vm_limited(w: &NodeWorld, fault: &str, vm: &Pod) {
     let vm = w.wait_running(vm).await;
     let records = w.records(&vm).await;
@@ -359,13 +379,7 @@ pub async fn agent_killed(runtime: Runtime) {
     w.restart_agent().await;
     tokio::time::sleep(EVERY * 3).await;
     let streamed = stream.finish(&w).await;
-    assert_no_harm(&w, "agent killed", calm, &streamed).await;
-    assert_eq!(
-        timeouts(&runtime_log_since(&w, since)),
-        0,
-        "a killed plugin is never waited for"
-    );
-    assert_vm_limited(&w, "agent killed", &vm).await;
+    assert_unharmed_without_a_wait(&w, "agent killed", calm, &streamed, since, &vm).await;
 }
 
 /// The runtime restarted while containers are created: the agent registers again within 2 s of the
@@ -403,13 +417,8 @@ pub async fn runtime_restarted(runtime: Runtime) {
     tokio::time::sleep(EVERY * 3).await;
     let streamed = stream.finish(&w).await;
     // Pods wait for the runtime while it is down (not teeguard's doing): only their running counts.
-    assert_no_harm(&w, "runtime restarted", RUN_DEADLINE, &streamed).await;
-    assert_eq!(
-        timeouts(&runtime_log_since(&w, since)),
-        0,
-        "no wait for the plugin"
-    );
-    assert_vm_limited(&w, "runtime restarted", &vm).await;
+    assert_unharmed_without_a_wait(&w, "runtime restarted", RUN_DEADLINE, &streamed, since, &vm)
+        .await;
 }
 
 /// The Node's allocatable `resource` in every version of the Node the API server stores from now
@@ -482,13 +491,8 @@ pub async fn kubelet_restarted(runtime: Runtime) {
         "the Node's {TDX_KEYS} in each version stored across the kubelet's restart: {seen:?}"
     );
     // Pods wait for the kubelet while it is down (not teeguard's doing): only their running counts.
-    assert_no_harm(&w, "kubelet restarted", RUN_DEADLINE, &streamed).await;
-    assert_eq!(
-        timeouts(&runtime_log_since(&w, since)),
-        0,
-        "no wait for the plugin"
-    );
-    assert_vm_limited(&w, "kubelet restarted", &vm).await;
+    assert_unharmed_without_a_wait(&w, "kubelet restarted", RUN_DEADLINE, &streamed, since, &vm)
+        .await;
 }
 
 /// The Node deleted and registered again by the kubelet (restarted, as after a reboot): the agent

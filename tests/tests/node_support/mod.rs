@@ -24,7 +24,7 @@ use teeguard_tests::fixtures::Tee;
 use teeguard_tests::host::{SEV_ES, SimHost, TDX};
 use teeguard_tests::node::{NodeTurn, RealNode, Recorded, Runtime, pods};
 use teeguard_tests::patch::MergePatch;
-use teeguard_tests::realcluster::{Cluster, TEST_LABEL, event_line};
+use teeguard_tests::realcluster::{Cluster, TEST_LABEL, advertise_kubevirt_devices, event_line};
 
 use crate::chart_support;
 
@@ -32,16 +32,6 @@ use crate::chart_support;
 pub const RUN_DEADLINE: Duration = Duration::from_secs(60);
 /// The agent's poll interval in these tests.
 pub const POLL: Duration = Duration::from_millis(250);
-
-/// The KubeVirt device-plugin resources a virt-launcher pod requests; virt-handler's device plugins
-/// make the kubelet advertise them, here the world does.
-const KUBEVIRT_DEVICES: [&str; 5] = [
-    "devices.kubevirt.io/kvm",
-    "devices.kubevirt.io/tun",
-    "devices.kubevirt.io/vhost-net",
-    "devices.kubevirt.io/tdx",
-    "devices.kubevirt.io/sev",
-];
 
 /// The cgroup tree the agent reads.
 #[derive(Clone, Copy, Debug)]
@@ -200,12 +190,9 @@ impl NodeWorld {
             balance(std::sync::Arc::new(std::sync::Mutex::new(backends))).await
         };
         let rendered = chart_support::render("default", options.chart_args);
+        let ca = env.ca.ca_bundle_base64();
         cluster
-            .register_webhooks(test, &rendered, address, &env.ca.ca_bundle_base64())
-            .await
-            .expect("webhooks registered");
-        cluster
-            .wait_webhooks_called(&ns)
+            .serve_webhooks(test, &ns, &rendered, address, &ca)
             .await
             .expect("the API server calls the webhooks");
         Some(NodeWorld {
@@ -293,6 +280,85 @@ impl NodeWorld {
     pub async fn create(&self, pod: &Pod) -> kube::Result<Pod> {
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         self.pods_in(&ns).create(&PostParams::default(), pod).await
+    }
+
+    /// Create `pod` and wait until it runs with every container started (a refusal panics, with the
+    /// world's diagnostics).
+    pub async fn run(&self, pod: &Pod) -> Pod {
+        let created = self
+            .create(pod)
+            .await
+            .unwrap_or_else(|e| panic!("pod refused: {e}\n{}", self.diagnostics()));
+        self.wait_running(&created).await
+    }
+
+    /// Run `pod` as a static pod (a manifest in the kubelet's `staticPodPath`): its mirror pod, once
+    /// it runs with every container started. [`NodeWorld::remove_static_pod`] ends it.
+    pub async fn run_static_pod(&self, pod: &Pod) -> Pod {
+        let (ns, name) = ns_name(pod);
+        let manifest = self.turn.static_pod_path().join(format!("{name}.json"));
+        std::fs::write(
+            &manifest,
+            serde_json::to_vec(pod).expect("a pod serialises"),
+        )
+        .unwrap_or_else(|e| panic!("write {}: {e}", manifest.display()));
+        let mirror_name = format!("{name}-{}", self.turn.name);
+        let mirror = self
+            .cluster
+            .wait_for_within(
+                &format!("the mirror pod {ns}/{mirror_name}"),
+                RUN_DEADLINE,
+                || async { self.pods_in(&ns).get_opt(&mirror_name).await.ok()? },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", self.diagnostics()));
+        self.wait_running(&mirror).await
+    }
+
+    /// Remove the manifest of the static pod whose mirror pod is `mirror`, and wait until the
+    /// runtime runs none of its containers (a runtime stopping containers answers the agent's next
+    /// `Synchronize` only after them).
+    pub async fn remove_static_pod(&self, mirror: &Pod) {
+        let name = mirror.metadata.name.as_deref().expect("name");
+        let static_name = name
+            .strip_suffix(&format!("-{}", self.turn.name))
+            .expect("a mirror pod's name ends with its node's");
+        let manifest = self
+            .turn
+            .static_pod_path()
+            .join(format!("{static_name}.json"));
+        std::fs::remove_file(&manifest)
+            .unwrap_or_else(|e| panic!("remove {}: {e}", manifest.display()));
+        let uid = pods::runtime_uid(mirror).expect("uid");
+        let label = format!("io.kubernetes.pod.uid={uid}");
+        self.cluster
+            .wait_for_within(
+                &format!("{name}'s containers stopped"),
+                RUN_DEADLINE,
+                || async {
+                    let running = self.turn.crictl(&["ps", "-q", "--label", &label]).ok()?;
+                    running.trim().is_empty().then_some(())
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", self.diagnostics()));
+    }
+
+    /// The message of the first Event with `reason` about `ns/name`, waited for (a timeout panics
+    /// with the world's diagnostics), which must say each of `says`.
+    pub async fn event_message(&self, ns: &str, name: &str, reason: &str, says: &[&str]) -> String {
+        let message = self
+            .cluster
+            .wait_event(ns, name, reason)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", self.diagnostics()))
+            .message
+            .unwrap_or_default();
+        assert!(
+            says.iter().all(|s| message.contains(s)),
+            "{reason}: {message}"
+        );
+        message
     }
 
     /// Wait until the pod is Running with every container started; panics with its events, the
@@ -429,17 +495,17 @@ pub async fn prepare_node(cluster: &Cluster, turn: &NodeTurn, test: &str) {
         .merge_patch(&turn.name, json!({"metadata": {"labels": labels}}))
         .await
         .expect("label the Node");
-    let devices: serde_json::Map<String, serde_json::Value> = KUBEVIRT_DEVICES
-        .iter()
-        .map(|d| ((*d).into(), json!("1k")))
-        .collect();
-    nodes
-        .merge_patch_status(
-            &turn.name,
-            json!({"status": {"capacity": devices, "allocatable": devices}}),
-        )
-        .await
-        .expect("advertise KubeVirt's devices");
+    // The KubeVirt device-plugin resources a virt-launcher pod requests: virt-handler's device
+    // plugins make the kubelet advertise them, here the world does.
+    advertise_kubevirt_devices(
+        &cluster.client,
+        &turn.name,
+        &[
+            ("devices.kubevirt.io/tdx", json!("1k")),
+            ("devices.kubevirt.io/sev", json!("1k")),
+        ],
+    )
+    .await;
 }
 
 /// Wait until the agent logs its registration with the runtime's NRI.

@@ -127,8 +127,7 @@ pub async fn launchers(runtime: Runtime) {
         .annotations
         .get_or_insert_default()
         .insert(ANNOTATION.into(), "tdx 2".into());
-    let pod = w.create(&pod).await.expect("created");
-    let pod = w.wait_running(&pod).await;
+    let pod = w.run(&pod).await;
     assert_eq!(
         limits(&w.records(&pod).await),
         expected(&[("compute", "tdx 1")]),
@@ -139,22 +138,13 @@ pub async fn launchers(runtime: Runtime) {
         metrics.contains("teeguard_agent_limit_mismatches_total{mechanism=\"nri\"} 1"),
         "{metrics}"
     );
-    let event = w
-        .cluster
-        .wait_for("the TEEKeyLimitMismatch Event", || async {
-            w.cluster
-                .events_about(&ns, "mismatch")
-                .await
-                .into_iter()
-                .find(|e| e.reason.as_deref() == Some("TEEKeyLimitMismatch"))
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
-    let message = event.message.unwrap_or_default();
-    assert!(
-        message.contains("container compute") && message.contains("misc.max tdx 1 applied"),
-        "{message}"
-    );
+    w.event_message(
+        &ns,
+        "mismatch",
+        "TEEKeyLimitMismatch",
+        &["container compute", "misc.max tdx 1 applied"],
+    )
+    .await;
 }
 
 /// Scenario 3: the agent on the machine's own cgroup tree (cgroup v1, no misc controller) with strict
@@ -257,16 +247,13 @@ pub async fn synchronize(runtime: Runtime) {
     // Updates an earlier test on this node asked for are not this test's.
     let since = std::time::SystemTime::now();
     w.restart_agent().await;
-    let update = w
-        .cluster
-        .wait_for("runc asked to update compute's misc.max", || async {
-            w.turn
-                .updates()
-                .into_iter()
-                .find(|u| u.container_id == compute && u.exit_code.is_some())
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+    let update = runc_update(
+        &w,
+        &compute,
+        "runc asked to update compute's misc.max",
+        |u| u.exit_code.is_some(),
+    )
+    .await;
     assert_eq!(update.misc_max(), Some("tdx 1"), "{update:?}");
     let others: Vec<_> = w
         .turn
@@ -408,15 +395,10 @@ pub async fn created_while_away_started_after(runtime: Runtime) {
         Runtime::Crio => {
             // CRI-O ran `runc create` at the creation, and updates the created container itself.
             w.restart_agent().await;
-            w.cluster
-                .wait_for("CRI-O's runc update of the created compute", || async {
-                    w.turn
-                        .updates()
-                        .into_iter()
-                        .find(|u| u.container_id == id && u.exit_code.is_some())
-                })
-                .await
-                .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
+            runc_update(&w, &id, "CRI-O's runc update of the created compute", |u| {
+                u.exit_code.is_some()
+            })
+            .await;
             let since = std::time::SystemTime::now();
             crictl(&w, &["start", &id]);
             since
@@ -494,8 +476,7 @@ pub async fn strict(runtime: Runtime) {
     let (mut zeroed, mut born_exempt) = (Vec::new(), Vec::new());
     for (pod, want) in [(plain, "tdx 0"), (labelled, "-"), (in_exempt_ns, "-")] {
         let name = pod.metadata.name.clone().unwrap_or_default();
-        let created = w.create(&pod).await.expect("created");
-        let running = w.wait_running(&created).await;
+        let running = w.run(&pod).await;
         let records = w.records(&running).await;
         assert_eq!(
             limits(&records),
@@ -511,6 +492,22 @@ pub async fn strict(runtime: Runtime) {
             _ => {}
         }
     }
+    // A static pod (a manifest in the kubelet's staticPodPath) runs under its configuration hash, not
+    // its mirror pod's UID: zeroed as any other pod.
+    let static_ns = w
+        .cluster
+        .namespace(&w.test, "strict-static", &[])
+        .await
+        .expect("namespace");
+    let mirror = w
+        .run_static_pod(&pods::plain(&static_ns, "static", &two, &[]))
+        .await;
+    assert_eq!(
+        limits(&w.records(&mirror).await),
+        expected(&[("main", "tdx 0"), ("sidecar", "tdx 0")]),
+        "the static pod"
+    );
+    w.remove_static_pod(&mirror).await;
     let vm = w.create_vm("tdx-vm", Tee::Tdx).await.expect("admitted");
     let vm = w.wait_running(&vm).await;
     assert_eq!(
@@ -533,9 +530,7 @@ pub async fn strict(runtime: Runtime) {
         .await
         .expect("namespace");
     let away = pods::plain(&away_ns, "zeroed-away", &two, &w.selector());
-    let away = w
-        .wait_running(&w.create(&away).await.expect("created"))
-        .await;
+    let away = w.run(&away).await;
     let away: Vec<_> = w
         .records(&away)
         .await
@@ -586,16 +581,24 @@ pub async fn strict(runtime: Runtime) {
 
 /// The runtime's request to runc to update `container` to `misc.max` `to`, once it comes.
 async fn runc_updated(w: &NodeWorld, container: &Recorded, to: &str) -> RecordedUpdate {
+    let what = format!("runc asked to update {} to {to}", container.container);
+    runc_update(w, &container.id, &what, |u| u.misc_max() == Some(to)).await
+}
+
+/// The first update runc was asked for (`what`) of container `id` that `matches`, once there is one.
+async fn runc_update(
+    w: &NodeWorld,
+    id: &str,
+    what: &str,
+    matches: impl Fn(&RecordedUpdate) -> bool,
+) -> RecordedUpdate {
     w.cluster
-        .wait_for(
-            &format!("runc asked to update {} to {to}", container.container),
-            || async {
-                w.turn
-                    .updates()
-                    .into_iter()
-                    .find(|u| u.container_id == container.id && u.misc_max() == Some(to))
-            },
-        )
+        .wait_for(what, || async {
+            w.turn
+                .updates()
+                .into_iter()
+                .find(|u| u.container_id == id && matches(u))
+        })
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()))
 }
@@ -620,23 +623,11 @@ pub async fn kubelet_admission(runtime: Runtime) {
         &w.selector(),
     );
     w.create(&greedy).await.expect("created");
-    let event = w
-        .cluster
-        .wait_for("FailedScheduling for five-keys", || async {
-            w.cluster
-                .events_about(&w.ns, "five-keys")
-                .await
-                .into_iter()
-                .find(|e| e.reason.as_deref() == Some("FailedScheduling"))
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", w.diagnostics()));
-    let message = event.message.unwrap_or_default();
+    let insufficient = format!("Insufficient {TDX_KEYS}");
+    let message = w
+        .event_message(&w.ns, "five-keys", "FailedScheduling", &[&insufficient])
+        .await;
     eprintln!("{}: the scheduler said: {message}", runtime.name());
-    assert!(
-        message.contains(&format!("Insufficient {TDX_KEYS}")),
-        "{message}"
-    );
 
     let ns = unguarded_namespace(&w.cluster, "admission-unguarded").await;
     let mut bound = pods::plain(&ns, "bound-five-keys", &[("main", &[(TDX_KEYS, "5")])], &[]);
