@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use teeguard_tests::e2e::{AgentProcess, E2eEnv, NODE, World, json_log_line};
 use teeguard_tests::fakeapi::Verb;
-use teeguard_tests::fixtures::{self, TDX_KEYS, Tee, VirtLauncherPod};
+use teeguard_tests::fixtures::{self, SNP_ESIDS, TDX_KEYS, Tee, VirtLauncherPod};
 use teeguard_tests::host::{MiscDelegation, QosClass, SEV, SEV_ES, SimHost, TDX};
 use teeguard_tests::nri::{NriRuntime, Registration, misc_max};
 use teeguard_tests::standalone::VmiSpec;
@@ -678,9 +678,12 @@ const STATIC_POD_UID: &str = "6d1b9e0c2f4a8b3e5c7d9f1a2b4c6e8f";
 
 /// The mirror pod of a keyless static pod `name` on [`NODE`], stored.
 fn store_mirror_pod(env: &E2eEnv, name: &str) -> Value {
-    let mut mirror = VirtLauncherPod::for_tee(name, Tee::None)
-        .running_on(NODE)
-        .build();
+    store_mirror(env, VirtLauncherPod::for_tee(name, Tee::None))
+}
+
+/// `pod` as the mirror pod of a static pod on [`NODE`] (run under [`STATIC_POD_UID`]), stored.
+fn store_mirror(env: &E2eEnv, pod: VirtLauncherPod) -> Value {
+    let mut mirror = pod.running_on(NODE).build();
     mirror.metadata.annotations.get_or_insert_default().extend([
         ("kubernetes.io/config.mirror".into(), STATIC_POD_UID.into()),
         ("kubernetes.io/config.source".into(), "file".into()),
@@ -739,6 +742,39 @@ async fn strict_mode_zeroes_the_cgroup_of_a_static_pod() {
             w.host.pod_max(STATIC_POD_UID, TDX) == Some(Some(0))
         })
         .await;
+    })
+    .await;
+}
+
+// An Event about a static pod is on its mirror pod, the API object whose UID `kubectl describe pod`
+// lists Events by, not on the hash the node runs the static pod under.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_about_a_static_pod_is_on_its_mirror_pod() {
+    bounded(async {
+        let w = World::start(4, CGROUP_CONFIG).await.expect("world starts");
+        // An SEV-SNP key on a TDX host: the agent sets no limit for it, and says so on the pod.
+        let pod = VirtLauncherPod::for_tee("static-snp", Tee::Snp).request(SNP_ESIDS, "1");
+        let mirror = store_mirror(&w.env, pod);
+        let (ns, name) = (
+            mirror["metadata"]["namespace"].as_str().expect("namespace"),
+            mirror["metadata"]["name"].as_str().expect("name"),
+        );
+        let event = w
+            .driver
+            .wait_event(
+                ns,
+                "Pod",
+                name,
+                "TEEKeyKindUnavailable",
+                Duration::from_secs(30),
+            )
+            .await
+            .expect("an Event about the static pod");
+        assert_eq!(
+            event.pointer("/involvedObject/uid"),
+            mirror.pointer("/metadata/uid"),
+            "{event}"
+        );
     })
     .await;
 }

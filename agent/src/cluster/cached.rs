@@ -29,7 +29,7 @@ pub fn runtime_uid(pod: &Pod) -> Option<&str> {
 }
 
 /// The UID of a mirror pod's static pod, from the mirror's `annotations`.
-fn static_pod_uid(annotations: Option<&BTreeMap<String, String>>) -> Option<&String> {
+pub(crate) fn static_pod_uid(annotations: Option<&BTreeMap<String, String>>) -> Option<&String> {
     annotations?
         .get(MIRROR_POD_ANNOTATION)
         .filter(|hash| !hash.is_empty())

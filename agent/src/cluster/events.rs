@@ -7,11 +7,13 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use k8s_openapi::api::core::v1::ObjectReference;
-use kube::Client;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Api, Client};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+use super::cached::static_pod_uid;
 
 /// Events waiting to be written, at most.
 pub const QUEUE: usize = 64;
@@ -36,6 +38,37 @@ pub struct PodRef {
     pub uid: String,
 }
 
+/// The UID of `pod`'s API object, which `kubectl describe pod` lists Events by: the pod's own, or for
+/// a static pod, which the node runs under its manifest's hash (not a UUID, as the API server's UIDs
+/// are), its mirror pod's (one GET of its metadata; the hash when it cannot be read).
+async fn api_uid(client: &Client, pod: &PodRef) -> String {
+    if uuid_shaped(&pod.uid) {
+        return pod.uid.clone();
+    }
+    let api = Api::<Pod>::namespaced(client.clone(), &pod.namespace);
+    match api.get_metadata_opt(&pod.name).await {
+        Ok(Some(mirror))
+            if static_pod_uid(mirror.metadata.annotations.as_ref()) == Some(&pod.uid) =>
+        {
+            mirror.metadata.uid.unwrap_or_else(|| pod.uid.clone())
+        }
+        Ok(_) => pod.uid.clone(),
+        Err(e) => {
+            tracing::debug!(pod = %format!("{}/{}", pod.namespace, pod.name), error = %e, "cannot read the static pod's mirror pod; its Event names the static pod's hash");
+            pod.uid.clone()
+        }
+    }
+}
+
+/// Whether `uid` has the shape of the API server's UIDs (`8-4-4-4-12` hexadecimal digits).
+fn uuid_shaped(uid: &str) -> bool {
+    let groups: Vec<&str> = uid.split('-').collect();
+    groups.iter().map(|g| g.len()).eq([8, 4, 4, 4, 12])
+        && groups
+            .iter()
+            .all(|g| g.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Where Events are queued. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct EventSink {
@@ -51,7 +84,7 @@ impl EventSink {
             controller: teeguard_shared::names::AGENT_FIELD_MANAGER.into(),
             instance: Some(node.to_string()),
         };
-        let recorder = Recorder::new(client, reporter);
+        let recorder = Recorder::new(client.clone(), reporter);
         tokio::spawn(async move {
             loop {
                 let item = tokio::select! {
@@ -66,7 +99,7 @@ impl EventSink {
                     kind: Some("Pod".into()),
                     namespace: Some(pod.namespace.clone()),
                     name: Some(pod.name.clone()),
-                    uid: Some(pod.uid.clone()),
+                    uid: Some(api_uid(&client, &pod).await),
                     ..ObjectReference::default()
                 };
                 let event = Event {
@@ -110,5 +143,21 @@ impl EventSink {
         if tx.try_send((pod, reason, note)).is_err() {
             tracing::warn!("the Event queue is full; an Event was dropped");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::uuid_shaped;
+
+    #[test]
+    fn api_uids_are_told_from_static_pod_hashes() {
+        assert!(uuid_shaped("3f1c2b4a-9d8e-4f7a-b6c5-0123456789ab"));
+        assert!(
+            !uuid_shaped("6d1b9e0c2f4a8b3e5c7d9f1a2b4c6e8f"),
+            "a static pod's hash"
+        );
+        assert!(!uuid_shaped("3f1c2b4a-9d8e-4f7a-b6c5-0123456789ag"));
+        assert!(!uuid_shaped(""));
     }
 }
