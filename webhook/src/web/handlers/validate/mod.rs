@@ -24,7 +24,6 @@
 //! reserve nothing and record no Event. Denials for lack of keys in enforce mode record an
 //! `InsufficientTEEKeys` Event on the VMI (off the hot path, see [`crate::cluster::events`]).
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -300,7 +299,7 @@ async fn pod_create<L: Lookups>(
         pod.metadata.name = Some(req.name.clone());
     }
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
-    let (ns_labels, mut warnings) = namespace(lookups, &ns).await;
+    let (ns_labels, warnings) = namespace(lookups, &ns).await;
     if is_exempt(ns_labels.as_ref()) {
         return Ok(Verdict::Answer(Answer::skip(REQ, "exempt-namespace")));
     }
@@ -347,44 +346,17 @@ async fn pod_create<L: Lookups>(
         )));
     }
     let requests = match key_requests(&pod, &config.resources) {
-        Ok(r) => r,
+        Ok(r) if !r.is_empty() => r,
+        Ok(_) => return Ok(Verdict::Answer(Answer::skip(REQ, "no-key-request"))),
         Err(e) => {
+            let e = e.to_string();
             return Ok(Verdict::Answer(Answer::deny(
                 REQ,
                 "none",
                 "bad-quantity",
-                e.to_string(),
+                e,
             )));
         }
-    };
-    if requests.is_empty() {
-        return Ok(Verdict::Answer(Answer::skip(REQ, "no-key-request")));
-    }
-    let kind = primary_kind(&requests);
-    let (mode, mode_warning) = namespace_mode(config.admission.mode, ns_labels.as_ref());
-    warnings.extend(mode_warning);
-
-    // Check.
-    let pod_name = PodName(&pod);
-    let formatted = pod_name.to_string();
-    let uid: Cow<'_, str> = match pod.metadata.uid.as_deref() {
-        Some(uid) => Cow::Borrowed(uid),
-        None => Cow::Owned(formatted.clone()),
-    };
-    let vmi_name = vmi_ref.as_ref().map(VmiRef::to_string).unwrap_or_default();
-    let ask = Ask {
-        claimant: Claimant {
-            pod_uid: &uid,
-            vmi_uid: vmi_ref.as_ref().map_or("", |v| v.uid.as_str()),
-        },
-        pod: &formatted,
-        vmi: &vmi_name,
-        requests: &requests,
-        mode,
-        policy: Trigger::PodCreate.stale_policy(&config.admission),
-        dry_run: req.dry_run,
-        stale_after: config.admission.stale_report_after,
-        replica: ctx.replica,
     };
     let no_spec = PodSpec::default();
     let spec = pod.spec.as_ref().unwrap_or(&no_spec);
@@ -393,28 +365,88 @@ async fn pod_create<L: Lookups>(
         Some(node) => Target::Node(node, Trigger::PodCreate),
         None => Target::Candidates(spec),
     };
+    let pod_name = PodName(&pod).to_string();
+    // The planner starts the VM when a key frees (crate::cluster::retry), unless it was bound.
     let retried = vmi_ref.is_some() && bound.is_none() && config.admission.retry_refused_vmis;
+    let keys = KeyCheck {
+        request: REQ,
+        pod_uid: pod.metadata.uid.as_deref().unwrap_or(&pod_name),
+        pod: &pod_name,
+        vmi: vmi_ref.as_ref(),
+        requests: &requests,
+        ns_labels: ns_labels.as_ref(),
+        target,
+        dry_run: req.dry_run,
+        retried,
+        warnings,
+    };
+    Ok(check_keys(keys, lookups, ctx))
+}
+
+/// A pod whose keys are checked, whichever request brought it.
+struct KeyCheck<'a> {
+    request: &'static str,
+    pod_uid: &'a str,
+    /// `namespace/name`.
+    pod: &'a str,
+    vmi: Option<&'a VmiRef>,
+    requests: &'a KeyRequests,
+    ns_labels: Option<&'a BTreeMap<String, String>>,
+    target: Target<'a>,
+    dry_run: bool,
+    /// A refusal for lack of keys says that teeguard starts the VM when a key frees.
+    retried: bool,
+    warnings: Vec<String>,
+}
+
+/// Check → answer: decided here, forwarded to the decider or refused while nobody decides
+/// ([`elsewhere`]); a refusal for lack of keys records an Event on the VMI.
+fn check_keys<L: Lookups>(k: KeyCheck<'_>, lookups: &L, ctx: &ValidationContext<'_>) -> Verdict {
+    let config = ctx.config;
+    let (mode, mode_warning) = namespace_mode(config.admission.mode, k.ns_labels);
+    let mut warnings = k.warnings;
+    warnings.extend(mode_warning);
+    let kind = primary_kind(k.requests);
+    let (trigger, node) = match k.target {
+        Target::Node(node, trigger) => (trigger, Some(node.to_string())),
+        Target::Candidates(_) => (Trigger::PodCreate, None),
+    };
+    let note = |a: &mut Answer| {
+        if k.retried {
+            queue::note_refusal(a.reason, a.message.as_mut());
+        }
+    };
     // Nobody decides: a refusal like one for lack of keys (the VMI waits its turn), or in warn mode
     // an admission with the reason as a warning.
     let refused = |mut a: Answer| {
-        if retried {
-            queue::note_refusal(a.reason, a.message.as_mut());
-        }
+        note(&mut a);
         a.in_mode(mode).with_warnings(warnings.clone())
     };
-    if let Some(v) = elsewhere(ctx, lookups.index(), bound.is_none(), (REQ, kind), refused) {
-        return Ok(v);
+    let unbound = node.is_none();
+    if let Some(v) = elsewhere(ctx, lookups.index(), unbound, (k.request, kind), refused) {
+        return v;
     }
-    let decision = check(&checker(lookups, ctx), &ask, target);
-
-    // Answer: the planner starts the VM when a key frees (crate::cluster::retry), unless it was bound.
-    let mut answer = Answer::from_decision(REQ, kind, decision, bound.map(str::to_string), mode);
-    if retried {
-        queue::note_refusal(answer.reason, answer.message.as_mut());
-    }
-    record_event(&answer, vmi_ref.as_ref(), req.dry_run, ctx);
-    log_decision(&answer, pod_name);
-    Ok(Verdict::Answer(answer.with_warnings(warnings)))
+    let vmi_name = k.vmi.map(VmiRef::to_string).unwrap_or_default();
+    let ask = Ask {
+        claimant: Claimant {
+            pod_uid: k.pod_uid,
+            vmi_uid: k.vmi.map_or("", |v| v.uid.as_str()),
+        },
+        pod: k.pod,
+        vmi: &vmi_name,
+        requests: k.requests,
+        mode,
+        policy: trigger.stale_policy(&config.admission),
+        dry_run: k.dry_run,
+        stale_after: config.admission.stale_report_after,
+        replica: ctx.replica,
+    };
+    let decision = check(&checker(lookups, ctx), &ask, k.target);
+    let mut answer = Answer::from_decision(k.request, kind, decision, node, mode);
+    note(&mut answer);
+    record_event(&answer, k.vmi, k.dry_run, ctx);
+    log_decision(&answer, k.pod);
+    Verdict::Answer(answer.with_warnings(warnings))
 }
 
 fn checker<'a, L: Lookups>(lookups: &'a L, ctx: &ValidationContext<'a>) -> Checker<'a> {
@@ -518,7 +550,7 @@ async fn binding<L: Lookups>(
         Ok(r) => r,
         Err(skip) => return Ok(Verdict::Answer(Answer::skip(REQ, skip.code()))),
     };
-    let (ns_labels, mut warnings) = namespace(lookups, &ns).await;
+    let (ns_labels, warnings) = namespace(lookups, &ns).await;
     if is_exempt(ns_labels.as_ref()) {
         return Ok(Verdict::Answer(Answer::skip(REQ, "exempt-namespace")));
     }
@@ -530,51 +562,33 @@ async fn binding<L: Lookups>(
             SkipReason::ExemptVmi.code(),
         )));
     }
-    let config = ctx.config;
-    let requests = match key_requests(&pod, &config.resources) {
-        Ok(r) => r,
+    let requests = match key_requests(&pod, &ctx.config.resources) {
+        Ok(r) if !r.is_empty() => r,
+        Ok(_) => return Ok(Verdict::Answer(Answer::skip(REQ, "no-key-request"))),
         Err(e) => {
+            let e = e.to_string();
             return Ok(Verdict::Answer(Answer::deny(
                 REQ,
                 "none",
                 "bad-quantity",
-                e.to_string(),
+                e,
             )));
         }
     };
-    if requests.is_empty() {
-        return Ok(Verdict::Answer(Answer::skip(REQ, "no-key-request")));
-    }
-    let (mode, mode_warning) = namespace_mode(config.admission.mode, ns_labels.as_ref());
-    warnings.extend(mode_warning);
     let pod_name = format!("{ns}/{}", req.name);
-    let uid = pod.metadata.uid.clone().unwrap_or_else(|| pod_name.clone());
-    let vmi_name = vmi_ref.to_string();
-    let ask = Ask {
-        claimant: Claimant {
-            pod_uid: &uid,
-            vmi_uid: &vmi_ref.uid,
-        },
+    let keys = KeyCheck {
+        request: REQ,
+        pod_uid: pod.metadata.uid.as_deref().unwrap_or(&pod_name),
         pod: &pod_name,
-        vmi: &vmi_name,
+        vmi: Some(&vmi_ref),
         requests: &requests,
-        mode,
-        policy: Trigger::Binding.stale_policy(&config.admission),
+        ns_labels: ns_labels.as_ref(),
+        target: Target::Node(node, Trigger::Binding),
         dry_run: req.dry_run,
-        stale_after: config.admission.stale_report_after,
-        replica: ctx.replica,
+        retried: false,
+        warnings,
     };
-    let target = Target::Node(node, Trigger::Binding);
-    let refused = |a: Answer| a.in_mode(mode).with_warnings(warnings.clone());
-    let kind = primary_kind(&requests);
-    if let Some(v) = elsewhere(ctx, lookups.index(), false, (REQ, kind), refused) {
-        return Ok(v);
-    }
-    let d = check(&checker(lookups, ctx), &ask, target);
-    let answer = Answer::from_decision(REQ, kind, d, Some(node.to_string()), mode);
-    record_event(&answer, Some(&vmi_ref), req.dry_run, ctx);
-    log_decision(&answer, &pod_name);
-    Ok(Verdict::Answer(answer.with_warnings(warnings)))
+    Ok(check_keys(keys, lookups, ctx))
 }
 
 async fn pod_update<L: Lookups>(review: &mut AdmittedReview<'_>, lookups: &L) -> Result<Answer> {
