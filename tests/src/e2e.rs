@@ -511,6 +511,12 @@ impl SecretDir {
         &self.dir
     }
 
+    /// Add the CA's certificate as `ca.crt`, as the chart's Secret has it (kept across rotations).
+    pub fn add_ca(&self, ca_pem: &str) -> Result<()> {
+        let p = self.dir.join("ca.crt");
+        std::fs::write(&p, ca_pem).map_err(io_err("write", &p))
+    }
+
     fn write_generation(root: &Path, generation: u32, cert: &str, key: &str) -> Result<String> {
         let name = format!("..2026_01_01_00_00_{generation:02}.{:09}", 100 + generation);
         let d = root.join(&name);
@@ -676,6 +682,7 @@ impl ProcessEnv {
         let ca = CertificateAuthority::generate("teeguard-e2e-ca", 30)?;
         let leaf = ca.issue(&ServingCertRequest::localhost())?;
         let certs = SecretDir::new(&dir.path().join("certs"), leaf.cert_pem(), leaf.key_pem())?;
+        certs.add_ca(ca.cert_pem())?;
         Ok(ProcessEnv {
             dir,
             kubeconfig,
@@ -732,6 +739,24 @@ impl ProcessEnv {
         kubeconfig: &Path,
         env: &[&str],
     ) -> Result<WebhookProcess> {
+        self.start_webhook_at(self.certs.path(), extra, kubeconfig, env)
+            .await
+    }
+
+    /// [`ProcessEnv::start_webhook`] serving the certificate in `certs` (another replica's view of
+    /// the Secret, e.g. one renewal ahead).
+    pub async fn start_webhook_with_certs(&self, certs: &Path) -> Result<WebhookProcess> {
+        self.start_webhook_at(certs, &[], &self.kubeconfig, &[])
+            .await
+    }
+
+    async fn start_webhook_at(
+        &self,
+        certs: &Path,
+        extra: &[&str],
+        kubeconfig: &Path,
+        env: &[&str],
+    ) -> Result<WebhookProcess> {
         let bins = binaries()?;
         let mut args: Vec<String> = [
             "--log-format",
@@ -746,7 +771,7 @@ impl ProcessEnv {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        args.push(self.certs.path().display().to_string());
+        args.push(certs.display().to_string());
         args.push("--config".into());
         args.push(self.config_path.display().to_string());
         args.push("--decider-lease-name".into());

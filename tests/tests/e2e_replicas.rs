@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use teeguard_shared::reservation::TeeReservation;
-use teeguard_tests::e2e::{E2eEnv, WebhookProcess};
+use teeguard_tests::e2e::{E2eEnv, SecretDir, WebhookProcess};
 use teeguard_tests::fakeapi::Verb;
 use teeguard_tests::fixtures;
 use teeguard_tests::standalone::WebhookClient;
@@ -395,6 +395,41 @@ async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_o
         let (admitted, messages) =
             race_for_the_last_key(&env, &rest, &clients, "node-1", "b", 2).await;
         assert_eq!(admitted, 1, "{messages:?}");
+    })
+    .await;
+}
+
+// A renewed certificate reaches the replicas one by one (the kubelet refreshes each pod's Secret
+// volume on its own sync, a minute or two apart): meanwhile the replicas serve different certificates
+// of one CA, and the others still forward to the decider, which decides exactly. (Before, a replica
+// trusted only the very certificate it served, and refused every review it had to forward.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_serving_different_certificates_of_one_ca_still_forward_to_the_decider() {
+    bounded(async {
+        let env = E2eEnv::new("").await.expect("env");
+        let renewed = env.procs.issue_leaf().expect("a renewed certificate");
+        let dir = env.procs.dir().join("renewed-certs");
+        let certs = SecretDir::new(&dir, renewed.cert_pem(), renewed.key_pem()).expect("certs");
+        certs.add_ca(env.procs.ca.cert_pem()).expect("ca.crt");
+        let webhooks = vec![
+            env.start_webhook(&[]).await.expect("webhook starts"),
+            env.procs
+                .start_webhook_with_certs(certs.path())
+                .await
+                .expect("the renewed replica starts"),
+        ];
+        let d = decider(&env, &webhooks).await;
+        // Every review through the replica that does not decide: each is forwarded.
+        let client = Arc::new(webhooks[1 - d].client().expect("client"));
+        let (admitted, messages) =
+            race_for_the_last_key(&env, &webhooks, &[client], "node-0", "r", 1).await;
+        assert_eq!(admitted, 1, "{messages:?}");
+        assert!(
+            messages
+                .iter()
+                .all(|m| m.starts_with("node node-0 cannot host this TDX VM: 0/31 free")),
+            "the decider's own refusals: {messages:?}"
+        );
     })
     .await;
 }

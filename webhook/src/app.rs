@@ -218,7 +218,7 @@ pub async fn start(
         lease_stop.cancel();
         let _ = lease.await;
     });
-    let forwarder = Forwarder::new(served.clone(), args.api_timeout)?;
+    let forwarder = Forwarder::new(served.clone(), &args.cert_dir, args.api_timeout)?;
     let config = Arc::new(config);
     // Promises free keys to the waiting VMIs and retries them (crate::cluster::retry), and publishes
     // the holds and waiting gauges; stopped with the caches.

@@ -3,9 +3,13 @@
 //! marked with [`FORWARDED_HEADER`] so it is never forwarded twice; the decider's answer is returned as
 //! it is. One HTTP/2 connection per decider address, made on first use and again after it fails.
 //!
-//! Trust: replicas serve one certificate (the chart's Secret), so a replica talks only to a peer that
-//! presents the very certificate it serves itself; the peer's handshake signature is checked as usual.
+//! Trust: replicas serve one certificate (the chart's Secret), so a replica talks to a peer that
+//! presents the very certificate it serves itself, or (while a renewed certificate reaches the
+//! replicas one by one: the kubelet refreshes each pod's Secret volume on its own sync, up to a
+//! minute or two apart) one that the CA beside it (`ca.crt`) issued for a name its own certificate
+//! names. The peer's handshake signature is checked as usual.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,13 +17,15 @@ use axum::body::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{ClientConfig, DigitallySignedStruct, SignatureScheme};
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio::sync::Mutex;
 
-use crate::web::tls::CertStore;
+use crate::web::tls::{CA_FILE, CertStore};
 
 /// Set on a forwarded review: its receiver decides it or refuses it, never forwards it again.
 pub const FORWARDED_HEADER: &str = "x-teeguard-forwarded";
@@ -46,11 +52,17 @@ impl std::fmt::Debug for Forwarder {
 }
 
 impl Forwarder {
-    /// A forwarder trusting the certificate `served` serves, giving up after `within` per review.
-    pub fn new(served: Arc<CertStore>, within: Duration) -> crate::error::Result<Forwarder> {
+    /// A forwarder trusting the certificate `served` serves and those the CA in `cert_dir` issued
+    /// alike (see the module), giving up after `within` per review.
+    pub fn new(
+        served: Arc<CertStore>,
+        cert_dir: &Path,
+        within: Duration,
+    ) -> crate::error::Result<Forwarder> {
         let provider = crate::web::tls::provider();
-        let verifier = Arc::new(SameCertificate {
+        let verifier = Arc::new(Peer {
             served,
+            ca_file: cert_dir.join(CA_FILE),
             provider: provider.clone(),
         });
         let mut tls = ClientConfig::builder_with_provider(provider)
@@ -151,31 +163,92 @@ impl Forwarder {
     }
 }
 
-/// Trusts exactly the leaf certificate this replica serves.
+/// Trusts the peer that serves this replica's certificate, or one its CA issued alike (see the
+/// module).
 #[derive(Debug)]
-struct SameCertificate {
+struct Peer {
     served: Arc<CertStore>,
+    ca_file: PathBuf,
     provider: Arc<CryptoProvider>,
 }
 
-impl ServerCertVerifier for SameCertificate {
+impl Peer {
+    /// Whether `leaf` is one `ca_file`'s CA issued for a name `mine` names (the reason why not).
+    fn issued_alike(
+        &self,
+        mine: &CertificateDer<'_>,
+        leaf: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, String> {
+        let ca = self.ca_file.display();
+        let pem =
+            std::fs::read(&self.ca_file).map_err(|e| format!("and {ca} cannot be read ({e})"))?;
+        let mut roots = RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(&pem) {
+            let cert = cert.map_err(|e| format!("and {ca} is not valid PEM ({e})"))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("and {ca} holds no usable CA ({e})"))?;
+        }
+        let name = name_of(mine).ok_or("and this replica's certificate names no DNS name or IP")?;
+        let verifier =
+            WebPkiServerVerifier::builder_with_provider(Arc::new(roots), self.provider.clone())
+                .build()
+                .map_err(|e| format!("and {ca} holds no usable CA ({e})"))?;
+        verifier
+            .verify_server_cert(leaf, intermediates, &name, &[], now)
+            .map_err(|e| format!("nor one {ca} issued for {} ({e})", name.to_str()))
+    }
+}
+
+/// The first DNS name (else IP address) of `cert`'s subject alternative names.
+fn name_of(cert: &CertificateDer<'_>) -> Option<ServerName<'static>> {
+    use x509_parser::extensions::GeneralName;
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let sans = parsed.subject_alternative_name().ok()??;
+    let names = &sans.value.general_names;
+    let dns = names.iter().find_map(|n| match n {
+        GeneralName::DNSName(d) => ServerName::try_from(d.to_string()).ok(),
+        _ => None,
+    });
+    dns.or_else(|| {
+        names.iter().find_map(|n| match n {
+            GeneralName::IPAddress(ip) => match ip.len() {
+                4 => Some(std::net::IpAddr::from(<[u8; 4]>::try_from(*ip).ok()?)),
+                16 => Some(std::net::IpAddr::from(<[u8; 16]>::try_from(*ip).ok()?)),
+                _ => None,
+            }
+            .map(ServerName::from),
+            _ => None,
+        })
+    })
+}
+
+impl ServerCertVerifier for Peer {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
+        intermediates: &[CertificateDer<'_>],
         _server_name: &ServerName<'_>,
         _ocsp_response: &[u8],
-        _now: UnixTime,
+        now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
         let served = self.served.current();
-        match served.cert.first() {
-            Some(mine) if mine.as_ref() == end_entity.as_ref() => Ok(ServerCertVerified::assertion()),
-            _ => Err(rustls::Error::General(
-                "the peer does not serve this replica's certificate (a rotation in progress, or not a \
-                 teeguard replica)"
-                    .into(),
-            )),
+        let Some(mine) = served.cert.first() else {
+            return Err(rustls::Error::General(
+                "this replica serves no certificate".into(),
+            ));
+        };
+        if mine.as_ref() == end_entity.as_ref() {
+            return Ok(ServerCertVerified::assertion());
         }
+        self.issued_alike(mine, end_entity, intermediates, now)
+            .map_err(|why| {
+                rustls::Error::General(format!(
+                    "the peer does not serve this replica's certificate {why}"
+                ))
+            })
     }
 
     fn verify_tls12_signature(
@@ -210,5 +283,62 @@ impl ServerCertVerifier for SameCertificate {
         self.provider
             .signature_verification_algorithms
             .supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::web::tls::{CERT_FILE, KEY_FILE, install_crypto_provider, load_pair};
+    use teeguard_certs::{CertificateAuthority, ServingCert, ServingCertRequest};
+
+    fn leaf(ca: &CertificateAuthority) -> ServingCert {
+        ca.issue(&ServingCertRequest::localhost()).expect("leaf")
+    }
+
+    /// The verifier of a replica serving `mine`, with `ca` (if any) as its `ca.crt`.
+    fn replica(mine: &ServingCert, ca: Option<&CertificateAuthority>) -> (tempfile::TempDir, Peer) {
+        install_crypto_provider();
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join(CERT_FILE), mine.cert_pem()).expect("cert");
+        std::fs::write(dir.path().join(KEY_FILE), mine.key_pem()).expect("key");
+        if let Some(ca) = ca {
+            std::fs::write(dir.path().join(CA_FILE), ca.cert_pem()).expect("ca");
+        }
+        let pair = load_pair(dir.path()).expect("pair");
+        let peer = Peer {
+            served: Arc::new(CertStore::new(pair.key)),
+            ca_file: dir.path().join(CA_FILE),
+            provider: crate::web::tls::provider(),
+        };
+        (dir, peer)
+    }
+
+    fn verify(peer: &Peer, theirs: &ServingCert) -> Result<ServerCertVerified, rustls::Error> {
+        let name = ServerName::try_from(SERVER_NAME).expect("name");
+        peer.verify_server_cert(&theirs.cert_der(), &[], &name, &[], UnixTime::now())
+    }
+
+    #[test]
+    fn a_peer_is_trusted_with_this_replicas_certificate_or_another_of_its_ca_only() {
+        let ca = CertificateAuthority::generate("teeguard-ca", 30).expect("ca");
+        let other_ca = CertificateAuthority::generate("someone-else", 30).expect("ca");
+        let (mine, renewed, foreign) = (leaf(&ca), leaf(&ca), leaf(&other_ca));
+
+        let (_dir, peer) = replica(&mine, Some(&ca));
+        assert!(verify(&peer, &mine).is_ok(), "the same certificate");
+        assert!(verify(&peer, &renewed).is_ok(), "a renewal of the same CA");
+        let err = verify(&peer, &foreign)
+            .expect_err("another CA's")
+            .to_string();
+        assert!(err.contains("nor one") && err.contains(CA_FILE), "{err}");
+
+        // Without ca.crt (an existing Secret that has none): only the same certificate.
+        let (_dir, pinned) = replica(&mine, None);
+        assert!(verify(&pinned, &mine).is_ok());
+        let err = verify(&pinned, &renewed)
+            .expect_err("no CA to check it")
+            .to_string();
+        assert!(err.contains("cannot be read"), "{err}");
     }
 }

@@ -29,6 +29,9 @@ use crate::metrics::{Metrics, ReloadResult};
 pub const CERT_FILE: &str = "tls.crt";
 /// Private key file name in the directory (PEM: PKCS#1, PKCS#8 or SEC1).
 pub const KEY_FILE: &str = "tls.key";
+/// The CA certificate file beside them (the chart's Secret has one; replicas trust each other's
+/// certificates it issued).
+pub const CA_FILE: &str = "ca.crt";
 
 /// Install rustls' ring provider as the process default (once; later calls are no-ops).
 pub fn install_crypto_provider() {
