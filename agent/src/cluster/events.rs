@@ -46,19 +46,26 @@ async fn api_uid(client: &Client, pod: &PodRef) -> String {
         return pod.uid.clone();
     }
     let api = Api::<Pod>::namespaced(client.clone(), &pod.namespace);
-    match api.get_metadata_opt(&pod.name).await {
-        Ok(Some(mirror))
-            if static_pod_uid(mirror.metadata.annotations.as_ref()) == Some(&pod.uid) =>
-        {
-            mirror.metadata.uid.unwrap_or_else(|| pod.uid.clone())
-        }
-        Ok(_) => pod.uid.clone(),
-        Err(e) => {
+    let read = tokio::time::timeout(MIRROR_READ_TIMEOUT, api.get_metadata_opt(&pod.name)).await;
+    let mirror = match read {
+        Ok(Ok(found)) => found,
+        Ok(Err(e)) => {
             tracing::debug!(pod = %format!("{}/{}", pod.namespace, pod.name), error = %e, "cannot read the static pod's mirror pod; its Event names the static pod's hash");
-            pod.uid.clone()
+            None
         }
-    }
+        Err(_) => {
+            tracing::debug!(pod = %format!("{}/{}", pod.namespace, pod.name), "no answer for the static pod's mirror pod; its Event names the static pod's hash");
+            None
+        }
+    };
+    mirror
+        .filter(|m| static_pod_uid(m.metadata.annotations.as_ref()) == Some(&pod.uid))
+        .and_then(|m| m.metadata.uid)
+        .unwrap_or_else(|| pod.uid.clone())
 }
+
+/// The longest the read of a static pod's mirror pod may hold the Event queue up.
+const MIRROR_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Whether `uid` has the shape of the API server's UIDs (`8-4-4-4-12` hexadecimal digits).
 fn uuid_shaped(uid: &str) -> bool {
