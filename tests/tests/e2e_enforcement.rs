@@ -665,6 +665,44 @@ async fn nri_strict_mode_zeroes_a_keyless_container_whose_pod_the_agent_has_not_
     .await;
 }
 
+// An UpdateContainers the runtime never answers (CRI-O was seen to leave one so once; the container
+// keeps its old limit) is said in the agent's log, with the container and the limit asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nri_an_update_the_runtime_leaves_unanswered_is_logged() {
+    bounded(async {
+        let (mut w, _reg) = strict_nri_world().await;
+        w.env
+            .api
+            .create(&late_namespace(json!({})))
+            .expect("namespace");
+        let pod = VirtLauncherPod::for_tee("lifted", Tee::None)
+            .namespace("late")
+            .running_on(NODE)
+            .build();
+        let (sandbox, compute) = nri_request(&store_pod(&w.env, &pod), "compute");
+        zeroed_eventually(&w.runtime, &sandbox, &compute).await;
+        w.runtime.leave_updates_unanswered(true);
+        lifted_when_exempt(&w, &compute).await;
+        let id = compute["id"].as_str().expect("container id").to_string();
+        // Said after the plugin's 10 s wait for an answer; the bound is hang protection only.
+        let line = w
+            .agent
+            .proc
+            .wait_for_log(
+                "the unanswered UpdateContainers",
+                Duration::from_secs(60),
+                |l| {
+                    (l.contains("has not answered UpdateContainers") && l.contains(&id))
+                        .then(|| l.to_string())
+                },
+            )
+            .await
+            .expect("the agent says the runtime left the update unanswered");
+        assert!(line.contains("tdx max"), "{line}");
+    })
+    .await;
+}
+
 /// NRI in strict mode on a host of 8 TDX keys, no container running yet.
 async fn strict_nri_world() -> (NriWorld, Registration) {
     let host = SimHost::builder().capacity(TDX, 8).build().expect("host");

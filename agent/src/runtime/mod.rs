@@ -6,10 +6,12 @@
 //! - [`transport`]: the multiplexed ttrpc framing;
 //! - [`plugin`]: the connection (register, serve, reconnect);
 //! - [`sync`]: `Synchronize`, which gives containers that already run their limits;
+//! - [`updates`]: the plugin's own `UpdateContainers` calls, their answers and those left unanswered;
 //! - [`zeros`]: strict mode's zeros the plugin gave, lifted when their namespace is labelled exempt.
 
 pub mod plugin;
 pub mod sync;
 pub mod transport;
+pub mod updates;
 pub mod wire;
 pub mod zeros;

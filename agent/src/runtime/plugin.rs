@@ -12,6 +12,9 @@
 //! the plugin also subscribes to `POST_START_CONTAINER` and, when such a container starts, asks the
 //! runtime to update it (`UpdateContainers`, `ignore_failure`).
 //!
+//! The plugin's own `UpdateContainers` calls are followed by [`super::updates`] (their answers and
+//! the ones left unanswered logged).
+//!
 //! Strict mode: a keyless container (one whose `<kind> 0` its namespace's exempt label alone decides)
 //! follows that label while it runs, as the cgroup writer's pod cgroups do: labelled exempt later (or
 //! seen so only after the container, the namespace watch being apart from the pod watch), its zero is
@@ -34,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::sync::{ExistingContainer, SynchronizeRequest, live_containers, synchronize_response};
 use super::transport::{self as t, Demux};
+use super::updates::Unanswered;
 use super::wire::{
     self, CONTAINER_CREATED, ContainerEvent, CreateContainer, EVENT_CREATE_CONTAINER,
     EVENT_POST_START_CONTAINER, EVENT_REMOVE_CONTAINER,
@@ -192,6 +196,7 @@ async fn session(
         update_at_start: Arc::default(),
         update_now: None,
         next_stream: REGISTER_STREAM + 2,
+        unanswered: Unanswered::default(),
     };
     let mut demux = Demux::default();
     let (frames_tx, mut frames) = mpsc::channel(8);
@@ -214,6 +219,10 @@ async fn session(
                     waited = ?REGISTER_TIMEOUT,
                     "the runtime accepted the NRI registration but has not synchronized the plugin yet; waiting on this connection (a runtime synchronizes a new plugin once none of its container operations holds NRI's lock)"
                 );
+                continue;
+            }
+            () = sleep_until(session.unanswered.deadline()) => {
+                session.unanswered.note_overdue();
                 continue;
             }
             () = changed(&mut exempt) => {
@@ -290,25 +299,6 @@ async fn existing_limits(
     futures::future::join_all(decided).await
 }
 
-/// Log the runtime's answer to an `UpdateContainers` call.
-fn updated(payload: &[u8]) {
-    let failed = t::decode_response(payload)
-        .map_err(|e| e.to_string())
-        .and_then(|r| match r.code() {
-            0 => wire::failed_updates(&r.payload).map_err(|e| e.to_string()),
-            code => Err(format!("code {code}: {}", r.message())),
-        });
-    match failed {
-        Ok(failed) if failed.is_empty() => tracing::debug!("the runtime applied the update"),
-        Ok(failed) => {
-            tracing::warn!(containers = ?failed, "the runtime could not apply misc.max to these containers; they run without a limit")
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "UpdateContainers failed; the container runs without a limit")
-        }
-    }
-}
-
 async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d.into()).await,
@@ -339,6 +329,8 @@ struct Session {
     strict: bool,
     /// The stream of the plugin's next call to the runtime.
     next_stream: u32,
+    /// `UpdateContainers` calls not answered yet.
+    unanswered: Unanswered,
 }
 
 impl Session {
@@ -350,7 +342,7 @@ impl Session {
     ) -> Result<bool, String> {
         match (m.conn, m.kind) {
             (t::RUNTIME_CONN, t::TYPE_RESPONSE) if m.stream != REGISTER_STREAM => {
-                updated(&m.payload);
+                self.unanswered.answered(m.stream, &m.payload);
                 Ok(false)
             }
             (t::RUNTIME_CONN, t::TYPE_RESPONSE) => {
@@ -622,6 +614,7 @@ impl Session {
         );
         let stream = self.next_stream;
         self.next_stream += 2;
+        self.unanswered.sent(stream, id, value);
         send(
             &self.writer,
             &t::encode_message(t::RUNTIME_CONN, stream, t::TYPE_REQUEST, &req),

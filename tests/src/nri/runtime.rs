@@ -106,6 +106,9 @@ pub(super) struct Inner {
     pub(super) post_start_event: i32,
     /// The `UpdateContainersRequest`s (JSON) received, in order.
     pub(super) updates: watch::Sender<Vec<Value>>,
+    /// Leave the plugin's `UpdateContainers` calls unanswered (recorded all the same), as CRI-O was
+    /// seen to once.
+    pub(super) unanswered_updates: std::sync::atomic::AtomicBool,
     pub(super) valid_events: i32,
     pub(super) state: Mutex<State>,
     pub(super) registered: watch::Sender<Option<Registration>>,
@@ -147,6 +150,7 @@ impl NriRuntime {
             create_event,
             post_start_event,
             updates: watch::Sender::new(Vec::new()),
+            unanswered_updates: std::sync::atomic::AtomicBool::new(false),
             schema,
             state: Mutex::new(State::default()),
             registered: watch::Sender::new(None),
@@ -193,6 +197,13 @@ impl NriRuntime {
     /// The current registration, if a registered plugin is connected.
     pub fn registration(&self) -> Option<Registration> {
         self.inner.registered.borrow().clone()
+    }
+
+    /// From now on, leave the plugins' `UpdateContainers` calls unanswered (`true`) or answer them.
+    pub fn leave_updates_unanswered(&self, unanswered: bool) {
+        self.inner
+            .unanswered_updates
+            .store(unanswered, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The `UpdateContainersRequest`s (JSON) plugins sent so far.

@@ -132,7 +132,12 @@ impl Inner {
         if req.method == "UpdateContainers" {
             tracing::info!(request = %body, "NRI plugin requested container updates");
             self.updates.send_modify(|u| u.push(body));
-            answer(Response::ok(Vec::new()));
+            if !self
+                .unanswered_updates
+                .load(std::sync::atomic::Ordering::Relaxed)
+            {
+                answer(Response::ok(Vec::new()));
+            }
             return Ok(());
         }
         let name = body["plugin_name"].as_str().unwrap_or_default();
