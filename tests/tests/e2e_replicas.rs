@@ -305,6 +305,17 @@ async fn race_for_the_last_key(
     (admitted(&replies), refusals(&replies))
 }
 
+/// One binding of a race took the node's last key, and every refusal is the decider's own,
+/// whichever replica was called.
+fn decided_once(admitted: usize, messages: &[String], node: &str) {
+    assert_eq!(admitted, 1, "{messages:?}");
+    let own = format!("node {node} cannot host this TDX VM: 0/31 free");
+    assert!(
+        messages.iter().all(|m| m.starts_with(&own)),
+        "the decider's own refusals, whichever replica was called: {messages:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_over_when_it_dies() {
     bounded(async {
@@ -320,13 +331,7 @@ async fn one_elected_replica_decides_what_the_others_forward_and_another_takes_o
             .collect();
         let (admitted, messages) =
             race_for_the_last_key(&env, &webhooks, &clients, "node-0", "a", 1).await;
-        assert_eq!(admitted, 1, "{messages:?}");
-        assert!(
-            messages
-                .iter()
-                .all(|m| m.starts_with("node node-0 cannot host this TDX VM: 0/31 free")),
-            "the decider's own refusals, whichever replica was called: {messages:?}"
-        );
+        decided_once(admitted, &messages, "node-0");
         // No API write on the requests' path: the hold is written behind, soon after.
         let res = written(&env, "node-0").await;
         assert_eq!(res.spec.reservations.len(), 1, "{res:?}");
@@ -423,13 +428,7 @@ async fn replicas_serving_different_certificates_of_one_ca_still_forward_to_the_
         let client = Arc::new(webhooks[1 - d].client().expect("client"));
         let (admitted, messages) =
             race_for_the_last_key(&env, &webhooks, &[client], "node-0", "r", 1).await;
-        assert_eq!(admitted, 1, "{messages:?}");
-        assert!(
-            messages
-                .iter()
-                .all(|m| m.starts_with("node node-0 cannot host this TDX VM: 0/31 free")),
-            "the decider's own refusals: {messages:?}"
-        );
+        decided_once(admitted, &messages, "node-0");
     })
     .await;
 }
