@@ -341,4 +341,28 @@ mod tests {
             .to_string();
         assert!(err.contains("cannot be read"), "{err}");
     }
+
+    #[test]
+    fn a_certificate_with_ip_addresses_only_is_checked_against_its_first_ip() {
+        let ca = CertificateAuthority::generate("teeguard-ca", 30).expect("ca");
+        let for_ips = |ips: &[&str]| {
+            let request = ServingCertRequest {
+                extra_ips: ips.iter().map(|ip| ip.parse().expect("ip")).collect(),
+                ..ServingCertRequest::default()
+            };
+            ca.issue(&request).expect("leaf")
+        };
+        for first in ["10.96.0.17", "fd00::17"] {
+            let mine = for_ips(&[first, "192.0.2.1"]);
+            let (_dir, peer) = replica(&mine, Some(&ca));
+            assert!(
+                verify(&peer, &for_ips(&[first])).is_ok(),
+                "a renewal naming {first}"
+            );
+            let err = verify(&peer, &for_ips(&["192.0.2.1"]))
+                .expect_err("a certificate for another address of the CA's")
+                .to_string();
+            assert!(err.contains("nor one"), "{err}");
+        }
+    }
 }
