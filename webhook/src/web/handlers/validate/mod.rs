@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
-use k8s_openapi::api::core::v1::PodSpec;
+use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use teeguard_shared::config::Mode;
 use teeguard_shared::pod::{KeyRequests, PodName, key_requests};
 use teeguard_shared::{Config, names};
@@ -345,18 +345,9 @@ async fn pod_create<L: Lookups>(
             SkipReason::ExemptVmi.code(),
         )));
     }
-    let requests = match key_requests(&pod, &config.resources) {
-        Ok(r) if !r.is_empty() => r,
-        Ok(_) => return Ok(Verdict::Answer(Answer::skip(REQ, "no-key-request"))),
-        Err(e) => {
-            let e = e.to_string();
-            return Ok(Verdict::Answer(Answer::deny(
-                REQ,
-                "none",
-                "bad-quantity",
-                e,
-            )));
-        }
+    let requests = match requests(&pod, config, REQ) {
+        Ok(r) => r,
+        Err(answer) => return Ok(Verdict::Answer(*answer)),
     };
     let no_spec = PodSpec::default();
     let spec = pod.spec.as_ref().unwrap_or(&no_spec);
@@ -381,6 +372,20 @@ async fn pod_create<L: Lookups>(
         warnings,
     };
     Ok(check_keys(keys, lookups, ctx))
+}
+
+/// The keys `pod` requests, or the answer when there are none (skipped) or a quantity is bad (denied).
+fn requests(pod: &Pod, config: &Config, request: &'static str) -> Result<KeyRequests, Box<Answer>> {
+    match key_requests(pod, &config.resources) {
+        Ok(r) if !r.is_empty() => Ok(r),
+        Ok(_) => Err(Box::new(Answer::skip(request, "no-key-request"))),
+        Err(e) => Err(Box::new(Answer::deny(
+            request,
+            "none",
+            "bad-quantity",
+            e.to_string(),
+        ))),
+    }
 }
 
 /// A pod whose keys are checked, whichever request brought it.
@@ -562,18 +567,9 @@ async fn binding<L: Lookups>(
             SkipReason::ExemptVmi.code(),
         )));
     }
-    let requests = match key_requests(&pod, &ctx.config.resources) {
-        Ok(r) if !r.is_empty() => r,
-        Ok(_) => return Ok(Verdict::Answer(Answer::skip(REQ, "no-key-request"))),
-        Err(e) => {
-            let e = e.to_string();
-            return Ok(Verdict::Answer(Answer::deny(
-                REQ,
-                "none",
-                "bad-quantity",
-                e,
-            )));
-        }
+    let requests = match requests(&pod, ctx.config, REQ) {
+        Ok(r) => r,
+        Err(answer) => return Ok(Verdict::Answer(*answer)),
     };
     let pod_name = format!("{ns}/{}", req.name);
     let keys = KeyCheck {
