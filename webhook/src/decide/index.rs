@@ -214,7 +214,7 @@ impl Index {
                     old_entries
                         .iter()
                         .zip(old_state.map_or(&[][..], |s| s.seen.as_slice()))
-                        .find(|(o, _)| same_holder(o, e))
+                        .find(|(o, _)| same_hold(o, e))
                         .map_or(now, |(_, at)| *at)
                 })
                 .collect()
@@ -225,7 +225,7 @@ impl Index {
         // server late): one hold, not two.
         state
             .local
-            .retain(|(l, _)| !new_entries.iter().any(|e| same_holder(e, l)));
+            .retain(|(l, _)| !new_entries.iter().any(|e| same_hold(e, l)));
         let same = match (&state.holds, &obj) {
             (Some(o), Some(n)) => version(o).is_some() && version(o) == version(n),
             (None, None) => true,
@@ -610,8 +610,13 @@ pub fn age(now: Timestamp, then: Timestamp) -> Duration {
     Duration::try_from(now.duration_since(then)).unwrap_or(Duration::ZERO)
 }
 
-fn same_holder(a: &KeyReservation, b: &KeyReservation) -> bool {
-    a.pod_uid == b.pod_uid && (!a.pod_uid.is_empty() || a.vmi_uid == b.vmi_uid)
+/// Whether `a` and `b` are one hold: the same holder, admitted at the same moment (to the second the
+/// API server keeps). A holder's later hold (its pod bound after its admission ended) is another
+/// hold, with a life of its own.
+fn same_hold(a: &KeyReservation, b: &KeyReservation) -> bool {
+    a.pod_uid == b.pod_uid
+        && (!a.pod_uid.is_empty() || a.vmi_uid == b.vmi_uid)
+        && a.admitted_at.0.as_second() == b.admitted_at.0.as_second()
 }
 
 fn version(o: &TeeReservation) -> Option<u64> {

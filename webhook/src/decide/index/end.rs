@@ -5,7 +5,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use teeguard_shared::reservation::{HoldReason, KeyReservation};
 
-use super::{Index, age, same_holder};
+use super::{Index, age, same_hold};
 use crate::decide::holds::{End, POD_GRACE};
 
 impl Index {
@@ -70,7 +70,7 @@ impl Index {
     fn first_seen(&self, node: &str, e: &KeyReservation) -> Option<Timestamp> {
         let n = self.nodes.get(node)?;
         n.seen_holds()
-            .find(|(l, _)| same_holder(l, e))
+            .find(|(l, _)| same_hold(l, e))
             .map(|(_, at)| *at)
     }
 

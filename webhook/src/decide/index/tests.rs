@@ -7,6 +7,7 @@ use teeguard_shared::reservation::HoldReason::{Admitted, Bound, Promised};
 use super::*;
 use crate::decide::holds::End;
 use crate::decide::testkit::{TTL, World, at, hold, report, t0};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 fn end_of(ix: &Index, node: &str, pod_uid: &str, vmi_uid: &str, now: Timestamp) -> Option<End> {
     let e = ix
@@ -290,6 +291,50 @@ fn a_local_hold_whose_write_arrived_late_counts_once() {
         .ix;
     assert_eq!(ix.entries("n1").count(), 1);
     assert_eq!(ix.held("n1", Claimant::NONE, t0()).pods[&TeeKind::Tdx], 1);
+}
+
+/// `node`'s `TeeReservation` at `version` holding `entries`.
+fn object(node: &str, version: u64, entries: Vec<KeyReservation>) -> Option<Arc<TeeReservation>> {
+    let mut obj = TeeReservation::new(node, Default::default());
+    obj.metadata.resource_version = Some(version.to_string());
+    obj.spec.node_name = node.into();
+    obj.spec.reservations = entries;
+    Some(Arc::new(obj))
+}
+
+#[test]
+fn a_pods_later_hold_lives_its_own_life_not_ended_by_its_earlier_holds_age() {
+    // p1 was admitted at t0 (its hold expired at 30: the scheduler bound it nowhere); its binding,
+    // admitted at 40, holds a key again, on the node whose object still has the expired hold.
+    let mut bound = hold("p1", "v1", Bound);
+    let half = jiff::SignedDuration::from_millis(500);
+    bound.admitted_at = Time(at(40).checked_add(half).expect("time"));
+    let mut ix = World::default()
+        .node("n1", 2, 1)
+        .launcher("p1", "v1", None)
+        .synced()
+        .holds("n1", vec![hold("p1", "v1", Admitted)])
+        .ix;
+    assert_eq!(end_of(&ix, "n1", "p1", "v1", at(30)), Some(End::Expired));
+    ix.hold_locally("n1", bound.clone(), at(40));
+    let held = |ix: &Index, secs| {
+        let held = ix.held("n1", Claimant::NONE, at(secs));
+        held.pods.get(&TeeKind::Tdx).copied()
+    };
+    assert_eq!(held(&ix, 40), Some(1), "the new hold holds");
+    // The watch brings the object again (a re-list) before the new hold is written: still held.
+    ix.apply_holds(
+        "n1",
+        object("n1", 1, vec![hold("p1", "v1", Admitted)]),
+        at(40),
+    );
+    assert_eq!(held(&ix, 41), Some(1), "the unwritten hold is kept");
+    // Written behind (the API server keeps whole seconds): one hold, its TTL from its own write.
+    bound.admitted_at = Time(at(40));
+    ix.apply_holds("n1", object("n1", 2, vec![bound]), at(41));
+    assert_eq!(ix.entries("n1").count(), 1, "written, it is one hold");
+    assert_eq!(held(&ix, 69), Some(1));
+    assert_eq!(end_of(&ix, "n1", "p1", "v1", at(70)), Some(End::Expired));
 }
 
 #[test]
