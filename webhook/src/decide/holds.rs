@@ -113,7 +113,7 @@ pub struct NewHold<'a> {
 }
 
 impl NewHold<'_> {
-    /// The entry, written `now` by `replica`.
+    /// The entry, written `now` by `replica` (its `admittedAt` the next whole second, [`second_up`]).
     pub fn entry(&self, now: jiff::Timestamp, replica: &str) -> KeyReservation {
         let mut e = KeyReservation {
             pod_uid: self.claimant.pod_uid.to_string(),
@@ -124,12 +124,20 @@ impl NewHold<'_> {
             tdx: None,
             sev: None,
             sev_es: None,
-            admitted_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now),
+            admitted_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(second_up(now)),
             replica: replica.to_string(),
         };
         e.set_keys(self.keys);
         e
     }
+}
+
+/// `t` in whole seconds, rounded up: the API server keeps `admittedAt` (a `metav1.Time`) to the
+/// second, and a hold's TTL counts from it, so it must never seem older than it is (a hold ending
+/// early gives its key to a second pod while the first may still be bound).
+pub fn second_up(t: jiff::Timestamp) -> jiff::Timestamp {
+    let second = t.as_second() + i64::from(t.subsec_nanosecond() > 0);
+    jiff::Timestamp::from_second(second).unwrap_or(t)
 }
 
 /// Keys held on a node for claimants other than the one asking, by what they are for.
@@ -206,6 +214,27 @@ mod tests {
         h.add(&hold("", "v3"));
         assert_eq!(h.pods, KeyRequests::from([(TeeKind::Tdx, 1)]));
         assert_eq!(h.promised, KeyRequests::from([(TeeKind::Tdx, 2)]));
+    }
+
+    #[test]
+    fn a_holds_admission_time_is_kept_whole_by_the_api_server_and_never_seems_older() {
+        let at = |ms: i64| jiff::Timestamp::from_millisecond(1_800_000_000_000 + ms).expect("time");
+        let e = NewHold {
+            claimant: Claimant {
+                pod_uid: "p1",
+                vmi_uid: "v1",
+            },
+            pod: "vms/virt-launcher-a",
+            vmi: "vms/a",
+            keys: &KeyRequests::from([(TeeKind::Tdx, 1)]),
+            reason: HoldReason::Admitted,
+        }
+        .entry(at(10_300), "r");
+        assert_eq!(e.admitted_at.0, at(11_000), "rounded up, not down");
+        let json = serde_json::to_value(&e).expect("json");
+        let back: KeyReservation = serde_json::from_value(json).expect("back");
+        assert_eq!(back, e, "the API server keeps it as written");
+        assert_eq!(second_up(at(11_000)), at(11_000));
     }
 
     #[test]

@@ -278,7 +278,17 @@ impl HoldStore for SimStore<'_> {
             },
             spec: TeeReservationSpec {
                 node_name: w.node.clone(),
-                reservations: w.entries.clone(),
+                // As the API server keeps it: `admittedAt` (a `metav1.Time`) to the second.
+                reservations: w
+                    .entries
+                    .iter()
+                    .cloned()
+                    .map(|mut e| {
+                        let second = e.admitted_at.0.as_second();
+                        e.admitted_at.0 = jiff::Timestamp::from_second(second).expect("a time");
+                        e
+                    })
+                    .collect(),
             },
         };
         t.nodes.get_mut(&w.node).expect("node").holds = Some(obj.clone());
