@@ -134,7 +134,7 @@ impl NewHold<'_> {
 
 /// `t` in whole seconds, rounded up: the API server keeps `admittedAt` (a `metav1.Time`) to the
 /// second, and a hold's TTL counts from it, so it must never seem older than it is (a hold ending
-/// early gives its key to a second pod while the first may still be bound).
+/// early gives its key to a second pod while the first still waits for its binding).
 pub fn second_up(t: jiff::Timestamp) -> jiff::Timestamp {
     let second = t.as_second() + i64::from(t.subsec_nanosecond() > 0);
     jiff::Timestamp::from_second(second).unwrap_or(t)
