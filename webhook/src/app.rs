@@ -26,7 +26,7 @@ use crate::cluster::caches::Caches;
 use crate::cluster::events::EventSink;
 use crate::cluster::holds::ApiHolds;
 use crate::cluster::index::{KeyIndex, wall_clock};
-use crate::cluster::lead::{Leadership, Round};
+use crate::cluster::lead::{Leadership, LeaseApis, Round};
 use crate::cluster::retry::Retrier;
 use crate::decide::lead::Elector;
 use crate::error::{Error, Result};
@@ -190,10 +190,15 @@ pub async fn start(
     let lease = {
         let synced = caches.clone();
         let (ready, gauge) = (readiness.clone(), metrics.clone());
+        let apis = LeaseApis {
+            lease: Api::namespaced(client.clone(), client.default_namespace()),
+            name: args.decider_lease_name.clone(),
+            holds: ApiHolds::new(client.clone()),
+            index: index.clone(),
+            within: args.api_timeout,
+        };
         leadership.clone().run(
-            Api::namespaced(client.clone(), client.default_namespace()),
-            args.decider_lease_name.clone(),
-            args.api_timeout,
+            apis,
             async move { synced.wait_synced().await },
             move |round: Round| {
                 gauge.set_decider(round.deciding);
@@ -213,11 +218,16 @@ pub async fn start(
     ));
     // At a stop, the Lease is given up only once the last holds are written: a successor takes it at
     // once and starts from them.
-    let handoff = tokio::spawn(async move {
-        let _ = behind.await;
-        lease_stop.cancel();
-        let _ = lease.await;
-    });
+    let handoff = {
+        let leadership = leadership.clone();
+        tokio::spawn(async move {
+            if !behind.await.unwrap_or(false) {
+                leadership.keep_at_stop();
+            }
+            lease_stop.cancel();
+            let _ = lease.await;
+        })
+    };
     let forwarder = Forwarder::new(served.clone(), &args.cert_dir, args.api_timeout)?;
     let config = Arc::new(config);
     // Promises free keys to the waiting VMIs and retries them (crate::cluster::retry), and publishes

@@ -90,7 +90,7 @@ impl FileLookups {
         let index = KeyIndex::new(config.admission.ledger_ttl, wall_clock());
         index.update(|ix, now| {
             for (name, cap) in &self.tee_capacities {
-                ix.apply_report(name, cap.status.clone().map(Arc::new), now);
+                ix.apply_report(name, cap.status.clone().map(Arc::new), None, now);
                 if self.nodes.is_empty() {
                     ix.apply_node(name, Some(BTreeMap::new()));
                 }

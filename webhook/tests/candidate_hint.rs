@@ -28,7 +28,7 @@ fn cluster(free: &[&str]) -> Index {
         let keys = u64::from(free.contains(&name.as_str()));
         let report = ReportBuilder::new(&name).kind(TeeKind::Tdx, 64, keys);
         let cap: TeeCapacity = serde_json::from_value(report.to_value()).expect("report");
-        ix.apply_report(&name, cap.status.map(Arc::new), now);
+        ix.apply_report(&name, cap.status.map(Arc::new), None, now);
     }
     ix
 }

@@ -280,3 +280,11 @@ fn a_new_decider_that_does_not_wait_for_the_pods_admitted_before_it_is_caught_ov
 fn a_replica_taking_the_lease_without_waiting_it_out_is_caught_deciding_beside_the_holder() {
     caught(Defect::NoLeaseWait, &["I6"]);
 }
+
+#[test]
+fn a_new_decider_that_decides_before_listing_the_holds_is_caught_giving_away_its_predecessors_keys()
+{
+    // A clean stop gives the Lease up and a successor takes it at once, before its watch has
+    // delivered the last holds the stopped decider wrote.
+    caught(Defect::NoCatchUp, &["I1", "I2"]);
+}

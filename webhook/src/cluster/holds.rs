@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::Api;
 use kube::api::PostParams;
+use teeguard_shared::TeeCapacity;
 use teeguard_shared::reservation::{TeeReservation, TeeReservationSpec};
 
 use super::index::KeyIndex;
@@ -51,6 +52,21 @@ pub trait HoldStore: Send + Sync {
         node: &str,
         within: Duration,
     ) -> impl Future<Output = Result<Option<TeeReservation>, String>> + Send;
+
+    /// Every node's holds and report as the API server has them now (consistent reads), within
+    /// `within` each.
+    fn list(&self, within: Duration) -> impl Future<Output = Result<Listed, String>> + Send;
+}
+
+/// What a replica that takes the Lease lists before it decides
+/// ([`crate::cluster::lead::Leadership::catch_up`]): the holds its predecessor wrote, and the reports
+/// by which its predecessor ended the holds it trimmed.
+#[derive(Clone, Debug, Default)]
+pub struct Listed {
+    /// Every node's `TeeReservation`.
+    pub holds: Vec<TeeReservation>,
+    /// Every node's `TeeCapacity` report.
+    pub reports: Vec<TeeCapacity>,
 }
 
 /// Decide with `plan` on the index and keep its holds there, under one write lock: two reviews on
@@ -150,14 +166,15 @@ pub const BEHIND_RETRY: Duration = Duration::from_millis(250);
 /// starts from them. Each node's write carries all its unwritten holds (a burst is one write), on the
 /// version read; a conflict reads again ([`write_node`]). Runs until `shutdown`, whoever decides: holds
 /// a replica admitted are real whichever replica decides next; at `shutdown` it writes what is left
-/// once more (the Lease is given up after, so a successor that takes it at once starts from them).
+/// once more (the Lease is given up after, so a successor that takes it at once starts from them),
+/// and returns whether that wrote them all.
 pub async fn write_behind<S: HoldStore>(
     index: KeyIndex,
     store: S,
     within: Duration,
     metrics: std::sync::Arc<Metrics>,
     shutdown: tokio_util::sync::CancellationToken,
-) {
+) -> bool {
     loop {
         let failed = write_behind_once(&index, &store, within, Some(&metrics)).await;
         let again = if failed {
@@ -177,7 +194,7 @@ pub async fn write_behind<S: HoldStore>(
             _ = tokio::time::sleep(BEHIND_BATCH) => {}
         }
     }
-    write_behind_once(&index, &store, within, Some(&metrics)).await;
+    !write_behind_once(&index, &store, within, Some(&metrics)).await
 }
 
 /// One pass of [`write_behind`]: every node's unwritten live holds, one write each. Returns whether
@@ -216,6 +233,7 @@ pub async fn write_behind_once<S: HoldStore>(
 pub struct ApiHolds {
     api: Api<TeeReservation>,
     nodes: Api<Node>,
+    reports: Api<TeeCapacity>,
 }
 
 impl std::fmt::Debug for ApiHolds {
@@ -229,7 +247,8 @@ impl ApiHolds {
     pub fn new(client: kube::Client) -> ApiHolds {
         ApiHolds {
             api: Api::all(client.clone()),
-            nodes: Api::all(client),
+            nodes: Api::all(client.clone()),
+            reports: Api::all(client),
         }
     }
 
@@ -299,6 +318,27 @@ impl HoldStore for ApiHolds {
             Ok(Err(e)) => Err(format!("reading TeeReservation {node}: {e}")),
             Err(_) => Err(late(within)),
         }
+    }
+
+    async fn list(&self, within: Duration) -> Result<Listed, String> {
+        Ok(Listed {
+            holds: list_all(&self.api, "TeeReservations", within).await?,
+            reports: list_all(&self.reports, "TeeCapacity reports", within).await?,
+        })
+    }
+}
+
+/// Every object of `api`, read from etcd (no `resourceVersion`: it has every write that completed
+/// before), within `within`.
+async fn list_all<K>(api: &Api<K>, what: &str, within: Duration) -> Result<Vec<K>, String>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let params = kube::api::ListParams::default();
+    match tokio::time::timeout(within, api.list(&params)).await {
+        Ok(Ok(l)) => Ok(l.items),
+        Ok(Err(e)) => Err(format!("listing the {what}: {e}")),
+        Err(_) => Err(late(within)),
     }
 }
 

@@ -176,16 +176,18 @@ impl Sink<PartialObjectMeta<Node>> for KeyIndex {
 impl Sink<TeeCapacity> for KeyIndex {
     fn apply(&self, obj: TeeCapacity) {
         let name = name_of(&obj);
+        let version = obj.metadata.resource_version.as_deref();
+        let version = version.and_then(|v| v.parse().ok());
         let status = obj.status.map(|mut s| {
             // Conditions and the version are for people; the decisions read the figures.
             s.conditions = Vec::new();
             s.agent_version = None;
             Arc::new(s)
         });
-        self.update(|ix, now| ix.apply_report(&name, status, now));
+        self.update(|ix, now| ix.apply_report(&name, status, version, now));
     }
     fn delete(&self, name: &str) {
-        self.update(|ix, now| ix.apply_report(name, None, now));
+        self.update(|ix, now| ix.apply_report(name, None, None, now));
     }
 }
 

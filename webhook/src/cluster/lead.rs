@@ -6,7 +6,7 @@
 //! for forwarded reviews into the annotation [`ADDRESS_ANNOTATION`]. Writes carry the
 //! `resourceVersion` read, so two replicas taking an expired Lease over at once cannot both succeed.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -17,8 +17,8 @@ use kube::api::PostParams;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::holds::WriteError;
-use super::index::{Clock, KeyIndex};
+use super::holds::{ApiHolds, HoldStore, WriteError};
+use super::index::{Clock, KeyIndex, Sink};
 use crate::decide::lead::{Elector, Record, Route, Step};
 
 /// Where the holder takes forwarded reviews (`https://ip:port`).
@@ -32,11 +32,16 @@ pub const LEASE_NAME: &str = "teeguard-webhook-decider";
 pub struct Leadership {
     elector: Arc<RwLock<Elector>>,
     clock: Clock,
+    /// The term in which this replica listed the holds after taking the Lease
+    /// ([`Leadership::catch_up`]): it decides nothing before.
+    caught_up: Arc<AtomicU64>,
     /// The term in which this replica found no orphan launcher pods (`Index::orphans`): from then on
     /// it decides CREATEs without looking again.
     settled: Arc<AtomicU64>,
     /// Told when this replica starts deciding (the planner plans at once).
     became: Arc<tokio::sync::Notify>,
+    /// At a stop, keep the Lease rather than give it up: the last holds could not be written.
+    keep_at_stop: Arc<AtomicBool>,
     /// Asks [`Leadership::run`] for a round now (a review found no decider).
     kick: Arc<tokio::sync::Notify>,
     /// Counts the rounds done.
@@ -62,8 +67,10 @@ impl Leadership {
         Leadership {
             elector: Arc::new(RwLock::new(elector)),
             clock,
+            caught_up: Arc::new(AtomicU64::new(0)),
             settled: Arc::new(AtomicU64::new(0)),
             became: Arc::new(tokio::sync::Notify::new()),
+            keep_at_stop: Arc::new(AtomicBool::new(false)),
             kick: Arc::new(tokio::sync::Notify::new()),
             rounds: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
@@ -80,8 +87,10 @@ impl Leadership {
         Leadership {
             elector: Arc::new(RwLock::new(elector)),
             clock: self.clock.clone(),
+            caught_up: Arc::new(AtomicU64::new(self.caught_up.load(Ordering::Acquire))),
             settled: Arc::new(AtomicU64::new(self.settled.load(Ordering::Acquire))),
             became: Arc::new(tokio::sync::Notify::new()),
+            keep_at_stop: Arc::new(AtomicBool::new(self.keep_at_stop.load(Ordering::Acquire))),
             kick: Arc::new(tokio::sync::Notify::new()),
             rounds: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
@@ -89,21 +98,65 @@ impl Leadership {
 
     /// Where a review that takes a key goes now.
     pub fn route(&self) -> Route {
-        let now = (self.clock)();
-        self.elector
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .route(now)
+        self.routed().0
+    }
+
+    /// The route and this replica's term: `Here` only once the term caught up.
+    fn routed(&self) -> (Route, u64) {
+        let (route, term) = {
+            let e = self.elector.read().unwrap_or_else(PoisonError::into_inner);
+            (e.route((self.clock)()), e.term())
+        };
+        match route {
+            Route::Here if self.caught_up.load(Ordering::Acquire) != term => (Route::Nobody, term),
+            route => (route, term),
+        }
+    }
+
+    /// A replica that has just taken the Lease lists the holds and the reports through `store` into
+    /// `index` before it decides anything: its watches may not have delivered yet the last holds its
+    /// predecessor wrote before giving the Lease up (a clean stop is taken over at once), nor the
+    /// reports by which its predecessor ended holds (a dropped watch). Nothing to do (`Ok(false)`)
+    /// unless it holds the Lease in a term not caught up yet.
+    pub async fn catch_up<S: HoldStore>(
+        &self,
+        index: &KeyIndex,
+        store: &S,
+        within: Duration,
+    ) -> Result<bool, String> {
+        let (holds, term) = {
+            let e = self.elector.read().unwrap_or_else(PoisonError::into_inner);
+            (e.route((self.clock)()) == Route::Here, e.term())
+        };
+        if !holds || self.caught_up.load(Ordering::Acquire) == term {
+            return Ok(false);
+        }
+        // A listed object older than the one the index has is ignored (`Index::apply_holds`,
+        // `Index::apply_report`).
+        let listed = store.list(within).await?;
+        for obj in listed.holds {
+            index.apply(obj);
+        }
+        for obj in listed.reports {
+            index.apply(obj);
+        }
+        self.caught_up.store(term, Ordering::Release);
+        self.became.notify_one();
+        Ok(true)
+    }
+
+    /// At a stop, keep the Lease rather than give it up: this replica's last holds could not be
+    /// written, so its successor must wait the Lease out, as after a crash (by then the reports count
+    /// the pods it bound and the caches have the pods it admitted).
+    pub fn keep_at_stop(&self) {
+        self.keep_at_stop.store(true, Ordering::Release);
     }
 
     /// Where a pod CREATE that takes a key goes now: like [`Leadership::route`], but a decider that
     /// has just taken over refuses (`Err`, with how many) while `index` has launcher pods admitted
     /// before whose holds it never saw ([`crate::decide::index::Index::orphans`]).
     pub fn route_create(&self, index: &KeyIndex) -> Result<Route, usize> {
-        let (route, term) = {
-            let e = self.elector.read().unwrap_or_else(PoisonError::into_inner);
-            (e.route((self.clock)()), e.term())
-        };
+        let (route, term) = self.routed();
         if route != Route::Here || self.settled.load(Ordering::Acquire) == term {
             return Ok(route);
         }
@@ -159,18 +212,24 @@ impl Leadership {
     }
 
     /// Once `synced` resolves (every cache listed: a replica never decides on a partial index), read
-    /// and write the Lease `name` every `retry` until `shutdown`; then give it up (a successor need not
-    /// wait the lease out after a clean stop). `on_round` is told after each round whether the Lease
-    /// could be read and whether this replica decides (readiness, the `decider` gauge).
+    /// and write the Lease every `retry` until `shutdown`, catching up on the holds in each term it
+    /// takes; then give the Lease up (a successor need not wait it out after a clean stop) unless
+    /// [`Leadership::keep_at_stop`]. `on_round` is told after each round whether the Lease could be
+    /// read and whether this replica decides (readiness, the `decider` gauge).
     pub fn run(
         self,
-        api: Api<Lease>,
-        name: String,
-        api_timeout: Duration,
+        apis: LeaseApis,
         synced: impl Future<Output = ()> + Send + 'static,
         on_round: impl Fn(Round) + Send + 'static,
         shutdown: CancellationToken,
     ) -> JoinHandle<()> {
+        let LeaseApis {
+            lease: api,
+            name,
+            holds,
+            index,
+            within: api_timeout,
+        } = apis;
         tokio::spawn(async move {
             tokio::select! {
                 _ = synced => {}
@@ -179,7 +238,15 @@ impl Leadership {
             let retry = self.with(|e| e.terms().retry);
             let mut leading = false;
             loop {
-                let round = self.leading_now(&api, &name, api_timeout).await;
+                let mut round = self.leading_now(&api, &name, api_timeout).await;
+                if let Err(e) = self.catch_up(&index, &holds, api_timeout).await {
+                    tracing::warn!(
+                        lease = name,
+                        error = e,
+                        "this replica holds the decider Lease but cannot list the holds; it decides once it can"
+                    );
+                }
+                round.deciding = self.deciding();
                 on_round(round);
                 let now = round.deciding;
                 if now != leading {
@@ -203,7 +270,14 @@ impl Leadership {
                     } => {}
                 }
             }
-            if leading {
+            if self.keep_at_stop.load(Ordering::Acquire) {
+                self.give_up(None);
+                tracing::warn!(
+                    lease = name,
+                    "kept the decider Lease at this stop: the last holds could not be written; the \
+                     next decider waits it out"
+                );
+            } else {
                 self.release(&api, &name, api_timeout).await;
             }
             on_round(Round {
@@ -228,14 +302,7 @@ impl Leadership {
 
     /// The write of `record`, started at `started`, went through.
     pub fn written(&self, record: Record, started: jiff::Timestamp) {
-        let began = self.with(|e| {
-            let term = e.term();
-            e.written(record, started);
-            e.term() != term
-        });
-        if began {
-            self.became.notify_one();
-        }
+        self.with(|e| e.written(record, started));
     }
 
     /// How many times this replica started deciding.
@@ -310,22 +377,52 @@ impl Leadership {
         after(true)
     }
 
-    /// Give the Lease up: empty holder, so a successor takes it at once.
+    /// Stop deciding. The record that gives the Lease up (empty holder, so a successor takes it at
+    /// once), when `lease` (as read now) is in this replica's name.
+    pub fn give_up(&self, lease: Option<Record>) -> Option<Record> {
+        self.with(|e| {
+            e.step_down();
+            let mine = lease.filter(|r| r.holder == e.me())?;
+            Some(Record {
+                holder: String::new(),
+                ..mine
+            })
+        })
+    }
+
+    /// Give the Lease up ([`Leadership::give_up`]).
     async fn release(&self, api: &Api<Lease>, name: &str, within: Duration) {
-        self.with(Elector::step_down);
-        let Ok(Ok(Some(mut lease))) = tokio::time::timeout(within, api.get_opt(name)).await else {
+        let read = tokio::time::timeout(within, api.get_opt(name)).await;
+        let Ok(Ok(Some(mut lease))) = read else {
+            self.give_up(None);
             return;
         };
-        let me = self.with(|e| e.me().to_string());
-        let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-        if spec.holder_identity.as_deref() != Some(me.as_str()) {
+        if self.give_up(Some(record(&lease))).is_none() {
             return;
         }
-        spec.holder_identity = None;
+        lease
+            .spec
+            .get_or_insert_with(LeaseSpec::default)
+            .holder_identity = None;
         let _ =
             tokio::time::timeout(within, api.replace(name, &PostParams::default(), &lease)).await;
         tracing::info!(lease = name, "gave up the decider Lease");
     }
+}
+
+/// What [`Leadership::run`] reads and writes.
+#[derive(Clone, Debug)]
+pub struct LeaseApis {
+    /// The Leases of the webhook's namespace.
+    pub lease: Api<Lease>,
+    /// The decider Lease's name.
+    pub name: String,
+    /// The holds, listed when this replica takes the Lease.
+    pub holds: ApiHolds,
+    /// The index they are listed into.
+    pub index: KeyIndex,
+    /// Longest one API call may take.
+    pub within: Duration,
 }
 
 /// What one round of [`Leadership::run`] found.
@@ -394,5 +491,83 @@ async fn write(
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 409 => Err(WriteError::Conflict),
         Err(e) => Err(WriteError::Failed(format!("writing Lease {name}: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use teeguard_shared::reservation::{HoldReason, TeeReservation, TeeReservationSpec};
+
+    use super::*;
+    use crate::cluster::holds::Listed;
+    use crate::decide::admit::Write;
+    use crate::decide::lead::Terms;
+    use crate::decide::testkit::{hold, t0};
+
+    /// The API server as a new decider lists it: one node's holds.
+    struct Listing(Vec<TeeReservation>);
+
+    impl HoldStore for Listing {
+        async fn write(&self, _: &Write, _: Duration) -> Result<TeeReservation, WriteError> {
+            Err(WriteError::Failed("this test writes nothing".into()))
+        }
+
+        async fn read(&self, _: &str, _: Duration) -> Result<Option<TeeReservation>, String> {
+            Ok(None)
+        }
+
+        async fn list(&self, _: Duration) -> Result<Listed, String> {
+            Ok(Listed {
+                holds: self.0.clone(),
+                reports: Vec::new(),
+            })
+        }
+    }
+
+    /// After a clean stop the Lease is taken over at once, maybe before this replica's watch has
+    /// delivered the holds its predecessor wrote last: it decides nothing until it has listed them.
+    #[tokio::test]
+    async fn a_replica_that_takes_the_lease_decides_only_once_it_has_listed_the_holds() {
+        let index = KeyIndex::new(Duration::from_secs(30), Arc::new(t0));
+        let terms = Terms::of_lease(Duration::from_secs(15));
+        let l = Leadership::new(Elector::new("b", "https://b", terms), Arc::new(t0));
+        let released = Record {
+            holder: String::new(),
+            address: "https://a".into(),
+            renewed: t0(),
+            transitions: 1,
+        };
+        let taken = l.round(Some(released)).expect("a released Lease is taken at once");
+        l.written(taken, t0());
+        assert_eq!(l.route(), Route::Nobody, "holding the Lease, not caught up");
+
+        let predecessors = TeeReservation {
+            metadata: ObjectMeta {
+                name: Some("n1".into()),
+                resource_version: Some("7".into()),
+                ..ObjectMeta::default()
+            },
+            spec: TeeReservationSpec {
+                node_name: "n1".into(),
+                reservations: vec![hold("p1", "v1", HoldReason::Bound)],
+            },
+        };
+        let store = Listing(vec![predecessors]);
+        let within = Duration::from_secs(1);
+        assert_eq!(l.catch_up(&index, &store, within).await, Ok(true));
+        assert_eq!(l.route(), Route::Here);
+        assert_eq!(
+            index.read().live("n1", t0()).count(),
+            1,
+            "the predecessor's hold is held"
+        );
+        assert_eq!(
+            l.catch_up(&index, &store, within).await,
+            Ok(false),
+            "once per term"
+        );
     }
 }

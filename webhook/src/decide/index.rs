@@ -44,6 +44,8 @@ pub struct NodeState {
     pub labels: Option<Labels>,
     /// Its report's status (`None`: no report).
     pub report: Option<Arc<TeeCapacityStatus>>,
+    /// The report's `resourceVersion`.
+    report_version: Option<u64>,
     /// When its agent last renewed its heartbeat Lease.
     pub lease: Option<Timestamp>,
     /// Its `TeeReservation` (`None`: none yet).
@@ -162,13 +164,24 @@ impl Index {
         self.drop_if_empty(name);
     }
 
-    /// A node's report (`None`: deleted). Its `countedPods` are remembered as counted.
+    /// A node's report (`None`: deleted) at `version` (its `resourceVersion`, a number). Its
+    /// `countedPods` are remembered as counted. A report older than the one held is ignored: a new
+    /// decider lists the reports ([`crate::cluster::lead::Leadership::catch_up`]) before its watch may
+    /// deliver older ones.
     pub fn apply_report(
         &mut self,
         name: &str,
         status: Option<Arc<TeeCapacityStatus>>,
+        version: Option<u64>,
         now: Timestamp,
     ) {
+        let held = self.nodes.get(name).and_then(|n| n.report_version);
+        if let (Some(_), Some(held), Some(new)) = (&status, held, version)
+            && new < held
+        {
+            return;
+        }
+        self.node_mut(name).report_version = version.filter(|_| status.is_some());
         if let Some(s) = &status {
             for uid in &s.counted_pods {
                 self.counted.entry(uid.clone()).or_insert(now);

@@ -100,7 +100,7 @@ impl World {
     pub fn node(mut self, name: &str, capacity: u64, free: u64) -> Self {
         self.ix.apply_node(name, Some(labels(&format!("z-{name}"))));
         self.ix
-            .apply_report(name, Some(report(capacity, free, &[])), t0());
+            .apply_report(name, Some(report(capacity, free, &[])), None, t0());
         self
     }
 

@@ -9,7 +9,8 @@
 //!   before writing its holds behind must not lose them).
 //! - I6 (leader mode): at most one replica decides at a time.
 //! - I3: a VMI a free key serves (first come, first served, as [`admit::promises`] hands keys out on
-//!   the truth) holds a key within [`RETRY_BOUND`] while the webhook is up; in the model checker, no
+//!   the truth) holds a key within [`RETRY_BOUND`] while the webhook is up (a decider with its
+//!   watches, no orphan to wait for, started at least `POD_GRACE` ago); in the model checker, no
 //!   state without a next step leaves one waiting.
 //! - I4: a VMI that gets a key never takes one a VMI refused before it needed (the earlier VMIs the
 //!   free keys serve are as many after as before).
@@ -23,7 +24,7 @@ use teeguard_shared::TeeKind;
 use teeguard_webhook::cluster::index::KeyIndex;
 use teeguard_webhook::decide::admit;
 use teeguard_webhook::decide::affinity::node_matches;
-use teeguard_webhook::decide::holds::Claimant;
+use teeguard_webhook::decide::holds::{Claimant, POD_GRACE};
 use teeguard_webhook::decide::index::{Index, VmiState};
 use teeguard_webhook::decide::queue;
 
@@ -304,9 +305,14 @@ impl Checks {
     /// I3, and the latency figures.
     fn timely(&mut self, w: &World) {
         // The webhook is up when the decider has all its watches and no orphan launcher pod to wait
-        // for.
+        // for, and started POD_GRACE ago: a decider that started later keeps the holds it first saw
+        // up to POD_GRACE past their TTL (the end rule's guard against a writer's clock far behind),
+        // which matters once a clean stop lets a replica just restarted take the Lease at once.
+        let grace = POD_GRACE.as_millis() as u64;
         let deciding = |r: &super::world::Replica| {
-            r.leadership.deciding() && r.index.read().orphans(r.index.now()) == 0
+            r.leadership.deciding()
+                && r.index.read().orphans(r.index.now()) == 0
+                && w.now >= r.started_at + grace
         };
         let healthy = !w.truth().api_down
             && w.replicas

@@ -24,7 +24,8 @@ pub struct Chaos {
     pub vmis: usize,
     /// Delete VMIs at random (running or waiting) as the run goes.
     pub deletions: bool,
-    /// Crash and restart a replica (never the last one up) one second in this many (0: never).
+    /// Crash, or stop cleanly, and restart a replica (never the last one up) one second in this many
+    /// (0: never).
     pub crash_odds: u64,
     /// Drop watches and re-list them.
     pub watch_drops: bool,
@@ -193,7 +194,11 @@ pub fn run(spec: Spec, chaos: &Chaos, seed: u64) -> Outcome {
                     q.at(w.now + d, Action::Reap(pod));
                 }
             }
-            Action::Crash(r) => {
+            // A restarted replica counts its terms from 0 again.
+            Action::Restart(r) => {
+                terms.remove(r);
+            }
+            Action::Crash(r) | Action::Stop(r) => {
                 let d = 1_000 + w.rand(4_000);
                 q.at(w.now + d, Action::Restart(*r));
             }
@@ -337,7 +342,13 @@ fn disturb(w: &mut World, q: &mut Queue, chaos: &Chaos, at: u64) {
             Some(d) if w.rand(2) == 0 => d,
             _ => up[w.rand(up.len() as u64) as usize],
         };
-        q.at(at, Action::Crash(r));
+        // A replica going away at an even second stops cleanly (a rolling upgrade), else it crashes
+        // (no random draw: the runs' other choices stay as they were).
+        if (at / 1_000).is_multiple_of(2) {
+            q.at(at, Action::Stop(r));
+        } else {
+            q.at(at, Action::Crash(r));
+        }
     }
     if chaos.watch_drops && w.rand(10) == 0 {
         let r = w.rand(w.replicas.len() as u64) as usize;

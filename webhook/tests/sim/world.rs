@@ -26,7 +26,7 @@ use teeguard_shared::reservation::{TeeReservation, TeeReservationSpec};
 use teeguard_shared::{TeeCapacity, TeeKind, VirtualMachineInstance};
 use teeguard_webhook::cluster::admission::{Checker, FitHints, Target, check};
 use teeguard_webhook::cluster::caches::{Observer, slim_vmi};
-use teeguard_webhook::cluster::holds::{HoldStore, WriteError, write_behind_once};
+use teeguard_webhook::cluster::holds::{HoldStore, Listed, WriteError, write_behind_once};
 use teeguard_webhook::cluster::index::{Clock, KeyIndex, Sink};
 use teeguard_webhook::cluster::lead::Leadership;
 use teeguard_webhook::cluster::retry::{promise, tidy, withdraw};
@@ -89,6 +89,9 @@ pub enum Defect {
     NoWriteBehind,
     /// Every replica decides on its own index (no election): each keeps its own holds.
     EveryReplicaDecides,
+    /// A replica that takes the Lease decides at once on what its watches delivered, without listing
+    /// the holds and the reports first (the API server's lists show it nothing).
+    NoCatchUp,
 }
 
 /// The four watched kinds, one watch (and queue) each per replica.
@@ -167,6 +170,8 @@ pub struct NodeTruth {
     pub spec: NodeSpec,
     /// The report the agent last published.
     pub published: Option<TeeCapacityStatus>,
+    /// Its `resourceVersion`.
+    pub published_rev: u64,
     /// The node's `TeeReservation`.
     pub holds: Option<TeeReservation>,
     /// When the agent first counted each pod.
@@ -242,6 +247,8 @@ pub struct Truth {
     pub api_down: bool,
     /// The decider Lease.
     pub lease: Option<Record>,
+    /// Lists of the holds show nothing (the defect [`Defect::NoCatchUp`]).
+    pub blind_lists: bool,
     /// Changes not yet handed to the watches.
     pub outbox: Vec<Change>,
     next: u64,
@@ -304,6 +311,24 @@ impl HoldStore for SimStore<'_> {
         }
         Ok(t.nodes.get(node).and_then(|n| n.holds.clone()))
     }
+
+    async fn list(&self, _within: Duration) -> Result<Listed, String> {
+        let t = lock(self.0);
+        if t.api_down {
+            return Err("the API server is down".into());
+        }
+        if t.blind_lists {
+            return Ok(Listed::default());
+        }
+        let reports = t.nodes.iter().filter_map(|(name, n)| {
+            let status = n.published.as_ref()?;
+            Some(report_object(name, status, n.published_rev))
+        });
+        Ok(Listed {
+            holds: t.nodes.values().filter_map(|n| n.holds.clone()).collect(),
+            reports: reports.collect(),
+        })
+    }
 }
 
 fn lock(m: &Mutex<Truth>) -> MutexGuard<'_, Truth> {
@@ -323,6 +348,8 @@ pub struct Replica {
     pub dropped: [bool; KINDS],
     /// Listed once since its start.
     pub synced: bool,
+    /// When it started (ms).
+    pub started_at: u64,
     /// Per kind: when its watch last listed (its start, or a re-list after a drop).
     pub listed_at: [u64; KINDS],
     /// Its side of the decider election (leader mode).
@@ -356,6 +383,9 @@ pub enum Action {
     Reap(String),
     /// A replica crashes.
     Crash(usize),
+    /// A replica stops cleanly (a rolling upgrade): it writes its holds behind once more, gives the
+    /// Lease up if it decided (a successor takes it at once), and is gone.
+    Stop(usize),
     /// A replica starts again and lists everything.
     Restart(usize),
     /// A replica's watch of a kind is dropped.
@@ -475,6 +505,7 @@ impl World {
                     let truth = NodeTruth {
                         spec: *n,
                         published: None,
+                        published_rev: 0,
                         holds: None,
                         first_counted: BTreeMap::new(),
                         charged: BTreeSet::new(),
@@ -487,6 +518,7 @@ impl World {
             vmis: BTreeMap::new(),
             api_down: false,
             lease: None,
+            blind_lists: spec.defect == Defect::NoCatchUp,
             outbox: Vec::new(),
             next: 0,
         };
@@ -553,6 +585,7 @@ impl World {
             queues: Default::default(),
             dropped: [false; KINDS],
             synced: true,
+            started_at: self.now,
             listed_at: [self.now; KINDS],
             leadership,
         };
@@ -573,7 +606,8 @@ impl World {
         for (name, n) in &t.nodes {
             out.push(Change::Holds(name.clone(), n.holds.clone()));
             if let Some(p) = &n.published {
-                out.push(Change::Report(Box::new(report_object(name, p))));
+                let report = report_object(name, p, n.published_rev);
+                out.push(Change::Report(Box::new(report)));
             }
         }
         for (uid, p) in &t.pods {
@@ -703,6 +737,7 @@ impl World {
                 rep.alive = false;
                 rep.queues = Default::default();
             }
+            Action::Stop(r) => self.stop(*r),
             Action::Restart(r) => self.replicas[*r] = self.fresh_replica(*r),
             Action::Renew(r) => self.renew(*r),
             Action::WriteBehind(r) => happened.behind_failed = self.write_behind(*r),
@@ -965,7 +1000,8 @@ impl World {
         }
     }
 
-    /// Replica `r` reads the Lease and writes it when its elector says so.
+    /// Replica `r` reads the Lease and writes it when its elector says so; in a term it has just
+    /// taken, it lists the holds before it decides (`Leadership::catch_up`, as `Leadership::run`).
     fn renew(&mut self, r: usize) {
         if !self.replicas[r].alive {
             return;
@@ -979,6 +1015,33 @@ impl World {
             t.lease = Some(next.clone());
             rep.leadership.written(next, at(self.now));
         }
+        drop(t);
+        let store = SimStore(&self.truth);
+        // A failed list (the API server down) is tried again at the next round.
+        let _ = futures::executor::block_on(rep.leadership.catch_up(
+            &rep.index,
+            &store,
+            Duration::from_secs(2),
+        ));
+    }
+
+    /// Replica `r` stops as the webhook does (`app.rs`): its last reviews answered, the write-behind's
+    /// last pass, then the Lease given up.
+    fn stop(&mut self, r: usize) {
+        if !self.replicas[r].alive {
+            return;
+        }
+        // The Lease is kept when the last holds could not be written (`Leadership::keep_at_stop`).
+        let failed = self.write_behind(r);
+        let mut t = lock(&self.truth);
+        let released = self.replicas[r].leadership.give_up(t.lease.clone());
+        if let Some(record) = released.filter(|_| !t.api_down && !failed) {
+            t.lease = Some(record);
+        }
+        drop(t);
+        let rep = &mut self.replicas[r];
+        rep.alive = false;
+        rep.queues = Default::default();
     }
 
     /// The decider writes its holds behind; whether a write failed.
@@ -1205,6 +1268,9 @@ impl World {
             n.first_counted.entry(uid.clone()).or_insert(now);
         }
         n.published = Some(status.clone());
+        t.rev += 1;
+        let rev = t.rev;
+        t.nodes.get_mut(node).expect("node").published_rev = rev;
         // Current for as long as the simulation runs (staleness is not what this tests).
         status.heartbeat_time = Some(Time(
             epoch()
@@ -1212,7 +1278,7 @@ impl World {
                 .expect("t"),
         ));
         t.outbox
-            .push(Change::Report(Box::new(report_object(node, &status))));
+            .push(Change::Report(Box::new(report_object(node, &status, rev))));
     }
 
     fn plan(&mut self, r: usize) -> (Vec<String>, bool) {
@@ -1480,6 +1546,7 @@ impl World {
                     queues: r.queues.clone(),
                     dropped: r.dropped,
                     synced: r.synced,
+                    started_at: r.started_at,
                     listed_at: r.listed_at,
                     leadership: r.leadership.fork(),
                 })
@@ -1540,7 +1607,7 @@ fn node_labels(n: &NodeSpec) -> BTreeMap<String, String> {
     BTreeMap::from([(kind_label(n.kind).to_string(), "true".to_string())])
 }
 
-fn report_object(node: &str, status: &TeeCapacityStatus) -> TeeCapacity {
+fn report_object(node: &str, status: &TeeCapacityStatus, rev: u64) -> TeeCapacity {
     let mut status = status.clone();
     status.heartbeat_time = Some(Time(
         epoch()
@@ -1550,6 +1617,7 @@ fn report_object(node: &str, status: &TeeCapacityStatus) -> TeeCapacity {
     TeeCapacity {
         metadata: ObjectMeta {
             name: Some(node.into()),
+            resource_version: Some(rev.to_string()),
             ..ObjectMeta::default()
         },
         spec: TeeCapacitySpec {

@@ -96,6 +96,7 @@ fn a_binding_of_a_pod_the_report_counts_writes_nothing() {
     ix.apply_report(
         "n1",
         Some(crate::decide::testkit::report(2, 1, &["p1"])),
+        None,
         t0(),
     );
     let one = tdx(1);
@@ -322,6 +323,7 @@ fn a_write_trims_ended_holds_keeps_counted_ones_and_replaces_the_claimants_own()
     ix.apply_report(
         "n1",
         Some(crate::decide::testkit::report(4, 3, &["counted"])),
+        None,
         t0(),
     );
     let w = write(&ix, "n1", vec![hold("p1", "v1", Admitted)], t0());

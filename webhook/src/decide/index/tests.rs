@@ -26,10 +26,10 @@ fn a_hold_ends_when_a_report_counts_its_pod_and_stays_ended_when_the_report_forg
         .pod("p1", Some("n1"))
         .ix;
     assert_eq!(end_of(&ix, "n1", "p1", "v1", t0()), None);
-    ix.apply_report("n1", Some(report(2, 1, &["p1"])), at(1));
+    ix.apply_report("n1", Some(report(2, 1, &["p1"])), None, at(1));
     assert_eq!(end_of(&ix, "n1", "p1", "v1", at(1)), Some(End::Counted));
     // The pod stopped: the next report lists it no more. Its key is in the figures (free) now.
-    ix.apply_report("n1", Some(report(2, 2, &[])), at(2));
+    ix.apply_report("n1", Some(report(2, 2, &[])), None, at(2));
     assert_eq!(end_of(&ix, "n1", "p1", "v1", at(2)), Some(End::Counted));
     assert!(
         !End::Counted.trimmed(),
@@ -261,7 +261,7 @@ fn scan_nodes_visits_first_then_the_rest_once_each_with_labels_only() {
         .node("b", 1, 1)
         .node("c", 1, 1)
         .ix;
-    ix.apply_report("unlabelled", Some(report(1, 1, &[])), t0());
+    ix.apply_report("unlabelled", Some(report(1, 1, &[])), None, t0());
     let scan = |first: Option<&str>, keep: &dyn Fn(&str) -> bool| {
         let mut seen = Vec::new();
         ix.scan_nodes(&|n, _| keep(n), first, &mut |n, _| {
