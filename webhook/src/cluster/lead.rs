@@ -540,7 +540,9 @@ mod tests {
             renewed: t0(),
             transitions: 1,
         };
-        let taken = l.round(Some(released)).expect("a released Lease is taken at once");
+        let taken = l
+            .round(Some(released))
+            .expect("a released Lease is taken at once");
         l.written(taken, t0());
         assert_eq!(l.route(), Route::Nobody, "holding the Lease, not caught up");
 
