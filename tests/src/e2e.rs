@@ -405,6 +405,50 @@ impl ChildProcess {
         }
     }
 
+    /// Ask it to stop as the kubelet does (SIGTERM); [`ChildProcess::wait_exit`] waits for the end.
+    pub fn sigterm(&self) -> Result<()> {
+        let Some(pid) = self.pid() else {
+            return Ok(());
+        };
+        let pid = pid.to_string();
+        let status = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .map_err(|source| Error::Spawn {
+                name: format!("kill -TERM {pid} ({})", self.name),
+                program: "kill".into(),
+                source,
+            })?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(Error::Failed {
+                what: format!("kill -TERM {pid} ({})", self.name),
+                reason: status.to_string(),
+            })
+        }
+    }
+
+    /// Wait until it has exited, at most `within` (then it is killed, and the error says so): how
+    /// it ended.
+    pub async fn wait_exit(&mut self, within: Duration) -> Result<String> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Some(status) = self.exit_status() {
+                return Ok(status);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                self.kill();
+                return Err(Error::Timeout {
+                    what: format!("{} to exit (killed)", self.name),
+                    after: within,
+                    log: Some(self.log()),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Kill it (SIGKILL, like a crash or an OOM kill) and reap it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

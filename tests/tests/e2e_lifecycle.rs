@@ -40,12 +40,8 @@ fn key(pod: &Pod) -> (String, String) {
 
 /// SIGTERM, as the kubelet sends it to a terminating pod's container.
 fn sigterm(w: &WebhookProcess) {
-    let pid = w.proc.pid().expect("the replica is running");
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(status.success(), "kill -TERM {pid}: {status}");
+    assert!(w.proc.pid().is_some(), "the replica is running");
+    w.proc.sigterm().expect("kill -TERM");
 }
 
 fn assert_no_panic(what: &str, log: &str) {

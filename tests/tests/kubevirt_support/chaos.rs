@@ -1,5 +1,6 @@
 //! Chaos on the real chain: clients create and delete VMIs at random while webhook replicas, a node's
-//! agent and one of the two API servers are killed and restarted at random (its watches drop with it),
+//! agent and one of the two API servers are killed (a replica also stopped cleanly, as a rolling update
+//! stops it) and restarted at random (its watches drop with it),
 //! the invariants checked throughout from the API server's and the nodes' truth (issue 42).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -132,12 +133,25 @@ pub async fn vmis_come_and_go_while_replicas_an_agent_and_an_api_server_restart(
         let outage = Duration::from_millis(2_000 + rng.u64(..3_000));
         health.set(false);
         let event = match rng.u64(..4) {
-            0 | 1 => {
+            0 => {
                 let i = rng.usize(..w.webhooks.len());
                 w.stop_replica(i);
                 tokio::time::sleep(outage).await;
                 w.start_replica(i).await;
                 format!("webhook replica {i} killed for {outage:?}")
+            }
+            1 => {
+                // A rolling update's stop of the decider: it gives the Lease up and another
+                // replica takes it at once, listing the holds before it decides.
+                let drawn = rng.usize(..w.webhooks.len());
+                let (i, role) = match w.decider().await {
+                    Some(d) => (d, "the decider"),
+                    None => (drawn, "nobody deciding"),
+                };
+                w.terminate_replica(i).await;
+                tokio::time::sleep(outage).await;
+                w.start_replica(i).await;
+                format!("webhook replica {i} ({role}) stopped (SIGTERM) for {outage:?}")
             }
             2 => {
                 w.tdx.agent.proc.kill();

@@ -227,6 +227,25 @@ impl KubeVirtWorld {
         }
     }
 
+    /// Stop replica `i` as a rolling update does: out of the balancer, SIGTERM, and wait until it
+    /// has exited (it drains, writes its last holds and gives the Lease up, which a successor takes at
+    /// once). The bound is the drain timeout (25 s) with the slack of a loaded machine.
+    pub async fn terminate_replica(&mut self, i: usize) {
+        self.webhook_backends
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())[i] = None;
+        if let Some(mut w) = self.webhooks[i].take() {
+            w.proc.sigterm().expect("kill -TERM");
+            let ended = w.proc.wait_exit(Duration::from_secs(60)).await;
+            let ended = ended.unwrap_or_else(|e| panic!("webhook replica {i} stops: {e}"));
+            assert!(
+                ended.contains("exit status: 0"),
+                "webhook replica {i} ended {ended}; its log:\n{}",
+                w.proc.log()
+            );
+        }
+    }
+
     /// Start replica `i` again (a new process, its caches listed anew).
     pub async fn start_replica(&mut self, i: usize) {
         let webhook = start_replica(&self.cluster, &self.tdx.env, i).await;
@@ -234,6 +253,18 @@ impl KubeVirtWorld {
             .lock()
             .unwrap_or_else(|e| e.into_inner())[i] = Some(webhook.https);
         self.webhooks[i] = Some(webhook);
+    }
+
+    /// The running replica that decides now (its `teeguard_webhook_decider` gauge is 1), if one does.
+    pub async fn decider(&self) -> Option<usize> {
+        for (i, r) in self.webhooks.iter().enumerate() {
+            let Some(r) = r else { continue };
+            let text = r.metrics().await;
+            if Scrape::parse(&text).sum("teeguard_webhook_decider", &[]) == 1.0 {
+                return Some(i);
+            }
+        }
+        None
     }
 
     /// Wait until exactly one running replica decides (its `teeguard_webhook_decider` gauge is 1):
