@@ -390,11 +390,11 @@ impl Leadership {
         })
     }
 
-    /// Give the Lease up ([`Leadership::give_up`]).
+    /// Give the Lease up ([`Leadership::give_up`]), having stopped deciding first.
     async fn release(&self, api: &Api<Lease>, name: &str, within: Duration) {
+        self.give_up(None);
         let read = tokio::time::timeout(within, api.get_opt(name)).await;
         let Ok(Ok(Some(mut lease))) = read else {
-            self.give_up(None);
             return;
         };
         if self.give_up(Some(record(&lease))).is_none() {
