@@ -176,9 +176,7 @@ impl Index {
         now: Timestamp,
     ) {
         let held = self.nodes.get(name).and_then(|n| n.report_version);
-        if let (Some(_), Some(held), Some(new)) = (&status, held, version)
-            && new < held
-        {
+        if status.is_some() && older(version, held) {
             return;
         }
         self.node_mut(name).report_version = version.filter(|_| status.is_some());
@@ -209,8 +207,7 @@ impl Index {
     ) -> bool {
         let old = self.nodes.get(name).and_then(|n| n.holds.clone());
         if let (Some(old), Some(new)) = (&old, &obj)
-            && let (Some(o), Some(n)) = (version(old), version(new))
-            && n < o
+            && older(version(new), version(old))
         {
             return false;
         }
@@ -634,6 +631,12 @@ fn same_hold(a: &KeyReservation, b: &KeyReservation) -> bool {
 
 fn version(o: &TeeReservation) -> Option<u64> {
     o.metadata.resource_version.as_deref()?.parse().ok()
+}
+
+/// Whether an object at `new` is older than the one held at `held` (both `resourceVersion`s, when
+/// numbers).
+fn older(new: Option<u64>, held: Option<u64>) -> bool {
+    matches!((new, held), (Some(n), Some(h)) if n < h)
 }
 
 mod end;

@@ -18,6 +18,24 @@ fn end_of(ix: &Index, node: &str, pod_uid: &str, vmi_uid: &str, now: Timestamp) 
     ix.end(node, &e, now)
 }
 
+/// A new decider lists the reports; its watch may deliver an older one afterwards, which must not
+/// bring back free keys the listed one no longer shows.
+#[test]
+fn a_report_older_than_the_one_held_is_ignored() {
+    let mut ix = Index::new(TTL);
+    ix.apply_report("n1", Some(report(2, 0, &["p1", "p2"])), Some(9), t0());
+    ix.apply_report("n1", Some(report(2, 2, &[])), Some(7), at(1));
+    let free = |ix: &Index| {
+        ix.report("n1")
+            .status
+            .and_then(|s| s.tdx.as_ref())
+            .map(|k| k.free)
+    };
+    assert_eq!(free(&ix), Some(0), "the older report is ignored");
+    ix.apply_report("n1", Some(report(2, 1, &["p1"])), Some(10), at(2));
+    assert_eq!(free(&ix), Some(1), "a newer one is applied");
+}
+
 #[test]
 fn a_hold_ends_when_a_report_counts_its_pod_and_stays_ended_when_the_report_forgets_it() {
     let mut ix = World::default()
