@@ -255,16 +255,25 @@ impl KubeVirtWorld {
         self.webhooks[i] = Some(webhook);
     }
 
-    /// The running replica that decides now (its `teeguard_webhook_decider` gauge is 1), if one does.
-    pub async fn decider(&self) -> Option<usize> {
+    /// The running replicas that decide now (their `teeguard_webhook_decider` gauge is 1).
+    async fn deciders(&self) -> Vec<usize> {
+        let mut out = Vec::new();
         for (i, r) in self.webhooks.iter().enumerate() {
             let Some(r) = r else { continue };
             let text = r.metrics().await;
             if Scrape::parse(&text).sum("teeguard_webhook_decider", &[]) == 1.0 {
-                return Some(i);
+                out.push(i);
             }
         }
-        None
+        out
+    }
+
+    /// The running replica that decides now, if exactly one does.
+    pub async fn decider(&self) -> Option<usize> {
+        match self.deciders().await[..] {
+            [one] => Some(one),
+            _ => None,
+        }
     }
 
     /// Wait until exactly one running replica decides (its `teeguard_webhook_decider` gauge is 1):
@@ -275,12 +284,7 @@ impl KubeVirtWorld {
         let decided = self
             .cluster
             .wait_for_within("one webhook replica decides", bound, || async {
-                let mut deciding = 0.0;
-                for r in self.webhooks.iter().flatten() {
-                    let text = r.metrics().await;
-                    deciding += Scrape::parse(&text).sum("teeguard_webhook_decider", &[]);
-                }
-                (deciding == 1.0).then_some(())
+                self.decider().await.map(|_| ())
             })
             .await;
         assert!(decided.is_ok(), "{decided:?}\n{}", self.diagnostics());

@@ -176,8 +176,7 @@ impl Sink<PartialObjectMeta<Node>> for KeyIndex {
 impl Sink<TeeCapacity> for KeyIndex {
     fn apply(&self, obj: TeeCapacity) {
         let name = name_of(&obj);
-        let version = obj.metadata.resource_version.as_deref();
-        let version = version.and_then(|v| v.parse().ok());
+        let version = crate::decide::index::resource_version(&obj.metadata);
         let status = obj.status.map(|mut s| {
             // Conditions and the version are for people; the decisions read the figures.
             s.conditions = Vec::new();

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::PodSpec;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use teeguard_shared::TeeKind;
 use teeguard_shared::crd::TeeCapacityStatus;
 use teeguard_shared::reservation::{HoldReason, KeyReservation, TeeReservation};
@@ -630,7 +631,13 @@ fn same_hold(a: &KeyReservation, b: &KeyReservation) -> bool {
 }
 
 fn version(o: &TeeReservation) -> Option<u64> {
-    o.metadata.resource_version.as_deref()?.parse().ok()
+    resource_version(&o.metadata)
+}
+
+/// An object's `resourceVersion` as a number (the API server's are etcd revisions), to tell a newer
+/// copy of it from an older one.
+pub fn resource_version(meta: &ObjectMeta) -> Option<u64> {
+    meta.resource_version.as_deref()?.parse().ok()
 }
 
 /// Whether an object at `new` is older than the one held at `held` (both `resourceVersion`s, when
