@@ -21,7 +21,6 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::PodSpec;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use teeguard_shared::TeeKind;
 use teeguard_shared::crd::TeeCapacityStatus;
 use teeguard_shared::reservation::{HoldReason, KeyReservation, TeeReservation};
@@ -208,7 +207,10 @@ impl Index {
     ) -> bool {
         let old = self.nodes.get(name).and_then(|n| n.holds.clone());
         if let (Some(old), Some(new)) = (&old, &obj)
-            && older(version(new), version(old))
+            && older(
+                resource_version(&new.metadata),
+                resource_version(&old.metadata),
+            )
         {
             return false;
         }
@@ -238,7 +240,10 @@ impl Index {
             .local
             .retain(|(l, _)| !new_entries.iter().any(|e| same_hold(e, l)));
         let same = match (&state.holds, &obj) {
-            (Some(o), Some(n)) => version(o).is_some() && version(o) == version(n),
+            (Some(o), Some(n)) => {
+                let held = resource_version(&o.metadata);
+                held.is_some() && held == resource_version(&n.metadata)
+            }
             (None, None) => true,
             _ => false,
         };
@@ -630,23 +635,12 @@ fn same_hold(a: &KeyReservation, b: &KeyReservation) -> bool {
         && a.admitted_at.0.as_second() == b.admitted_at.0.as_second()
 }
 
-fn version(o: &TeeReservation) -> Option<u64> {
-    resource_version(&o.metadata)
-}
-
-/// An object's `resourceVersion` as a number (the API server's are etcd revisions), to tell a newer
-/// copy of it from an older one.
-pub fn resource_version(meta: &ObjectMeta) -> Option<u64> {
-    meta.resource_version.as_deref()?.parse().ok()
-}
-
-/// Whether an object at `new` is older than the one held at `held` (both `resourceVersion`s, when
-/// numbers).
-fn older(new: Option<u64>, held: Option<u64>) -> bool {
-    matches!((new, held), (Some(n), Some(h)) if n < h)
-}
-
 mod end;
 mod fingerprint;
+mod version;
+
+use version::older;
+pub use version::resource_version;
+
 #[cfg(test)]
 mod tests;
