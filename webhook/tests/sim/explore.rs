@@ -3,8 +3,11 @@
 //! way at once (a replica may be behind on a kind by any number of changes, and catches up to the API
 //! server's current state). States reached twice are explored once (the world's fingerprint: what
 //! decides the next steps). Replica 0 takes the decider Lease first and keeps it (with no time, a
-//! Lease never runs out); the decider writes its holds behind at any step. Time-bound rules (the TTL,
-//! the pod grace, a Lease taken over) never fire here; the timed runs cover them.
+//! Lease never runs out) unless it stops cleanly, as a rolling update stops it: it gives the Lease up
+//! and any other replica may take it at any later step, whatever its watches have delivered by then
+//! (the stopped one stays stopped: its replacement is one more fresh replica, which the crashes cover).
+//! The decider writes its holds behind at any step. Time-bound rules (the TTL, the pod grace, a Lease
+//! run out after a crash) never fire here; the timed runs cover them.
 
 use std::collections::HashSet;
 
@@ -18,6 +21,8 @@ pub struct Budget {
     pub deletions: u32,
     /// Replica crashes (each followed by a restart whenever).
     pub crashes: u32,
+    /// Clean stops of a replica (each followed by a restart whenever).
+    pub stops: u32,
 }
 
 /// What the exploration found.
@@ -105,7 +110,13 @@ pub fn enabled(w: &World, budget: Budget) -> Vec<Action> {
             if budget.crashes > 0 && alive.len() > 1 {
                 out.push(Action::Crash(r));
             }
-        } else {
+            if budget.stops > 0 && alive.len() > 1 && rep.leadership.deciding() {
+                out.push(Action::Stop(r));
+            }
+            if w.may_take_lease(r) {
+                out.push(Action::Renew(r));
+            }
+        } else if !rep.stopped {
             out.push(Action::Restart(r));
         }
     }
@@ -146,14 +157,19 @@ fn dfs(
     w: &World,
     budget: Budget,
     depth: usize,
-    seen: &mut HashSet<(u64, u32, u32)>,
+    seen: &mut HashSet<(u64, u32, u32, u32)>,
     path: &mut Vec<Action>,
     out: &mut Explored,
 ) {
     if out.violation.is_some() {
         return;
     }
-    if !seen.insert((w.fingerprint(), budget.deletions, budget.crashes)) {
+    if !seen.insert((
+        w.fingerprint(),
+        budget.deletions,
+        budget.crashes,
+        budget.stops,
+    )) {
         return;
     }
     out.states += 1;
@@ -171,7 +187,11 @@ fn dfs(
     let quiet = next.iter().all(|a| {
         matches!(
             a,
-            Action::Create(..) | Action::Bind(..) | Action::DeleteVmi(_) | Action::Crash(_)
+            Action::Create(..)
+                | Action::Bind(..)
+                | Action::DeleteVmi(_)
+                | Action::Crash(_)
+                | Action::Stop(_)
         )
     }) && next.iter().all(|a| !changes(w, a));
     if quiet {
@@ -204,6 +224,10 @@ fn dfs(
                 crashes: budget.crashes - 1,
                 ..budget
             },
+            Action::Stop(_) => Budget {
+                stops: budget.stops - 1,
+                ..budget
+            },
             _ => budget,
         };
         dfs(&child, budget, depth, seen, path, out);
@@ -212,10 +236,10 @@ fn dfs(
 }
 
 /// Whether `a` would change the world (a CREATE that is refused again, a binding refused again, do
-/// not); a deletion or a crash always would, but a world waiting only on them is quiet.
+/// not); a deletion, a crash or a stop always would, but a world waiting only on them is quiet.
 fn changes(w: &World, a: &Action) -> bool {
     match a {
-        Action::DeleteVmi(_) | Action::Crash(_) => false,
+        Action::DeleteVmi(_) | Action::Crash(_) | Action::Stop(_) => false,
         _ => {
             let mut child = w.fork();
             let before = child.fingerprint();

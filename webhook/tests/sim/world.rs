@@ -254,6 +254,11 @@ pub struct Truth {
     next: u64,
 }
 
+/// Replica `r`'s name in the decider Lease.
+fn identity(r: usize) -> String {
+    format!("replica-{r}")
+}
+
 /// The simulation's API server, as the webhook's hold store.
 #[derive(Debug)]
 pub struct SimStore<'a>(pub &'a Mutex<Truth>);
@@ -354,6 +359,8 @@ pub struct Replica {
     pub listed_at: [u64; KINDS],
     /// Its side of the decider election (leader mode).
     pub leadership: Leadership,
+    /// Stopped cleanly (the model checker leaves it stopped: a rolling update's replica replaced).
+    pub stopped: bool,
 }
 
 /// Everything that can happen.
@@ -571,7 +578,7 @@ impl World {
             _ => Terms::of_lease(Duration::from_secs(15)),
         };
         let leadership = Leadership::new(
-            Elector::new(format!("replica-{i}"), i.to_string(), terms),
+            Elector::new(identity(i), i.to_string(), terms),
             sim_clock(&self.clock),
         );
         // Every Node exists, labelled as virt-handler labels its kind.
@@ -588,6 +595,7 @@ impl World {
             started_at: self.now,
             listed_at: [self.now; KINDS],
             leadership,
+            stopped: false,
         };
         // A fresh replica lists every object.
         for c in self.snapshot(None) {
@@ -1025,6 +1033,20 @@ impl World {
         ));
     }
 
+    /// Whether replica `r` would take the Lease if it read it now: it is alive and the Lease was given
+    /// up (or never taken), or names `r` while `r` does not decide (restarted). The model checker's
+    /// renewals: with no time, no other Lease ever runs out.
+    pub fn may_take_lease(&self, r: usize) -> bool {
+        let rep = &self.replicas[r];
+        if !rep.alive || rep.leadership.deciding() {
+            return false;
+        }
+        let t = self.truth();
+        t.lease
+            .as_ref()
+            .is_none_or(|l| l.holder.is_empty() || l.holder == identity(r))
+    }
+
     /// Replica `r` stops as the webhook does (`app.rs`): its last reviews answered, the write-behind's
     /// last pass, then the Lease given up.
     fn stop(&mut self, r: usize) {
@@ -1041,6 +1063,7 @@ impl World {
         drop(t);
         let rep = &mut self.replicas[r];
         rep.alive = false;
+        rep.stopped = true;
         rep.queues = Default::default();
     }
 
@@ -1390,6 +1413,7 @@ impl World {
         let mut h = Fx(0);
         let t = self.truth();
         t.api_down.hash(&mut h);
+        t.lease.as_ref().map(|l| l.holder.is_empty()).hash(&mut h);
         for (name, n) in &t.nodes {
             name.hash(&mut h);
             if let Some(p) = &n.published {
@@ -1433,6 +1457,9 @@ impl World {
                 continue;
             }
             r.index.read().fingerprint(&mut h);
+            // Whether it decides, and whether it has caught up (a decider lists before it decides).
+            let route = r.leadership.route();
+            (route == Route::Here, route == Route::Nobody).hash(&mut h);
             for (name, n) in &t.nodes {
                 let current = n
                     .holds
@@ -1549,6 +1576,7 @@ impl World {
                     started_at: r.started_at,
                     listed_at: r.listed_at,
                     leadership: r.leadership.fork(),
+                    stopped: r.stopped,
                 })
                 .collect(),
             oracle: if self.model {
