@@ -144,6 +144,18 @@ fn every_order_with_a_deletion_of_three_vmis_for_two_keys_keeps_the_invariants()
     every_order(small(), 3, deletions(1));
 }
 
+/// The same world with a handover as well (before a release, as the one above: `--ignored
+/// every_order_with_a_deletion`).
+#[test]
+#[ignore]
+fn every_order_with_a_deletion_and_a_handover_of_three_vmis_for_two_keys_keeps_the_invariants() {
+    let budget = Budget {
+        deletions: 1,
+        ..handover()
+    };
+    every_order(small(), 3, budget);
+}
+
 /// The world of seed `seed`: 1-3 replicas, 1-3 nodes (TDX, SEV-SNP), some keys held outside
 /// Kubernetes.
 fn world(seed: u64) -> Spec {
