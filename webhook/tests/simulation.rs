@@ -144,8 +144,8 @@ fn every_order_with_a_deletion_of_three_vmis_for_two_keys_keeps_the_invariants()
     every_order(small(), 3, deletions(1));
 }
 
-/// The same world with a handover as well (before a release, as the one above: `--ignored
-/// every_order_with_a_deletion`).
+/// The same world with a handover as well: 3 315 216 states, about 12 minutes on a busy machine
+/// (before a release, as the one above: `--ignored every_order_with_a_deletion`).
 #[test]
 #[ignore]
 fn every_order_with_a_deletion_and_a_handover_of_three_vmis_for_two_keys_keeps_the_invariants() {
