@@ -15,13 +15,13 @@ use super::check::Checks;
 use super::world::{Action, Happened, KINDS, Spec, World};
 
 /// What may be done, beyond the components' own steps.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Budget {
     /// VMIs a client may delete.
     pub deletions: u32,
     /// Replica crashes (each followed by a restart whenever).
     pub crashes: u32,
-    /// Clean stops of a replica (each followed by a restart whenever).
+    /// Clean stops of the deciding replica (it stays stopped; another takes the Lease).
     pub stops: u32,
 }
 
@@ -157,19 +157,14 @@ fn dfs(
     w: &World,
     budget: Budget,
     depth: usize,
-    seen: &mut HashSet<(u64, u32, u32, u32)>,
+    seen: &mut HashSet<(u64, Budget)>,
     path: &mut Vec<Action>,
     out: &mut Explored,
 ) {
     if out.violation.is_some() {
         return;
     }
-    if !seen.insert((
-        w.fingerprint(),
-        budget.deletions,
-        budget.crashes,
-        budget.stops,
-    )) {
+    if !seen.insert((w.fingerprint(), budget)) {
         return;
     }
     out.states += 1;
