@@ -724,6 +724,20 @@ async fn run_tdx_vm(cluster: &Cluster, turn: &NodeTurn, test: &str) -> RunningVm
     let pod = Cluster::launcher_pod(&vm_ns, "tdx-vm", &uid, Tee::Tdx, &[(TEST_LABEL, test)])
         .expect("pod");
     let pods_api: Api<Pod> = Api::namespaced(cluster.client.clone(), &vm_ns);
+    // The webhook admits a VM only on a node whose report its index has, taken from its watch, which
+    // on a busy machine may lag the agent's write (a refused KubeVirt VM is retried by teeguard; this
+    // bare pod is not): wait until a dry run of the pod is admitted (the webhook's own answer).
+    let dry = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    cluster
+        .wait_for(
+            "the webhook to admit the TDX VM's pod in a dry run",
+            || async { pods_api.create(&dry, &pods::runnable(&pod)).await.ok() },
+        )
+        .await
+        .expect("admitted in a dry run");
     let created = pods_api
         .create(&PostParams::default(), &pods::runnable(&pod))
         .await
