@@ -263,7 +263,7 @@ async fn the_charts_pods_run_on_a_real_node_guard_a_tdx_vm_upgrade_without_a_gap
             &format!("{WEBHOOK_IMAGE}:{VERSION}"),
         )
         .await;
-        let vm = run_tdx_vm(&cluster, &turn, test).await;
+        let vm = run_tdx_vm(&cluster, &turn, &webhook, test).await;
         assert_eq!(
             vm.compute_limit.as_deref(),
             Some("tdx 1"),
@@ -454,7 +454,7 @@ async fn in_dra_mode_the_charts_agent_is_the_kubelets_dra_driver_a_tdx_vm_is_all
             &format!("{WEBHOOK_IMAGE}:{VERSION}"),
         )
         .await;
-        let vm = run_tdx_vm(&cluster, &turn, test).await;
+        let vm = run_tdx_vm(&cluster, &turn, &webhook, test).await;
         assert_eq!(vm.compute_limit.as_deref(), Some("tdx 1"));
         assert!(
             vm.pod
@@ -712,7 +712,10 @@ struct RunningVm {
 
 /// Create a TDX VM (VMI + launcher pod) through the webhook, check the webhook mutated the pod, wait
 /// until it runs and its compute container's OCI config is recorded.
-async fn run_tdx_vm(cluster: &Cluster, turn: &NodeTurn, test: &str) -> RunningVm {
+/// Create a TDX VM's launcher pod through the chart's `webhook` pod and wait until it runs; a refusal
+/// or a wait that fails prints the webhook's log (its pod's files go with the release).
+async fn run_tdx_vm(cluster: &Cluster, turn: &NodeTurn, webhook: &Pod, test: &str) -> RunningVm {
+    let webhook_log = || tail(&pod_logs(turn, webhook));
     let vm_ns = cluster
         .namespace("chart-vms", test, &[])
         .await
@@ -737,11 +740,16 @@ async fn run_tdx_vm(cluster: &Cluster, turn: &NodeTurn, test: &str) -> RunningVm
             || async { pods_api.create(&dry, &pods::runnable(&pod)).await.ok() },
         )
         .await
-        .expect("admitted in a dry run");
+        .unwrap_or_else(|e| panic!("{e}\nwebhook:\n{}", webhook_log()));
     let created = pods_api
         .create(&PostParams::default(), &pods::runnable(&pod))
         .await
-        .unwrap_or_else(|e| panic!("the TDX VM's pod was refused: {e}"));
+        .unwrap_or_else(|e| {
+            panic!(
+                "the TDX VM's pod was refused: {e}\nwebhook:\n{}",
+                webhook_log()
+            )
+        });
     let compute = &created.spec.as_ref().expect("spec").containers[0];
     assert_eq!(
         compute
