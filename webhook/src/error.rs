@@ -93,6 +93,42 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A call to the API server failed (`action` names it: `writing TeeReservation n1`). The
+    /// callers retry, or refuse the review with this message.
+    #[error("{action}: {source}")]
+    Api {
+        /// What was asked of the API server.
+        action: String,
+        /// kube's error (boxed: it is large, and errors travel through every hot path's `Result`).
+        #[source]
+        source: Box<kube::Error>,
+    },
+    /// The API server did not answer a call in time (a loaded or unreachable API server).
+    #[error("{action}: the API server did not answer within {within:?}")]
+    ApiTimeout {
+        /// What was asked of the API server.
+        action: String,
+        /// How long it had.
+        within: std::time::Duration,
+    },
+    /// A node's `TeeReservation` changed under every write tried (deciders taking over, the
+    /// planner's trims): the holds stay in the decider's index and the write-behind tries again.
+    #[error("TeeReservation {node} kept changing ({attempts} conflicting writes)")]
+    Conflicts {
+        /// The node.
+        node: String,
+        /// The writes tried.
+        attempts: u32,
+    },
+    /// A review could not be sent to the deciding replica, or its answer not read: the review waits
+    /// once for a decider, then is refused with this message.
+    #[error("cannot forward the review to the deciding replica at {address}: {reason}")]
+    Forward {
+        /// The decider's address (`https://host:port`).
+        address: String,
+        /// What failed (connecting, TLS, HTTP/2, no answer in time, its answer).
+        reason: String,
+    },
     /// An error from the domain crate (configuration file, admin server).
     #[error(transparent)]
     Shared(#[from] teeguard_shared::Error),
@@ -141,6 +177,14 @@ pub enum Error {
 }
 
 impl Error {
+    /// A failed API call; `action` names it.
+    pub fn api(action: impl Into<String>, source: kube::Error) -> Error {
+        Error::Api {
+            action: action.into(),
+            source: Box::new(source),
+        }
+    }
+
     /// The HTTP status this error is answered with.
     pub fn status(&self) -> StatusCode {
         match self {

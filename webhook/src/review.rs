@@ -181,10 +181,7 @@ fn objects<T: DeserializeOwned>(paths: &[PathBuf], kind: &str) -> Result<Vec<(Pa
 }
 
 impl Lookups for FileLookups {
-    async fn namespace_labels(
-        &self,
-        namespace: &str,
-    ) -> std::result::Result<Option<BTreeMap<String, String>>, String> {
+    async fn namespace_labels(&self, namespace: &str) -> Result<Option<BTreeMap<String, String>>> {
         Ok(self.namespaces.get(namespace).cloned())
     }
 

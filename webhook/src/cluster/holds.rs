@@ -16,8 +16,10 @@ use kube::api::PostParams;
 use teeguard_shared::TeeCapacity;
 use teeguard_shared::reservation::{TeeReservation, TeeReservationSpec};
 
+use super::bounded;
 use super::index::KeyIndex;
 use crate::decide::admit::Write;
+use crate::error::{Error, Result};
 use crate::metrics::{HoldWriteResult, Metrics};
 
 /// Holds a decision takes on one node: the node and its holds.
@@ -28,12 +30,12 @@ pub type NodeHolds = (String, Vec<teeguard_shared::reservation::KeyReservation>)
 pub const MAX_ATTEMPTS: u32 = 8;
 
 /// Why a write (of a node's holds, or of the decider Lease) did not go through.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum WriteError {
     /// Another write came first (409): read again and decide again.
     Conflict,
-    /// The API server could not be asked, or refused (the message says what and why).
-    Failed(String),
+    /// The API server could not be asked, refused, or did not answer in time.
+    Failed(Error),
 }
 
 /// Where holds are recorded: the API server ([`ApiHolds`]), or the simulation's.
@@ -51,11 +53,11 @@ pub trait HoldStore: Send + Sync {
         &self,
         node: &str,
         within: Duration,
-    ) -> impl Future<Output = Result<Option<TeeReservation>, String>> + Send;
+    ) -> impl Future<Output = Result<Option<TeeReservation>>> + Send;
 
     /// Every node's holds and report as the API server has them now (consistent reads), within
     /// `within` each.
-    fn list(&self, within: Duration) -> impl Future<Output = Result<Listed, String>> + Send;
+    fn list(&self, within: Duration) -> impl Future<Output = Result<Listed>> + Send;
 }
 
 /// What a replica that takes the Lease lists before it decides
@@ -103,7 +105,7 @@ pub async fn write_node<S: HoldStore>(
     within: Duration,
     metrics: Option<&Metrics>,
     plan: impl Fn(&crate::decide::index::Index, jiff::Timestamp) -> Option<Write>,
-) -> Result<(), String> {
+) -> Result<()> {
     let started = Instant::now();
     let count = |r: HoldWriteResult| {
         if let Some(m) = metrics {
@@ -128,10 +130,10 @@ pub async fn write_node<S: HoldStore>(
                 return Ok(());
             }
             Err(WriteError::Failed(why)) => why,
-            Err(WriteError::Conflict) if attempt >= MAX_ATTEMPTS => format!(
-                "TeeReservation {} kept changing ({MAX_ATTEMPTS} conflicting writes)",
-                write.node
-            ),
+            Err(WriteError::Conflict) if attempt >= MAX_ATTEMPTS => Error::Conflicts {
+                node: write.node.clone(),
+                attempts: MAX_ATTEMPTS,
+            },
             Err(WriteError::Conflict) => {
                 count(HoldWriteResult::Conflict);
                 tracing::debug!(
@@ -273,7 +275,10 @@ impl ApiHolds {
                     }),
                     Ok(None) => None,
                     Err(e) => {
-                        return Err(WriteError::Failed(format!("reading Node {}: {e}", w.node)));
+                        return Err(WriteError::Failed(Error::api(
+                            format!("reading Node {}", w.node),
+                            e,
+                        )));
                     }
                 };
                 let obj = TeeReservation {
@@ -293,34 +298,32 @@ impl ApiHolds {
         match result {
             Ok(obj) => Ok(obj),
             Err(kube::Error::Api(s)) if s.code == 409 => Err(WriteError::Conflict),
-            Err(e) => Err(WriteError::Failed(format!(
-                "writing TeeReservation {}: {e}",
-                w.node
+            Err(e) => Err(WriteError::Failed(Error::api(
+                format!("writing TeeReservation {}", w.node),
+                e,
             ))),
         }
     }
-}
-
-fn late(within: Duration) -> String {
-    format!("the API server did not answer within {within:?}")
 }
 
 impl HoldStore for ApiHolds {
     async fn write(&self, w: &Write, within: Duration) -> Result<TeeReservation, WriteError> {
         tokio::time::timeout(within, self.write_now(w))
             .await
-            .unwrap_or_else(|_| Err(WriteError::Failed(late(within))))
+            .unwrap_or_else(|_| {
+                Err(WriteError::Failed(Error::ApiTimeout {
+                    action: format!("writing TeeReservation {}", w.node),
+                    within,
+                }))
+            })
     }
 
-    async fn read(&self, node: &str, within: Duration) -> Result<Option<TeeReservation>, String> {
-        match tokio::time::timeout(within, self.api.get_opt(node)).await {
-            Ok(Ok(o)) => Ok(o),
-            Ok(Err(e)) => Err(format!("reading TeeReservation {node}: {e}")),
-            Err(_) => Err(late(within)),
-        }
+    async fn read(&self, node: &str, within: Duration) -> Result<Option<TeeReservation>> {
+        let action = || format!("reading TeeReservation {node}");
+        bounded(action, within, self.api.get_opt(node)).await
     }
 
-    async fn list(&self, within: Duration) -> Result<Listed, String> {
+    async fn list(&self, within: Duration) -> Result<Listed> {
         Ok(Listed {
             holds: list_all(&self.api, "TeeReservations", within).await?,
             reports: list_all(&self.reports, "TeeCapacity reports", within).await?,
@@ -330,16 +333,13 @@ impl HoldStore for ApiHolds {
 
 /// Every object of `api`, read from etcd (no `resourceVersion`: it has every write that completed
 /// before), within `within`.
-async fn list_all<K>(api: &Api<K>, what: &str, within: Duration) -> Result<Vec<K>, String>
+async fn list_all<K>(api: &Api<K>, what: &str, within: Duration) -> Result<Vec<K>>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     let params = kube::api::ListParams::default();
-    match tokio::time::timeout(within, api.list(&params)).await {
-        Ok(Ok(l)) => Ok(l.items),
-        Ok(Err(e)) => Err(format!("listing the {what}: {e}")),
-        Err(_) => Err(late(within)),
-    }
+    let listed = bounded(|| format!("listing the {what}"), within, api.list(&params)).await?;
+    Ok(listed.items)
 }
 
 #[cfg(test)]

@@ -123,7 +123,7 @@ impl Leadership {
         index: &KeyIndex,
         store: &S,
         within: Duration,
-    ) -> Result<bool, String> {
+    ) -> crate::error::Result<bool> {
         let (holds, term) = {
             let e = self.elector.read().unwrap_or_else(PoisonError::into_inner);
             (e.route((self.clock)()) == Route::Here, e.term())
@@ -242,7 +242,7 @@ impl Leadership {
                 if let Err(e) = self.catch_up(&index, &holds, api_timeout).await {
                     tracing::warn!(
                         lease = name,
-                        error = e,
+                        error = %e,
                         "this replica holds the decider Lease but cannot list the holds; it decides once it can"
                     );
                 }
@@ -365,7 +365,7 @@ impl Leadership {
             Ok(Err(WriteError::Failed(e))) => {
                 tracing::warn!(
                     lease = name,
-                    error = e,
+                    error = %e,
                     "cannot write the decider Lease; trying again"
                 )
             }
@@ -490,7 +490,10 @@ async fn write(
     match result {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 409 => Err(WriteError::Conflict),
-        Err(e) => Err(WriteError::Failed(format!("writing Lease {name}: {e}"))),
+        Err(e) => Err(WriteError::Failed(crate::error::Error::api(
+            format!("writing Lease {name}"),
+            e,
+        ))),
     }
 }
 
@@ -512,14 +515,14 @@ mod tests {
 
     impl HoldStore for Listing {
         async fn write(&self, _: &Write, _: Duration) -> Result<TeeReservation, WriteError> {
-            Err(WriteError::Failed("this test writes nothing".into()))
+            unreachable!("this test writes nothing")
         }
 
-        async fn read(&self, _: &str, _: Duration) -> Result<Option<TeeReservation>, String> {
+        async fn read(&self, _: &str, _: Duration) -> crate::error::Result<Option<TeeReservation>> {
             Ok(None)
         }
 
-        async fn list(&self, _: Duration) -> Result<Listed, String> {
+        async fn list(&self, _: Duration) -> crate::error::Result<Listed> {
             Ok(Listed {
                 holds: self.0.clone(),
                 reports: Vec::new(),
@@ -559,16 +562,15 @@ mod tests {
         };
         let store = Listing(vec![predecessors]);
         let within = Duration::from_secs(1);
-        assert_eq!(l.catch_up(&index, &store, within).await, Ok(true));
+        assert!(l.catch_up(&index, &store, within).await.expect("listed"));
         assert_eq!(l.route(), Route::Here);
         assert_eq!(
             index.read().live("n1", t0()).count(),
             1,
             "the predecessor's hold is held"
         );
-        assert_eq!(
-            l.catch_up(&index, &store, within).await,
-            Ok(false),
+        assert!(
+            !l.catch_up(&index, &store, within).await.expect("listed"),
             "once per term"
         );
     }

@@ -12,3 +12,19 @@ pub mod holds;
 pub mod index;
 pub mod lead;
 pub mod retry;
+
+/// `call` to the API server, bounded by `within`; a failure or no answer in time names `action`.
+pub async fn bounded<T>(
+    action: impl FnOnce() -> String,
+    within: std::time::Duration,
+    call: impl std::future::Future<Output = kube::Result<T>>,
+) -> crate::error::Result<T> {
+    match tokio::time::timeout(within, call).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(crate::error::Error::api(action(), e)),
+        Err(_) => Err(crate::error::Error::ApiTimeout {
+            action: action(),
+            within,
+        }),
+    }
+}

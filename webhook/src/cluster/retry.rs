@@ -134,7 +134,7 @@ pub async fn withdraw<S: HoldStore>(
     vmi_uid: &str,
     within: Duration,
     metrics: Option<&Metrics>,
-) -> Result<(), String> {
+) -> crate::error::Result<()> {
     index.update(|ix, _| ix.drop_local_promise(node, vmi_uid));
     write_node(index, store, within, metrics, |ix, now| {
         admit::withdraw(ix, node, vmi_uid, now)
@@ -271,21 +271,19 @@ impl Retrier {
             field_manager: Some(names::WEBHOOK_FIELD_MANAGER.into()),
             ..PatchParams::default()
         };
-        let written = tokio::time::timeout(
+        let action = || format!("annotating VMI {} to retry it", p.vmi);
+        let patch = Patch::Merge(&patch);
+        let written = super::bounded(
+            action,
             self.api_timeout,
-            api.patch(&p.vmi.name, &params, &Patch::Merge(&patch)),
+            api.patch(&p.vmi.name, &params, &patch),
         )
         .await;
         let kind = p.kind.kernel_name();
-        let failure = match written {
-            Ok(Ok(_)) => None,
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(_) => Some(format!("no answer within {:?}", self.api_timeout)),
-        };
-        if let Some(error) = failure {
+        if let Err(error) = written {
             self.metrics.vmi_retry(kind, RetryResult::Failed);
-            tracing::warn!(vmi = %p.vmi, kind, error, "cannot annotate the VMI to retry it; its promised key is withdrawn and it is retried at the next pass");
-            let _ = withdraw(
+            tracing::warn!(vmi = %p.vmi, kind, error = %error, "cannot annotate the VMI to retry it; its promised key is withdrawn and it is retried at the next pass");
+            let withdrawn = withdraw(
                 &self.index,
                 &self.store,
                 &p.node,
@@ -294,6 +292,10 @@ impl Retrier {
                 Some(&self.metrics),
             )
             .await;
+            if let Err(e) = withdrawn {
+                // Gone from the index; the written copy ends by the end rules (at the latest its TTL).
+                tracing::warn!(vmi = %p.vmi, node = p.node, error = %e, "cannot withdraw the promise from the node's TeeReservation; it ends by its end rules");
+            }
             return false;
         }
         let waited = p

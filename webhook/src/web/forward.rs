@@ -84,33 +84,33 @@ impl Forwarder {
 
     /// Send `body` to the decider at `address` (`https://host:port`) and return its answer's body.
     /// Errors say what failed, for the refusal the caller makes of it.
-    pub async fn forward(&self, address: &str, body: Bytes) -> Result<Bytes, String> {
+    pub async fn forward(&self, address: &str, body: Bytes) -> crate::error::Result<Bytes> {
+        let failed = |reason: String| crate::error::Error::Forward {
+            address: address.to_string(),
+            reason,
+        };
         match tokio::time::timeout(self.within, self.send(address, body)).await {
-            Ok(r) => r,
+            Ok(r) => r.map_err(failed),
             Err(_) => {
                 self.conn.lock().await.take();
-                Err(format!(
-                    "the deciding replica at {address} did not answer within {:?}",
-                    self.within
-                ))
+                Err(failed(format!("no answer within {:?}", self.within)))
             }
         }
     }
 
+    /// Send `body`; `Err`: what failed, for [`crate::error::Error::Forward`].
     async fn send(&self, address: &str, body: Bytes) -> Result<Bytes, String> {
         let mut sender = self.connection(address).await?;
         let req = hyper::Request::post(format!("{address}/validate"))
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .header(FORWARDED_HEADER, "1")
             .body(Full::new(body))
-            .map_err(|e| format!("building the forwarded request: {e}"))?;
+            .map_err(|e| format!("building the request: {e}"))?;
         let answer = match sender.send_request(req).await {
             Ok(a) => a,
             Err(e) => {
                 self.conn.lock().await.take();
-                return Err(format!(
-                    "forwarding to the deciding replica at {address}: {e}"
-                ));
+                return Err(format!("sending: {e}"));
             }
         };
         let status = answer.status();
@@ -118,11 +118,11 @@ impl Forwarder {
             .into_body()
             .collect()
             .await
-            .map_err(|e| format!("reading the deciding replica's answer from {address}: {e}"))?
+            .map_err(|e| format!("reading its answer: {e}"))?
             .to_bytes();
         if !status.is_success() {
             return Err(format!(
-                "the deciding replica at {address} answered {status}: {}",
+                "it answered {status}: {}",
                 String::from_utf8_lossy(&bytes)
             ));
         }
@@ -140,18 +140,18 @@ impl Forwarder {
         }
         let authority = address
             .strip_prefix("https://")
-            .ok_or_else(|| format!("the decider's address {address:?} is not https://host:port"))?;
+            .ok_or_else(|| "the address is not https://host:port".to_string())?;
         let tcp = tokio::net::TcpStream::connect(authority)
             .await
-            .map_err(|e| format!("connecting to the deciding replica at {address}: {e}"))?;
+            .map_err(|e| format!("connecting: {e}"))?;
         let _ = tcp.set_nodelay(true);
         let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
             .connect(self.name.clone(), tcp)
             .await
-            .map_err(|e| format!("TLS with the deciding replica at {address}: {e}"))?;
+            .map_err(|e| format!("TLS: {e}"))?;
         let (sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
             .await
-            .map_err(|e| format!("HTTP/2 with the deciding replica at {address}: {e}"))?;
+            .map_err(|e| format!("HTTP/2: {e}"))?;
         let at = address.to_string();
         tokio::spawn(async move {
             if let Err(e) = conn.await {

@@ -36,6 +36,7 @@ use teeguard_webhook::decide::lead::{Elector, Record, Route, Terms};
 use teeguard_webhook::decide::queue::{self, note_refusal};
 use teeguard_webhook::decide::validation::Trigger;
 use teeguard_webhook::decide::validation::reason;
+use teeguard_webhook::error::Error;
 use teeguard_webhook::pods::{CachedLauncherPod, LauncherPod};
 
 /// The simulation's start, as wall-clock time.
@@ -259,15 +260,21 @@ fn identity(r: usize) -> String {
     format!("replica-{r}")
 }
 
+/// A call while the simulation's API server is down: it does not answer.
+fn down(action: String, within: Duration) -> Error {
+    Error::ApiTimeout { action, within }
+}
+
 /// The simulation's API server, as the webhook's hold store.
 #[derive(Debug)]
 pub struct SimStore<'a>(pub &'a Mutex<Truth>);
 
 impl HoldStore for SimStore<'_> {
-    async fn write(&self, w: &Write, _within: Duration) -> Result<TeeReservation, WriteError> {
+    async fn write(&self, w: &Write, within: Duration) -> Result<TeeReservation, WriteError> {
         let mut t = lock(self.0);
         if t.api_down {
-            return Err(WriteError::Failed("the API server is down".into()));
+            let action = format!("writing TeeReservation {}", w.node);
+            return Err(WriteError::Failed(down(action, within)));
         }
         let node = t.nodes.get(&w.node).expect("a node of the world");
         let current = node
@@ -309,18 +316,18 @@ impl HoldStore for SimStore<'_> {
         Ok(obj)
     }
 
-    async fn read(&self, node: &str, _within: Duration) -> Result<Option<TeeReservation>, String> {
+    async fn read(&self, node: &str, within: Duration) -> Result<Option<TeeReservation>, Error> {
         let t = lock(self.0);
         if t.api_down {
-            return Err("the API server is down".into());
+            return Err(down(format!("reading TeeReservation {node}"), within));
         }
         Ok(t.nodes.get(node).and_then(|n| n.holds.clone()))
     }
 
-    async fn list(&self, _within: Duration) -> Result<Listed, String> {
+    async fn list(&self, within: Duration) -> Result<Listed, Error> {
         let t = lock(self.0);
         if t.api_down {
-            return Err("the API server is down".into());
+            return Err(down("listing the TeeReservations".into(), within));
         }
         if t.blind_lists {
             return Ok(Listed::default());

@@ -122,7 +122,7 @@ pub trait Lookups: Send + Sync {
     fn namespace_labels(
         &self,
         namespace: &str,
-    ) -> impl Future<Output = Result<Option<BTreeMap<String, String>>, String>> + Send;
+    ) -> impl Future<Output = crate::error::Result<Option<BTreeMap<String, String>>>> + Send;
 
     /// The admission state the decisions read (nodes, reports, holds, waiting VMIs).
     fn index(&self) -> &KeyIndex;
@@ -344,19 +344,18 @@ impl Caches {
         let _ = rx.wait_for(|s| *s).await;
     }
 
-    /// A GET of an object `cache` misses, bounded by the API timeout and counted.
-    async fn get_with_timeout<K, F>(&self, cache: Cache, fut: F) -> Result<Option<K>, String>
+    /// A GET of what `action` names (`GET namespace a`), which `cache` misses, bounded by the API
+    /// timeout and counted.
+    async fn get_with_timeout<K, F>(
+        &self,
+        cache: Cache,
+        action: impl FnOnce() -> String,
+        fut: F,
+    ) -> crate::error::Result<Option<K>>
     where
         F: Future<Output = kube::Result<Option<K>>>,
     {
-        let got = match tokio::time::timeout(self.api_timeout, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!(
-                "the API server did not answer within {:?}",
-                self.api_timeout
-            )),
-        };
+        let got = crate::cluster::bounded(action, self.api_timeout, fut).await;
         let result = match &got {
             Ok(Some(_)) => LookupResult::ApiFound,
             Ok(None) => LookupResult::ApiNotFound,
@@ -370,10 +369,11 @@ impl Caches {
     async fn namespace_from_api(
         &self,
         namespace: &str,
-    ) -> Result<Option<BTreeMap<String, String>>, String> {
+    ) -> crate::error::Result<Option<BTreeMap<String, String>>> {
         let api = Api::<PartialObjectMeta<Namespace>>::all(self.client.clone());
+        let what = || format!("GET namespace {namespace}");
         let got = self
-            .get_with_timeout(Cache::Namespaces, api.get_opt(namespace))
+            .get_with_timeout(Cache::Namespaces, what, api.get_opt(namespace))
             .await;
         if let Err(e) = &got {
             tracing::warn!(namespace, error = %e, "namespace not cached and the GET failed");
@@ -404,7 +404,11 @@ impl Caches {
     async fn vmi_from_api(&self, vmi: &VmiRef) -> VmiLookup {
         let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), &vmi.namespace);
         match self
-            .get_with_timeout(Cache::Vmis, api.get_opt(&vmi.name))
+            .get_with_timeout(
+                Cache::Vmis,
+                || format!("GET VMI {vmi}"),
+                api.get_opt(&vmi.name),
+            )
             .await
         {
             Ok(Some(mut found)) => {
@@ -415,7 +419,7 @@ impl Caches {
             Ok(None) => VmiLookup::NotFound,
             Err(e) => {
                 tracing::warn!(vmi = %vmi, error = %e, "VMI not cached and the GET failed");
-                VmiLookup::Failed(e)
+                VmiLookup::Failed(e.to_string())
             }
         }
     }
@@ -446,7 +450,8 @@ impl Caches {
             let got = api.get_opt(name).await?;
             Ok(got.filter(|p| uid.is_empty() || p.metadata.uid.as_deref() == Some(uid)))
         };
-        match self.get_with_timeout(Cache::LauncherPods, get).await {
+        let what = || format!("GET pod {namespace}/{name}");
+        match self.get_with_timeout(Cache::LauncherPods, what, get).await {
             Ok(Some(found)) => {
                 tracing::debug!(namespace, name, "pod not cached yet; found by GET");
                 PodLookup::Found(Arc::new(CachedLauncherPod::from(found).to_pod()))
@@ -454,7 +459,7 @@ impl Caches {
             Ok(None) => PodLookup::NotFound,
             Err(e) => {
                 tracing::warn!(namespace, name, error = %e, "pod not cached and the GET failed");
-                PodLookup::Failed(e)
+                PodLookup::Failed(e.to_string())
             }
         }
     }
@@ -472,7 +477,7 @@ impl Lookups for Caches {
     async fn namespace_labels(
         &self,
         namespace: &str,
-    ) -> Result<Option<BTreeMap<String, String>>, String> {
+    ) -> crate::error::Result<Option<BTreeMap<String, String>>> {
         if let Some(labels) = self.namespaces.get(namespace) {
             self.metrics
                 .lookup(Cache::Namespaces, LookupResult::CacheHit);

@@ -113,14 +113,17 @@ pub(super) async fn forward(
     body: &[u8],
     address: &str,
     ctx: &ValidationContext<'_>,
-) -> std::result::Result<Reviewed, String> {
+) -> crate::error::Result<Reviewed> {
     let sent = match ctx.decider {
         Some(d) => {
             d.forwarder
                 .forward(address, axum::body::Bytes::copy_from_slice(body))
                 .await
         }
-        None => Err("this replica has no connection to a decider".to_string()),
+        None => Err(crate::error::Error::Forward {
+            address: address.to_string(),
+            reason: "this replica has no connection to a decider".into(),
+        }),
     };
     sent.map(Reviewed::forwarded)
 }
@@ -129,13 +132,13 @@ pub(super) async fn forward(
 /// refused for keys).
 pub(super) fn unforwarded(
     address: &str,
-    why: String,
+    why: crate::error::Error,
     ctx: &ValidationContext<'_>,
     uid: String,
 ) -> Reviewed {
     tracing::warn!(
         decider = address,
-        error = why,
+        error = %why,
         "cannot forward a review to the deciding replica; refused"
     );
     let mut msg = format!("{why}; {}", crate::decide::validation::HINT);
