@@ -240,18 +240,16 @@ async fn write_events(
             secondary: None,
         };
         let vmi = vmi_key(&event.vmi);
-        match tokio::time::timeout(api_timeout, recorder.publish(&ev, &event.vmi)).await {
-            Ok(Ok(())) => {
+        let action = || format!("recording a {reason} Event on VMI {vmi}");
+        let published = recorder.publish(&ev, &event.vmi);
+        match super::bounded(action, api_timeout, published).await {
+            Ok(()) => {
                 metrics.vmi_event(EventResult::Recorded);
                 tracing::debug!(vmi, reason, "VMI event recorded");
             }
-            Ok(Err(e)) => {
+            Err(e) => {
                 metrics.vmi_event(EventResult::Failed);
-                tracing::warn!(vmi, reason, error = %e, "cannot record the VMI event");
-            }
-            Err(_) => {
-                metrics.vmi_event(EventResult::Failed);
-                tracing::warn!(vmi, reason, timeout = ?api_timeout, "the API server did not accept the VMI event in time");
+                tracing::warn!(error = %e, "cannot record the VMI event");
             }
         }
     }

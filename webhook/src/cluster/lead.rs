@@ -17,9 +17,11 @@ use kube::api::PostParams;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::bounded;
 use super::holds::{ApiHolds, HoldStore, WriteError};
 use super::index::{Clock, KeyIndex, Sink};
 use crate::decide::lead::{Elector, Record, Route, Step};
+use crate::error::Error;
 
 /// Where the holder takes forwarded reviews (`https://ip:port`).
 pub const ADDRESS_ANNOTATION: &str = "teeguard.dev/decider-address";
@@ -325,18 +327,16 @@ impl Leadership {
             read,
             deciding: self.deciding(),
         };
-        let read = tokio::time::timeout(within, api.get_opt(name)).await;
+        let read = bounded(
+            || format!("reading Lease {name}"),
+            within,
+            api.get_opt(name),
+        )
+        .await;
         let lease = match read {
-            Ok(Ok(lease)) => lease,
-            Ok(Err(e)) => {
-                tracing::warn!(lease = name, error = %e, "cannot read the decider Lease; trying again");
-                return after(false);
-            }
-            Err(_) => {
-                tracing::warn!(
-                    lease = name,
-                    "the API server did not answer reading the decider Lease within {within:?}"
-                );
+            Ok(lease) => lease,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the decider Lease; trying again");
                 return after(false);
             }
         };
@@ -349,30 +349,26 @@ impl Leadership {
         // for (`route_create`'s orphans are a crashed predecessor's).
         let first = lease.is_none();
         let written = tokio::time::timeout(within, write(api, name, lease, &next, duration)).await;
+        let written = written.unwrap_or_else(|_| {
+            let action = format!("writing Lease {name}");
+            Err(WriteError::Failed(Error::ApiTimeout { action, within }))
+        });
         match written {
-            Ok(Ok(())) => {
+            Ok(()) => {
                 self.written(next, started);
                 if first {
                     self.settled.store(self.term(), Ordering::Release);
                 }
             }
-            Ok(Err(WriteError::Conflict)) => {
+            Err(WriteError::Conflict) => {
                 tracing::debug!(
                     lease = name,
                     "another replica wrote the decider Lease first"
                 );
             }
-            Ok(Err(WriteError::Failed(e))) => {
-                tracing::warn!(
-                    lease = name,
-                    error = %e,
-                    "cannot write the decider Lease; trying again"
-                )
+            Err(WriteError::Failed(e)) => {
+                tracing::warn!(error = %e, "cannot write the decider Lease; trying again")
             }
-            Err(_) => tracing::warn!(
-                lease = name,
-                "the API server did not answer writing the decider Lease within {within:?}"
-            ),
         }
         after(true)
     }
@@ -393,9 +389,19 @@ impl Leadership {
     /// Give the Lease up ([`Leadership::give_up`]), having stopped deciding first.
     async fn release(&self, api: &Api<Lease>, name: &str, within: Duration) {
         self.give_up(None);
-        let read = tokio::time::timeout(within, api.get_opt(name)).await;
-        let Ok(Ok(Some(mut lease))) = read else {
-            return;
+        let read = bounded(
+            || format!("reading Lease {name}"),
+            within,
+            api.get_opt(name),
+        )
+        .await;
+        let mut lease = match read {
+            Ok(Some(lease)) => lease,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot give the decider Lease up; a successor waits it out");
+                return;
+            }
         };
         if self.give_up(Some(record(&lease))).is_none() {
             return;
@@ -404,9 +410,14 @@ impl Leadership {
             .spec
             .get_or_insert_with(LeaseSpec::default)
             .holder_identity = None;
-        let _ =
-            tokio::time::timeout(within, api.replace(name, &PostParams::default(), &lease)).await;
-        tracing::info!(lease = name, "gave up the decider Lease");
+        let params = PostParams::default();
+        let replace = api.replace(name, &params, &lease);
+        match bounded(|| format!("writing Lease {name}"), within, replace).await {
+            Ok(_) => tracing::info!(lease = name, "gave up the decider Lease"),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot give the decider Lease up; a successor waits it out")
+            }
+        }
     }
 }
 
@@ -490,7 +501,7 @@ async fn write(
     match result {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 409 => Err(WriteError::Conflict),
-        Err(e) => Err(WriteError::Failed(crate::error::Error::api(
+        Err(e) => Err(WriteError::Failed(Error::api(
             format!("writing Lease {name}"),
             e,
         ))),
