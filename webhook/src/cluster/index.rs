@@ -79,16 +79,16 @@ impl KeyIndex {
         self.inner.key_resources.iter().any(|k| k == name)
     }
 
-    /// A separate index holding a copy of this one's state, on the same clock (the simulation's model
-    /// checker forks the world at each choice).
-    pub fn fork(&self) -> KeyIndex {
+    /// A separate index holding a copy of this one's state, read with `clock` (the simulation's model
+    /// checker forks the world, and its clock, at each choice).
+    pub fn fork(&self, clock: Clock) -> KeyIndex {
         let index = self.read().clone();
         KeyIndex {
             inner: Arc::new(Inner {
                 index: RwLock::new(index),
                 changed: Notify::new(),
                 held_locally: Notify::new(),
-                clock: self.inner.clock.clone(),
+                clock,
                 key_resources: self.inner.key_resources.clone(),
             }),
         }

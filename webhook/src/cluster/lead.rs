@@ -78,9 +78,9 @@ impl Leadership {
         }
     }
 
-    /// A separate election state holding a copy of this one's, on the same clock (the simulation's
-    /// model checker forks the world at each choice).
-    pub fn fork(&self) -> Leadership {
+    /// A separate election state holding a copy of this one's, read with `clock` (the simulation's
+    /// model checker forks the world, and its clock, at each choice).
+    pub fn fork(&self, clock: Clock) -> Leadership {
         let elector = self
             .elector
             .read()
@@ -88,7 +88,7 @@ impl Leadership {
             .clone();
         Leadership {
             elector: Arc::new(RwLock::new(elector)),
-            clock: self.clock.clone(),
+            clock,
             caught_up: Arc::new(AtomicU64::new(self.caught_up.load(Ordering::Acquire))),
             settled: Arc::new(AtomicU64::new(self.settled.load(Ordering::Acquire))),
             became: Arc::new(tokio::sync::Notify::new()),

@@ -6,8 +6,12 @@
 //! Lease never runs out) unless it stops cleanly, as a rolling update stops it: it gives the Lease up
 //! and any other replica may take it at any later step, whatever its watches have delivered by then
 //! (the stopped one stays stopped: its replacement is one more fresh replica, which the crashes cover).
-//! The decider writes its holds behind at any step. Time-bound rules (the TTL, the pod grace, a Lease
-//! run out after a crash) never fire here; the timed runs cover them.
+//! A replica crashes at any step (losing what it has not written) and restarts at any later step; the
+//! Lease of a decider that crashed runs out at any later step ([`Action::LeaseRunsOut`], the one step
+//! of time: the lease duration, 15 s, in which the agents publish and the live watches deliver; under
+//! the holds' TTL, beyond the pod grace), and any replica may then take it. The decider writes its
+//! holds behind at any step. Other time-bound rules (the TTL, a report gone stale) never fire here;
+//! the timed runs cover them.
 
 use std::collections::HashSet;
 
@@ -23,6 +27,9 @@ pub struct Budget {
     pub crashes: u32,
     /// Clean stops of the deciding replica (it stays stopped; another takes the Lease).
     pub stops: u32,
+    /// Times a crashed decider's Lease may run out (the clock moves on by the lease duration), so
+    /// that another replica, or the crashed one restarted, takes it over.
+    pub lease_runs_out: u32,
 }
 
 /// What the exploration found.
@@ -119,6 +126,9 @@ pub fn enabled(w: &World, budget: Budget) -> Vec<Action> {
         } else if !rep.stopped {
             out.push(Action::Restart(r));
         }
+    }
+    if budget.lease_runs_out > 0 && w.holder_gone() == Some(true) {
+        out.push(Action::LeaseRunsOut);
     }
     out
 }
@@ -221,6 +231,10 @@ fn dfs(
             },
             Action::Stop(_) => Budget {
                 stops: budget.stops - 1,
+                ..budget
+            },
+            Action::LeaseRunsOut => Budget {
+                lease_runs_out: budget.lease_runs_out - 1,
                 ..budget
             },
             _ => budget,

@@ -408,6 +408,10 @@ pub enum Action {
     Relist(usize, usize),
     /// A replica reads the decider Lease and renews or takes it when it may (leader mode).
     Renew(usize),
+    /// The decider Lease's holder is gone (it crashed): every replica reads the Lease as it stands,
+    /// then the lease duration passes, so any replica may take it over (the model checker's one step
+    /// of time; the timed runs let the clock run).
+    LeaseRunsOut,
     /// The decider writes its holds behind (leader mode).
     WriteBehind(usize),
     /// The API server refuses every write.
@@ -755,6 +759,7 @@ impl World {
             Action::Stop(r) => self.stop(*r),
             Action::Restart(r) => self.replicas[*r] = self.fresh_replica(*r),
             Action::Renew(r) => self.renew(*r),
+            Action::LeaseRunsOut => self.lease_runs_out(),
             Action::WriteBehind(r) => happened.behind_failed = self.write_behind(*r),
             Action::DropWatch(r, k) => {
                 let rep = &mut self.replicas[*r];
@@ -1040,18 +1045,56 @@ impl World {
         ));
     }
 
-    /// Whether replica `r` would take the Lease if it read it now: it is alive and the Lease was given
-    /// up (or never taken), or names `r` while `r` does not decide (restarted). The model checker's
-    /// renewals: with no time, no other Lease ever runs out.
+    /// Whether replica `r` may take the Lease if it read it now: it is alive and does not decide, and
+    /// the Lease was given up (or never taken) or its holder does not decide (it crashed, or restarted:
+    /// the Lease is taken once it has run out, [`Action::LeaseRunsOut`]). The model checker's renewals.
     pub fn may_take_lease(&self, r: usize) -> bool {
         let rep = &self.replicas[r];
         if !rep.alive || rep.leadership.deciding() {
             return false;
         }
+        self.holder_gone() != Some(false)
+    }
+
+    /// Whether the Lease's holder is gone: `Some(true)` when it names a replica that does not decide
+    /// (crashed, or restarted and waiting its own old Lease out), `None` when it names nobody.
+    pub fn holder_gone(&self) -> Option<bool> {
         let t = self.truth();
-        t.lease
+        let holder = t
+            .lease
             .as_ref()
-            .is_none_or(|l| l.holder.is_empty() || l.holder == identity(r))
+            .map(|l| l.holder.as_str())
+            .filter(|h| !h.is_empty())?;
+        let deciding = (0..self.replicas.len()).any(|r| {
+            let rep = &self.replicas[r];
+            identity(r) == holder && rep.alive && rep.leadership.deciding()
+        });
+        Some(!deciding)
+    }
+
+    /// [`Action::LeaseRunsOut`]: the lease duration (15 s) passes in an otherwise healthy cluster. The
+    /// agents publish what changed (they poll every second: a bound pod is counted as `pending`), the
+    /// live replicas' watches deliver everything on its way, and every replica reads the Lease (it
+    /// counts the lease duration from there); then the clock moves on by that duration.
+    fn lease_runs_out(&mut self) {
+        let nodes: Vec<String> = self.truth().nodes.keys().cloned().collect();
+        for n in nodes {
+            self.publish(&n);
+        }
+        self.distribute();
+        for r in 0..self.replicas.len() {
+            let rep = &mut self.replicas[r];
+            if rep.alive {
+                for queue in &mut rep.queues {
+                    while let Some((_, c)) = queue.pop_front() {
+                        c.apply(&rep.index);
+                    }
+                }
+            }
+            self.renew(r);
+        }
+        let lease = Terms::of_lease(Duration::from_secs(15)).lease;
+        self.advance(self.now + lease.as_millis() as u64);
     }
 
     /// Replica `r` stops as the webhook does (`app.rs`): its last reviews answered, the write-behind's
@@ -1421,6 +1464,8 @@ impl World {
         let t = self.truth();
         t.api_down.hash(&mut h);
         t.lease.as_ref().map(|l| l.holder.is_empty()).hash(&mut h);
+        // The model checker's clock moves only when a crashed decider's Lease runs out.
+        self.now.hash(&mut h);
         for (name, n) in &t.nodes {
             name.hash(&mut h);
             if let Some(p) = &n.published {
@@ -1494,6 +1539,8 @@ impl World {
     pub fn index_fingerprint(&self, r: usize) -> u64 {
         let mut h = Fx(0);
         self.replicas[r].index.read().fingerprint(&mut h);
+        // Holds end by time too (the model checker's clock moves when a Lease runs out).
+        self.now.hash(&mut h);
         h.finish()
     }
 
@@ -1574,7 +1621,7 @@ impl World {
                 .replicas
                 .iter()
                 .map(|r| Replica {
-                    index: r.index.fork(),
+                    index: r.index.fork(sim_clock(&clock)),
                     hints: FitHints::default(),
                     alive: r.alive,
                     queues: r.queues.clone(),
@@ -1582,14 +1629,14 @@ impl World {
                     synced: r.synced,
                     started_at: r.started_at,
                     listed_at: r.listed_at,
-                    leadership: r.leadership.fork(),
+                    leadership: r.leadership.fork(sim_clock(&clock)),
                     stopped: r.stopped,
                 })
                 .collect(),
             oracle: if self.model {
                 self.oracle.clone()
             } else {
-                self.oracle.fork()
+                self.oracle.fork(sim_clock(&clock))
             },
             config: self.config.clone(),
             max_delay: self.max_delay,
