@@ -249,7 +249,7 @@ async fn write_events(
             }
             Err(e) => {
                 metrics.vmi_event(EventResult::Failed);
-                tracing::warn!(error = %e, "cannot record the VMI event");
+                tracing::warn!(vmi, reason, error = %e, "cannot record the VMI event");
             }
         }
     }

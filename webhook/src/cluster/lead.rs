@@ -336,7 +336,7 @@ impl Leadership {
         let lease = match read {
             Ok(lease) => lease,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read the decider Lease; trying again");
+                tracing::warn!(lease = name, error = %e, "cannot read the decider Lease; trying again");
                 return after(false);
             }
         };
@@ -367,7 +367,7 @@ impl Leadership {
                 );
             }
             Err(WriteError::Failed(e)) => {
-                tracing::warn!(error = %e, "cannot write the decider Lease; trying again")
+                tracing::warn!(lease = name, error = %e, "cannot write the decider Lease; trying again")
             }
         }
         after(true)
@@ -399,7 +399,7 @@ impl Leadership {
             Ok(Some(lease)) => lease,
             Ok(None) => return,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot give the decider Lease up; a successor waits it out");
+                tracing::warn!(lease = name, error = %e, "cannot give the decider Lease up; a successor waits it out");
                 return;
             }
         };
@@ -415,7 +415,7 @@ impl Leadership {
         match bounded(|| format!("writing Lease {name}"), within, replace).await {
             Ok(_) => tracing::info!(lease = name, "gave up the decider Lease"),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot give the decider Lease up; a successor waits it out")
+                tracing::warn!(lease = name, error = %e, "cannot give the decider Lease up; a successor waits it out")
             }
         }
     }
