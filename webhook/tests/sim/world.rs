@@ -255,6 +255,9 @@ pub struct Truth {
     next: u64,
 }
 
+/// The decider Lease's duration (`admission.deciderLease`'s default).
+const LEASE: Duration = Duration::from_secs(15);
+
 /// Replica `r`'s name in the decider Lease.
 fn identity(r: usize) -> String {
     format!("replica-{r}")
@@ -408,9 +411,9 @@ pub enum Action {
     Relist(usize, usize),
     /// A replica reads the decider Lease and renews or takes it when it may (leader mode).
     Renew(usize),
-    /// The decider Lease's holder is gone (it crashed): every replica reads the Lease as it stands,
-    /// then the lease duration passes, so any replica may take it over (the model checker's one step
-    /// of time; the timed runs let the clock run).
+    /// The decider Lease's holder is gone (it crashed): the lease duration passes, in which the agents
+    /// publish and the live watches deliver, so any replica may take it over (the model checker's one
+    /// step of time; the timed runs let the clock run).
     LeaseRunsOut,
     /// The decider writes its holds behind (leader mode).
     WriteBehind(usize),
@@ -586,7 +589,7 @@ impl World {
                 renew_deadline: Duration::from_secs(60),
                 retry: Duration::from_secs(2),
             },
-            _ => Terms::of_lease(Duration::from_secs(15)),
+            _ => Terms::of_lease(LEASE),
         };
         let leadership = Leadership::new(
             Elector::new(identity(i), i.to_string(), terms),
@@ -743,12 +746,7 @@ impl World {
                     c.apply(&rep.index);
                 }
             }
-            Action::CatchUp(r, k) => {
-                let rep = &mut self.replicas[*r];
-                while let Some((_, c)) = rep.queues[*k].pop_front() {
-                    c.apply(&rep.index);
-                }
-            }
+            Action::CatchUp(r, k) => self.catch_up(*r, *k),
             Action::DeleteVmi(vmi) => self.delete_vmi(vmi),
             Action::Reap(pod) => self.reap(pod),
             Action::Crash(r) => {
@@ -1083,18 +1081,22 @@ impl World {
         }
         self.distribute();
         for r in 0..self.replicas.len() {
-            let rep = &mut self.replicas[r];
-            if rep.alive {
-                for queue in &mut rep.queues {
-                    while let Some((_, c)) = queue.pop_front() {
-                        c.apply(&rep.index);
-                    }
+            if self.replicas[r].alive {
+                for k in 0..KINDS {
+                    self.catch_up(r, k);
                 }
             }
             self.renew(r);
         }
-        let lease = Terms::of_lease(Duration::from_secs(15)).lease;
-        self.advance(self.now + lease.as_millis() as u64);
+        self.advance(self.now + LEASE.as_millis() as u64);
+    }
+
+    /// Replica `r`'s watch of kind `k` delivers everything on its way.
+    fn catch_up(&mut self, r: usize, k: usize) {
+        let rep = &mut self.replicas[r];
+        while let Some((_, c)) = rep.queues[k].pop_front() {
+            c.apply(&rep.index);
+        }
     }
 
     /// Replica `r` stops as the webhook does (`app.rs`): its last reviews answered, the write-behind's
